@@ -1,0 +1,27 @@
+# One venv for everything; torch is pinned to the CPU build that lies on this machine's disk.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet -e ".[serve,test]" "ray[default]==2.60.0" "grpcio==1.85.3" \
+		"grpcio-tools==1.85.1" "msgpack==1.2.4" "transformers==5.24.0" "safetensors==0.8.0" \
+		"tokenizers==0.23.3" "prometheus-client==0.26.0"
+	touch $(STAMP)
+
+test: setup
+	RAY_AUTH_MODE=disabled OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) results .pytest_cache
