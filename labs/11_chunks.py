@@ -159,12 +159,16 @@ def plot_runs(runs: list[Run], path: Path) -> None:
         for s in run.steps:
             ax.barh(y, s.end - s.start, left=s.start, height=0.6,
                     color=colour[s.name], edgecolor="black", linewidth=0.8)
-            ax.text((s.start + s.end) / 2, y, f"{s.name} q={s.q}",
+            overhead = s.end - s.start - s.q
+            if overhead > 0:  # the step's fixed cost, hatched at its start
+                ax.barh(y, overhead, left=s.start, height=0.6, color="none",
+                        edgecolor="black", hatch="//", linewidth=0.0)
+            ax.text((s.start + max(overhead, 0) + s.end) / 2, y, f"{s.name} q={s.q}",
                     ha="center", va="center", fontsize=8)
     ax.set_yticks(range(len(runs)))
     ax.set_yticklabels([r.title for r in reversed(runs)], fontsize=8)
     ax.set_xlim(0, finish)
-    ax.set_xlabel("time (assigned units: overhead + positions per step)")
+    ax.set_xlabel("time (assigned units; hatched: per-step overhead)")
     ax.set_title("One prompt per step: whole prompts vs chunks (continuation front/back)")
     ax.grid(axis="x", linestyle=":", linewidth=0.5)
     fig.tight_layout()
