@@ -1,0 +1,62 @@
+"""What an engine step hands to its caller: plain data, picklable, no tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    """New tokens of one request from one step; `finish_reason` is set exactly once, last."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    # Engine-clock seconds (time.monotonic on the engine's host) for latency breakdowns.
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class HandOff:
+    """A prefilled request leaving a PROMPT engine: its first token and its KV payload."""
+
+    request_id: str
+    first_token_id: int
+    payload: bytes
+    num_prompt_tokens: int
+
+
+@dataclass
+class StepOutputs:
+    kind: str  # "prompt", "decode", "empty_prompt", "idle"
+    outputs: list[RequestOutput] = field(default_factory=list)
+    handoffs: list[HandOff] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+    duration_s: float = 0.0
+
+
+@dataclass
+class EngineStats:
+    engine_type: str
+    rank: int
+    num_waiting: int
+    num_running: int
+    num_prompted: int
+    num_free_blocks: int
+    num_total_blocks: int
+    outstanding_prompt_tokens: int
+    num_preemptions: int
+    num_empty_steps: int
+    num_steps: int
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / max(self.num_total_blocks, 1)
