@@ -1,0 +1,528 @@
+"""Chooses each step's batch: the step-kind votes, the prefill and decode paths,
+preemption and output processing of the spec (S4-S35). Pure Python, no torch."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+from pdserve.scheduler.block_pool import AllocStatus, BlockPool
+from pdserve.scheduler.config import EngineType, SchedulerConfig
+from pdserve.scheduler.output import ScheduledSequence, SchedulerOutput, StepKind, StepResult
+from pdserve.scheduler.sequence import Sequence, SequenceStatus
+from pdserve.scheduler.votes import Communicator, SingleRankCommunicator
+
+logger = logging.getLogger(__name__)
+
+WAITING = SequenceStatus.WAITING
+RUNNING = SequenceStatus.RUNNING
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        engine_type: EngineType = EngineType.NORMAL,
+        communicator: Communicator | None = None,
+    ) -> None:
+        config.check_engine_type(engine_type)
+        self.config = config
+        self.engine_type = EngineType(engine_type)
+        self.comm = communicator if communicator is not None else SingleRankCommunicator()
+        self.blocks = BlockPool(config.num_blocks)
+        self.states = BlockPool(config.num_state_slots)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # may hold finished sequences until the next decode pass
+        self.prompted: deque[tuple[Sequence, bool]] = deque()
+        self.decode_step = 0
+        self.num_preemptions = 0
+        self._live: dict[str, Sequence] = {}  # admitted, not retired, not handed off
+        self._unreported: list[Sequence] = []  # retired since the last process_outputs
+        self._install_policies(config)
+
+    # ---- policies (spec section 9): each a named hook, the default first ----
+
+    def _install_policies(self, config: SchedulerConfig) -> None:
+        waiting = self.waiting
+        self._requeue_partial = waiting.append if config.continuation_at_back else waiting.appendleft
+        self._candidate_fits = (
+            self._has_room_or_free_block if config.decode_room_needs_no_block else self._has_free_block
+        )
+        self._bypass_later_head = (
+            self._bypass_with_aging if config.hol_bypass_limit > 0 else self._never_bypass
+        )
+
+    def _has_free_block(self, seq: Sequence) -> bool:
+        return self.blocks.num_free > 0
+
+    def _has_room_or_free_block(self, seq: Sequence) -> bool:
+        return self.blocks.num_free > 0 or len(seq.block_table) >= self.blocks_needed(seq)
+
+    def _never_bypass(self, head: Sequence) -> bool:
+        return False
+
+    def _bypass_with_aging(self, head: Sequence) -> bool:
+        """Move the first fresh request behind a LATER head that fits now to the front;
+        the head is passed at most hol_bypass_limit times, after that it blocks as usual."""
+        if head.bypassed >= self.config.hol_bypass_limit:
+            return False
+        limit = self.config.prompt_limit
+        for i in range(1, len(self.waiting)):
+            seq = self.waiting[i]
+            if seq.status.is_finished or not seq.schedulable or seq.block_table:
+                continue
+            if len(seq) <= limit and self._can_allocate_with_state(self.blocks_needed(seq)) == AllocStatus.OK:
+                del self.waiting[i]
+                self.waiting.appendleft(seq)
+                head.bypassed += 1
+                return True
+        return False
+
+    # ---- public API ----
+
+    def add(self, seq: Sequence) -> None:
+        if self.engine_type == EngineType.COMPLETION:
+            raise RuntimeError("a COMPLETION engine takes prefilled sequences: use add_prefilled")
+        self._admit(seq)
+        self.waiting.append(seq)
+
+    def can_admit_prefilled(self, num_tokens: int) -> AllocStatus:
+        return self._can_allocate_with_state(self._ceil_blocks(num_tokens))
+
+    def add_prefilled(self, seq: Sequence) -> None:
+        """Own a sequence prefilled elsewhere: blocks for its processed positions and a
+        state slot, then it waits in `prompted` for S27 to admit it."""
+        status = self.can_admit_prefilled(seq.processed)
+        if status != AllocStatus.OK:
+            raise RuntimeError(f"cannot admit prefilled {seq.request_id!r}: {status.name}")
+        self._admit(seq)
+        seq.block_table = self.blocks.allocate(self._ceil_blocks(seq.processed))
+        seq.state_slot = self.states.allocate_one()
+        self.prompted.append((seq, False))
+
+    def release_handed_off(self, seq: Sequence) -> None:
+        """The engine exported a handed-off sequence's KV: its blocks go back (S35)."""
+        self._free_resources(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Mark it aborted; the next pass sweeps it and frees its blocks (S33)."""
+        seq = self._live.get(request_id)
+        if seq is None or seq.status.is_finished:
+            return False
+        seq.status = SequenceStatus.FINISHED_ABORTED
+        return True
+
+    def fork(self, parent: Sequence, child_request_id: str) -> Sequence:
+        """A child sharing the parent's cached prefix: it pins the parent's blocks and
+        state slot and gets its own copies when admitted (S34, S15, S27)."""
+        if parent.status.is_finished or not parent.block_table or parent.in_flight:
+            raise RuntimeError(f"cannot fork {parent.request_id!r}: needs cached, settled KV")
+        child = Sequence(child_request_id, parent.prompt_token_ids, parent.sampling,
+                         eos_token_id=parent.eos_token_id)
+        child.token_ids = list(parent.token_ids)
+        child.processed = parent.processed
+        child.checkpoints = list(parent.checkpoints)
+        child.so_status = parent.so_status
+        self._admit(child)
+        child.block_table = list(parent.block_table)
+        self.blocks.pin(child.block_table)
+        child.state_slot = parent.state_slot
+        self.states.pin([child.state_slot])
+        child.fork_pending = True
+        if child.processed < child.prompt_len:
+            self.waiting.appendleft(child)
+        else:
+            self.prompted.append((child, True))
+        return child
+
+    def get_sequence(self, request_id: str) -> Sequence | None:
+        return self._live.get(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live) or bool(self._unreported)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.blocks.num_free
+
+    @property
+    def cache_usage(self) -> float:
+        return self.blocks.num_used / self.config.num_blocks  # S5
+
+    def blocks_needed(self, seq: Sequence) -> int:
+        return self._ceil_blocks(len(seq) + seq.in_flight + seq.draft_len)  # S4
+
+    def assert_drained(self) -> None:
+        problems = [f"blocks: {p}" for p in self.blocks.leaks()]
+        problems += [f"state slots: {p}" for p in self.states.leaks()]
+        if problems:
+            holders = [s for s in (*self._live.values(), *self.running) if s.block_table]
+            raise AssertionError("; ".join(problems) + f"; holders: {holders[:8]}")
+
+    # ---- choosing the kind of step (S6-S11) ----
+
+    def schedule(self) -> SchedulerOutput:
+        if self.engine_type == EngineType.PROMPT:
+            out = self._schedule_prefill()
+            self.decode_step = 0
+            return out
+        if self.engine_type == EngineType.COMPLETION:
+            return self._schedule_decode()
+        return self._schedule_normal()
+
+    def _schedule_normal(self) -> SchedulerOutput:
+        step, cfg = self.decode_step, self.config
+        any_point = step != 0 and step % cfg.prefill_any_attempt_interval == 0
+        if not any_point and step % cfg.prefill_attempt_interval != 0:
+            return self._schedule_decode()
+        want = self._wants_prefill()
+        if not self._vote_try(want, any_point):
+            return self._schedule_decode()
+        result = self._schedule_prefill() if want else None
+        # Second vote: an empty prompt step everywhere would reset the counter and
+        # starve running forever, so with no result anywhere the group decodes.
+        if self.comm.all_reduce_min(0 if result is not None else 1) != 0:
+            return self._schedule_decode()
+        self.decode_step = 0
+        return result if result is not None else SchedulerOutput(StepKind.EMPTY_PROMPT)
+
+    def _wants_prefill(self) -> bool:
+        return (
+            self.cache_usage <= self.config.prefill_watermark
+            and bool(self.waiting)
+            and self.waiting[0].schedulable
+        )
+
+    def _vote_try(self, want: bool, any_point: bool) -> bool:
+        if any_point:  # one wish is enough
+            return self.comm.all_reduce_min(0 if want else 1) == 0
+        return self.comm.all_reduce_min(1 if want else 0) == 1  # every rank must wish
+
+    # ---- the prefill path (S12-S25) ----
+
+    def _schedule_prefill(self) -> SchedulerOutput | None:
+        cfg = self.config
+        out = SchedulerOutput(StepKind.PROMPT)
+        num_curr_seqs = len(self.running)
+        budget_used = 0
+        sum_k_remain = cfg.prefill_max_sum_seqlen_k
+        waiting = self.waiting
+        while waiting:
+            seq = waiting[0]
+            if seq.status.is_finished:  # S12
+                waiting.popleft()
+                self._retire_into(seq, out.ignored)
+                continue
+            if not seq.schedulable:  # S13
+                break
+            if not seq.block_table:
+                verdict = self._check_fresh(seq)
+                if verdict is AllocStatus.LATER:
+                    if self._bypass_later_head(seq):
+                        continue
+                    break  # head-of-line blocking (S14)
+                if verdict is AllocStatus.NEVER:
+                    waiting.popleft()
+                    seq.status = SequenceStatus.FINISHED_IGNORED
+                    self._retire_into(seq, out.ignored)
+                    continue
+            elif seq.fork_pending and self._fork_blocks_status(seq) != AllocStatus.OK:
+                break  # S15
+            if num_curr_seqs + 1 > cfg.max_num_seqs:  # S16
+                break
+            if sum_k_remain is not None:  # S17: the whole length, not this chunk's keys
+                if sum_k_remain < len(seq):
+                    break
+                sum_k_remain -= len(seq)
+            q, chunked = self._chunk_len(seq, budget_used)
+            if q is None:  # S20-S22
+                break
+            budget_used += -(-q // cfg.cp_align) * cfg.cp_align  # S23
+            self._commit_prompt(seq, q, chunked, out)
+            waiting.popleft()
+            if not chunked:
+                num_curr_seqs += 1
+            elif self.engine_type == EngineType.NORMAL:  # S24
+                break
+        out.num_batched_tokens = budget_used
+        if self.engine_type == EngineType.NORMAL and not out.scheduled and not out.ignored:
+            return None  # S25: the vote decides
+        return out
+
+    def _check_fresh(self, seq: Sequence) -> AllocStatus:
+        """S14: a fresh prompt longer than the limit can never run; else the joint check."""
+        if len(seq) > self.config.prompt_limit:
+            return AllocStatus.NEVER
+        return self._can_allocate_with_state(self.blocks_needed(seq))
+
+    def _chunk_len(self, seq: Sequence, budget_used: int) -> tuple[int | None, bool]:
+        cfg = self.config
+        work = len(seq) - seq.processed  # S18
+        align = cfg.cp_align
+        q = min(work, (cfg.max_num_batched_tokens - budget_used) // align * align)
+        ckpts = seq.checkpoints  # S19
+        while ckpts and ckpts[0] <= seq.processed:
+            ckpts.pop(0)
+        if ckpts and seq.processed + q >= ckpts[0]:
+            q = ckpts[0] - seq.processed  # consumed once processed reaches it
+        chunked = q < work
+        if q == 0 or (chunked and not cfg.chunked_prefill) or q < max(cfg.lookahead_tokens, 1):
+            return None, chunked  # S20, S21, S22
+        return q, chunked
+
+    def _commit_prompt(self, seq: Sequence, q: int, chunked: bool, out: SchedulerOutput) -> None:
+        if seq.status != WAITING:
+            raise RuntimeError(f"prompt of {seq.request_id!r} selected while {seq.status.name}")
+        if not seq.block_table:
+            seq.block_table = self.blocks.allocate(self.blocks_needed(seq))
+            seq.state_slot = self.states.allocate_one()
+        elif seq.fork_pending:
+            self._unshare(seq, out)
+            missing = self.blocks_needed(seq) - len(seq.block_table)
+            if missing > 0:
+                seq.block_table += self.blocks.allocate(missing)
+        if not chunked:
+            seq.status = RUNNING
+        seqlen_k = seq.processed + seq.in_flight + q  # S36
+        seq.in_flight += q
+        out.scheduled.append(ScheduledSequence(seq, q, seqlen_k, not chunked))
+
+    # ---- the decode path (S26-S29) ----
+
+    def _schedule_decode(self) -> SchedulerOutput:
+        out = SchedulerOutput(StepKind.DECODE)
+        self._sweep_finished(out.ignored)
+        self._admit_prompted(out)
+        running = self.running
+        # Longest output first, ties in arrival order: candidates come from the end.
+        running.sort(key=_output_order)
+        max_seqs = self.config.max_num_seqs
+        candidate_fits = self._candidate_fits
+        scheduled: list[Sequence] = []
+        left, right = 0, len(running)
+        while left < right and len(scheduled) < max_seqs:
+            seq = running[right - 1]
+            while not candidate_fits(seq) and right - left > 1:
+                self._preempt(running[left], out)
+                left += 1
+            if candidate_fits(seq):
+                self._append_slot(seq)
+                scheduled.append(seq)
+            else:
+                self._preempt(seq, out)
+            right -= 1
+        scheduled.sort(key=len, reverse=True)  # S29: batch order, longest history first
+        rows = out.scheduled
+        for seq in scheduled:
+            seqlen_k = seq.processed + seq.in_flight + 1
+            seq.in_flight += 1
+            rows.append(ScheduledSequence(seq, 1, seqlen_k, True))
+        out.num_batched_tokens = len(rows)
+        # Anything the max_num_seqs cap left unvisited stays running, unscheduled.
+        self.running = scheduled + running[left:right] if left < right else scheduled
+        self.decode_step += 1  # S11
+        return out
+
+    def _sweep_finished(self, ignored: list[Sequence]) -> None:
+        """S26: finished sequences leave running; aborted ones can sit anywhere in waiting."""
+        if any(s.status.is_finished for s in self.running):
+            keep = []
+            for seq in self.running:
+                if seq.status.is_finished:
+                    self._retire_into(seq, ignored)
+                else:
+                    keep.append(seq)
+            self.running = keep
+        if any(s.status.is_finished for s in self.waiting):
+            for seq in [s for s in self.waiting if s.status.is_finished]:
+                self.waiting.remove(seq)
+                self._retire_into(seq, ignored)
+
+    def _admit_prompted(self, out: SchedulerOutput) -> None:
+        """S27: prefilled (imported or forked) sequences join running while there is room."""
+        prompted, max_seqs = self.prompted, self.config.max_num_seqs
+        while prompted and len(self.running) < max_seqs:
+            seq, forked = prompted[0]
+            if seq.status.is_finished:
+                prompted.popleft()
+                self._retire_into(seq, out.ignored)
+                continue
+            if forked:
+                if self.blocks.num_free < 1 or self.states.num_free < 1:
+                    break
+                self._unshare(seq, out)
+            prompted.popleft()
+            if seq.status == WAITING:
+                seq.status = RUNNING
+            self.running.append(seq)
+
+    def _append_slot(self, seq: Sequence) -> None:
+        """Grow the table by one block when the next position needs it; shrink a table
+        longer than needed (S28)."""
+        table = seq.block_table
+        need = self.blocks_needed(seq)
+        have = len(table)
+        if have < need:
+            table.append(self.blocks.allocate_one())
+        elif have > need:
+            self.blocks.free(table[need:])
+            del table[need:]
+
+    # ---- preemption (S30) ----
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        if seq.status != RUNNING:
+            raise RuntimeError(f"preempting {seq.request_id!r} while {seq.status.name}")
+        self.num_preemptions += 1
+        out.num_preempted += 1
+        out.preempted.append(seq)
+        stop = self.config.stop_preempted_request
+        if stop or seq.so_status != 0:
+            why = "stop_preempted_request is set" if stop else (
+                f"structured output (so_status {seq.so_status}) cannot be recomputed")
+            logger.warning("request %s is preempted and stops: %s", seq.request_id, why)
+            seq.status = SequenceStatus.FINISHED_PREEMPTED
+            self._retire_into(seq, out.ignored)
+            return
+        logger.warning("request %s is preempted and will be recomputed", seq.request_id)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        seq.status = WAITING
+        self._free_resources(seq)
+
+    # ---- processing a step's outputs (S32) ----
+
+    def process_outputs(self, output: SchedulerOutput, sampled_token_ids: list[int | None]) -> StepResult:
+        rows = output.scheduled
+        if len(sampled_token_ids) != len(rows):
+            raise ValueError(f"{len(sampled_token_ids)} sampled tokens for {len(rows)} scheduled rows")
+        result = StepResult()
+        if output.kind == StepKind.DECODE:
+            self._process_decode(rows, sampled_token_ids, result)
+        else:
+            self._process_prompt(rows, sampled_token_ids, result)
+        result.finished.extend(self._unreported)
+        self._unreported.clear()
+        return result
+
+    def _process_decode(self, rows, tokens, result: StepResult) -> None:
+        for row, token in zip(rows, tokens, strict=True):
+            seq = row.seq
+            if seq.status is WAITING:  # preempted while in flight: stale output (S32)
+                continue
+            seq.in_flight -= 1
+            if seq.status.is_finished:
+                self._retire(seq)
+                continue
+            seq.processed += 1
+            self._append_token(seq, token, result)
+
+    def _process_prompt(self, rows, tokens, result: StepResult) -> None:
+        for row, token in zip(rows, tokens, strict=True):
+            seq = row.seq
+            seq.in_flight = max(0, seq.in_flight - row.query_len)
+            if seq.status.is_finished:  # aborted while its chunk was in flight
+                self._retire(seq)
+                continue
+            seq.processed += row.query_len
+            if not row.sample:
+                if seq.status != WAITING:
+                    raise RuntimeError(f"unfinished prompt {seq.request_id!r} is {seq.status.name}")
+                self._requeue_partial(seq)
+                continue
+            if self.engine_type != EngineType.PROMPT:
+                self.running.append(seq)
+            if self._append_token(seq, token, result) and self.engine_type == EngineType.PROMPT:
+                # Ownership moves to the engine until it has exported the KV.
+                del self._live[seq.request_id]
+                result.handed_off.append(seq)
+
+    def _append_token(self, seq: Sequence, token: int | None, result: StepResult) -> bool:
+        """Append the sampled token and apply the stop rules in order; True if it goes on."""
+        if token is None:
+            raise ValueError(f"row of {seq.request_id!r} needs a sampled token")
+        seq.token_ids.append(token)
+        if seq.first_token_time is None and seq.output_len == 1:
+            seq.first_token_time = time.monotonic()
+        result.updated.append(seq)
+        sampling = seq.sampling
+        if (token == seq.eos_token_id and not sampling.ignore_eos) or token in sampling.stop_token_ids:
+            seq.status = SequenceStatus.FINISHED_STOPPED
+        elif len(seq.token_ids) > self.config.max_model_len or seq.output_len >= sampling.max_tokens:
+            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+        elif seq.so_status == -1:
+            seq.status = SequenceStatus.FINISHED_SO_FAILED
+        else:
+            return True
+        self._retire(seq)
+        return False
+
+    # ---- resources ----
+
+    def _admit(self, seq: Sequence) -> None:
+        if seq.request_id in self._live:
+            raise ValueError(f"request_id {seq.request_id!r} is already scheduled")
+        if seq.status != WAITING or seq.retired:
+            raise ValueError(f"request {seq.request_id!r} must be new and WAITING, is {seq.status.name}")
+        self._live[seq.request_id] = seq
+
+    def _ceil_blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.config.block_size)
+
+    def _can_allocate_with_state(self, num_blocks: int) -> AllocStatus:
+        status = self.blocks.can_allocate(num_blocks)  # S3
+        if status is AllocStatus.OK and self.states.num_free == 0:
+            return AllocStatus.LATER
+        return status
+
+    def _fork_blocks_status(self, seq: Sequence) -> AllocStatus:
+        keep = self._ceil_blocks(seq.processed)
+        new = self.blocks_needed(seq) - keep + (1 if seq.processed % self.config.block_size else 0)
+        return self._can_allocate_with_state(new)
+
+    def _unshare(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Keep the shared full blocks that cover processed positions, copy the partial
+        last one, drop the rest and clone the state slot (S15, S27)."""
+        table = seq.block_table
+        keep = self._ceil_blocks(seq.processed)
+        if len(table) > keep:
+            self.blocks.free(table[keep:])
+            del table[keep:]
+        full = seq.processed // self.config.block_size
+        if full < keep:
+            new = self.blocks.allocate_one()
+            out.block_copies.append((table[full], new))
+            self.blocks.free_one(table[full])
+            table[full] = new
+        new_slot = self.states.allocate_one()
+        out.state_copies.append((seq.state_slot, new_slot))
+        self.states.free_one(seq.state_slot)
+        seq.state_slot = new_slot
+        seq.fork_pending = False
+
+    def _free_resources(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.blocks.free(seq.block_table)
+            seq.block_table = []
+        if seq.state_slot != -1:
+            self.states.free_one(seq.state_slot)
+            seq.state_slot = -1
+
+    def _retire(self, seq: Sequence) -> bool:
+        """A finished sequence frees everything it held and is reported, exactly once (S35)."""
+        if seq.retired:
+            return False
+        seq.retired = True
+        self._free_resources(seq)
+        self._live.pop(seq.request_id, None)
+        self._unreported.append(seq)
+        return True
+
+    def _retire_into(self, seq: Sequence, ignored: list[Sequence]) -> None:
+        if self._retire(seq):
+            ignored.append(seq)
+
+
+def _output_order(seq: Sequence) -> tuple[int, float, int]:
+    return (-seq.output_len, seq.arrival_time, seq.order)

@@ -1,0 +1,124 @@
+"""One request inside an engine: its history, progress counters and resources (spec section 1)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+from pdserve.scheduler.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = 0
+    RUNNING = 1
+    SWAPPED = 2  # a name only: nothing sets it (no swap path, as in the studied engine)
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_IGNORED = 6
+    FINISHED_PREEMPTED = 7
+    FINISHED_SO_FAILED = 8
+
+    @property
+    def is_finished(self) -> bool:
+        return self.value >= SequenceStatus.FINISHED_STOPPED.value
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_IGNORED: "prompt_length_exceeded",
+    SequenceStatus.FINISHED_PREEMPTED: "insufficient_system_resource",
+    SequenceStatus.FINISHED_SO_FAILED: "structured_output_failed",
+}
+
+# Breaks ties between equal arrival times so "arrival order" is always total.
+_creation_order = itertools.count()
+
+
+class Sequence:
+    """History = prompt + generated tokens; `processed` positions have KV rows in the cache.
+
+    `in_flight` counts positions handed to the device whose results are not processed
+    yet, so a sequence can be scheduled again before its previous step comes back.
+    """
+
+    __slots__ = (
+        "request_id", "token_ids", "prompt_len", "sampling", "eos_token_id", "arrival_time",
+        "order", "processed", "in_flight", "draft_len", "block_table", "state_slot", "status",
+        "so_status", "schedulable", "checkpoints", "first_token_time", "fork_pending",
+        "bypassed", "retired",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        eos_token_id: int | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"prompt_token_ids of request {request_id!r} must not be empty")
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.prompt_len = len(self.token_ids)
+        self.sampling = sampling if sampling is not None else SamplingParams()
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.order = next(_creation_order)
+        self.processed = 0
+        self.in_flight = 0
+        self.draft_len = 0  # no speculative decoding yet; kept so blocks_needed reads as S4
+        self.block_table: list[int] = []
+        self.state_slot = -1
+        self.status = SequenceStatus.WAITING
+        self.so_status = 0  # 0 none/inactive, 1 active, -1 failed
+        self.schedulable = True
+        self.checkpoints: list[int] = []  # ascending prompt positions a chunk may not cross
+        self.first_token_time: float | None = None
+        self.fork_pending = False  # holds a parent's pinned blocks until it gets its own copies
+        self.bypassed = 0  # how often a smaller request passed it (opt-in bypass policy)
+        self.retired = False  # resources freed and finish reported: guards "exactly once"
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, len={len(self)}, processed={self.processed}, "
+            f"in_flight={self.in_flight}, status={self.status.name}, blocks={self.block_table})"
+        )
+
+    @property
+    def output_len(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.prompt_len]
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def reset_for_recompute(self) -> None:
+        """Forget cache progress only: history, sampling and structured-output state stay,
+        so the next prefill rebuilds the whole history and the answer continues (S30, S31)."""
+        self.processed = 0
+        self.in_flight = 0
+        self.draft_len = 0
