@@ -1,0 +1,1 @@
+"""Generated gRPC/protobuf code for pdserve (regenerate with protos/generate.py)."""
