@@ -296,7 +296,7 @@ class Scheduler:
         self._admit_prompted(out)
         running = self.running
         # Longest output first, ties in arrival order: candidates come from the end.
-        running.sort(key=_output_order)
+        running.sort(key=decode_priority)
         max_seqs = self.config.max_num_seqs
         candidate_fits = self._candidate_fits
         scheduled: list[Sequence] = []
@@ -524,5 +524,7 @@ class Scheduler:
             ignored.append(seq)
 
 
-def _output_order(seq: Sequence) -> tuple[int, float, int]:
+def decode_priority(seq: Sequence) -> tuple[int, float, int]:
+    """Sort key of running before a decode pass (S28): longest output first, ties in
+    arrival order. Candidates come from the end of the sorted list, victims from the front."""
     return (-seq.output_len, seq.arrival_time, seq.order)
