@@ -1,0 +1,72 @@
+"""Engine settings: one typed dataclass, validated when an engine is built."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pdserve.scheduler.config import EngineType, SchedulerConfig
+
+_ENGINE_TYPES = {"normal": EngineType.NORMAL, "prompt": EngineType.PROMPT,
+                 "completion": EngineType.COMPLETION}
+
+
+@dataclass
+class EngineConfig:
+    model_dir: str
+    engine_type: str = "normal"  # normal | prompt | completion
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_mb
+    kv_cache_memory_mb: int = 512
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    chunked_prefill: bool = True
+    # Engine-argument default per the spec's table; the offline LLM passes False.
+    stop_preempted_request: bool = True
+    prefill_attempt_interval: int = 70
+    prefill_any_attempt_interval: int = 100
+    dtype: str = "float32"
+    device: str = "cpu"
+    num_threads: int | None = None  # torch intra-op threads; None leaves torch's choice
+
+    def __post_init__(self) -> None:
+        if self.engine_type not in _ENGINE_TYPES:
+            raise ValueError(
+                f"engine_type must be one of {sorted(_ENGINE_TYPES)}, got {self.engine_type!r}"
+            )
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "kv_cache_memory_mb"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}")
+
+    @property
+    def type(self) -> EngineType:
+        return _ENGINE_TYPES[self.engine_type]
+
+    def resolve_num_kv_blocks(self, bytes_per_block: int, max_model_len: int) -> int:
+        """Enough blocks for every sequence at full length, capped by the memory budget."""
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        wanted = self.max_num_seqs * math.ceil(max_model_len / self.block_size) + 1
+        affordable = self.kv_cache_memory_mb * 2**20 // max(bytes_per_block, 1)
+        return max(2, min(wanted, affordable))
+
+    def scheduler_config(self, num_blocks: int, max_model_len: int, ring_len: int) -> SchedulerConfig:
+        return SchedulerConfig(
+            block_size=self.block_size,
+            num_blocks=num_blocks,
+            # Every running or prompted sequence holds one slot; slot 0 is reserved.
+            num_state_slots=2 * self.max_num_seqs + 1,
+            max_model_len=max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            chunked_prefill=self.chunked_prefill,
+            stop_preempted_request=self.stop_preempted_request,
+            prefill_attempt_interval=self.prefill_attempt_interval,
+            prefill_any_attempt_interval=self.prefill_any_attempt_interval,
+            ring_len=ring_len,
+        )

@@ -1,0 +1,247 @@
+"""One engine rank: a scheduler bound to a model runner.
+
+A request's life inside an engine:
+
+1. NORMAL / PROMPT: `add_request` wraps the prompt in a Sequence and queues it in
+   the scheduler's `waiting`. COMPLETION: `import_prefilled` checks a KV payload,
+   queues it until blocks are free, then writes its KV into fresh blocks and
+   queues it in `prompted`.
+2. `step()`: schedule -> run the model on the scheduled rows (or nothing, for an
+   empty step) -> process outputs -> report per-request outputs.
+3. A PROMPT engine exports each completed prompt as a KV payload (a HandOff) and
+   frees its blocks; the first sampled token travels with the payload.
+4. Every request ends with exactly one finish reason, and every block and state
+   slot it held is free again (`assert_drained` on an idle engine).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import asdict
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_payload import KVPayload, KVPayloadError, dtype_name
+from pdserve.engine.model_runner import ModelRunner, RunnerRow
+from pdserve.engine.outputs import EngineStats, HandOff, RequestOutput, StepOutputs
+from pdserve.scheduler.block_pool import AllocStatus
+from pdserve.scheduler.config import EngineType
+from pdserve.scheduler.output import SchedulerOutput, StepKind
+from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.scheduler.scheduler import Scheduler
+from pdserve.scheduler.sequence import Sequence
+from pdserve.scheduler.votes import Communicator
+
+log = logging.getLogger(__name__)
+
+
+class NoCapacityError(ValueError):
+    """A request that can never fit this engine's KV pool."""
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, communicator: Communicator | None = None,
+                 runner: ModelRunner | None = None) -> None:
+        self.config = config
+        self.engine_type = config.type
+        self.runner = runner or ModelRunner.from_engine_config(config)
+        self.tokenizer = self.runner.tokenizer
+        self.max_model_len = config.max_model_len or self.runner.max_model_len
+        sched_config = config.scheduler_config(
+            num_blocks=self.runner.num_kv_blocks, max_model_len=self.max_model_len,
+            ring_len=self.runner.ring_len)
+        self.scheduler = Scheduler(sched_config, self.engine_type, communicator)
+        self.rank = communicator.rank if communicator is not None else 0
+        self._requests: dict[str, Sequence] = {}
+        self._pending_imports: collections.deque[KVPayload] = collections.deque()
+        self._aborted_imports: list[str] = []  # aborted before admission: reported next step
+        self.num_steps = 0
+        self.num_empty_steps = 0
+
+    # -- admission -------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    sampling: SamplingParams, arrival_time: float | None = None) -> None:
+        if self.engine_type == EngineType.COMPLETION:
+            raise TypeError("a COMPLETION engine takes prefilled requests (import_prefilled)")
+        self._check_new_id(request_id)
+        self._check_tokens(prompt_token_ids, sampling)
+        seq = Sequence(request_id, prompt_token_ids, sampling, arrival_time=arrival_time,
+                       eos_token_id=self.tokenizer.eos_token_id)
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def import_prefilled(self, data: bytes | KVPayload) -> str:
+        """Check a payload completely, then queue it until its blocks can be allocated."""
+        if self.engine_type != EngineType.COMPLETION:
+            raise TypeError("only a COMPLETION engine imports prefilled requests")
+        payload = data if isinstance(data, KVPayload) else KVPayload.from_bytes(data)
+        payload.check_compatible(
+            model_fingerprint=self.runner.model_fingerprint, dtype=dtype_name(self.runner.dtype),
+            block_size=self.config.block_size, num_layers=self.runner.num_layers)
+        self._check_new_id(payload.request_id)
+        if self.scheduler.can_admit_prefilled(payload.num_prompt_tokens) == AllocStatus.NEVER:
+            raise NoCapacityError(
+                f"request {payload.request_id!r} needs more KV blocks than this engine has")
+        try:
+            sampling = SamplingParams(**payload.sampling)
+        except (TypeError, ValueError) as exc:
+            raise KVPayloadError(f"KV payload sampling settings are invalid: {exc}") from exc
+        self.runner.kv_cache.check_import(payload.tensors, payload.num_prompt_tokens)
+        payload.sampling = sampling  # type: ignore[assignment]
+        self._requests[payload.request_id] = None  # type: ignore[assignment]  # id reserved
+        self._pending_imports.append(payload)
+        return payload.request_id
+
+    def abort(self, request_id: str) -> bool:
+        if request_id not in self._requests:
+            return False
+        for i, payload in enumerate(self._pending_imports):
+            if payload.request_id == request_id:
+                del self._pending_imports[i]
+                self._aborted_imports.append(request_id)
+                return True
+        self.scheduler.abort(request_id)
+        return True
+
+    # -- the step --------------------------------------------------------------------
+
+    def step(self) -> StepOutputs:
+        started = time.perf_counter()
+        self._admit_imports()
+        sched_out = self.scheduler.schedule()
+        sampled = self._execute(sched_out)
+        result = self.scheduler.process_outputs(sched_out, sampled)
+        outputs = self._collect_outputs(sched_out, result)
+        handoffs = [self._hand_off(seq) for seq in result.handed_off]
+        self.num_steps += 1
+        if sched_out.is_empty:
+            self.num_empty_steps += 1
+        return StepOutputs(kind=_KIND_NAMES[sched_out.kind], outputs=outputs, handoffs=handoffs,
+                           num_scheduled_tokens=sched_out.num_tokens,
+                           duration_s=time.perf_counter() - started)
+
+    def _execute(self, sched_out: SchedulerOutput) -> list[int | None]:
+        if sched_out.is_empty:
+            return []
+        cache = self.runner.kv_cache
+        for src, dst in sched_out.block_copies:
+            cache.copy_block(src, dst)
+        for src, dst in sched_out.state_copies:
+            cache.copy_state(src, dst)
+        rows = [
+            RunnerRow(
+                token_ids=row.seq.token_ids[row.start_pos:row.seqlen_k],
+                start_pos=row.start_pos,
+                block_table=row.seq.block_table,
+                state_slot=row.seq.state_slot,
+                sampling=row.seq.sampling,
+                sample=row.sample,
+                output_index=row.seq.output_len,
+            )
+            for row in sched_out.scheduled
+        ]
+        return self.runner.execute(rows)
+
+    def _collect_outputs(self, sched_out: SchedulerOutput, result) -> list[RequestOutput]:
+        by_id: dict[str, RequestOutput] = {}
+        for seq in result.updated:
+            out = self._output_for(by_id, seq)
+            out.new_token_ids.append(seq.token_ids[-1])
+        for seq in result.finished:
+            out = self._output_for(by_id, seq)
+            out.finish_reason = seq.finish_reason
+            self._requests.pop(seq.request_id, None)
+        for request_id in self._aborted_imports:
+            by_id[request_id] = RequestOutput(request_id, [], finish_reason="abort")
+            self._requests.pop(request_id, None)
+        self._aborted_imports.clear()
+        return list(by_id.values())
+
+    @staticmethod
+    def _output_for(by_id: dict[str, RequestOutput], seq: Sequence) -> RequestOutput:
+        out = by_id.get(seq.request_id)
+        if out is None:
+            out = by_id[seq.request_id] = RequestOutput(
+                seq.request_id, [], num_prompt_tokens=seq.prompt_len,
+                arrival_time=seq.arrival_time, first_token_time=seq.first_token_time)
+        out.num_output_tokens = seq.output_len
+        out.first_token_time = seq.first_token_time
+        return out
+
+    # -- KV hand-off -----------------------------------------------------------------
+
+    def _hand_off(self, seq: Sequence) -> HandOff:
+        tensors = self.runner.kv_cache.export_sequence(seq.block_table, seq.state_slot, seq.prompt_len)
+        payload = KVPayload(
+            request_id=seq.request_id, model_fingerprint=self.runner.model_fingerprint,
+            dtype=dtype_name(self.runner.dtype), block_size=self.config.block_size,
+            num_layers=self.runner.num_layers, token_ids=list(seq.token_ids),
+            num_prompt_tokens=seq.prompt_len, sampling=asdict(seq.sampling),
+            arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
+            tensors=tensors)
+        self.scheduler.release_handed_off(seq)
+        self._requests.pop(seq.request_id, None)
+        return HandOff(seq.request_id, seq.token_ids[-1], payload.to_bytes(), seq.prompt_len)
+
+    def _admit_imports(self) -> None:
+        while self._pending_imports:
+            payload = self._pending_imports[0]
+            if self.scheduler.can_admit_prefilled(payload.num_prompt_tokens) != AllocStatus.OK:
+                return  # FIFO: later imports wait behind the head, as prompts do
+            self._pending_imports.popleft()
+            seq = Sequence(payload.request_id, payload.token_ids[:payload.num_prompt_tokens],
+                           payload.sampling, arrival_time=payload.arrival_time,
+                           eos_token_id=self.tokenizer.eos_token_id)
+            seq.token_ids.append(payload.first_token_id)
+            seq.processed = payload.num_prompt_tokens
+            seq.first_token_time = payload.first_token_time
+            self.scheduler.add_prefilled(seq)
+            self.runner.kv_cache.import_sequence(seq.block_table, seq.state_slot, payload.tensors)
+            self._requests[seq.request_id] = seq
+
+    # -- checks and state ------------------------------------------------------------
+
+    def _check_new_id(self, request_id: str) -> None:
+        if not request_id:
+            raise ValueError("request_id must not be empty")
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+
+    def _check_tokens(self, token_ids: list[int], sampling: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        vocab = self.runner.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids holds {bad}, outside the vocabulary [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids has {len(token_ids)} tokens; the model allows at most "
+                f"{self.max_model_len - 1} so one can be generated")
+        sampling.validate()
+
+    def has_work(self) -> bool:
+        return bool(self._pending_imports or self._aborted_imports
+                    or self.scheduler.has_unfinished())
+
+    def assert_drained(self) -> None:
+        assert not self.has_work(), "engine still has work"
+        assert not self._requests, f"requests still registered: {sorted(self._requests)}"
+        self.scheduler.assert_drained()
+
+    def stats(self) -> EngineStats:
+        sched = self.scheduler
+        outstanding = sum(len(s) - s.processed for s in sched.waiting)
+        return EngineStats(
+            engine_type=self.config.engine_type, rank=self.rank,
+            num_waiting=len(sched.waiting) + len(self._pending_imports),
+            num_running=len(sched.running), num_prompted=len(sched.prompted),
+            num_free_blocks=sched.num_free_blocks, num_total_blocks=self.runner.num_kv_blocks - 1,
+            outstanding_prompt_tokens=outstanding, num_preemptions=sched.num_preemptions,
+            num_empty_steps=self.num_empty_steps, num_steps=self.num_steps)
+
+
+_KIND_NAMES = {StepKind.PROMPT: "prompt", StepKind.DECODE: "decode",
+               StepKind.EMPTY_PROMPT: "empty_prompt"}

@@ -1,0 +1,124 @@
+"""The offline API: `LLM(model_dir).generate(prompts, SamplingParams(...))`.
+
+`mode="normal"` runs one NORMAL engine. `mode="disaggregated"` runs a PROMPT and a
+COMPLETION engine in this process and moves every request between them through the
+real KV payload (serialised to bytes and back), exactly as the service does between
+ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from tqdm.auto import tqdm
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.scheduler.sampling_params import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+
+
+class LLM:
+    def __init__(self, model_dir: str, mode: str = "normal", *, block_size: int = 16,
+                 num_kv_blocks: int | None = None, max_num_batched_tokens: int | None = None,
+                 chunked_prefill: bool = True, max_num_seqs: int = 64,
+                 stop_preempted_request: bool = False, dtype: str = "float32",
+                 device: str = "cpu", max_model_len: int | None = None) -> None:
+        if mode not in ("normal", "disaggregated"):
+            raise ValueError(f"mode must be 'normal' or 'disaggregated', got {mode!r}")
+        self.mode = mode
+
+        def config(engine_type: str, stop_preempted: bool) -> EngineConfig:
+            return EngineConfig(
+                model_dir=model_dir, engine_type=engine_type, block_size=block_size,
+                num_kv_blocks=num_kv_blocks, max_num_batched_tokens=max_num_batched_tokens,
+                chunked_prefill=chunked_prefill, max_num_seqs=max_num_seqs,
+                stop_preempted_request=stop_preempted, dtype=dtype, device=device,
+                max_model_len=max_model_len)
+
+        if mode == "normal":
+            self.engines = [LLMEngine(config("normal", stop_preempted_request))]
+        else:
+            prompt = LLMEngine(config("prompt", stop_preempted_request))
+            # A COMPLETION engine cannot recompute (no prefill path): it must terminate.
+            completion = LLMEngine(config("completion", True))
+            self.engines = [prompt, completion]
+        self.tokenizer = self.engines[0].tokenizer
+        self._next_id = 0
+
+    def generate(self, prompts: str | Seq[str] | None = None,
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 prompt_token_ids: Seq[Seq[int]] | None = None,
+                 use_tqdm: bool = True) -> list[CompletionOutput]:
+        """Generate for every prompt; outputs come back in input order."""
+        token_lists = self._token_lists(prompts, prompt_token_ids)
+        params = self._params(sampling_params, len(token_lists))
+        results: dict[str, CompletionOutput] = {}
+        first = self.engines[0]
+        for ids, sp in zip(token_lists, params, strict=True):
+            request_id = f"llm-{self._next_id}"
+            self._next_id += 1
+            first.add_request(request_id, ids, sp)
+            results[request_id] = CompletionOutput(request_id, list(ids))
+        with tqdm(total=len(results), desc="generate", unit="req",
+                  disable=not use_tqdm or len(results) < 8) as bar:
+            pending = len(results)
+            while pending:
+                for out in self._step():
+                    done = results[out.request_id]
+                    done.token_ids.extend(out.new_token_ids)
+                    if out.finished:
+                        done.finish_reason = out.finish_reason
+                        done.text = self.tokenizer.decode(done.token_ids)
+                        pending -= 1
+                        bar.update(1)
+        return list(results.values())
+
+    def _step(self) -> list[RequestOutput]:
+        if self.mode == "normal":
+            return self.engines[0].step().outputs
+        prompt, completion = self.engines
+        outputs: list[RequestOutput] = []
+        if prompt.has_work():
+            step = prompt.step()
+            outputs += step.outputs
+            for handoff in step.handoffs:
+                outputs.append(RequestOutput(handoff.request_id, [handoff.first_token_id]))
+                completion.import_prefilled(handoff.payload)
+        if completion.has_work():
+            outputs += completion.step().outputs
+        return outputs
+
+    def _token_lists(self, prompts, prompt_token_ids) -> list[list[int]]:
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompts or prompt_token_ids")
+        if prompt_token_ids is not None:
+            return [list(ids) for ids in prompt_token_ids]
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        return [self.tokenizer.encode(p) for p in prompts]
+
+    @staticmethod
+    def _params(sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts")
+        return params
+
+    def assert_drained(self) -> None:
+        for engine in self.engines:
+            engine.assert_drained()
