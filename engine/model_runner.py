@@ -1,0 +1,254 @@
+"""ModelRunner: the model, its paged KV cache and the sampler behind one call.
+
+    runner = ModelRunner(model_dir, dtype="float32", device="cpu", block_size=16)
+    tokens = runner.execute([RunnerRow(token_ids=[...], start_pos=0, block_table=[1, 2],
+                                       state_slot=0, sampling=SamplingParams(...),
+                                       sample=True, output_index=0), ...])
+
+A row's ``token_ids`` are its ``q`` query tokens at positions
+``start_pos .. start_pos + q - 1`` (``start_pos = seqlen_k - q``, spec S36); its
+``block_table`` must cover ``seqlen_k`` positions; ``state_slot`` addresses the
+sliding-window ring (ignored by models without one). A step may mix prefill chunks
+of several requests and decode rows (q = 1). ``execute`` returns one sampled token
+per row, or ``None`` for rows with ``sample=False`` (non-final prompt chunks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from itertools import chain
+from pathlib import Path
+
+import torch
+from pdserve.engine.model import load_model
+from pdserve.engine.weights import file_digest, weight_files
+from pdserve.kernels.attention import AttentionGroup, AttentionMetadata
+from pdserve.kernels.kv_cache import KVCache
+from pdserve.kernels.sampling import sample as sample_tokens
+from pdserve.kernels.slot_mapping import full_slots, ring_slots
+from pdserve.scheduler.sampling_params import SamplingParams
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+_GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass
+class RunnerRow:
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    state_slot: int = -1
+    sampling: SamplingParams = field(default_factory=lambda: _GREEDY)
+    sample: bool = True
+    output_index: int = 0
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, config_dtype: str = "float32") -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        dtype = config_dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose from {', '.join(_DTYPES)} or auto")
+    return _DTYPES[dtype]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        num_state_slots: int | None = None,
+        ring_len: int | None = None,
+        kv_cache_bytes: int = 256 << 20,
+        seed: int = 0,
+    ):
+        from pdserve.engine.model_config import ModelConfig
+
+        self.model_dir = Path(model_dir)
+        self.device = resolve_device(device)
+        cfg0 = ModelConfig.from_dir(model_dir)
+        self.dtype = resolve_dtype(dtype, cfg0.torch_dtype)
+        self.config, self.model = load_model(model_dir, self.dtype, self.device)
+        cfg = self.config
+        self.block_size = block_size
+        if num_state_slots is None:
+            num_state_slots = 256 if cfg.has_sliding_window else 0
+        probe = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 2, block_size,
+                        cfg.layer_windows, max(num_state_slots, 1), ring_len, self.dtype, "meta")
+        if num_kv_blocks is None:
+            per_block = max(probe.bytes_per_block(), 1)
+            num_kv_blocks = int(max(16, min(8192, kv_cache_bytes // per_block)))
+        self.kv_cache = KVCache(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_kv_blocks, block_size,
+            cfg.layer_windows, num_state_slots, ring_len, self.dtype, self.device,
+        )
+        self.num_kv_blocks = num_kv_blocks
+        self.num_state_slots = num_state_slots
+        self.ring_len = self.kv_cache.ring_len
+        self._gen = torch.Generator().manual_seed(seed)
+        self._fingerprint: str | None = None
+
+    # ---- identity ------------------------------------------------------------
+    @property
+    def model_fingerprint(self) -> str:
+        """sha256 over the canonical config.json and every weights file's digest."""
+        if self._fingerprint is None:
+            h = hashlib.sha256()
+            h.update(json.dumps(self.config.raw, sort_keys=True).encode())
+            for f in weight_files(self.model_dir):
+                h.update(f.name.encode())
+                h.update(file_digest(f).encode())
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    # ---- one step ------------------------------------------------------------
+    def execute(self, rows: list[RunnerRow]) -> list[int | None]:
+        if not rows:
+            return []
+        hidden, last = self._forward(rows)
+        want = [i for i, r in enumerate(rows) if r.sample]
+        out: list[int | None] = [None] * len(rows)
+        if not want:
+            return out
+        logits = self.model.compute_logits(hidden[last[want]])
+        tokens = self._sample(logits, [rows[i] for i in want]).tolist()
+        for i, t in zip(want, tokens, strict=True):
+            out[i] = int(t)
+        return out
+
+    def compute_logits(self, rows: list[RunnerRow]) -> torch.Tensor:
+        """Run the step (writing KV like ``execute``) and return fp32 logits [B, V] at
+        each row's last query position, whatever its ``sample`` flag."""
+        hidden, last = self._forward(rows)
+        return self.model.compute_logits(hidden[last])
+
+    # ---- internals -------------------------------------------------------------
+    def _forward(self, rows: list[RunnerRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, positions, meta, last = self.prepare(rows)
+        hidden = self.model(tokens, positions, self.kv_cache, meta)
+        return hidden, last
+
+    def _check(self, rows: list[RunnerRow]) -> None:
+        bs, cache = self.block_size, self.kv_cache
+        for n, r in enumerate(rows):
+            q = len(r.token_ids)
+            if q < 1:
+                raise ValueError(f"row {n}: token_ids is empty")
+            if r.start_pos < 0:
+                raise ValueError(f"row {n}: start_pos must be >= 0, got {r.start_pos}")
+            if cache.full_layers and len(r.block_table) * bs < r.start_pos + q:
+                raise ValueError(
+                    f"row {n}: block_table has {len(r.block_table)} blocks of {bs}, "
+                    f"too few for seqlen_k {r.start_pos + q}"
+                )
+            if cache.ring_layers and not 0 <= r.state_slot < cache.num_state_slots:
+                raise ValueError(
+                    f"row {n}: state_slot {r.state_slot} out of range [0, {cache.num_state_slots})"
+                )
+
+    def prepare(self, rows: list[RunnerRow]):
+        """Flat tokens/positions and attention metadata for a step (on the device)."""
+        self._check(rows)
+        dev, bs, cache = self.device, self.block_size, self.kv_cache
+        b = len(rows)
+        q_lens = torch.tensor([len(r.token_ids) for r in rows], dtype=torch.long)
+        starts = torch.tensor([r.start_pos for r in rows], dtype=torch.long)
+        tokens = torch.tensor(list(chain.from_iterable(r.token_ids for r in rows)),
+                              dtype=torch.long)
+        t = tokens.numel()
+        cu = torch.zeros(b + 1, dtype=torch.long)
+        cu[1:] = q_lens.cumsum(0)
+        token_row = torch.repeat_interleave(torch.arange(b), q_lens)
+        positions = starts[token_row] + torch.arange(t) - cu[token_row]
+        seqlen_k = starts + q_lens
+
+        bt = None
+        slot_mapping = None
+        if cache.full_layers:
+            nb = max(math.ceil((r.start_pos + len(r.token_ids)) / bs) for r in rows)
+            bt = torch.tensor([(r.block_table[:nb] + [0] * nb)[:nb] for r in rows],
+                              dtype=torch.long)
+            slot_mapping = full_slots(bt, token_row, positions, bs)
+        ring_dest = ring_src = slots = None
+        R = cache.ring_len
+        if cache.ring_layers:
+            slots = torch.tensor([r.state_slot for r in rows], dtype=torch.long)
+            dest = ring_slots(slots, seqlen_k, q_lens, token_row, positions, R)
+            keep = dest >= 0
+            ring_dest, ring_src = dest[keep], torch.arange(t)[keep]
+
+        decode = q_lens == 1
+        parts = [decode.nonzero().flatten(), (~decode).nonzero().flatten()]
+        groups = []
+        for ri in parts:
+            if ri.numel() == 0:
+                continue
+            ql, st = q_lens[ri], starts[ri]
+            ar = torch.arange(int(ql.max()))
+            q_valid = ar[None, :] < ql[:, None]
+            off = torch.where(q_valid, ar[None, :], 0)
+            token_index = cu[ri][:, None] + off
+            g_bt = ring_rows = ring_pos = None
+            if bt is not None:
+                nb_g = math.ceil(int(seqlen_k[ri].max()) / bs)
+                g_bt = bt[ri, :nb_g].to(dev)
+            if slots is not None:
+                ar_r = torch.arange(R)
+                ring_rows = (slots[ri][:, None] * R + ar_r[None, :]).to(dev)
+                last = st[:, None] - 1
+                ring_pos = (last - torch.remainder(last - ar_r[None, :], R)).to(dev)
+            groups.append(AttentionGroup(
+                token_index=token_index.to(dev), q_valid=q_valid.to(dev),
+                q_pos=(st[:, None] + off).to(dev), block_tables=g_bt, ring_rows=ring_rows,
+                ring_pos=ring_pos, valid_tokens=token_index[q_valid].to(dev),
+            ))
+        meta = AttentionMetadata(
+            groups=groups,
+            slot_mapping=slot_mapping.to(dev) if slot_mapping is not None else None,
+            ring_dest=ring_dest.to(dev) if ring_dest is not None else None,
+            ring_src=ring_src.to(dev) if ring_src is not None else None,
+            num_tokens=t,
+        )
+        last_index = (cu[1:] - 1).to(dev)
+        return tokens.to(dev), positions.to(dev), meta, last_index
+
+    def _sample(self, logits: torch.Tensor, rows: list[RunnerRow]) -> torch.Tensor:
+        sp = [r.sampling for r in rows]
+        n = len(rows)
+        fresh = torch.randint(-(2**62), 2**62, (n,), generator=self._gen)
+        seeds = torch.tensor(
+            [_seed64(p.seed) if p.seed is not None else int(fresh[i]) for i, p in enumerate(sp)],
+            dtype=torch.long)
+        dev = logits.device
+        return sample_tokens(
+            logits,
+            torch.tensor([p.temperature for p in sp], dtype=torch.float32, device=dev),
+            torch.tensor([p.top_k for p in sp], dtype=torch.long, device=dev),
+            torch.tensor([p.top_p for p in sp], dtype=torch.float32, device=dev),
+            seeds.to(dev),
+            torch.tensor([r.output_index for r in rows], dtype=torch.long, device=dev),
+        )
+
+
+def _seed64(seed: int) -> int:
+    """Any Python int -> a signed 64-bit value (same bits as seed mod 2**64)."""
+    s = seed & ((1 << 64) - 1)
+    return s - (1 << 64) if s >= 1 << 63 else s

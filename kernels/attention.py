@@ -1,0 +1,132 @@
+"""Attention over the paged cache for one step of mixed rows, vectorised over the batch.
+
+A step's query tokens are flat ``[T]`` (rows back to back). The runner splits the
+rows into *groups* of similar query length (decode rows, q = 1; prefill chunks,
+q > 1) and pads each group to ``[B, Qmax]`` with index tensors; there is no Python
+loop over sequences or positions here, only over the (at most two) groups.
+
+Full-attention layer: write the step's K/V rows into their slots first, then each
+row gathers its block table's blocks ``[B, nb * block_size]`` and attends with a
+mask ``key_pos <= query_pos`` (which also hides padding: every key position beyond
+``seqlen_k - 1`` is beyond every real query position).
+
+Sliding-window layer (window ``W``, ring of ``R >= W`` rows per state slot): each
+row reads its ring (the positions before the chunk: ring row ``i`` holds the
+largest ``p < start_pos`` with ``p % R == i``) *before* the chunk is written, and
+concatenates the chunk's own K/V; the mask keeps ``0 <= key_pos``,
+``key_pos <= query_pos`` and ``query_pos - key_pos < W``. Then the chunk's rows are
+written to the ring per S37 (only the last ``R`` of a longer chunk).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionGroup:
+    """Rows of one step padded to a common query length ``Qmax``."""
+
+    token_index: torch.Tensor  # [B, Qmax] long: flat token of each query (padding -> row's first)
+    q_valid: torch.Tensor  # [B, Qmax] bool
+    q_pos: torch.Tensor  # [B, Qmax] long: absolute positions
+    block_tables: torch.Tensor | None  # [B, nb] long, blocks covering seqlen_k (0-padded)
+    ring_rows: torch.Tensor | None  # [B, R] long: flat ring rows of the row's state slot
+    ring_pos: torch.Tensor | None  # [B, R] long: position held by each ring row (< 0: none)
+    valid_tokens: torch.Tensor  # [n_valid] long: token_index[q_valid]
+
+
+@dataclass
+class AttentionMetadata:
+    groups: list[AttentionGroup]
+    slot_mapping: torch.Tensor | None  # [T] flat block slot per token (full layers)
+    ring_dest: torch.Tensor | None  # [T'] ring rows to write (dropped positions removed)
+    ring_src: torch.Tensor | None  # [T'] flat token written to each ring_dest
+    num_tokens: int
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+          scale: float) -> torch.Tensor:
+    """q [B, Qm, Hq, D], k/v [B, Lk, Hk, D], mask [B, Qm, Lk] -> [B, Qm, Hq, D]."""
+    # A padded query row with no visible key would give NaN: let it see key 0.
+    empty = ~mask.any(-1)
+    if bool(empty.any()):
+        mask = mask.clone()
+        mask[..., 0] |= empty
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=mask[:, None], scale=scale, enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
+def write_blocks_kv(k_blocks: torch.Tensor, v_blocks: torch.Tensor, slots: torch.Tensor,
+                    k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write K/V rows [T, Hk, D] into flat slots [T] of [num_blocks, bs, Hk, D] caches."""
+    nb, bs = k_blocks.shape[:2]
+    k_blocks.view(nb * bs, *k_blocks.shape[2:]).index_copy_(0, slots, k)
+    v_blocks.view(nb * bs, *v_blocks.shape[2:]).index_copy_(0, slots, v)
+
+
+def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
+                    group: AttentionGroup, scale: float) -> torch.Tensor:
+    """Causal attention of a group's queries over their block tables (K/V already written).
+
+    q: flat [T, Hq, D]. Returns [n_valid, Hq, D] for ``group.valid_tokens``.
+    """
+    bt = group.block_tables
+    b, nb = bt.shape
+    bs = k_blocks.shape[1]
+    k = k_blocks[bt].reshape(b, nb * bs, *k_blocks.shape[2:])
+    v = v_blocks[bt].reshape(b, nb * bs, *v_blocks.shape[2:])
+    key_pos = torch.arange(nb * bs, device=q.device)
+    mask = key_pos[None, None, :] <= group.q_pos[:, :, None]
+    out = _sdpa(q[group.token_index], k, v, mask, scale)
+    return out[group.q_valid]
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ring: torch.Tensor,
+                   v_ring: torch.Tensor, group: AttentionGroup, window: int,
+                   scale: float) -> torch.Tensor:
+    """Sliding-window attention: ring (positions before the chunk) + the chunk itself.
+
+    q: flat [T, Hq, D]; k/v: flat [T, Hk, D] of this step (not yet in the ring).
+    Returns [n_valid, Hq, D] for ``group.valid_tokens``.
+    """
+    keys = torch.cat([k_ring[group.ring_rows], k[group.token_index]], dim=1)
+    vals = torch.cat([v_ring[group.ring_rows], v[group.token_index]], dim=1)
+    key_pos = torch.cat([group.ring_pos, group.q_pos], dim=1)  # [B, R + Qmax]
+    key_ok = torch.cat([group.ring_pos >= 0, group.q_valid], dim=1)
+    qp = group.q_pos[:, :, None]
+    kp = key_pos[:, None, :]
+    mask = key_ok[:, None, :] & (kp <= qp) & (qp - kp < window)
+    out = _sdpa(q[group.token_index], keys, vals, mask, scale)
+    return out[group.q_valid]
+
+
+def write_ring_kv(k_ring: torch.Tensor, v_ring: torch.Tensor, meta: AttentionMetadata,
+                  k: torch.Tensor, v: torch.Tensor) -> None:
+    if meta.ring_dest is not None and meta.ring_dest.numel():
+        k_ring.index_copy_(0, meta.ring_dest, k[meta.ring_src])
+        v_ring.index_copy_(0, meta.ring_dest, v[meta.ring_src])
+
+
+def attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache,
+                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One layer's attention for a whole step. q [T, Hq, D], k/v [T, Hk, D] -> [T, Hq, D]."""
+    out = torch.empty_like(q)
+    window = cache.layer_windows[layer]
+    if window is None:
+        k_blocks, v_blocks = cache.k_blocks[layer], cache.v_blocks[layer]
+        write_blocks_kv(k_blocks, v_blocks, meta.slot_mapping, k, v)
+        for g in meta.groups:
+            out[g.valid_tokens] = paged_attention(q, k_blocks, v_blocks, g, scale)
+    else:
+        k_ring, v_ring = cache.k_ring[layer], cache.v_ring[layer]
+        for g in meta.groups:  # every group reads the ring before anything is written
+            out[g.valid_tokens] = ring_attention(q, k, v, k_ring, v_ring, g, window, scale)
+        write_ring_kv(k_ring, v_ring, meta, k, v)
+    return out

@@ -1,0 +1,213 @@
+"""Paged KV cache: blocks for full-attention layers, a ring per state slot for
+sliding-window layers.
+
+Layout (per layer ``l``):
+
+- full-attention layer: ``k_blocks[l]``, ``v_blocks[l]`` shaped
+  ``[num_blocks, block_size, num_kv_heads, head_dim]``. Block 0 is padding: the
+  scheduler never hands it out, block tables are padded with 0, and nothing reads
+  a padding entry (masks exclude it).
+- sliding-window layer: ``k_ring[l]``, ``v_ring[l]`` shaped
+  ``[num_state_slots * ring_len, num_kv_heads, head_dim]``; state slot ``s`` owns
+  rows ``s*R .. s*R+R-1`` and position ``p`` lives at row ``s*R + p % R`` (spec S37).
+  ``ring_len >= window`` so a chunk always finds the ``window - 1`` positions before
+  it. Sliding-window layers have no block storage (their entries are ``None``).
+
+KV hand-off (the lead's export/import builds on these):
+
+- ``export_sequence(block_ids, state_slot, num_tokens) -> dict[str, Tensor]``:
+  ``"k_blocks"``/``"v_blocks"``: ``[num_full_layers, n, block_size, H, D]`` for the
+  first ``n = ceil(num_tokens / block_size)`` ids of ``block_ids``;
+  ``"k_ring"``/``"v_ring"``: ``[num_ring_layers, ring_len, H, D]`` for the slot
+  (present only when the model has such layers). Tensors are fresh copies.
+- ``import_sequence(block_ids, state_slot, tensors)``: writes such a dict into
+  this cache's ``block_ids`` (``len >= n``) and ``state_slot``; shapes are checked
+  and errors name the tensor and the expected/actual shape.
+- ``layout()``: plain dict for a payload header (block size, heads, dims, dtype,
+  which layers are full / ring, ring length); two caches can exchange payloads when
+  their layouts are equal.
+- Lower level: ``read_blocks(block_ids)``, ``write_blocks(block_ids, k, v)``,
+  ``read_ring(state_slot)``, ``write_ring(state_slot, k, v)``, and for forks
+  ``copy_block(src, dst)`` and ``copy_state(src_slot, dst_slot)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from pdserve.kernels.slot_mapping import DEFAULT_RING_LEN
+
+
+def default_ring_len(window: int | None) -> int:
+    return max(DEFAULT_RING_LEN, int(window or 0))
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        layer_windows: tuple[int | None, ...] | None = None,
+        num_state_slots: int = 0,
+        ring_len: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ):
+        windows = tuple(layer_windows) if layer_windows is not None else (None,) * num_layers
+        if len(windows) != num_layers:
+            raise ValueError(f"layer_windows has {len(windows)} entries, expected {num_layers}")
+        max_window = max((w for w in windows if w is not None), default=None)
+        if ring_len is None:
+            ring_len = default_ring_len(max_window)
+        if max_window is not None and ring_len < max_window:
+            raise ValueError(f"ring_len {ring_len} is shorter than the sliding window {max_window}")
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is padding), got {num_blocks}")
+        if max_window is not None and num_state_slots < 1:
+            raise ValueError("a sliding-window model needs num_state_slots >= 1")
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.layer_windows = windows
+        self.num_state_slots = num_state_slots
+        self.ring_len = ring_len
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.full_layers = [i for i, w in enumerate(windows) if w is None]
+        self.ring_layers = [i for i, w in enumerate(windows) if w is not None]
+
+        def blocks():
+            return torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
+                               device=self.device)
+
+        def ring():
+            return torch.zeros(num_state_slots * ring_len, num_kv_heads, head_dim, dtype=dtype,
+                               device=self.device)
+
+        self.k_blocks = [blocks() if w is None else None for w in windows]
+        self.v_blocks = [blocks() if w is None else None for w in windows]
+        self.k_ring = [ring() if w is not None else None for w in windows]
+        self.v_ring = [ring() if w is not None else None for w in windows]
+
+    # ---- description -------------------------------------------------------
+    def layout(self) -> dict:
+        return {
+            "block_size": self.block_size,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "full_layers": list(self.full_layers),
+            "ring_layers": list(self.ring_layers),
+            "ring_len": self.ring_len if self.ring_layers else 0,
+        }
+
+    def bytes_per_block(self) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * len(self.full_layers) * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    # ---- blocks ------------------------------------------------------------
+    def _ids(self, ids) -> torch.Tensor:
+        return torch.as_tensor(list(ids), dtype=torch.long, device=self.device)
+
+    def read_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the full-attention layers: [num_full_layers, n, bs, H, D] each."""
+        idx = self._ids(block_ids)
+        if not self.full_layers:
+            empty = torch.empty(0, len(block_ids), self.block_size, self.num_kv_heads,
+                                self.head_dim, dtype=self.dtype, device=self.device)
+            return empty, empty.clone()
+        k = torch.stack([self.k_blocks[i].index_select(0, idx) for i in self.full_layers])
+        v = torch.stack([self.v_blocks[i].index_select(0, idx) for i in self.full_layers])
+        return k, v
+
+    def write_blocks(self, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        idx = self._ids(block_ids)
+        shape = (len(self.full_layers), len(block_ids), self.block_size, self.num_kv_heads,
+                 self.head_dim)
+        _check("k_blocks", k, shape)
+        _check("v_blocks", v, shape)
+        for n, i in enumerate(self.full_layers):
+            self.k_blocks[i].index_copy_(0, idx, k[n].to(self.device, self.dtype))
+            self.v_blocks[i].index_copy_(0, idx, v[n].to(self.device, self.dtype))
+
+    def copy_block(self, src: int, dst: int) -> None:
+        for i in self.full_layers:
+            self.k_blocks[i][dst].copy_(self.k_blocks[i][src])
+            self.v_blocks[i][dst].copy_(self.v_blocks[i][src])
+
+    # ---- ring --------------------------------------------------------------
+    def _ring_rows(self, state_slot: int) -> slice:
+        if not 0 <= state_slot < self.num_state_slots:
+            raise IndexError(f"state slot {state_slot} out of range [0, {self.num_state_slots})")
+        return slice(state_slot * self.ring_len, (state_slot + 1) * self.ring_len)
+
+    def read_ring(self, state_slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V rings of the sliding-window layers: [num_ring_layers, R, H, D] each."""
+        if not self.ring_layers:
+            empty = torch.empty(0, self.ring_len, self.num_kv_heads, self.head_dim,
+                                dtype=self.dtype, device=self.device)
+            return empty, empty.clone()
+        rows = self._ring_rows(state_slot)
+        k = torch.stack([self.k_ring[i][rows] for i in self.ring_layers])
+        v = torch.stack([self.v_ring[i][rows] for i in self.ring_layers])
+        return k, v
+
+    def write_ring(self, state_slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        rows = self._ring_rows(state_slot)
+        shape = (len(self.ring_layers), self.ring_len, self.num_kv_heads, self.head_dim)
+        _check("k_ring", k, shape)
+        _check("v_ring", v, shape)
+        for n, i in enumerate(self.ring_layers):
+            self.k_ring[i][rows] = k[n].to(self.device, self.dtype)
+            self.v_ring[i][rows] = v[n].to(self.device, self.dtype)
+
+    def copy_state(self, src_slot: int, dst_slot: int) -> None:
+        if not self.ring_layers:
+            return
+        src, dst = self._ring_rows(src_slot), self._ring_rows(dst_slot)
+        for i in self.ring_layers:
+            self.k_ring[i][dst] = self.k_ring[i][src]
+            self.v_ring[i][dst] = self.v_ring[i][src]
+
+    # ---- whole sequence (KV hand-off) ----------------------------------------
+    def export_sequence(
+        self, block_ids: list[int], state_slot: int, num_tokens: int
+    ) -> dict[str, torch.Tensor]:
+        n = math.ceil(num_tokens / self.block_size)
+        if n > len(block_ids):
+            raise ValueError(f"{num_tokens} tokens need {n} blocks, block table has {len(block_ids)}")
+        out: dict[str, torch.Tensor] = {}
+        if self.full_layers:
+            out["k_blocks"], out["v_blocks"] = self.read_blocks(block_ids[:n])
+        if self.ring_layers:
+            out["k_ring"], out["v_ring"] = self.read_ring(state_slot)
+        return out
+
+    def import_sequence(
+        self, block_ids: list[int], state_slot: int, tensors: dict[str, torch.Tensor]
+    ) -> None:
+        if self.full_layers:
+            for key in ("k_blocks", "v_blocks"):
+                if key not in tensors:
+                    raise ValueError(f"KV import: tensor {key!r} missing")
+            n = tensors["k_blocks"].shape[1]
+            if n > len(block_ids):
+                raise ValueError(f"KV import: payload has {n} blocks, block table {len(block_ids)}")
+            self.write_blocks(block_ids[:n], tensors["k_blocks"], tensors["v_blocks"])
+        if self.ring_layers:
+            for key in ("k_ring", "v_ring"):
+                if key not in tensors:
+                    raise ValueError(f"KV import: tensor {key!r} missing")
+            self.write_ring(state_slot, tensors["k_ring"], tensors["v_ring"])
+
+
+def _check(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"KV tensor {name!r}: expected shape {tuple(shape)}, got {tuple(t.shape)}")

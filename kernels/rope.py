@@ -1,0 +1,62 @@
+"""Rotary position embeddings, computed exactly as transformers does (fp32 angles).
+
+Supports the ``default``, ``linear`` and ``llama3`` frequency schedules. The
+rotation is the "rotate half" convention used by Llama-family HF checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def inv_frequencies(
+    head_dim: int,
+    theta: float,
+    rope_type: str = "default",
+    factor: float = 1.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_position_embeddings: int = 8192,
+) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in fp32 (transformers' formulas)."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim)
+    )
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / factor
+    if rope_type != "llama3":
+        raise ValueError(f"unsupported rope_type {rope_type!r}")
+    old_len = original_max_position_embeddings
+    low_freq_wavelen = old_len / low_freq_factor
+    high_freq_wavelen = old_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [T, head_dim] for integer positions [T]."""
+    freqs = positions[:, None].float() * inv_freq.to(positions.device, torch.float)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos/sin: [T, head_dim]."""
+    cos = cos[:, None, :]
+    sin = sin[:, None, :]
+    return x * cos + rotate_half(x) * sin
