@@ -94,7 +94,7 @@ def test_s15_fork_later_stops_the_pass(kit):
     s = kit.sched(PROMPT, num_blocks=8)
     parent = _parent_mid_prompt(kit, s)  # owns 5 of 7 blocks
     child = s.fork(parent, "C")
-    s.blocks.allocate(1)  # 1 free; the child needs 1 copy + 0 more... plus 3 for the tail
+    s.blocks.allocate(1)  # 1 free; the child needs 1 copy of its partial block + 3 more
     s.add(kit.seq("D", 1))
     out = s.schedule()
     assert out.scheduled == [] and list(s.waiting)[:2] == [child, parent]
