@@ -1,0 +1,93 @@
+"""Section 9: opt-in policies, each run against the default on the same trace."""
+
+from __future__ import annotations
+
+from pdserve.scheduler import SequenceStatus, StepKind
+
+
+def _first_token_steps(kit, **policy):
+    s = kit.sched(max_num_batched_tokens=4, max_num_seqs=4, prefill_attempt_interval=1, **policy)
+    s.add(kit.seq("A", 12))
+    s.add(kit.seq("B", 2))
+    first, order = {}, []
+    for step in range(1, 8):
+        out, res = kit.step(s)
+        if out.kind is StepKind.PROMPT:
+            order.append(kit.rows(out))
+        for q in res.updated:
+            first.setdefault(q.request_id, step)
+    return first, order
+
+
+def test_continuation_at_back_lets_a_short_prompt_through(kit):
+    default, default_order = _first_token_steps(kit)
+    rotate, rotate_order = _first_token_steps(kit, continuation_at_back=True)
+    # Default: A's unfinished prompt returns to the front and keeps the budget.
+    assert default_order[:4] == [[("A", 4, 4)], [("A", 4, 8)], [("A", 4, 12)], [("B", 2, 2)]]
+    assert default == {"A": 3, "B": 4}
+    # Rotation: A goes to the back after each chunk, so B passes it.
+    assert rotate_order[:2] == [[("A", 4, 4)], [("B", 2, 2), ("A", 2, 6)]]
+    assert rotate["B"] == 2 < default["B"] and rotate["A"] > default["A"]
+
+
+def _bypass_trace(kit, limit, steps=40):
+    """A head needing 5 blocks waits while R holds 6 of 10; a small request (one block,
+    three tokens) arrives every step, so blocks are never all free at once."""
+    s = kit.sched(num_blocks=11, max_num_seqs=8, prefill_attempt_interval=1,
+                  hol_bypass_limit=limit)
+    r = kit.seq("R", 21, 1, max_tokens=3)  # 6 blocks, enough for its whole answer
+    r.processed = 21
+    s.add_prefilled(r)
+    s.decode_step = 1
+    kit.step(s)  # R joins running: 4 blocks free
+    head = kit.seq("H", 20, max_tokens=2)
+    s.add(head)
+    before, first_token, head_step = [], {}, None
+    for step in range(steps):
+        s.add(kit.seq(f"s{step}", 2, max_tokens=3))
+        out, res = kit.step(s)
+        for q in res.updated:
+            first_token.setdefault(q.request_id, step)
+        if out.kind is StepKind.PROMPT:
+            for row in out.scheduled:
+                if row.seq is head:
+                    head_step = step
+                elif head_step is None:
+                    before.append(row.seq.request_id)
+        assert head.bypassed <= limit
+    assert not r.block_table  # R finished
+    return head_step, before, first_token, head
+
+
+def test_bounded_bypass_with_aging_never_starves_the_head(kit):
+    d_step, d_before, d_first, d_head = _bypass_trace(kit, limit=0)
+    b_step, b_before, b_first, b_head = _bypass_trace(kit, limit=2)
+    assert d_before == [] and d_head.bypassed == 0  # head-of-line blocking
+    assert b_before == ["s0", "s1"] and b_head.bypassed == 2  # two passes, then it blocks
+    assert b_first["s0"] < d_first["s0"] and b_first["s1"] <= d_first["s1"]
+    # The head is admitted and finishes although small requests never stop arriving.
+    assert d_step is not None and b_step is not None
+    assert d_head.status.is_finished and b_head.status.is_finished
+    assert b_step - d_step <= 2  # the price: at most K extra steps here
+
+
+def _room_trace(kit, **policy):
+    s = kit.sched(num_blocks=4, stop_preempted_request=True, **policy)
+    a = kit.running(s, "A", 5, 1)  # 2 blocks hold 8 positions: room for 2 more tokens
+    s.blocks.allocate(s.blocks.num_free)
+    s.decode_step = 1
+    return s, a, s.schedule()
+
+
+def test_decode_candidate_with_room_needs_no_free_block(kit):
+    _, a, out = _room_trace(kit)
+    assert out.scheduled == [] and a.status is SequenceStatus.FINISHED_PREEMPTED
+    s, a, out = _room_trace(kit, decode_room_needs_no_block=True)
+    assert kit.names(out.scheduled) == ["A"] and out.preempted == []
+    for _ in range(2):  # positions 6 and 7 still fit the 2 blocks
+        s.process_outputs(out, [5])
+        out = s.schedule()
+        assert kit.names(out.scheduled) == ["A"]
+    s.process_outputs(out, [5])
+    out = s.schedule()  # position 8 needs a third block: none free, preempted after all
+    assert out.preempted == [a] and a.block_table == []
