@@ -101,8 +101,52 @@ class ModelRunner:
         self.ring_len = self.kv_cache.ring_len
         self._gen = torch.Generator().manual_seed(seed)
         self._fingerprint: str | None = None
+        self._tokenizer = None
+
+    @classmethod
+    def from_engine_config(cls, config) -> ModelRunner:
+        """Build from ``pdserve.engine.config.EngineConfig`` (duck-typed): model_dir, dtype,
+        device, block_size, num_kv_blocks, kv_cache_memory_mb, num_threads, max_num_seqs.
+        State slots: ``2 * max_num_seqs + 1`` (the scheduler's pool, slot 0 included)."""
+        threads = getattr(config, "num_threads", None)
+        if threads:
+            torch.set_num_threads(int(threads))
+        slots = getattr(config, "num_state_slots", None)
+        if slots is None:
+            slots = 2 * int(getattr(config, "max_num_seqs", 64)) + 1
+        return cls(
+            config.model_dir,
+            dtype=getattr(config, "dtype", "float32"),
+            device=getattr(config, "device", "cpu"),
+            block_size=config.block_size,
+            num_kv_blocks=getattr(config, "num_kv_blocks", None),
+            num_state_slots=slots,
+            ring_len=getattr(config, "ring_len", None),
+            kv_cache_bytes=int(getattr(config, "kv_cache_memory_mb", 256)) << 20,
+        )
 
     # ---- identity ------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        """The folder's tokenizer (``pdserve.engine.tokenizer.Tokenizer``), loaded on first use."""
+        if self._tokenizer is None:
+            from pdserve.engine.tokenizer import Tokenizer
+
+            self._tokenizer = Tokenizer.from_dir(self.model_dir)
+        return self._tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_position_embeddings
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
     @property
     def model_fingerprint(self) -> str:
         """sha256 over the canonical config.json and every weights file's digest."""

@@ -23,6 +23,8 @@ KV hand-off (the lead's export/import builds on these):
 - ``import_sequence(block_ids, state_slot, tensors)``: writes such a dict into
   this cache's ``block_ids`` (``len >= n``) and ``state_slot``; shapes are checked
   and errors name the tensor and the expected/actual shape.
+- ``check_import(tensors, num_tokens)``: the same checks without writing (call it
+  before allocating blocks for the payload).
 - ``layout()``: plain dict for a payload header (block size, heads, dims, dtype,
   which layers are full / ring, ring length); two caches can exchange payloads when
   their layouts are equal.
@@ -189,6 +191,30 @@ class KVCache:
         if self.ring_layers:
             out["k_ring"], out["v_ring"] = self.read_ring(state_slot)
         return out
+
+    def check_import(self, tensors: dict[str, torch.Tensor], num_tokens: int) -> None:
+        """Validate a payload's tensors for ``num_tokens`` positions without writing.
+
+        Raises ValueError naming the tensor and the expected/actual shape or dtype."""
+        n = math.ceil(num_tokens / self.block_size)
+        want: dict[str, tuple[int, ...]] = {}
+        if self.full_layers:
+            shape = (len(self.full_layers), n, self.block_size, self.num_kv_heads, self.head_dim)
+            want["k_blocks"] = want["v_blocks"] = shape
+        if self.ring_layers:
+            shape = (len(self.ring_layers), self.ring_len, self.num_kv_heads, self.head_dim)
+            want["k_ring"] = want["v_ring"] = shape
+        for key, shape in want.items():
+            if key not in tensors:
+                raise ValueError(f"KV import: tensor {key!r} missing")
+            _check(key, tensors[key], shape)
+            if tensors[key].dtype != self.dtype:
+                raise ValueError(
+                    f"KV tensor {key!r}: expected dtype {self.dtype}, got {tensors[key].dtype}"
+                )
+        extra = sorted(set(tensors) - set(want))
+        if extra:
+            raise ValueError(f"KV import: unexpected tensor(s) {', '.join(extra)}")
 
     def import_sequence(
         self, block_ids: list[int], state_slot: int, tensors: dict[str, torch.Tensor]

@@ -1,0 +1,80 @@
+"""The ``pdserve`` command line.
+
+Subcommands register themselves in ``COMMANDS``: each entry is a name, a one-line
+help, a function that adds its arguments to a parser, and a function that runs it
+(``args -> exit code``). To add one (``serve``, ``generate``, ...)::
+
+    register("generate", "generate text offline", _add_generate_args, _run_generate)
+
+Imports of heavy modules (torch, ray) happen inside the run functions, so
+``pdserve --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def register(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None],
+             run: Callable[[argparse.Namespace], int]) -> None:
+    if name in COMMANDS:
+        raise ValueError(f"command {name!r} is already registered")
+    COMMANDS[name] = Command(name, help, add_arguments, run)
+
+
+# ---- make-tiny-model ------------------------------------------------------------
+
+def _add_make_tiny_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", help="folder to write (created if needed)")
+    p.add_argument("--variant", choices=["llama", "mistral-swa"], default="llama",
+                   help="llama (GQA) or mistral-swa (sliding window 32)")
+    p.add_argument("--size", choices=["tiny", "small"], default="tiny",
+                   help="tiny (~5M parameters) or small (~80M)")
+
+
+def _run_make_tiny_model(args: argparse.Namespace) -> int:
+    from pdserve.engine.tiny_model import make_tiny_model
+
+    out = make_tiny_model(args.dir, variant=args.variant, size=args.size)
+    print(f"wrote {args.variant}/{args.size} model to {out}")
+    return 0
+
+
+register("make-tiny-model", "write the built-in deterministic model as a HF folder",
+         _add_make_tiny_model_args, _run_make_tiny_model)
+
+
+# ---- entry point ---------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for cmd in COMMANDS.values():
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        cmd.add_arguments(p)
+        p.set_defaults(_run=cmd.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""Slot mapping (S36, S37), the KV cache's export/import, sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pdserve.engine.model_runner import ModelRunner, RunnerRow
+from pdserve.kernels.kv_cache import KVCache
+from pdserve.kernels.sampling import apply_top_k_top_p, sample, seeded_uniform
+from pdserve.kernels.slot_mapping import (
+    full_slots,
+    full_slots_list,
+    ring_slots,
+    ring_slots_list,
+)
+from pdserve.scheduler.sampling_params import SamplingParams
+
+
+def test_s37_worked_example():
+    """300-token prompt, budget 128, state slot 2, R = 134: chunks (cached, q, seqlen_k)
+    (0,128,128), (128,128,256), (256,44,300); in chunk 2 (the second) j=0 -> 396, j=6 -> 268."""
+    chunks = [(0, 128, 128), (128, 128, 256), (256, 44, 300)]
+    dests = [ring_slots_list(2, k, q, 134) for _, q, k in chunks]
+    assert dests[1][0] == 396 and dests[1][6] == 268
+    assert all(d != -1 for d in dests[0])  # q - j <= 128 <= R
+    assert all(2 * 134 <= d < 3 * 134 for ds in dests for d in ds)
+
+
+def test_s37_long_chunk_keeps_last_r():
+    d = ring_slots_list(1, seqlen_k=300, q=300, ring_len=134)
+    assert d[:166] == [-1] * 166
+    assert sorted(d[166:]) == list(range(134, 268))  # each ring row exactly once
+
+
+def test_slot_tensors_match_lists():
+    bs, ring = 16, 64
+    rows = [(0, 37, [3, 9, 4]), (21, 1, [5, 6]), (128, 90, list(range(20, 34)))]
+    slots = [0, 3, 1]
+    q_lens = torch.tensor([r[1] for r in rows])
+    starts = torch.tensor([r[0] for r in rows])
+    token_row = torch.repeat_interleave(torch.arange(len(rows)), q_lens)
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)])
+    pos = starts[token_row] + torch.arange(int(q_lens.sum())) - cu[token_row]
+    nb = max(len(r[2]) for r in rows)
+    bt = torch.tensor([r[2] + [0] * (nb - len(r[2])) for r in rows])
+    want = sum((full_slots_list(t, s, q, bs) for s, q, t in rows), [])
+    assert full_slots(bt, token_row, pos, bs).tolist() == want
+    want_r = sum((ring_slots_list(sl, s + q, q, ring) for sl, (s, q, _) in
+                  zip(slots, rows, strict=True)), [])
+    got_r = ring_slots(torch.tensor(slots), starts + q_lens, q_lens, token_row, pos, ring)
+    assert got_r.tolist() == want_r
+    assert got_r.tolist().count(-1) == 90 - ring
+
+
+def _cache(**kw):
+    args = dict(num_layers=3, num_kv_heads=2, head_dim=4, num_blocks=10, block_size=4,
+                layer_windows=(None, 8, None), num_state_slots=3, ring_len=8)
+    args.update(kw)
+    return KVCache(**args)
+
+
+def test_kv_export_import_roundtrip_and_checks():
+    a, b = _cache(), _cache()
+    g = torch.Generator().manual_seed(0)
+    for t in a.k_blocks + a.v_blocks + a.k_ring + a.v_ring:
+        if t is not None:
+            t.copy_(torch.randn(t.shape, generator=g))
+    payload = a.export_sequence([4, 2, 7, 9], state_slot=1, num_tokens=10)  # 3 blocks
+    assert payload["k_blocks"].shape == (2, 3, 4, 2, 4)
+    assert payload["k_ring"].shape == (1, 8, 2, 4)
+    b.check_import(payload, 10)
+    b.import_sequence([1, 5, 6], state_slot=2, tensors=payload)
+    assert torch.equal(b.k_blocks[2][5], a.k_blocks[2][2])
+    assert torch.equal(b.v_blocks[0][6], a.v_blocks[0][7])
+    assert torch.equal(b.k_ring[1][16:24], a.k_ring[1][8:16])
+    assert a.layout() == b.layout()
+    with pytest.raises(ValueError, match=r"'k_blocks': expected shape \(2, 4, 4, 2, 4\)"):
+        b.check_import(payload, 13)
+    with pytest.raises(ValueError, match="'v_ring' missing"):
+        b.check_import({k: v for k, v in payload.items() if k != "v_ring"}, 10)
+    with pytest.raises(ValueError, match="expected dtype"):
+        b.check_import({k: v.double() for k, v in payload.items()}, 10)
+
+
+def test_copy_block_and_state():
+    c = _cache()
+    c.k_blocks[0][3].fill_(1.5)
+    c.k_ring[1][8:16].fill_(2.5)
+    c.copy_block(3, 4)
+    c.copy_state(1, 2)
+    assert c.k_blocks[0][4].eq(1.5).all() and c.k_ring[1][16:24].eq(2.5).all()
+
+
+@pytest.mark.parametrize("variant", ["llama", "mistral-swa"])
+def test_handoff_between_runners_continues_identically(tiny_dirs, h, variant):
+    """Prefill on one runner, export, import into another runner's different blocks and
+    state slot: decoding continues exactly as on the first."""
+    path = tiny_dirs[variant]
+    (prompt,) = h.prompts_of([70], seed=11)
+    a = ModelRunner(path, num_kv_blocks=16, num_state_slots=4)
+    b = ModelRunner(path, num_kv_blocks=16, num_state_slots=4)
+    assert a.model_fingerprint == b.model_fingerprint and a.dtype == b.dtype
+    ta, tb = [1, 2, 3, 4, 5, 6], [9, 12, 10, 11, 13, 14]
+    first = a.execute([RunnerRow(prompt, 0, ta, 1)])[0]
+    b.kv_cache.import_sequence(tb, 3, a.kv_cache.export_sequence(ta, 1, len(prompt)))
+    ga, gb = [first], [first]
+    for i in range(8):
+        pos = len(prompt) + i
+        ga += a.execute([RunnerRow([ga[-1]], pos, ta, 1, output_index=i + 1)])
+        gb += b.execute([RunnerRow([gb[-1]], pos, tb, 3, output_index=i + 1)])
+    assert ga == gb
+
+
+# ---- sampling ---------------------------------------------------------------------
+
+def _sample_rows(logits, params, out_idx):
+    n = len(params)
+    return sample(
+        logits,
+        torch.tensor([p.temperature for p in params]),
+        torch.tensor([p.top_k for p in params]),
+        torch.tensor([p.top_p for p in params]),
+        torch.tensor([p.seed for p in params]),
+        torch.tensor(out_idx if isinstance(out_idx, list) else [out_idx] * n),
+    )
+
+
+def test_seeded_sampling_independent_of_batch():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 500, generator=g)
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, seed=s) for t, k, p, s in [
+        (1.0, -1, 1.0, 7), (0.7, 50, 1.0, 7), (1.3, -1, 0.9, 123), (1.0, 5, 0.5, -4),
+        (0.0, -1, 1.0, 1), (2.0, -1, 1.0, 2**40)]]
+    together = _sample_rows(logits, params, [0, 1, 2, 3, 4, 5])
+    alone = [int(_sample_rows(logits[i:i + 1], params[i:i + 1], [i])[0]) for i in range(6)]
+    perm = [5, 2, 0, 4, 1, 3]
+    shuffled = _sample_rows(logits[perm], [params[i] for i in perm], perm)
+    assert together.tolist() == alone
+    assert shuffled.tolist() == [alone[i] for i in perm]
+    assert int(together[4]) == int(logits[4].argmax())  # temperature 0 is greedy
+
+
+def test_seeded_uniform_is_uniform_and_seed_sensitive():
+    u = seeded_uniform(torch.tensor([1, 2]), torch.tensor([0, 0]), 20000)
+    assert 0 < u.min() and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.01
+    assert not torch.equal(u[0], u[1])
+    u2 = seeded_uniform(torch.tensor([1]), torch.tensor([1]), 20000)
+    assert not torch.equal(u[0], u2[0])
+
+
+def test_sampling_follows_softmax():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(4000, 1)
+    n = logits.shape[0]
+    t = sample(logits, torch.ones(n), torch.full((n,), -1), torch.ones(n),
+               torch.arange(n), torch.zeros(n, dtype=torch.long))
+    freq = torch.bincount(t, minlength=4).float() / n
+    assert (freq - logits[0].softmax(-1)).abs().max() < 0.03
+
+
+def test_top_k_top_p_filters():
+    x = torch.tensor([[3.0, 2.0, 1.0, 0.0], [3.0, 2.0, 1.0, 0.0]])
+    y = apply_top_k_top_p(x, torch.tensor([2, -1]), torch.tensor([1.0, 0.5]))
+    assert torch.isinf(y[0, 2:]).all() and torch.isfinite(y[0, :2]).all()
+    assert torch.isfinite(y[1, 0]) and torch.isinf(y[1, 1:]).all()  # p(top) = 0.64 > 0.5
+    n = 64
+    t = sample(x[:1].repeat(n, 1), torch.ones(n), torch.full((n,), 2), torch.ones(n),
+               torch.arange(n), torch.zeros(n, dtype=torch.long))
+    assert set(t.tolist()) <= {0, 1}
+
+
+def test_runner_seeded_generation_reproducible_across_batches(tiny_dirs, h):
+    path = tiny_dirs["llama"]
+    prompts = h.prompts_of([12, 30, 7], seed=21)
+    sp = [SamplingParams(temperature=1.0, top_p=0.95, seed=42, max_tokens=10),
+          SamplingParams(temperature=0.8, top_k=40, seed=43, max_tokens=10),
+          SamplingParams(temperature=1.0, seed=None, max_tokens=10)]
+    runner = ModelRunner(path, num_kv_blocks=64, num_state_slots=4)
+    together = h.drive(runner, prompts, 10, budget=16, sampling=sp)
+    alone0 = h.drive(ModelRunner(path, num_kv_blocks=64), prompts[:1], 10, sampling=sp[:1])
+    alone1 = h.drive(ModelRunner(path, num_kv_blocks=64), prompts[1:2], 10, sampling=sp[1:2],
+                     first_block=30)
+    assert together[0] == alone0[0]
+    assert together[1] == alone1[0]
+    assert together[0] != h.drive(ModelRunner(path, num_kv_blocks=64), prompts[:1], 10,
+                                  sampling=[SamplingParams(temperature=1.0, top_p=0.95,
+                                                           seed=41)])[0]
