@@ -16,26 +16,27 @@ class BlockPool:
     """Ids 1..num_blocks-1 are handed out; id 0 is reserved so padding rows have a
     harmless target. Freed ids go to the back, so recently freed ids are reused last."""
 
-    __slots__ = ("num_blocks", "_free", "_refs")
+    __slots__ = ("num_blocks", "free_queue", "_refs")
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (id 0 is reserved), got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(1, num_blocks))
+        # Read-only for callers (hot loops test it for emptiness); mutate through methods.
+        self.free_queue: deque[int] = deque(range(1, num_blocks))
         self._refs = [0] * num_blocks
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self.free_queue)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - 1 - len(self._free)
+        return self.num_blocks - 1 - len(self.free_queue)
 
     @property
     def free_ids(self) -> list[int]:
-        return list(self._free)
+        return list(self.free_queue)
 
     def refcount(self, block_id: int) -> int:
         return self._refs[block_id]
@@ -43,19 +44,19 @@ class BlockPool:
     def can_allocate(self, n: int) -> AllocStatus:
         if n >= self.num_blocks:
             return AllocStatus.NEVER
-        return AllocStatus.OK if len(self._free) >= n else AllocStatus.LATER
+        return AllocStatus.OK if len(self.free_queue) >= n else AllocStatus.LATER
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise RuntimeError(f"cannot allocate {n} ids, {len(self._free)} free")
-        free, refs = self._free, self._refs
+        if n > len(self.free_queue):
+            raise RuntimeError(f"cannot allocate {n} ids, {len(self.free_queue)} free")
+        free, refs = self.free_queue, self._refs
         ids = [free.popleft() for _ in range(n)]
         for i in ids:
             refs[i] = 1
         return ids
 
     def allocate_one(self) -> int:
-        i = self._free.popleft()
+        i = self.free_queue.popleft()
         self._refs[i] = 1
         return i
 
@@ -68,7 +69,7 @@ class BlockPool:
 
     def free(self, ids: list[int]) -> None:
         """Drop one reference to each id, last one first (S1)."""
-        refs, free = self._refs, self._free
+        refs, free = self._refs, self.free_queue
         for i in reversed(ids):
             if refs[i] <= 0:
                 raise RuntimeError(f"double free of id {i}")
@@ -85,8 +86,8 @@ class BlockPool:
         held = [i for i in range(1, self.num_blocks) if self._refs[i] != 0]
         if held:
             problems.append(f"ids still referenced {{id: refs}}: {{{', '.join(f'{i}: {self._refs[i]}' for i in held[:32])}}}")
-        if len(self._free) != self.num_blocks - 1 or len(set(self._free)) != len(self._free):
-            problems.append(f"free list has {len(self._free)} ids, expected {self.num_blocks - 1}")
-        if self._refs[0] != 0 or 0 in self._free:
+        if len(self.free_queue) != self.num_blocks - 1 or len(set(self.free_queue)) != len(self.free_queue):
+            problems.append(f"free list has {len(self.free_queue)} ids, expected {self.num_blocks - 1}")
+        if self._refs[0] != 0 or 0 in self.free_queue:
             problems.append("reserved id 0 was handed out")
         return problems

@@ -31,6 +31,7 @@ class Scheduler:
         self.engine_type = EngineType(engine_type)
         self.comm = communicator if communicator is not None else SingleRankCommunicator()
         self.blocks = BlockPool(config.num_blocks)
+        self._block_size = config.block_size
         self.states = BlockPool(config.num_state_slots)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # may hold finished sequences until the next decode pass
@@ -39,22 +40,24 @@ class Scheduler:
         self.num_preemptions = 0
         self._live: dict[str, Sequence] = {}  # admitted, not retired, not handed off
         self._unreported: list[Sequence] = []  # retired since the last process_outputs
+        self._maybe_finished_in_queues = False  # set by abort and by every finish
         self._install_policies(config)
 
     # ---- policies (spec section 9): each a named hook, the default first ----
 
     def _install_policies(self, config: SchedulerConfig) -> None:
-        waiting = self.waiting
+        waiting, free_blocks = self.waiting, self.blocks.free_queue
+
+        def has_free_block(seq: Sequence) -> bool:  # the released policy
+            return len(free_blocks) > 0
+
         self._requeue_partial = waiting.append if config.continuation_at_back else waiting.appendleft
         self._candidate_fits = (
-            self._has_room_or_free_block if config.decode_room_needs_no_block else self._has_free_block
+            self._has_room_or_free_block if config.decode_room_needs_no_block else has_free_block
         )
         self._bypass_later_head = (
             self._bypass_with_aging if config.hol_bypass_limit > 0 else self._never_bypass
         )
-
-    def _has_free_block(self, seq: Sequence) -> bool:
-        return self.blocks.num_free > 0
 
     def _has_room_or_free_block(self, seq: Sequence) -> bool:
         return self.blocks.num_free > 0 or len(seq.block_table) >= self.blocks_needed(seq)
@@ -111,6 +114,7 @@ class Scheduler:
         if seq is None or seq.status.is_finished:
             return False
         seq.status = SequenceStatus.FINISHED_ABORTED
+        self._maybe_finished_in_queues = True
         return True
 
     def fork(self, parent: Sequence, child_request_id: str) -> Sequence:
@@ -301,23 +305,26 @@ class Scheduler:
         candidate_fits = self._candidate_fits
         scheduled: list[Sequence] = []
         left, right = 0, len(running)
+        append_slot = self._append_slot
         while left < right and len(scheduled) < max_seqs:
             seq = running[right - 1]
-            while not candidate_fits(seq) and right - left > 1:
+            fits = candidate_fits(seq)
+            while not fits and right - left > 1:
                 self._preempt(running[left], out)
                 left += 1
-            if candidate_fits(seq):
-                self._append_slot(seq)
+                fits = candidate_fits(seq)
+            if fits:
+                append_slot(seq)
                 scheduled.append(seq)
             else:
                 self._preempt(seq, out)
             right -= 1
         scheduled.sort(key=len, reverse=True)  # S29: batch order, longest history first
-        rows = out.scheduled
+        out.scheduled = rows = [
+            ScheduledSequence(seq, 1, seq.processed + seq.in_flight + 1, True) for seq in scheduled
+        ]  # S36, before the in-flight counts grow
         for seq in scheduled:
-            seqlen_k = seq.processed + seq.in_flight + 1
             seq.in_flight += 1
-            rows.append(ScheduledSequence(seq, 1, seqlen_k, True))
         out.num_batched_tokens = len(rows)
         # Anything the max_num_seqs cap left unvisited stays running, unscheduled.
         self.running = scheduled + running[left:right] if left < right else scheduled
@@ -326,18 +333,19 @@ class Scheduler:
 
     def _sweep_finished(self, ignored: list[Sequence]) -> None:
         """S26: finished sequences leave running; aborted ones can sit anywhere in waiting."""
-        if any(s.status.is_finished for s in self.running):
-            keep = []
-            for seq in self.running:
-                if seq.status.is_finished:
-                    self._retire_into(seq, ignored)
-                else:
-                    keep.append(seq)
-            self.running = keep
-        if any(s.status.is_finished for s in self.waiting):
-            for seq in [s for s in self.waiting if s.status.is_finished]:
-                self.waiting.remove(seq)
+        if not self._maybe_finished_in_queues:  # spares a scan of both queues every step
+            return
+        self._maybe_finished_in_queues = False
+        keep = []
+        for seq in self.running:
+            if seq.status.is_finished:
                 self._retire_into(seq, ignored)
+            else:
+                keep.append(seq)
+        self.running = keep
+        for seq in [s for s in self.waiting if s.status.is_finished]:
+            self.waiting.remove(seq)
+            self._retire_into(seq, ignored)
 
     def _admit_prompted(self, out: SchedulerOutput) -> None:
         """S27: prefilled (imported or forked) sequences join running while there is room."""
@@ -361,7 +369,8 @@ class Scheduler:
         """Grow the table by one block when the next position needs it; shrink a table
         longer than needed (S28)."""
         table = seq.block_table
-        need = self.blocks_needed(seq)
+        bs = self._block_size
+        need = (len(seq.token_ids) + seq.in_flight + seq.draft_len + bs - 1) // bs  # S4
         have = len(table)
         if have < need:
             table.append(self.blocks.allocate_one())
@@ -407,6 +416,7 @@ class Scheduler:
         return result
 
     def _process_decode(self, rows, tokens, result: StepResult) -> None:
+        append_token = self._append_token
         for row, token in zip(rows, tokens, strict=True):
             seq = row.seq
             if seq.status is WAITING:  # preempted while in flight: stale output (S32)
@@ -416,7 +426,7 @@ class Scheduler:
                 self._retire(seq)
                 continue
             seq.processed += 1
-            self._append_token(seq, token, result)
+            append_token(seq, token, result)
 
     def _process_prompt(self, rows, tokens, result: StepResult) -> None:
         for row, token in zip(rows, tokens, strict=True):
@@ -442,14 +452,15 @@ class Scheduler:
         """Append the sampled token and apply the stop rules in order; True if it goes on."""
         if token is None:
             raise ValueError(f"row of {seq.request_id!r} needs a sampled token")
-        seq.token_ids.append(token)
-        if seq.first_token_time is None and seq.output_len == 1:
+        history = seq.token_ids
+        history.append(token)
+        if seq.first_token_time is None and len(history) - seq.prompt_len == 1:
             seq.first_token_time = time.monotonic()
         result.updated.append(seq)
         sampling = seq.sampling
         if (token == seq.eos_token_id and not sampling.ignore_eos) or token in sampling.stop_token_ids:
             seq.status = SequenceStatus.FINISHED_STOPPED
-        elif len(seq.token_ids) > self.config.max_model_len or seq.output_len >= sampling.max_tokens:
+        elif len(history) > self.config.max_model_len or len(history) - seq.prompt_len >= sampling.max_tokens:
             seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
         elif seq.so_status == -1:
             seq.status = SequenceStatus.FINISHED_SO_FAILED
@@ -514,6 +525,7 @@ class Scheduler:
         if seq.retired:
             return False
         seq.retired = True
+        self._maybe_finished_in_queues = True
         self._free_resources(seq)
         self._live.pop(seq.request_id, None)
         self._unreported.append(seq)
@@ -527,4 +539,4 @@ class Scheduler:
 def decode_priority(seq: Sequence) -> tuple[int, float, int]:
     """Sort key of running before a decode pass (S28): longest output first, ties in
     arrival order. Candidates come from the end of the sorted list, victims from the front."""
-    return (-seq.output_len, seq.arrival_time, seq.order)
+    return (seq.prompt_len - len(seq.token_ids), seq.arrival_time, seq.order)

@@ -20,13 +20,10 @@ class SequenceStatus(enum.Enum):
     FINISHED_PREEMPTED = 7
     FINISHED_SO_FAILED = 8
 
-    @property
-    def is_finished(self) -> bool:
-        return self.value >= SequenceStatus.FINISHED_STOPPED.value
-
-    @property
-    def finish_reason(self) -> str | None:
-        return _FINISH_REASONS.get(self)
+    def __init__(self, value: int) -> None:
+        # Plain attributes, not properties: the decode loop reads them for every row.
+        self.is_finished = value >= 3
+        self.finish_reason: str | None = None
 
 
 _FINISH_REASONS = {
@@ -37,6 +34,8 @@ _FINISH_REASONS = {
     SequenceStatus.FINISHED_PREEMPTED: "insufficient_system_resource",
     SequenceStatus.FINISHED_SO_FAILED: "structured_output_failed",
 }
+for _status, _reason in _FINISH_REASONS.items():
+    _status.finish_reason = _reason
 
 # Breaks ties between equal arrival times so "arrival order" is always total.
 _creation_order = itertools.count()
