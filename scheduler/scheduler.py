@@ -335,7 +335,6 @@ class Scheduler:
         """S26: finished sequences leave running; aborted ones can sit anywhere in waiting."""
         if not self._maybe_finished_in_queues:  # spares a scan of both queues every step
             return
-        self._maybe_finished_in_queues = False
         keep = []
         for seq in self.running:
             if seq.status.is_finished:
@@ -346,6 +345,7 @@ class Scheduler:
         for seq in [s for s in self.waiting if s.status.is_finished]:
             self.waiting.remove(seq)
             self._retire_into(seq, ignored)
+        self._maybe_finished_in_queues = False
 
     def _admit_prompted(self, out: SchedulerOutput) -> None:
         """S27: prefilled (imported or forked) sequences join running while there is room."""
