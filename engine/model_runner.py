@@ -263,6 +263,8 @@ class ModelRunner:
                 token_index=token_index.to(dev), q_valid=q_valid.to(dev),
                 q_pos=(st[:, None] + off).to(dev), block_tables=g_bt, ring_rows=ring_rows,
                 ring_pos=ring_pos, valid_tokens=token_index[q_valid].to(dev),
+                valid_flat=None if bool(q_valid.all()) else
+                q_valid.flatten().nonzero().flatten().to(dev),
             ))
         meta = AttentionMetadata(
             groups=groups,

@@ -37,6 +37,8 @@ class AttentionGroup:
     ring_rows: torch.Tensor | None  # [B, R] long: flat ring rows of the row's state slot
     ring_pos: torch.Tensor | None  # [B, R] long: position held by each ring row (< 0: none)
     valid_tokens: torch.Tensor  # [n_valid] long: token_index[q_valid]
+    valid_flat: torch.Tensor | None = None  # [n_valid] long: q_valid.flatten().nonzero();
+    # None when every query is valid (e.g. decode rows)
 
 
 @dataclass
@@ -63,6 +65,17 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
     return out.transpose(1, 2)
 
 
+def take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[index]`` for a 2-D long index over dim 0, via index_select (much faster on CPU
+    than advanced indexing): [B, N] -> [B, N, *x.shape[1:]]."""
+    return x.index_select(0, index.reshape(-1)).view(*index.shape, *x.shape[1:])
+
+
+def _valid(out: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    flat = out.reshape(-1, *out.shape[2:])
+    return flat if group.valid_flat is None else flat.index_select(0, group.valid_flat)
+
+
 def write_blocks_kv(k_blocks: torch.Tensor, v_blocks: torch.Tensor, slots: torch.Tensor,
                     k: torch.Tensor, v: torch.Tensor) -> None:
     """Write K/V rows [T, Hk, D] into flat slots [T] of [num_blocks, bs, Hk, D] caches."""
@@ -80,12 +93,12 @@ def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Ten
     bt = group.block_tables
     b, nb = bt.shape
     bs = k_blocks.shape[1]
-    k = k_blocks[bt].reshape(b, nb * bs, *k_blocks.shape[2:])
-    v = v_blocks[bt].reshape(b, nb * bs, *v_blocks.shape[2:])
+    k = take(k_blocks, bt).view(b, nb * bs, *k_blocks.shape[2:])
+    v = take(v_blocks, bt).view(b, nb * bs, *v_blocks.shape[2:])
     key_pos = torch.arange(nb * bs, device=q.device)
     mask = key_pos[None, None, :] <= group.q_pos[:, :, None]
-    out = _sdpa(q[group.token_index], k, v, mask, scale)
-    return out[group.q_valid]
+    out = _sdpa(take(q, group.token_index), k, v, mask, scale)
+    return _valid(out, group)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ring: torch.Tensor,
@@ -96,22 +109,22 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ring: to
     q: flat [T, Hq, D]; k/v: flat [T, Hk, D] of this step (not yet in the ring).
     Returns [n_valid, Hq, D] for ``group.valid_tokens``.
     """
-    keys = torch.cat([k_ring[group.ring_rows], k[group.token_index]], dim=1)
-    vals = torch.cat([v_ring[group.ring_rows], v[group.token_index]], dim=1)
+    keys = torch.cat([take(k_ring, group.ring_rows), take(k, group.token_index)], dim=1)
+    vals = torch.cat([take(v_ring, group.ring_rows), take(v, group.token_index)], dim=1)
     key_pos = torch.cat([group.ring_pos, group.q_pos], dim=1)  # [B, R + Qmax]
     key_ok = torch.cat([group.ring_pos >= 0, group.q_valid], dim=1)
     qp = group.q_pos[:, :, None]
     kp = key_pos[:, None, :]
     mask = key_ok[:, None, :] & (kp <= qp) & (qp - kp < window)
-    out = _sdpa(q[group.token_index], keys, vals, mask, scale)
-    return out[group.q_valid]
+    out = _sdpa(take(q, group.token_index), keys, vals, mask, scale)
+    return _valid(out, group)
 
 
 def write_ring_kv(k_ring: torch.Tensor, v_ring: torch.Tensor, meta: AttentionMetadata,
                   k: torch.Tensor, v: torch.Tensor) -> None:
     if meta.ring_dest is not None and meta.ring_dest.numel():
-        k_ring.index_copy_(0, meta.ring_dest, k[meta.ring_src])
-        v_ring.index_copy_(0, meta.ring_dest, v[meta.ring_src])
+        k_ring.index_copy_(0, meta.ring_dest, k.index_select(0, meta.ring_src))
+        v_ring.index_copy_(0, meta.ring_dest, v.index_select(0, meta.ring_src))
 
 
 def attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache,
@@ -123,10 +136,11 @@ def attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
         k_blocks, v_blocks = cache.k_blocks[layer], cache.v_blocks[layer]
         write_blocks_kv(k_blocks, v_blocks, meta.slot_mapping, k, v)
         for g in meta.groups:
-            out[g.valid_tokens] = paged_attention(q, k_blocks, v_blocks, g, scale)
+            out.index_copy_(0, g.valid_tokens, paged_attention(q, k_blocks, v_blocks, g, scale))
     else:
         k_ring, v_ring = cache.k_ring[layer], cache.v_ring[layer]
         for g in meta.groups:  # every group reads the ring before anything is written
-            out[g.valid_tokens] = ring_attention(q, k, v, k_ring, v_ring, g, window, scale)
+            out.index_copy_(0, g.valid_tokens,
+                            ring_attention(q, k, v, k_ring, v_ring, g, window, scale))
         write_ring_kv(k_ring, v_ring, meta, k, v)
     return out
