@@ -1,0 +1,342 @@
+"""The body every engine-rank actor shares (prefill, decode and normal workers).
+
+One rank = one engine + one `EngineLoop` thread + (for world size > 1) a
+`TorchDistCommunicator` to its pool peers. The actor is a thin shell:
+
+- admission (`add_request`, `import_prefilled`, `abort`) runs under the loop's lock
+  between steps, then wakes this rank and its pool peers (lockstep: peers must take
+  empty steps while this rank works);
+- every step's outputs are queued as plain dicts; the router long-polls them
+  (`poll`), so one Ray reply carries whole steps, never single tokens;
+- the data-parallel group is formed by `join_group` with an address the pool
+  controller got from rank 0's `free_address` (rendezvous through Ray, no fixed
+  port), and re-formed the same way after a resize or a dead peer: `pause` stops
+  every rank of the pool at the same step boundary (a vote), then the next
+  `join_group` starts a new loop with the new group.
+
+Nothing here imports torch at module import time, so the router can reference the
+actor classes without pulling torch into its process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# The loop's has-work vote is 0 (work) / 1 (none); -1 asks every rank to pause.
+_PAUSE_VOTE = -1
+
+
+class _PausingCommunicator:
+    """Wraps the loop's vote so one rank can stop the whole pool at a step boundary.
+
+    Once any rank votes `_PAUSE_VOTE`, every rank sees it in the same round and
+    from then on answers "no work" without a collective, so none waits on a peer.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.rank = inner.rank
+        self.world_size = inner.world_size
+        self.pause_requested = False
+        self.paused = threading.Event()
+
+    def all_reduce_min(self, value: int) -> int:
+        if self.paused.is_set():
+            return 1
+        result = self.inner.all_reduce_min(_PAUSE_VOTE if self.pause_requested else value)
+        if result == _PAUSE_VOTE:
+            self.paused.set()
+            return 1
+        return result
+
+
+def default_engine_factory(config: dict, communicator: Any) -> Any:
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
+
+    return LLMEngine(EngineConfig(**config), communicator=communicator)
+
+
+def default_loop_factory(engine: Any, on_step: Callable, communicator: Any,
+                         on_error: Callable) -> Any:
+    from pdserve.engine.engine_loop import EngineLoop
+
+    return EngineLoop(engine, on_step=on_step, communicator=communicator,
+                      park_timeout_s=0.5, on_error=on_error)
+
+
+def default_communicator_factory(rank: int, world_size: int, address: str | None,
+                                 timeout_s: float, prefix: str) -> Any:
+    from pdserve.engine.dp_comm import TorchDistCommunicator
+
+    return TorchDistCommunicator(rank, world_size, address, timeout=timeout_s, prefix=prefix)
+
+
+def _error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+class EngineRank:
+    """One rank of a pool; wrapped by the Ray actor classes of the worker packages."""
+
+    pool_name = "normal"
+    engine_type = "normal"
+
+    def __init__(self, engine_config: dict, *, engine_factory: Callable | None = None,
+                 loop_factory: Callable | None = None,
+                 communicator_factory: Callable | None = None,
+                 kv_transport: str = "ray", collective_timeout_s: float = 10.0,
+                 num_threads: int | None = None) -> None:
+        config = dict(engine_config)
+        config["engine_type"] = self.engine_type
+        self.engine_config = config
+        self._engine_factory = engine_factory or default_engine_factory
+        self._loop_factory = loop_factory or default_loop_factory
+        self._comm_factory = communicator_factory or default_communicator_factory
+        self.kv_transport = kv_transport
+        self.collective_timeout_s = collective_timeout_s
+        if num_threads:
+            # Ray sets OMP_NUM_THREADS=1 in actors; choose torch's threads on purpose.
+            import torch
+
+            torch.set_num_threads(num_threads)
+        self.engine = self._engine_factory(config, None)
+        self.rank = 0
+        self.world_size = 1
+        self.generation = -1
+        self.loop: Any = None
+        self._comm: Any = None
+        self._vote: _PausingCommunicator | None = None
+        self._peers: list[Any] = []
+        self._reports: list[dict] = []
+        self._cond = threading.Condition()
+        self._loop_error: str | None = None
+        self._kv_store: dict[str, bytes] = {}
+        self._kv_server: Any = None
+        self.kv_address: str | None = None
+        if kv_transport == "grpc":
+            from pdserve.decode_worker.kv_service import start_kv_server
+
+            self._kv_server, self.kv_address = start_kv_server(self)
+
+    # -- identity and rendezvous -----------------------------------------------------
+
+    def info(self) -> dict:
+        eng = self.engine
+        tok = eng.tokenizer
+        stats = self.stats()
+        node_id = ""
+        try:
+            import ray
+
+            node_id = ray.get_runtime_context().get_node_id()
+        except Exception:  # not inside Ray (unit tests)
+            pass
+        return {
+            "pool": self.pool_name, "engine_type": self.engine_type, "pid": os.getpid(),
+            "node_id": node_id, "host": _node_ip(), "max_model_len": int(eng.max_model_len),
+            "vocab_size": int(getattr(getattr(eng, "runner", None), "vocab_size", None)
+                              or tok.vocab_size),
+            "eos_token_id": tok.eos_token_id, "block_size": self.engine_config.get("block_size", 16),
+            "num_total_blocks": stats["num_total_blocks"], "kv_address": self.kv_address,
+        }
+
+    def free_address(self) -> str:
+        """A tcp:// address with a port free on this node, for the group's store."""
+        host = _node_ip()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        return f"tcp://{host}:{port}"
+
+    def join_group(self, rank: int, world_size: int, address: str | None, generation: int,
+                   peers: list[Any]) -> dict:
+        """Form (or re-form) this rank's data-parallel group and (re)start its loop."""
+        self.pause()
+        if self._comm is not None and hasattr(self._comm, "close"):
+            try:
+                self._comm.close()
+            except Exception:  # a broken group may refuse; it is dropped either way
+                pass
+        comm = self._comm_factory(rank, world_size, address, self.collective_timeout_s,
+                                  f"pdserve/{self.pool_name}/g{generation}")
+        self._comm = comm
+        self.rank, self.world_size, self.generation = rank, world_size, generation
+        self._peers = list(peers)
+        self.engine.rank = rank
+        scheduler = getattr(self.engine, "scheduler", None)
+        if scheduler is not None and hasattr(scheduler, "comm"):
+            scheduler.comm = comm
+        self._vote = _PausingCommunicator(comm)
+        self._loop_error = None
+        self.loop = self._loop_factory(self.engine, self._on_step, self._vote, self._on_error)
+        self.loop.start()
+        return {"rank": rank, "world_size": world_size, "generation": generation}
+
+    def pause(self, timeout_s: float = 30.0) -> bool:
+        """Stop this rank's loop at a step boundary shared with its peers.
+
+        The pause vote reaches every rank in the same round; the controller calls
+        `pause` on every rank (in parallel) so each one also stops its own thread.
+        """
+        loop, vote = self.loop, self._vote
+        if loop is None:
+            return True
+        if vote is not None and loop.running:
+            vote.pause_requested = True
+            loop.wake()
+            deadline = time.monotonic() + timeout_s
+            while loop.running and not vote.paused.is_set() and time.monotonic() < deadline:
+                vote.paused.wait(0.05)
+                loop.wake()
+        loop.stop()
+        self.loop = None
+        return True
+
+    def wake(self) -> None:
+        if self.loop is not None:
+            self.loop.wake()
+
+    def _wake_pool(self) -> None:
+        self.wake()
+        for peer in self._peers:
+            try:
+                peer.wake.remote()
+            except Exception:  # a dead peer is the controller's business
+                pass
+
+    # -- admission -------------------------------------------------------------------
+
+    def _call(self, fn: Callable[[Any], Any]) -> Any:
+        if self.loop is None:
+            raise RuntimeError(f"{self.pool_name} rank {self.rank} is not running (no group)")
+        result = self.loop.call(fn)
+        self._wake_pool()
+        return result
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    sampling: dict) -> dict:
+        from pdserve.scheduler.sampling_params import SamplingParams
+
+        try:
+            params = SamplingParams(**sampling)
+            self._call(lambda eng: eng.add_request(request_id, list(prompt_token_ids), params))
+        except (ValueError, TypeError, RuntimeError) as exc:
+            return {"ok": False, "error": _error_text(exc)}
+        return {"ok": True}
+
+    def import_prefilled(self, payload: bytes) -> dict:
+        try:
+            rid = self._call(lambda eng: eng.import_prefilled(payload))
+        except Exception as exc:
+            kind = "capacity" if "Capacity" in type(exc).__name__ else "payload"
+            return {"ok": False, "kind": kind, "error": _error_text(exc)}
+        return {"ok": True, "request_id": rid}
+
+    def abort(self, request_id: str) -> bool:
+        self._kv_store.pop(request_id, None)
+        if self.loop is None:
+            return False
+        return bool(self._call(lambda eng: eng.abort(request_id)))
+
+    # -- reporting -------------------------------------------------------------------
+
+    def _on_step(self, out: Any) -> None:
+        if not out.outputs and not out.handoffs:
+            return
+        report = {
+            "kind": out.kind,
+            "outputs": [
+                {"request_id": o.request_id, "token_ids": list(o.new_token_ids),
+                 "finish_reason": o.finish_reason, "num_prompt_tokens": o.num_prompt_tokens,
+                 "num_output_tokens": o.num_output_tokens, "error": o.error}
+                for o in out.outputs
+            ],
+            "handoffs": [self._export(h) for h in out.handoffs],
+        }
+        with self._cond:
+            self._reports.append(report)
+            self._cond.notify_all()
+
+    def _export(self, handoff: Any) -> dict:
+        entry = {"request_id": handoff.request_id, "first_token_id": int(handoff.first_token_id),
+                 "num_prompt_tokens": int(handoff.num_prompt_tokens),
+                 "nbytes": len(handoff.payload)}
+        if self.kv_transport == "grpc":
+            self._kv_store[handoff.request_id] = handoff.payload
+            entry["ticket"] = {"address": self.kv_address, "request_id": handoff.request_id}
+        else:
+            import ray
+
+            # The object lives in this node's store; the decode rank resolves the ref.
+            entry["ticket"] = ray.put(handoff.payload)
+        return entry
+
+    def _on_error(self, exc: BaseException) -> None:
+        self._loop_error = _error_text(exc)
+        with self._cond:
+            self._cond.notify_all()
+
+    def poll(self, timeout_s: float = 0.5) -> dict:
+        """Every step report since the last poll (waits up to `timeout_s` for one)."""
+        with self._cond:
+            if not self._reports and self._loop_error is None:
+                self._cond.wait(timeout_s)
+            reports, self._reports = self._reports, []
+        return {"steps": reports, "stats": self.stats(), "loop_error": self._loop_error,
+                "generation": self.generation}
+
+    def stats(self) -> dict:
+        loop = self.loop
+        if loop is not None:
+            with loop.lock:
+                st = self.engine.stats()
+        else:
+            st = self.engine.stats()
+        d = asdict(st)
+        d["kv_usage"] = st.kv_usage
+        d["rank"] = self.rank
+        return d
+
+    def is_idle(self) -> bool:
+        loop = self.loop
+        if loop is None:
+            return not self.engine.has_work()
+        with loop.lock:
+            return not self.engine.has_work()
+
+    # -- grpc KV transport -----------------------------------------------------------
+
+    def take_kv(self, request_id: str) -> bytes | None:
+        return self._kv_store.pop(request_id, None)
+
+    def discard_kv(self, request_id: str) -> None:
+        self._kv_store.pop(request_id, None)
+
+    def shutdown(self) -> None:
+        self.pause(timeout_s=2.0)
+        if self._kv_server is not None:
+            self._kv_server.stop(grace=None)
+        if self._comm is not None and hasattr(self._comm, "close"):
+            try:
+                self._comm.close()
+            except Exception:
+                pass
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:
+        return "127.0.0.1"

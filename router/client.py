@@ -1,0 +1,158 @@
+"""Python clients for the router: `Client` (blocking) and `AsyncClient` (asyncio).
+
+    from pdserve.router.client import Client
+    with Client("127.0.0.1:50051") as c:
+        out = c.generate("def add(x, y):", max_tokens=16, temperature=0)
+        print(out.text, out.finish_reason)
+        for chunk in c.stream("hello", max_tokens=8):
+            print(chunk.text, end="", flush=True)
+
+Errors surface as `grpc.RpcError` (code() and details() say what was wrong).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from pdserve.rpc import router_pb2, router_pb2_grpc
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 16 << 20),
+    ("grpc.max_send_message_length", 16 << 20),
+]
+
+
+@dataclass
+class Completion:
+    request_id: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    error: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    num_messages: int = 0
+
+    def add(self, msg: router_pb2.GenerateResponse) -> None:
+        self.request_id = msg.request_id or self.request_id
+        self.token_ids.extend(msg.token_ids)
+        self.text += msg.text
+        self.num_messages += 1
+        if msg.finish_reason:
+            self.finish_reason = msg.finish_reason
+            self.error = msg.error
+            self.prompt_tokens = msg.usage.prompt_tokens
+            self.completion_tokens = msg.usage.completion_tokens
+
+    def to_dict(self) -> dict:
+        return {"request_id": self.request_id, "token_ids": self.token_ids, "text": self.text,
+                "finish_reason": self.finish_reason, "error": self.error,
+                "usage": {"prompt_tokens": self.prompt_tokens,
+                          "completion_tokens": self.completion_tokens}}
+
+
+def build_request(prompt: str | Sequence[int], *, request_id: str = "",
+                  max_tokens: int | None = None, temperature: float | None = None,
+                  top_p: float | None = None, top_k: int | None = None,
+                  seed: int | None = None, stop_token_ids: Sequence[int] = (),
+                  ignore_eos: bool = False) -> router_pb2.GenerateRequest:
+    req = router_pb2.GenerateRequest(request_id=request_id, stop_token_ids=list(stop_token_ids),
+                                     ignore_eos=ignore_eos)
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(int(t) for t in prompt)
+        if not req.token_ids.ids:
+            req.token_ids.SetInParent()  # an explicit, empty token list
+    for name, value in (("max_tokens", max_tokens), ("temperature", temperature),
+                        ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+        if value is not None:
+            setattr(req, name, value)
+    return req
+
+
+class Client:
+    """Blocking client. `timeout` (seconds) becomes the gRPC deadline of each call."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float | None = None) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = router_pb2_grpc.RouterStub(self._channel)
+
+    def stream(self, prompt, **kwargs) -> Iterator[router_pb2.GenerateResponse]:
+        timeout = kwargs.pop("timeout", self.timeout)
+        yield from self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout)
+
+    def generate(self, prompt, **kwargs) -> Completion:
+        out = Completion()
+        for msg in self.stream(prompt, **kwargs):
+            out.add(msg)
+        return out
+
+    def abort(self, request_id: str) -> bool:
+        return self._stub.Abort(router_pb2.AbortRequest(request_id=request_id),
+                                timeout=self.timeout).found
+
+    def cluster_state(self, timeout: float | None = None) -> router_pb2.ClusterState:
+        return self._stub.GetClusterState(router_pb2.ClusterStateRequest(),
+                                          timeout=timeout or self.timeout)
+
+    def scale(self, pool: str, replicas: int, timeout: float | None = None) -> router_pb2.ScalePoolResponse:
+        return self._stub.ScalePool(router_pb2.ScalePoolRequest(pool=pool, replicas=replicas),
+                                    timeout=timeout or self.timeout)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client; use inside a running event loop."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float | None = None) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = router_pb2_grpc.RouterStub(self._channel)
+
+    async def stream(self, prompt, **kwargs) -> AsyncIterator[router_pb2.GenerateResponse]:
+        timeout = kwargs.pop("timeout", self.timeout)
+        async for msg in self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout):
+            yield msg
+
+    async def generate(self, prompt, **kwargs) -> Completion:
+        out = Completion()
+        async for msg in self.stream(prompt, **kwargs):
+            out.add(msg)
+        return out
+
+    async def abort(self, request_id: str) -> bool:
+        reply = await self._stub.Abort(router_pb2.AbortRequest(request_id=request_id),
+                                       timeout=self.timeout)
+        return reply.found
+
+    async def cluster_state(self) -> router_pb2.ClusterState:
+        return await self._stub.GetClusterState(router_pb2.ClusterStateRequest(),
+                                                timeout=self.timeout)
+
+    async def scale(self, pool: str, replicas: int) -> router_pb2.ScalePoolResponse:
+        return await self._stub.ScalePool(router_pb2.ScalePoolRequest(pool=pool, replicas=replicas),
+                                          timeout=self.timeout)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,136 @@
+"""The router's gRPC face (grpc.aio): Generate / Abort / GetClusterState / ScalePool,
+plus the standard health service and server reflection (so grpcurl works)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from pdserve.router.config import RouterConfig
+from pdserve.router.service import RouterService
+from pdserve.router.validation import RequestError, prepare
+from pdserve.rpc import router_pb2, router_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 16 << 20
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    def __init__(self, service: RouterService) -> None:
+        self.svc = service
+
+    async def Generate(self, request, context):
+        from pdserve.engine.tokenizer import IncrementalDetokenizer
+
+        svc = self.svc
+        try:
+            prepared = prepare(request, svc.tokenizer, svc.limits, svc.config.default_max_tokens)
+            state = svc.admit(prepared)
+        except RequestError as exc:
+            await context.abort(exc.code, exc.message)
+            return
+        rid = state.request_id
+        detok = IncrementalDetokenizer(svc.tokenizer, prepared.prompt_token_ids)
+        try:
+            while True:
+                event = await state.events.get()
+                text = "".join(detok.push(t) for t in event.token_ids)
+                if event.finish_reason is None:
+                    yield router_pb2.GenerateResponse(request_id=rid, token_ids=event.token_ids,
+                                                      text=text)
+                    continue
+                text += detok.flush()
+                yield router_pb2.GenerateResponse(
+                    request_id=rid, token_ids=event.token_ids, text=text,
+                    finish_reason=event.finish_reason, error=event.error or "",
+                    usage=router_pb2.Usage(prompt_tokens=len(prepared.prompt_token_ids),
+                                           completion_tokens=len(state.tokens)))
+                break
+        finally:
+            if not state.finished:  # client gone or deadline passed: abort wherever it is
+                await svc.abort(rid, "client disconnected or deadline exceeded")
+            svc.tracker.release(rid)
+
+    async def Abort(self, request, context):
+        found = await self.svc.abort(request.request_id)
+        return router_pb2.AbortResponse(found=found)
+
+    async def GetClusterState(self, request, context):
+        await self.svc.refresh_stats()
+        d = self.svc.cluster_state()
+        pools = [router_pb2.PoolState(
+            name=p["name"], target_replicas=p["target_replicas"],
+            group_generation=p["group_generation"],
+            ranks=[router_pb2.RankState(**r) for r in p["ranks"]]) for p in d.pop("pools")]
+        return router_pb2.ClusterState(pools=pools, **d)
+
+    async def ScalePool(self, request, context):
+        try:
+            previous = await self.svc.scale(request.pool, request.replicas)
+        except RequestError as exc:
+            await context.abort(exc.code, exc.message)
+            return
+        except Exception as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"scaling {request.pool} failed: {exc}")
+            return
+        return router_pb2.ScalePoolResponse(pool=request.pool, replicas=request.replicas,
+                                            previous_replicas=previous)
+
+
+class RouterServer:
+    """A started router: the service (pools and ranks) behind a bound gRPC port."""
+
+    def __init__(self, service: RouterService, server: grpc.aio.Server, port: int) -> None:
+        self.service = service
+        self.server = server
+        self.port = port
+
+    @property
+    def address(self) -> str:
+        host = self.service.config.host
+        return f"{host}:{self.port}"
+
+    async def wait(self) -> None:
+        await self.server.wait_for_termination()
+
+    async def stop(self, grace: float = 1.0) -> None:
+        await self.service.stop()
+        await self.server.stop(grace)
+
+
+async def start_router(config: RouterConfig) -> RouterServer:
+    """Start the pools (Ray must be initialised), then serve gRPC on config.host:port."""
+    service = RouterService(config)
+    await service.start()
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(service), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        await service.stop()
+        raise RuntimeError(f"cannot bind the router to {config.host}:{config.port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("router serving on %s:%d", config.host, port)
+    return RouterServer(service, server, port)
+
+
+def run_forever(config: RouterConfig) -> None:
+    async def main():
+        server = await start_router(config)
+        await server.wait()
+
+    asyncio.run(main())

@@ -1,0 +1,137 @@
+"""Shared fixtures: one embedded Ray for the session, the tiny model, routers in threads."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address="local", include_dashboard=False, num_cpus=8,
+                 resources={"prefill": 8, "decode": 8}, _temp_dir="/tmp/pdr",
+                 log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from pdserve.engine.tiny_model import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+class RouterHarness:
+    """A router (pools + gRPC server) running on an event loop of its own thread."""
+
+    def __init__(self, config) -> None:
+        from pdserve.router.server import start_router
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server = self.call(start_router(config), timeout=180)
+        self.service = self.server.service
+        self.address = f"127.0.0.1:{self.server.port}"
+
+    def call(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stats(self) -> dict[str, list[dict]]:
+        """Fresh engine stats of every live rank, by pool."""
+        self.call(self.service.refresh_stats())
+        return {name: [dict(r.stats, state=r.state) for r in pool.ranks]
+                for name, pool in self.service.pools.items()}
+
+    def wait_drained(self, timeout: float = 30.0) -> dict[str, list[dict]]:
+        """Wait until no request is in flight and every rank's blocks are all free."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            ranks = [r for rs in stats.values() for r in rs if r["state"] != "dead"]
+            idle = len(self.service.tracker) == 0 and all(
+                r["num_free_blocks"] == r["num_total_blocks"] and r["num_waiting"] == 0
+                and r["num_prompted"] == 0 for r in ranks)
+            if idle or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        try:
+            self.call(self.server.stop(grace=0.5), timeout=60)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+
+
+def router_config(model_dir: str, **overrides):
+    from pdserve.router.config import PoolConfig, RouterConfig
+
+    engine = dict(num_kv_blocks=128, max_num_seqs=32, block_size=16)
+    engine.update(overrides.pop("engine", {}))
+    prefill = overrides.pop("prefill", 1)
+    decode = overrides.pop("decode", 1)
+    normal = overrides.pop("normal", 1)
+    return RouterConfig(
+        model_dir=model_dir, port=0, collective_timeout_s=10.0,
+        prefill=PoolConfig("prefill", replicas=prefill, num_cpus=0.5,
+                           resources={"prefill": 1}, engine=engine),
+        decode=PoolConfig("decode", replicas=decode, num_cpus=0.5,
+                          resources={"decode": 1}, engine=engine),
+        normal=PoolConfig("normal", replicas=normal, num_cpus=0.5, engine=engine),
+        **overrides)
+
+
+@pytest.fixture(scope="session")
+def make_router(ray_session, tiny_model_dir):
+    started: list[RouterHarness] = []
+
+    def make(**overrides) -> RouterHarness:
+        harness = RouterHarness(router_config(tiny_model_dir, **overrides))
+        started.append(harness)
+        return harness
+
+    yield make
+    for h in started:
+        try:
+            h.close()
+        except Exception:
+            pass
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model_dir):
+    """Greedy outputs of the offline LLM(mode="normal"), memoised per (prompt, max_tokens)."""
+    from pdserve.engine.llm import LLM
+    from pdserve.scheduler.sampling_params import SamplingParams
+
+    llm = LLM(tiny_model_dir, mode="normal")
+    cache: dict = {}
+
+    def ref(prompts: list, max_tokens: int) -> list[list[int]]:
+        todo = [p for p in prompts if (repr(p), max_tokens) not in cache]
+        if todo:
+            texts = [p for p in todo if isinstance(p, str)]
+            ids = [p for p in todo if not isinstance(p, str)]
+            sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+            if texts:
+                for p, out in zip(texts, llm.generate(texts, sp), strict=True):
+                    cache[(repr(p), max_tokens)] = list(out.token_ids)
+            if ids:
+                for p, out in zip(ids, llm.generate(prompt_token_ids=ids, sampling_params=sp), strict=True):
+                    cache[(repr(p), max_tokens)] = list(out.token_ids)
+        return [cache[(repr(p), max_tokens)] for p in prompts]
+
+    return ref
