@@ -146,7 +146,11 @@ class LLMEngine:
 
     def _collect_outputs(self, sched_out: SchedulerOutput, result) -> list[RequestOutput]:
         by_id: dict[str, RequestOutput] = {}
+        # A handed-off request's first token travels in its HandOff, not here.
+        handed_off = {seq.request_id for seq in result.handed_off}
         for seq in result.updated:
+            if seq.request_id in handed_off:
+                continue
             out = self._output_for(by_id, seq)
             out.new_token_ids.append(seq.token_ids[-1])
         for seq in result.finished:

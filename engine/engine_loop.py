@@ -69,15 +69,20 @@ class EngineLoop:
             return local
         return self.communicator.all_reduce_min(0 if local else 1) == 0
 
+    def turn(self) -> StepOutputs | None:
+        """One lockstep turn: the pool votes, then every rank steps, or none does (None)."""
+        if not self._pool_has_work():
+            return None
+        with self.lock:
+            outputs = self.engine.step()
+        self.on_step(outputs)
+        return outputs
+
     def _run(self) -> None:
         try:
             while not self._stopped.is_set():
                 self._wake.clear()
-                if self._pool_has_work():
-                    with self.lock:
-                        outputs = self.engine.step()
-                    self.on_step(outputs)
-                else:
+                if self.turn() is None:
                     self.num_parks += 1
                     self._wake.wait(self.park_timeout_s)
         except BaseException as exc:  # reported, never swallowed: peers must learn of it

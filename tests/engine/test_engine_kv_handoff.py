@@ -1,0 +1,131 @@
+"""KV export/import between a PROMPT and a COMPLETION engine, and the COMPLETION
+engine's behaviour when its pool runs out."""
+
+import pytest
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine, NoCapacityError
+from pdserve.engine.kv_payload import KVPayload, KVPayloadError
+from pdserve.scheduler.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def engine(model_dir, engine_type, **kw):
+    kw.setdefault("block_size", 4)
+    kw.setdefault("num_kv_blocks", 64)
+    kw.setdefault("max_num_seqs", 8)
+    return LLMEngine(EngineConfig(model_dir=model_dir, engine_type=engine_type, **kw))
+
+
+def drain(eng, limit=500):
+    outputs, handoffs = [], []
+    for _ in range(limit):
+        if not eng.has_work():
+            return outputs, handoffs
+        step = eng.step()
+        outputs += step.outputs
+        handoffs += step.handoffs
+    raise AssertionError("engine did not drain")
+
+
+def prefill(model_dir, prompts, **kw):
+    prompt_engine = engine(model_dir, "prompt", **kw)
+    for i, ids in enumerate(prompts):
+        prompt_engine.add_request(f"r{i}", ids, GREEDY)
+    outputs, handoffs = drain(prompt_engine)
+    prompt_engine.assert_drained()  # blocks freed once the payload exists (S35)
+    assert outputs == []  # nothing finished on the prompt side with these settings
+    return handoffs
+
+
+@pytest.fixture(scope="module")
+def handoffs(model_dirs, mixed_prompts):
+    return prefill(model_dirs["mistral-swa"], mixed_prompts[:4])
+
+
+def test_payload_carries_first_token_and_history(handoffs, mixed_prompts):
+    for i, h in enumerate(handoffs):
+        payload = KVPayload.from_bytes(h.payload)
+        assert payload.request_id == h.request_id
+        index = int(h.request_id[1:])
+        assert payload.token_ids == mixed_prompts[index] + [h.first_token_id]
+        assert payload.num_prompt_tokens == len(mixed_prompts[index])
+
+
+@pytest.mark.parametrize("mutate,field", [
+    (lambda p: setattr(p, "model_fingerprint", "x"), "model_fingerprint"),
+    (lambda p: setattr(p, "block_size", 8), "block_size"),
+    (lambda p: setattr(p, "dtype", "bfloat16"), "dtype"),
+])
+def test_mismatched_payload_is_refused_and_allocates_nothing(model_dirs, handoffs, mutate, field):
+    completion = engine(model_dirs["mistral-swa"], "completion")
+    free_before = completion.scheduler.num_free_blocks
+    payload = KVPayload.from_bytes(handoffs[0].payload)
+    mutate(payload)
+    with pytest.raises(KVPayloadError, match=field):
+        completion.import_prefilled(payload.to_bytes())
+    assert completion.scheduler.num_free_blocks == free_before
+    assert not completion.has_work()
+    completion.assert_drained()
+
+
+def test_truncated_payload_is_refused(model_dirs, handoffs):
+    completion = engine(model_dirs["mistral-swa"], "completion")
+    with pytest.raises(KVPayloadError, match="truncated"):
+        completion.import_prefilled(handoffs[0].payload[:-10])
+    completion.assert_drained()
+
+
+def test_payload_that_can_never_fit_is_rejected(model_dirs, handoffs):
+    completion = engine(model_dirs["mistral-swa"], "completion", num_kv_blocks=4)
+    longest = max(handoffs, key=lambda h: h.num_prompt_tokens)
+    with pytest.raises(NoCapacityError):
+        completion.import_prefilled(longest.payload)
+    completion.assert_drained()
+
+
+def test_import_waits_for_blocks_then_completes(model_dirs, handoffs):
+    # Room for about one request at a time: later imports wait in FIFO order.
+    completion = engine(model_dirs["mistral-swa"], "completion", num_kv_blocks=32)
+    for h in handoffs:
+        completion.import_prefilled(h.payload)
+    outputs, _ = drain(completion)
+    finished = {o.request_id: o.finish_reason for o in outputs if o.finished}
+    assert set(finished) == {h.request_id for h in handoffs}
+    completion.assert_drained()
+
+
+def test_completion_engine_out_of_blocks_terminates_victim(model_dirs, mixed_prompts):
+    # Two long prompts whose decode outgrows a pool that holds both prompts.
+    prompts = [mixed_prompts[3], mixed_prompts[6]]  # 70 and 100 tokens
+    long_params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompt_engine = engine(model_dirs["llama"], "prompt", num_kv_blocks=128)
+    for i, ids in enumerate(prompts):
+        prompt_engine.add_request(f"r{i}", ids, long_params)
+    _, handoffs = drain(prompt_engine)
+    completion = engine(model_dirs["llama"], "completion", num_kv_blocks=47)  # 46 usable
+    for h in handoffs:
+        completion.import_prefilled(h.payload)
+    outputs, _ = drain(completion)
+    reasons = {o.request_id: o.finish_reason for o in outputs if o.finished}
+    assert sorted(reasons.values()) == ["insufficient_system_resource", "length"]
+    assert completion.scheduler.num_preemptions == 1
+    completion.assert_drained()
+
+
+def test_completion_engine_refuses_recompute_setting(model_dirs):
+    with pytest.raises(ValueError, match="stop_preempted_request"):
+        engine(model_dirs["llama"], "completion", stop_preempted_request=False)
+
+
+def test_abort_of_pending_import_reports_abort(model_dirs, handoffs):
+    completion = engine(model_dirs["mistral-swa"], "completion", num_kv_blocks=32)
+    for h in handoffs:
+        completion.import_prefilled(h.payload)
+    assert completion.abort(handoffs[-1].request_id)
+    assert not completion.abort("unknown-id")
+    outputs, _ = drain(completion)
+    reasons = {o.request_id: o.finish_reason for o in outputs if o.finished}
+    assert reasons[handoffs[-1].request_id] == "abort"
+    completion.assert_drained()
