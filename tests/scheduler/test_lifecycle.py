@@ -252,3 +252,33 @@ def test_s35_prompt_engine_random_trace_drains(kit, seed):
     assert not s.has_unfinished()
     s.assert_drained()
     assert len(finished) == len(set(finished))
+
+
+def test_s33_abort_while_a_decode_row_is_in_flight(kit):
+    s = kit.sched(EngineType.COMPLETION)
+    a = kit.running(s, "A", 6, 1)
+    out = s.schedule()
+    table = list(a.block_table)
+    assert s.abort("A")
+    res = s.process_outputs(out, [5])  # the output arrives after the abort
+    assert res.finished == [a] and res.updated == [] and len(a) == 7
+    assert a.block_table == [] and a.in_flight == 0
+    assert set(table) <= set(s.blocks.free_ids)
+    out = s.schedule()  # the sweep finds it already retired: freed and reported once
+    assert out.ignored == [] and s.process_outputs(out, []).finished == []
+    s.assert_drained()
+
+
+def test_api_misuse_is_refused(kit):
+    s = kit.sched()
+    a = kit.seq("A", 4)
+    s.add(a)
+    with pytest.raises(ValueError, match="already scheduled"):
+        s.add(kit.seq("A", 4))
+    out = s.schedule()
+    with pytest.raises(ValueError, match="sampled tokens"):
+        s.process_outputs(out, [])
+    with pytest.raises(RuntimeError, match="cannot fork"):
+        s.fork(a, "child")  # its prompt is still in flight
+    s.process_outputs(out, [3])
+    assert s.get_sequence("A") is a and s.get_sequence("B") is None
