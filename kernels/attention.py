@@ -54,10 +54,8 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
           scale: float) -> torch.Tensor:
     """q [B, Qm, Hq, D], k/v [B, Lk, Hk, D], mask [B, Qm, Lk] -> [B, Qm, Hq, D]."""
     # A padded query row with no visible key would give NaN: let it see key 0.
-    empty = ~mask.any(-1)
-    if bool(empty.any()):
-        mask = mask.clone()
-        mask[..., 0] |= empty
+    # (``mask`` is always a fresh tensor here; no host sync on GPUs.)
+    mask[..., 0] |= ~mask.any(-1)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
         attn_mask=mask[:, None], scale=scale, enable_gqa=q.shape[2] != k.shape[2],
