@@ -296,6 +296,7 @@ def _worker_main(rank: int, world_size: int, host: str, port: int, tasks: Any,
                  results: Any, threads: int) -> None:
     torch.set_num_threads(threads)
     ctx = RankContext(rank, world_size, host, port)
+    results.put((0, rank, True, "ready"))
     while True:
         msg = tasks.get()
         if msg is None:
@@ -344,7 +345,8 @@ class RankPool:
     """
 
     def __init__(self, world_size: int, *, threads_per_rank: int = 1,
-                 host: str = "127.0.0.1", start_method: str | None = None) -> None:
+                 host: str = "127.0.0.1", start_method: str | None = None,
+                 ready_timeout: float = 120.0) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
@@ -363,6 +365,26 @@ class RankPool:
                       threads_per_rank))
             p.start()
             self._procs.append(p)
+        self._wait_ready(ready_timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        """Block until every rank has started (imports done), so the first run's
+        rendezvous does not spend its timeout on a slow start."""
+        missing = set(range(self.world_size))
+        deadline = time.monotonic() + timeout
+        while missing:
+            try:
+                tid, r, _, _ = self._results.get(timeout=0.1)
+                if tid == 0:
+                    missing.discard(r)
+                continue
+            except queue.Empty:
+                pass
+            dead = [r for r in missing if not self._procs[r].is_alive()]
+            if dead or time.monotonic() > deadline:
+                self.close()
+                why = f"ranks {dead} died" if dead else f"not started within {timeout:g}s"
+                raise RankError(f"rank pool of {self.world_size}: ranks {sorted(missing)} {why}")
 
     def alive(self) -> list[bool]:
         return [p.is_alive() for p in self._procs]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import socket
@@ -16,6 +17,7 @@ from pdserve.engine.dp_comm import (
     TorchDistCommunicator,
     run_ranks,
 )
+from pdserve.scheduler.votes import Communicator
 
 
 def value(step: int, rank: int) -> int:
@@ -112,9 +114,11 @@ def _hang_then_die(ctx, timeout):
     report = {}
     comm = ctx.communicator("hang", timeout=timeout)
     assert comm.all_reduce_min(ctx.rank) == 0
+    done_key = f"run{ctx.task_id}/hang-over"
     if ctx.rank == 1:
         time.sleep(timeout + 1.5)  # rank 0 times out meanwhile
         comm.close()
+        ctx.store.set(done_key, b"1")
     else:
         start = time.monotonic()
         try:
@@ -126,6 +130,7 @@ def _hang_then_die(ctx, timeout):
         with pytest.raises(CollectiveError, match="failed earlier"):
             comm.all_reduce_min(0)  # a failed group stays failed
         comm.close()
+        ctx.store.wait([done_key], datetime.timedelta(seconds=30))  # rank 1 is back
     comm = ctx.communicator("die", timeout=timeout)
     assert comm.all_reduce_min(ctx.rank) == 0
     if ctx.rank == 1:
@@ -166,6 +171,7 @@ def test_pool_reports_a_rank_exception_and_stays_usable(rank_pool):
 
 def test_single_rank_needs_no_peers():
     comm = TorchDistCommunicator(0, 1)
+    assert isinstance(comm, Communicator)  # the scheduler's protocol (scheduler/votes.py)
     assert [comm.all_reduce_min(v) for v in (3, -2, 7)] == [3, -2, 7]
     assert comm.calls == 3 and comm.backend == "gloo"
     comm.close()
