@@ -25,6 +25,7 @@ import importlib
 import importlib.util
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import sys
 import time
@@ -264,6 +265,8 @@ class RankError(RuntimeError):
 
 
 def _fn_ref(fn: Callable) -> tuple[str, str, str | None]:
+    if "<" in fn.__qualname__:
+        raise ValueError(f"{fn.__qualname__} must be a module-level function to run on ranks")
     try:
         path = sys.modules[fn.__module__].__file__
     except (KeyError, AttributeError):
@@ -308,9 +311,10 @@ def _worker_main(rank: int, world_size: int, host: str, port: int, tasks: Any,
         except BaseException:
             out = (task_id, rank, False, traceback.format_exc())
         try:
-            results.put(out)
-        except Exception:  # unpicklable result
-            results.put((task_id, rank, False, traceback.format_exc()))
+            pickle.dumps(out)  # the queue pickles in a background thread and drops failures
+        except Exception:
+            out = (task_id, rank, False, "the result cannot be pickled:\n" + traceback.format_exc())
+        results.put(out)
     # Flush what this rank sent, then skip interpreter teardown (seconds with torch
     # loaded, on a busy machine): nothing else in a rank process needs finalizing.
     results.close()

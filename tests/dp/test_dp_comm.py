@@ -163,9 +163,17 @@ def _raise_on_rank_1(ctx):
     return ctx.rank
 
 
+def _unpicklable(ctx):
+    return lambda: ctx.rank
+
+
 def test_pool_reports_a_rank_exception_and_stays_usable(rank_pool):
     with pytest.raises(RankError, match="boom on purpose"):
         rank_pool.run(_raise_on_rank_1, ranks=[0, 1])
+    with pytest.raises(RankError, match="cannot be pickled"):
+        rank_pool.run(_unpicklable, ranks=[2], timeout=20)
+    with pytest.raises(ValueError, match="module-level"):
+        rank_pool.run(lambda ctx: 0)
     assert rank_pool.run(_raise_on_rank_1, ranks=[0, 2, 3]) == [0, 2, 3]
 
 
