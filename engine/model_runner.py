@@ -240,9 +240,12 @@ class ModelRunner:
             ring_dest, ring_src = dest[keep], torch.arange(t)[keep]
 
         decode = q_lens == 1
-        parts = [decode.nonzero().flatten(), (~decode).nonzero().flatten()]
+        fresh = ~decode & (starts == 0)
+        chunk = ~decode & ~fresh
+        parts = [(m.nonzero().flatten(), f) for m, f in
+                 ((decode, False), (fresh, True), (chunk, False))]
         groups = []
-        for ri in parts:
+        for ri, is_fresh in parts:
             if ri.numel() == 0:
                 continue
             ql, st = q_lens[ri], starts[ri]
@@ -251,10 +254,10 @@ class ModelRunner:
             off = torch.where(q_valid, ar[None, :], 0)
             token_index = cu[ri][:, None] + off
             g_bt = ring_rows = ring_pos = None
-            if bt is not None:
+            if bt is not None and not is_fresh:
                 nb_g = math.ceil(int(seqlen_k[ri].max()) / bs)
                 g_bt = bt[ri, :nb_g].to(dev)
-            if slots is not None:
+            if slots is not None and not is_fresh:
                 ar_r = torch.arange(R)
                 ring_rows = (slots[ri][:, None] * R + ar_r[None, :]).to(dev)
                 last = st[:, None] - 1
@@ -265,6 +268,7 @@ class ModelRunner:
                 ring_pos=ring_pos, valid_tokens=token_index[q_valid].to(dev),
                 valid_flat=None if bool(q_valid.all()) else
                 q_valid.flatten().nonzero().flatten().to(dev),
+                fresh=is_fresh,
             ))
         meta = AttentionMetadata(
             groups=groups,

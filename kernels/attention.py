@@ -1,9 +1,10 @@
 """Attention over the paged cache for one step of mixed rows, vectorised over the batch.
 
 A step's query tokens are flat ``[T]`` (rows back to back). The runner splits the
-rows into *groups* of similar query length (decode rows, q = 1; prefill chunks,
-q > 1) and pads each group to ``[B, Qmax]`` with index tensors; there is no Python
-loop over sequences or positions here, only over the (at most two) groups.
+rows into *groups* (decode rows, q = 1; fresh prompts starting at position 0;
+continued prefill chunks) and pads each group to ``[B, Qmax]`` with index tensors;
+there is no Python loop over sequences or positions here, only over the (at most
+three) groups. Fresh prompts attend to their own K/V only (causal, no cache read).
 
 Full-attention layer: write the step's K/V rows into their slots first, then each
 row gathers its block table's blocks ``[B, nb * block_size]`` and attends with a
@@ -39,6 +40,7 @@ class AttentionGroup:
     valid_tokens: torch.Tensor  # [n_valid] long: token_index[q_valid]
     valid_flat: torch.Tensor | None = None  # [n_valid] long: q_valid.flatten().nonzero();
     # None when every query is valid (e.g. decode rows)
+    fresh: bool = False  # every row starts at position 0: keys are the step's own K/V
 
 
 @dataclass
@@ -118,6 +120,27 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ring: to
     return _valid(out, group)
 
 
+def fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AttentionGroup,
+                    window: int | None, scale: float) -> torch.Tensor:
+    """Rows that all start at position 0 see only their own chunk: plain causal
+    attention on the step's K/V (no cache read), ``is_causal`` unless a window bites.
+
+    Query ``i`` of a row sees keys ``j <= i``; padding sits after every real position,
+    so only padded queries can see padded keys."""
+    qg, kg, vg = take(q, group.token_index), take(k, group.token_index), take(v, group.token_index)
+    qm = qg.shape[1]
+    if window is not None and qm > window:
+        i = torch.arange(qm, device=q.device)
+        mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
+        out = _sdpa(qg, kg, vg, mask.expand(qg.shape[0], qm, qm).clone(), scale)
+    else:
+        out = F.scaled_dot_product_attention(
+            qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2), is_causal=True,
+            scale=scale, enable_gqa=qg.shape[2] != kg.shape[2],
+        ).transpose(1, 2)
+    return _valid(out, group)
+
+
 def write_ring_kv(k_ring: torch.Tensor, v_ring: torch.Tensor, meta: AttentionMetadata,
                   k: torch.Tensor, v: torch.Tensor) -> None:
     if meta.ring_dest is not None and meta.ring_dest.numel():
@@ -134,11 +157,14 @@ def attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
         k_blocks, v_blocks = cache.k_blocks[layer], cache.v_blocks[layer]
         write_blocks_kv(k_blocks, v_blocks, meta.slot_mapping, k, v)
         for g in meta.groups:
-            out.index_copy_(0, g.valid_tokens, paged_attention(q, k_blocks, v_blocks, g, scale))
+            o = (fresh_attention(q, k, v, g, None, scale) if g.fresh
+                 else paged_attention(q, k_blocks, v_blocks, g, scale))
+            out.index_copy_(0, g.valid_tokens, o)
     else:
         k_ring, v_ring = cache.k_ring[layer], cache.v_ring[layer]
         for g in meta.groups:  # every group reads the ring before anything is written
-            out.index_copy_(0, g.valid_tokens,
-                            ring_attention(q, k, v, k_ring, v_ring, g, window, scale))
+            o = (fresh_attention(q, k, v, g, window, scale) if g.fresh
+                 else ring_attention(q, k, v, k_ring, v_ring, g, window, scale))
+            out.index_copy_(0, g.valid_tokens, o)
         write_ring_kv(k_ring, v_ring, meta, k, v)
     return out
