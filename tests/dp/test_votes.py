@@ -214,6 +214,21 @@ def test_empty_attempt_runs_an_empty_prompt_step_and_all_empty_falls_back_to_dec
     assert seen["empty_prompt_wanting"] == 2 and seen["all_empty_fallback"] == 2
 
 
+def test_head_waiting_for_blocks_runs_an_empty_prompt_step(rank_pool):
+    # 10 usable blocks of 4. Rank 1 runs b0 (3 blocks, then 4) while b1 (36 positions,
+    # 9 blocks) waits at its head: usage stays far under 0.9, so rank 1 wants prefill
+    # at every point, but its pass stops at the LATER head (S14) and selects nothing.
+    config = dict(BASE_CONFIG, num_blocks=11, max_model_len=64, max_num_batched_tokens=64)
+    arrivals = {0: [(0, "a0", 4, 40), (2, "a1", 4, 40)],
+                1: [(0, "b0", 12, 60), (0, "b1", 36, 60)]}
+    out = rank_pool.run(drive, config, arrivals, 6, world_size=2, ranks=[0, 1])
+    assert kinds_by_rank(out) == ["PDDDPD", "PDDDED"]
+    assert [s[2] for s in out[1]["trace"]] == [True] * 6
+    assert out[1]["trace"][0][4] == [("b0", 12, True)]  # b1 was LATER from the start
+    seen = check_lockstep(out)
+    assert seen["empty_prompt_wanting"] == 1 and seen["all_refused"] == 2  # t1, t5
+
+
 def test_four_ranks_any_point_needs_one_wish_all_point_needs_every_wish(rank_pool):
     arrivals = {r: [(0, f"r{r}.0", 4, 40)] for r in range(4)}
     for r in (0, 1, 2):  # three of four want at the ALL point t1
