@@ -220,11 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     text = format_runs(runs)
     sys.stdout.write(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(f"Saved output to {args.out}", file=sys.stderr)
+    args.out.write_text(text, encoding="utf-8")
+    print(f"Saved output · {args.out}", file=sys.stderr)  # the chapter's caption
     if args.plot is not None:
         plot_runs(runs, args.plot)
-        print(f"Saved plot to {args.plot}", file=sys.stderr)
+        print(f"Saved plot · {args.plot}", file=sys.stderr)
     return 0
 
 

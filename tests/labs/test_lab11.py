@@ -35,7 +35,7 @@ def chapter_runs() -> list[str]:
 
 
 def run_lab(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(LAB), *args], cwd=cwd, capture_output=True,
+    return subprocess.run([sys.executable, str(LAB), *args], cwd=cwd, capture_output=True, encoding="utf-8",
                           text=True, timeout=60, check=True)
 
 
@@ -46,6 +46,7 @@ def test_no_args_prints_the_chapter_runs_and_saves_them(tmp_path):
     assert got == expected
     saved = tmp_path / "results" / "11_chunks.txt"
     assert saved.read_text() == proc.stdout
+    assert proc.stderr.strip() == "Saved output · results/11_chunks.txt"  # the book's caption
 
 
 def test_runs_as_data_match_the_chapter_numbers():
