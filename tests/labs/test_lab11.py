@@ -35,8 +35,8 @@ def chapter_runs() -> list[str]:
 
 
 def run_lab(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(LAB), *args], cwd=cwd, capture_output=True, encoding="utf-8",
-                          text=True, timeout=60, check=True)
+    return subprocess.run([sys.executable, str(LAB), *args], cwd=cwd, capture_output=True,
+                          encoding="utf-8", timeout=60, check=True)
 
 
 def test_no_args_prints_the_chapter_runs_and_saves_them(tmp_path):
