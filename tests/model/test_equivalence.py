@@ -74,19 +74,22 @@ def test_logits_match_transformers(tiny_dirs, h, variant):
     assert worst < LOGIT_TOL, worst
 
 
-def test_batch_of_rows_matches_single_rows(tiny_dirs, h):
-    """A mixed step (two chunks + decode rows) gives the logits each row gets alone."""
-    path = tiny_dirs["mistral-swa"]
-    prompts = h.prompts_of([60, 45, 20, 33], seed=9)
+@pytest.mark.parametrize("variant", ["llama", "mistral-swa"])
+def test_batch_of_rows_matches_single_rows(tiny_dirs, h, variant):
+    """A step mixing every kind of row (fresh prompts, a continued chunk, decode rows)
+    gives each row the logits it gets alone."""
+    path = tiny_dirs[variant]
+    prompts = h.prompts_of([60, 45, 20, 33, 70], seed=9)
     a = ModelRunner(path, num_kv_blocks=64, num_state_slots=8)
     b = ModelRunner(path, num_kv_blocks=64, num_state_slots=8)
-    tables = [list(range(1 + 5 * i, 6 + 5 * i)) for i in range(4)]
-    # Rows 2 and 3 get their prompt minus the last token cached first (decode rows after).
-    for r in (a, b):
-        r.compute_logits([RunnerRow(prompts[i][:-1], 0, tables[i], i) for i in (2, 3)])
+    tables = [list(range(1 + 5 * i, 6 + 5 * i)) for i in range(5)]
+    for r in (a, b):  # cached before the step: rows 2, 3 (all but one token), row 4 (10)
+        r.compute_logits([RunnerRow(prompts[i][:-1], 0, tables[i], i) for i in (2, 3)] +
+                         [RunnerRow(prompts[4][:10], 0, tables[4], 4)])
     rows = [
         RunnerRow(prompts[0][:50], 0, tables[0], 0),
         RunnerRow(prompts[2][-1:], 19, tables[2], 2),
+        RunnerRow(prompts[4][10:], 10, tables[4], 4),
         RunnerRow(prompts[1], 0, tables[1], 1),
         RunnerRow(prompts[3][-1:], 32, tables[3], 3),
     ]
@@ -105,3 +108,17 @@ def test_bfloat16_runs_and_agrees_loosely(tiny_dirs, h):
     lb = b16.compute_logits([RunnerRow(prompt, 0, [1, 2, 3])])
     assert torch.isfinite(lb).all()
     assert torch.corrcoef(torch.stack([lf[0], lb[0]]))[0, 1] > 0.98
+
+
+def test_bad_rows_are_refused(tiny_dirs):
+    llama = ModelRunner(tiny_dirs["llama"], num_kv_blocks=8)
+    with pytest.raises(ValueError, match="row 0: block_table has 2 blocks of 16, too few for "
+                                         "seqlen_k 40"):
+        llama.execute([RunnerRow(list(range(3, 43)), 0, [1, 2])])
+    with pytest.raises(ValueError, match="row 0: token_ids is empty"):
+        llama.execute([RunnerRow([], 0, [1])])
+    swa = ModelRunner(tiny_dirs["mistral-swa"], num_kv_blocks=8, num_state_slots=2)
+    with pytest.raises(ValueError, match=r"row 1: state_slot 2 out of range \[0, 2\)"):
+        swa.execute([RunnerRow([5], 0, [1], 0), RunnerRow([5], 0, [2], 2)])
+    assert llama.execute([]) == []
+    assert llama.execute([RunnerRow([5, 6], 0, [1], sample=False)]) == [None]
