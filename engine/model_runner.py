@@ -90,8 +90,17 @@ class ModelRunner:
         probe = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 2, block_size,
                         cfg.layer_windows, max(num_state_slots, 1), ring_len, self.dtype, "meta")
         if num_kv_blocks is None:
+            ring_bytes = probe.ring_bytes() // max(probe.num_state_slots, 1) * num_state_slots
             per_block = max(probe.bytes_per_block(), 1)
-            num_kv_blocks = int(max(16, min(8192, kv_cache_bytes // per_block)))
+            left = kv_cache_bytes - ring_bytes
+            if probe.full_layers and left < 16 * per_block:
+                raise ValueError(
+                    f"KV cache budget {kv_cache_bytes / 2**20:.0f} MiB is too small: the "
+                    f"sliding-window rings of {num_state_slots} state slots take "
+                    f"{ring_bytes / 2**20:.0f} MiB and 16 blocks need "
+                    f"{16 * per_block / 2**20:.1f} MiB more"
+                )
+            num_kv_blocks = int(max(16, min(8192, left // per_block)))
         self.kv_cache = KVCache(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_kv_blocks, block_size,
             cfg.layer_windows, num_state_slots, ring_len, self.dtype, self.device,

@@ -114,6 +114,11 @@ class KVCache:
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * len(self.full_layers) * self.block_size * self.num_kv_heads * self.head_dim * elem
 
+    def ring_bytes(self) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return (2 * len(self.ring_layers) * self.num_state_slots * self.ring_len
+                * self.num_kv_heads * self.head_dim * elem)
+
     # ---- blocks ------------------------------------------------------------
     def _ids(self, ids) -> torch.Tensor:
         return torch.as_tensor(list(ids), dtype=torch.long, device=self.device)
