@@ -50,9 +50,13 @@ def test_s27_forked_head_needs_block_and_slot(kit):
     kit.admit_prompted(s)
     child = s.fork(parent, "C")
     assert s.prompted[0] == (child, True)
-    s.states.allocate(1)  # no free state slot: the fork must wait
+    taken = s.states.allocate(1)  # no free state slot: the fork must wait
     out = _decode(s)
     assert s.prompted and child not in s.running and out.state_copies == []
+    s.process_outputs(out, [3])
+    s.states.free(taken)
+    out = _decode(s)
+    assert child in s.running and out.state_copies == [(parent.state_slot, child.state_slot)]
 
 
 def test_s28_candidates_from_short_end_victims_from_long_end(kit):

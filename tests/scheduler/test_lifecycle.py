@@ -152,8 +152,11 @@ def test_s34_fork_pins_and_routes_child(kit):
     assert out.block_copies == [(parent.block_table[2], child.block_table[2])]
     assert out.state_copies == [(parent.state_slot, child.state_slot)]
     assert {r.seq.request_id for r in out.scheduled} == {"P", "C"}
-    res = s.process_outputs(out, [11, 12])
-    assert parent.token_ids[-1] != child.token_ids[-1] or res.updated  # diverge freely
+    tokens = {"P": 11, "C": 12}
+    res = s.process_outputs(out, [tokens[r.seq.request_id] for r in out.scheduled])
+    assert set(res.updated) == {parent, child}
+    assert (parent.token_ids[-1], child.token_ids[-1]) == (11, 12)  # they diverge freely
+    assert parent.token_ids[:-1] == child.token_ids[:-1] and len(child) == 11
 
     t = kit.sched(max_num_batched_tokens=8, max_num_seqs=8)
     p2 = kit.seq("P2", 20)
