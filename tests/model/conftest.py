@@ -12,7 +12,6 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 from pdserve.engine.model_runner import RunnerRow  # noqa: E402
 from pdserve.engine.tiny_model import make_tiny_model  # noqa: E402
