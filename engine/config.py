@@ -24,6 +24,8 @@ class EngineConfig:
     chunked_prefill: bool = True
     # Engine-argument default per the spec's table; the offline LLM passes False.
     stop_preempted_request: bool = True
+    # Opt-in scheduler policy (spec section 9): see SchedulerConfig.partial_prompts_first.
+    partial_prompts_first: bool = False
     prefill_attempt_interval: int = 70
     prefill_any_attempt_interval: int = 100
     dtype: str = "float32"
@@ -69,4 +71,5 @@ class EngineConfig:
             prefill_attempt_interval=self.prefill_attempt_interval,
             prefill_any_attempt_interval=self.prefill_any_attempt_interval,
             ring_len=ring_len,
+            partial_prompts_first=self.partial_prompts_first,
         )

@@ -4,6 +4,10 @@
 COMPLETION engine in this process and moves every request between them through the
 real KV payload (serialised to bytes and back), exactly as the service does between
 ranks.
+
+The offline API recomputes preempted requests (the spec's table) and therefore turns on
+the `partial_prompts_first` policy: without it, a recomputed request at the head of
+`waiting` can wait forever for blocks held by a half-prefilled prompt behind it.
 """
 
 from __future__ import annotations
@@ -11,12 +15,11 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from tqdm.auto import tqdm
-
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.scheduler.sampling_params import SamplingParams
+from tqdm.auto import tqdm
 
 
 @dataclass
@@ -32,7 +35,8 @@ class LLM:
     def __init__(self, model_dir: str, mode: str = "normal", *, block_size: int = 16,
                  num_kv_blocks: int | None = None, max_num_batched_tokens: int | None = None,
                  chunked_prefill: bool = True, max_num_seqs: int = 64,
-                 stop_preempted_request: bool = False, dtype: str = "float32",
+                 stop_preempted_request: bool = False, partial_prompts_first: bool = True,
+                 dtype: str = "float32",
                  device: str = "cpu", max_model_len: int | None = None) -> None:
         if mode not in ("normal", "disaggregated"):
             raise ValueError(f"mode must be 'normal' or 'disaggregated', got {mode!r}")
@@ -44,6 +48,7 @@ class LLM:
                 num_kv_blocks=num_kv_blocks, max_num_batched_tokens=max_num_batched_tokens,
                 chunked_prefill=chunked_prefill, max_num_seqs=max_num_seqs,
                 stop_preempted_request=stop_preempted, dtype=dtype, device=device,
+                partial_prompts_first=partial_prompts_first,
                 max_model_len=max_model_len)
 
         if mode == "normal":

@@ -34,6 +34,10 @@ class SchedulerConfig:
     continuation_at_back: bool = False
     hol_bypass_limit: int = 0  # K > 0: a smaller request may pass a LATER head K times
     decode_room_needs_no_block: bool = False
+    # A partly prefilled prompt already owns blocks for its whole prompt: let it finish
+    # before a recompute-preempted request retakes the head, and past the watermark,
+    # so the pool can never wedge with every free block held by unfinished prompts.
+    partial_prompts_first: bool = False
 
     def __post_init__(self) -> None:
         for name, low in (

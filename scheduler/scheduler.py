@@ -58,9 +58,18 @@ class Scheduler:
         self._bypass_later_head = (
             self._bypass_with_aging if config.hol_bypass_limit > 0 else self._never_bypass
         )
+        self._requeue_preempted = (
+            self._requeue_behind_partial if config.partial_prompts_first else waiting.appendleft
+        )
 
     def _has_room_or_free_block(self, seq: Sequence) -> bool:
         return self.blocks.num_free > 0 or len(seq.block_table) >= self.blocks_needed(seq)
+
+    def _requeue_behind_partial(self, seq: Sequence) -> None:
+        front = 0
+        while front < len(self.waiting) and self.waiting[front].block_table:
+            front += 1
+        self.waiting.insert(front, seq)
 
     def _never_bypass(self, head: Sequence) -> bool:
         return False
@@ -192,11 +201,12 @@ class Scheduler:
         return result if result is not None else SchedulerOutput(StepKind.EMPTY_PROMPT)
 
     def _wants_prefill(self) -> bool:
-        return (
-            self.cache_usage <= self.config.prefill_watermark
-            and bool(self.waiting)
-            and self.waiting[0].schedulable
-        )
+        if not self.waiting or not self.waiting[0].schedulable:
+            return False
+        if self.cache_usage <= self.config.prefill_watermark:
+            return True
+        # Policy: a partial prompt needs no new block, and finishing it is what frees them.
+        return self.config.partial_prompts_first and bool(self.waiting[0].block_table)
 
     def _vote_try(self, want: bool, any_point: bool) -> bool:
         if any_point:  # one wish is enough
@@ -396,7 +406,7 @@ class Scheduler:
             return
         logger.warning("request %s is preempted and will be recomputed", seq.request_id)
         seq.reset_for_recompute()
-        self.waiting.appendleft(seq)
+        self._requeue_preempted(seq)
         seq.status = WAITING
         self._free_resources(seq)
 

@@ -2,7 +2,6 @@
 engine's behaviour when its pool runs out."""
 
 import pytest
-
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine, NoCapacityError
 from pdserve.engine.kv_payload import KVPayload, KVPayloadError
@@ -45,7 +44,7 @@ def handoffs(model_dirs, mixed_prompts):
 
 
 def test_payload_carries_first_token_and_history(handoffs, mixed_prompts):
-    for i, h in enumerate(handoffs):
+    for h in handoffs:
         payload = KVPayload.from_bytes(h.payload)
         assert payload.request_id == h.request_id
         index = int(h.request_id[1:])

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from pdserve.engine.kv_payload import KVPayload, KVPayloadError
 
 

@@ -91,3 +91,32 @@ def test_decode_candidate_with_room_needs_no_free_block(kit):
     s.process_outputs(out, [5])
     out = s.schedule()  # position 8 needs a third block: none free, preempted after all
     assert out.preempted == [a] and a.block_table == []
+
+
+def _drain_steps(kit, max_steps=400, **policy):
+    """The livelock trace: V (4 tokens) then X (36) on a tiny pool with recompute.
+
+    Default rules: V decodes, X's first chunk takes 9 blocks for its whole prompt, V is
+    preempted for recompute to the FRONT of waiting and then needs 2 blocks with 1 free:
+    head-of-line blocked forever while X, which owns its blocks, waits behind it.
+    """
+    s = kit.sched(block_size=4, num_blocks=11, num_state_slots=4, max_model_len=64,
+                  max_num_batched_tokens=4, max_num_seqs=4, stop_preempted_request=False,
+                  prefill_attempt_interval=5, prefill_any_attempt_interval=3, **policy)
+    s.add(kit.seq("V", 4, max_tokens=8))
+    s.add(kit.seq("X", 36, max_tokens=3))  # 39 tokens: fits the 10 usable blocks
+    finished = {}
+    for step in range(max_steps):
+        if not s.has_unfinished():
+            s.assert_drained()
+            return step, finished
+        _, res = kit.step(s, token=9)
+        finished.update({q.request_id: q.finish_reason for q in res.finished})
+    return None, finished
+
+
+def test_partial_prompts_first_breaks_the_recompute_livelock(kit):
+    default_steps, default_finished = _drain_steps(kit)
+    assert default_steps is None and default_finished == {}  # the released rules wedge
+    steps, finished = _drain_steps(kit, partial_prompts_first=True)
+    assert steps is not None and finished == {"V": "length", "X": "length"}
