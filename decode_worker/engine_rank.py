@@ -191,7 +191,8 @@ class EngineRank:
         loop, vote = self.loop, self._vote
         if loop is None:
             return True
-        if vote is not None and loop.running:
+        # A single rank votes with nobody: stopping its thread is a step boundary already.
+        if vote is not None and loop.running and self.world_size > 1:
             vote.pause_requested = True
             loop.wake()
             deadline = time.monotonic() + timeout_s

@@ -58,6 +58,12 @@ register("make-tiny-model", "write the built-in deterministic model as a HF fold
          _add_make_tiny_model_args, _run_make_tiny_model)
 
 
+# serve, generate, status, scale: the cluster service's commands live with the router.
+from pdserve.router.cli_commands import register_commands  # noqa: E402
+
+register_commands(register)
+
+
 # ---- entry point ---------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:

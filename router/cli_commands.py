@@ -1,0 +1,278 @@
+"""`pdserve serve | generate | status | scale`: the service's command line.
+
+Registered into `pdserve.cli` by `register_commands`. Heavy imports (ray, grpc)
+happen inside the run functions so `pdserve --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 50051
+DEFAULT_ADDRESS = f"{DEFAULT_HOST}:{DEFAULT_PORT}"
+SELF_CHECK_PROMPT = "def add(x, y):"
+
+
+def default_model_dir() -> Path:
+    root = os.environ.get("PDSERVE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pdserve")
+    return Path(root) / "tiny-llama"
+
+
+def ensure_model(model: str | None) -> str:
+    """The model folder to serve; the built-in tiny model is generated on first use."""
+    if model:
+        if not (Path(model) / "config.json").is_file():
+            raise SystemExit(f"error: --model {model}: no config.json in that folder")
+        return model
+    path = default_model_dir()
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        from pdserve.engine.tiny_model import make_tiny_model
+
+        print(f"generating the built-in tiny model into {path} (first use) ...", flush=True)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        make_tiny_model(tmp)
+        if path.exists():
+            shutil.rmtree(path)
+        try:
+            tmp.rename(path)
+        except OSError:  # a concurrent first use got there first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(path)
+
+
+# ---- serve -----------------------------------------------------------------------
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="Hugging Face model folder (default: the built-in tiny "
+                   "model, generated on first use)")
+    p.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default %(default)s)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT,
+                   help="router port (default %(default)s; 0 picks a free one)")
+    p.add_argument("--prefill", type=int, default=1, help="prefill ranks (default 1)")
+    p.add_argument("--decode", type=int, default=1, help="decode ranks (default 1)")
+    p.add_argument("--normal", type=int, default=1, help="ranks of the normal pool "
+                   "(--mode normal; default 1)")
+    p.add_argument("--mode", choices=["disaggregated", "normal"], default="disaggregated")
+    p.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (e.g. 'auto' on a `ray up` head); "
+                   "default: start an embedded local Ray")
+    p.add_argument("--kv-transport", choices=["ray", "grpc"], default="ray")
+    p.add_argument("--max-queue-depth", type=int, default=256)
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV blocks per rank (default: sized by the engine)")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--num-cpus", type=float, default=0.5, help="CPUs Ray reserves per rank")
+    p.add_argument("--no-self-check", action="store_true")
+    p.add_argument("--exit-after-self-check", action="store_true",
+                   help="stop once the self-check passed (for CI and `make serve` checks)")
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import asyncio
+    import signal
+
+    import ray
+    from pdserve.router.config import PoolConfig, RouterConfig
+    from pdserve.router.server import start_router
+
+    model = ensure_model(args.model)
+    engine = {"max_num_seqs": args.max_num_seqs}
+    if args.num_kv_blocks:
+        engine["num_kv_blocks"] = args.num_kv_blocks
+    config = RouterConfig(
+        model_dir=model, mode=args.mode, host=args.host, port=args.port,
+        kv_transport=args.kv_transport, max_queue_depth=args.max_queue_depth,
+        prefill=PoolConfig("prefill", args.prefill, args.num_cpus, resources={"prefill": 1},
+                           engine=engine),
+        decode=PoolConfig("decode", args.decode, args.num_cpus, resources={"decode": 1},
+                          engine=engine),
+        normal=PoolConfig("normal", args.normal, args.num_cpus, engine=engine),
+    )
+    try:
+        config.validate()
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.ray_address:
+        ray.init(address=args.ray_address, log_to_driver=False)
+    else:
+        # Embedded local Ray; room to scale each pool on this machine.
+        room = 4 + max(args.prefill, args.decode, args.normal)
+        ray.init(address="local", include_dashboard=False, log_to_driver=False,
+                 num_cpus=max(os.cpu_count() or 2, room),
+                 resources={"prefill": room, "decode": room},
+                 _temp_dir=os.environ.get("PDSERVE_RAY_TMP", "/tmp/pdserve-ray"))
+
+    async def main() -> int:
+        print(f"starting {args.mode} pools (model {model}) ...", flush=True)
+        server = await start_router(config)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        address = f"{args.host}:{server.port}"
+        print(f"pdserve router listening on {address}", flush=True)
+        addr_flag = "" if address == DEFAULT_ADDRESS else f" --address {address}"
+        print(f"try: pdserve generate{addr_flag} --max-tokens 32 'def add(x, y):'", flush=True)
+        rc = 0
+        if not args.no_self_check:
+            rc = await _self_check(address)
+        if not args.exit_after_self_check and rc == 0:
+            await stop.wait()
+        print("shutting down ...", flush=True)
+        await server.stop()
+        return rc
+
+    try:
+        return asyncio.run(main())
+    finally:
+        ray.shutdown()
+
+
+async def _self_check(address: str) -> int:
+    from pdserve.router.client import AsyncClient
+
+    print(f"self-check: {SELF_CHECK_PROMPT!r} ->", end=" ", flush=True)
+    try:
+        async with AsyncClient(address, timeout=120) as client:
+            n, reason = 0, ""
+            async for msg in client.stream(SELF_CHECK_PROMPT, max_tokens=16, temperature=0):
+                print(msg.text, end="", flush=True)
+                n += len(msg.token_ids)
+                reason = msg.finish_reason or reason
+    except Exception as exc:
+        print(f"\nself-check FAILED: {exc}", flush=True)
+        return 1
+    ok = n > 0 and reason in ("length", "stop")
+    print(f"\nself-check {'passed' if ok else 'FAILED'} ({n} tokens, finish_reason={reason})",
+          flush=True)
+    return 0 if ok else 1
+
+
+# ---- generate / status / scale -------------------------------------------------------
+
+def _rpc_error(exc, address: str) -> int:
+    import grpc
+
+    if isinstance(exc, grpc.RpcError):
+        code = exc.code()
+        if code == grpc.StatusCode.UNAVAILABLE:
+            print(f"error: cannot reach the router at {address} ({exc.details()})", file=sys.stderr)
+            return 2
+        print(f"error: {code.name}: {exc.details()}", file=sys.stderr)
+        return 1
+    raise exc
+
+
+def _add_generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="prompt text")
+    p.add_argument("--address", default=DEFAULT_ADDRESS, help="router (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--request-id", default="")
+    p.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (token_ids, text, finish_reason) at the end")
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from pdserve.router.client import Client, Completion
+
+    out = Completion()
+    try:
+        with Client(args.address, timeout=args.timeout) as client:
+            for msg in client.stream(args.prompt, request_id=args.request_id,
+                                     max_tokens=args.max_tokens, temperature=args.temperature,
+                                     top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                     ignore_eos=args.ignore_eos):
+                out.add(msg)
+                if not args.json:
+                    print(msg.text, end="", flush=True)
+    except Exception as exc:
+        if not args.json and out.num_messages:
+            print()
+        return _rpc_error(exc, args.address)
+    if args.json:
+        print(json.dumps(out.to_dict()))
+    else:
+        print()
+    if out.finish_reason == "error":
+        print(f"error: {out.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_status_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=DEFAULT_ADDRESS, help="router (default %(default)s)")
+    p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--json", action="store_true", help="print the state as JSON")
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    from google.protobuf.json_format import MessageToDict
+    from pdserve.router.client import Client
+
+    try:
+        with Client(args.address) as client:
+            state = client.cluster_state(timeout=args.timeout)
+    except Exception as exc:
+        return _rpc_error(exc, args.address) or 2
+    if args.json:
+        print(json.dumps(MessageToDict(state, always_print_fields_with_no_presence=True)))
+        return 0
+    print(f"router {args.address}: mode {state.mode}, model {state.model}, "
+          f"kv transport {state.kv_transport}, {state.num_inflight}/{state.max_queue_depth} "
+          "requests in flight")
+    for pool in state.pools:
+        print(f"pool {pool.name}: {len(pool.ranks)} ranks (target {pool.target_replicas}, "
+              f"group generation {pool.group_generation})")
+        for r in pool.ranks:
+            print(f"  rank {r.rank} [{r.state}] node {r.node_id[:12]}  waiting {r.num_waiting} "
+                  f"running {r.num_running} prompted {r.num_prompted}  "
+                  f"kv {r.num_total_blocks - r.num_free_blocks}/{r.num_total_blocks} blocks "
+                  f"({100 * r.kv_usage:.0f}%)  in flight {r.num_inflight}  "
+                  f"steps {r.num_steps} (empty {r.num_empty_steps})")
+    return 0
+
+
+def _add_scale_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("pool", choices=["prefill", "decode", "normal"])
+    p.add_argument("replicas", type=int)
+    p.add_argument("--address", default=DEFAULT_ADDRESS, help="router (default %(default)s)")
+    p.add_argument("--timeout", type=float, default=600.0)
+
+
+def _run_scale(args: argparse.Namespace) -> int:
+    from pdserve.router.client import Client
+
+    try:
+        with Client(args.address) as client:
+            reply = client.scale(args.pool, args.replicas, timeout=args.timeout)
+    except Exception as exc:
+        return _rpc_error(exc, args.address)
+    print(f"pool {reply.pool}: {reply.previous_replicas} -> {reply.replicas} ranks")
+    return 0
+
+
+def register_commands(register) -> None:
+    register("serve", "run the router and its Ray pools (embedded local Ray by default)",
+             _add_serve_args, _run_serve)
+    register("generate", "stream a completion from a running router", _add_generate_args,
+             _run_generate)
+    register("status", "show a router's pools, ranks, queues and KV usage", _add_status_args,
+             _run_status)
+    register("scale", "grow or shrink a pool: pdserve scale prefill|decode N", _add_scale_args,
+             _run_scale)

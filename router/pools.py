@@ -44,6 +44,7 @@ class RankHandle:
     inflight: set = field(default_factory=set)
     outstanding_tokens: int = 0   # prompt tokens sent here and not yet prefilled
     pending_imports: int = 0      # payloads on their way here
+    assigned: int = 0             # requests ever sent here (breaks ties round-robin)
     poll_task: asyncio.Task | None = None
     error: str | None = None
 
@@ -77,7 +78,9 @@ class Pool:
         ranks = self.ready()
         if not ranks:
             return None
-        return min(ranks, key=lambda r: (r.outstanding_tokens, len(r.inflight), r.uid))
+        rank = min(ranks, key=lambda r: (r.outstanding_tokens, len(r.inflight), r.assigned, r.uid))
+        rank.assigned += 1
+        return rank
 
     async def wait_for_rank(self, timeout_s: float) -> RankHandle | None:
         """The least-loaded ready rank, waiting while the pool (re-)forms."""
@@ -93,8 +96,10 @@ class Pool:
         ranks = [r for r in self.ready() if r.uid not in exclude]
         if not ranks:
             return None
-        return max(ranks, key=lambda r: (r.free_blocks - 8 * r.pending_imports,
-                                         -len(r.inflight), -r.uid))
+        rank = max(ranks, key=lambda r: (r.free_blocks - 8 * r.pending_imports,
+                                         -len(r.inflight), -r.assigned, -r.uid))
+        rank.assigned += 1
+        return rank
 
     # -- lifecycle -------------------------------------------------------------------
 

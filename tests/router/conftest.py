@@ -112,6 +112,12 @@ def make_router(ray_session, tiny_model_dir):
 
 
 @pytest.fixture(scope="session")
+def shared_router(make_router):
+    """One disaggregated router (1 prefill + 1 decode rank to start) for several modules."""
+    return make_router(prefill=1, decode=1)
+
+
+@pytest.fixture(scope="session")
 def reference(tiny_model_dir):
     """Greedy outputs of the offline LLM(mode="normal"), memoised per (prompt, max_tokens)."""
     from pdserve.engine.llm import LLM

@@ -21,8 +21,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def router(make_router):
-    return make_router(prefill=1, decode=1)
+def router(shared_router):
+    return shared_router
 
 
 def _assert_no_leak(harness, timeout: float = 30.0):
@@ -155,8 +155,8 @@ def test_client_disconnect_mid_stream_frees_blocks_on_both_pools(router):
             got += len(msg.token_ids)
             if got >= 5:
                 break
-        busy = router.stats()["decode"][0]
-        assert busy["num_free_blocks"] < busy["num_total_blocks"]  # it holds blocks now
+        busy = router.stats()["decode"]
+        assert any(r["num_free_blocks"] < r["num_total_blocks"] for r in busy)  # holds blocks
         call.cancel()
     # 2000 tokens would take far longer than this: the abort freed them
     _assert_no_leak(router, timeout=4.0)
@@ -202,7 +202,7 @@ def test_cluster_state_health_and_reflection(router):
     pools = {p.name: p for p in state.pools}
     assert set(pools) == {"prefill", "decode"}
     for p in pools.values():
-        assert len(p.ranks) == 1 and p.ranks[0].state == "ready"
+        assert p.ranks and all(r.state == "ready" for r in p.ranks)
         assert p.ranks[0].num_total_blocks > 0 and p.ranks[0].node_id
 
     with grpc.insecure_channel(router.address) as channel:

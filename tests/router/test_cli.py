@@ -1,0 +1,113 @@
+"""`pdserve serve | generate | status | scale` as a user runs them: real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+PDSERVE = [sys.executable, "-m", "pdserve.cli"]
+
+
+def _env(tmp):
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", OMP_WAIT_POLICY="PASSIVE",
+               PDSERVE_CACHE=str(tmp / "cache"), PDSERVE_RAY_TMP="/tmp/pdcli")
+    return env
+
+
+def _cli(*args, env=None, timeout=120):
+    return subprocess.run([*PDSERVE, *args], capture_output=True, text=True, timeout=timeout,
+                          env=env)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny_model_dir):
+    tmp = tmp_path_factory.mktemp("cli")
+    env = _env(tmp)
+    # The default model is generated on first use into the cache; share the session's
+    # copy to save time (generation itself is covered by the make-tiny-model tests).
+    os.makedirs(tmp / "cache", exist_ok=True)
+    os.symlink(tiny_model_dir, tmp / "cache" / "tiny-llama")
+    proc = subprocess.Popen([*PDSERVE, "serve", "--port", "0", "--num-cpus", "0.25"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    out, address, deadline = [], None, time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=1)
+        except queue.Empty:
+            if proc.poll() is not None:
+                break
+            continue
+        out.append(line)
+        if line.startswith("pdserve router listening on "):
+            address = line.split()[-1]
+        if line.startswith("self-check"):
+            if "passed" in line or "FAILED" in line:
+                break
+    text = "".join(out)
+    assert address and "self-check passed" in text, text
+    yield {"address": address, "env": env, "proc": proc, "log": text}
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def test_serve_prints_address_client_command_and_self_check(served):
+    log = served["log"]
+    assert f"--address {served['address']}" in log  # a client command to copy
+    assert "self-check: 'def add(x, y):' -> " in log
+
+
+def test_generate_json_equals_offline_llm_then_status_and_scale(served, reference):
+    addr, env = served["address"], served["env"]
+    prompts = ["def add(x, y):", "the quick brown fox"]
+
+    def generate_all():
+        outs = []
+        for p in prompts:
+            r = _cli("generate", "--address", addr, "--max-tokens", "12", "--temperature", "0",
+                     "--json", p, env=env)
+            assert r.returncode == 0, r.stderr
+            outs.append(json.loads(r.stdout))
+        return outs
+
+    want = reference(prompts, 12)
+    for out, ref in zip(generate_all(), want, strict=True):
+        assert out["token_ids"] == ref and out["finish_reason"] == "length" and out["text"]
+
+    r = _cli("status", "--address", addr, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "pool prefill: 1 ranks" in r.stdout and "pool decode: 1 ranks" in r.stdout
+
+    for pool in ("prefill", "decode"):
+        r = _cli("scale", "--address", addr, pool, "2", env=env, timeout=240)
+        assert r.returncode == 0, r.stderr
+        assert f"pool {pool}: 1 -> 2 ranks" in r.stdout
+    r = _cli("status", "--address", addr, "--json", env=env)
+    state = json.loads(r.stdout)
+    assert [len(p["ranks"]) for p in state["pools"]] == [2, 2]
+    for out, ref in zip(generate_all(), want, strict=True):  # 2 ranks per pool
+        assert out["token_ids"] == ref
+
+    # plain streaming text, and an error that names its field
+    r = _cli("generate", "--address", addr, "--max-tokens", "4", "one", env=env)
+    assert r.returncode == 0 and r.stdout.strip()
+    r = _cli("generate", "--address", addr, "--max-tokens", "0", "one", env=env)
+    assert r.returncode == 1 and "INVALID_ARGUMENT" in r.stderr and "max_tokens" in r.stderr
+
+
+def test_status_of_an_unreachable_router_exits_non_zero(tmp_path):
+    r = _cli("status", "--address", "127.0.0.1:1", "--timeout", "2", env=_env(tmp_path))
+    assert r.returncode != 0
+    assert "cannot reach the router" in r.stderr
