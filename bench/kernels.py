@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", help="HF model folder (default: the built-in tiny llama)")
     ap.add_argument("--size", choices=["tiny", "small"], default="tiny",
                     help="built-in model size when --model-dir is not given")
+    ap.add_argument("--variant", choices=["llama", "mistral-swa"], default="llama",
+                    help="built-in model variant when --model-dir is not given")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     ap.add_argument("--threads", type=int, default=None)
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = args.model_dir
     if model_dir is None:
         tmp = tempfile.TemporaryDirectory()
-        model_dir = str(make_tiny_model(Path(tmp.name) / "m", "llama", args.size))
+        model_dir = str(make_tiny_model(Path(tmp.name) / "m", args.variant, args.size))
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype)
 
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     ntok = sum(p["batch"] * p["prompt_len"] for p in prefill)
     result = {
         "model_dir": None if tmp else model_dir,
-        "model": f"built-in llama/{args.size}" if tmp else Path(model_dir).name,
+        "model": f"built-in {args.variant}/{args.size}" if tmp else Path(model_dir).name,
         "dtype": str(dtype).removeprefix("torch."),
         "device": str(device),
         "threads": torch.get_num_threads(),
