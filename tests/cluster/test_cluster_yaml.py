@@ -1,0 +1,54 @@
+"""cluster.yaml is a valid Ray cluster-launcher config with the node types pdserve needs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+CLUSTER_YAML = Path(__file__).resolve().parents[2] / "cluster.yaml"
+
+
+def _load() -> dict:
+    return yaml.safe_load(CLUSTER_YAML.read_text())
+
+
+def test_ray_accepts_cluster_yaml():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    config = prepare_config(_load())
+    validate_config(config)  # raises on unknown fields, bad types, missing node types
+
+
+def test_node_types_carry_the_pool_resources():
+    config = _load()
+    types = config["available_node_types"]
+    head = types[config["head_node_type"]]
+    assert not head["resources"].get("prefill") and not head["resources"].get("decode")
+    for pool in ("prefill", "decode"):
+        node = types[pool]
+        assert node["resources"][pool] == 1, pool
+        other = "decode" if pool == "prefill" else "prefill"
+        assert other not in node["resources"]
+        assert 0 <= node["min_workers"] <= node["max_workers"]
+    assert config["max_workers"] >= types["prefill"]["max_workers"] + types["decode"]["max_workers"]
+
+
+def test_setup_installs_pdserve_and_head_runs_the_router():
+    config = _load()
+    setup = " ".join(config["setup_commands"])
+    assert "pip install" in setup and "pdserve" in setup
+    head = " ".join(config["head_start_ray_commands"])
+    assert "ray start --head" in head and "--autoscaling-config" in head
+    assert "pdserve serve --ray-address auto" in head
+    assert any("ray start --address=$RAY_HEAD_IP" in c for c in config["worker_start_ray_commands"])
+
+
+def test_ray_rejects_an_unknown_field():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    config = _load()
+    config["available_node_types"]["prefill"]["bogus_field"] = 1
+    with pytest.raises(Exception, match="bogus_field"):
+        validate_config(prepare_config(config))
