@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint bench clean
+.PHONY: setup test serve lint clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml Makefile
 
 test: setup
 	RAY_AUTH_MODE=disabled OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q
+
+serve: setup
+	RAY_AUTH_MODE=disabled OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/pdserve serve $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
