@@ -1,0 +1,275 @@
+"""Disaggregated vs normal serving on the same machine, the same mixed workload, one run.
+
+    pdserve bench compare-modes                      # 1 prefill + 1 decode vs 2 NORMAL ranks
+    pdserve bench compare-modes --num-prompts 60 --request-rate 4 --goodput ttft:2000 tpot:100
+
+Each deployment is brought up in turn (`pdserve serve` in a subprocess with its own
+embedded Ray, by default; `--launch inprocess` runs the router on a thread of this
+process instead), loaded with the same seeded requests at the same seeded arrival
+times (`bench/serve.py`), and shut down. Writes JSON (both full results and a side
+by side table: p99 ITL, TTFT, goodput, overall and for the short chats alone, with
+normal / disaggregated ratios) and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+DEPLOYMENTS = {
+    "disaggregated": {"mode": "disaggregated", "prefill": 1, "decode": 1},
+    "normal": {"mode": "normal", "normal": 2},
+}
+LISTENING = re.compile(r"pdserve router listening on (\S+)")
+COMPARED = ("p99_itl_ms", "median_itl_ms", "p99_ttft_ms", "median_ttft_ms", "p99_tpot_ms",
+            "p99_e2el_ms", "request_goodput", "request_throughput", "output_throughput")
+
+
+@contextlib.contextmanager
+def subprocess_router(spec: dict, *, model: str | None = None, num_kv_blocks: int | None = None,
+                      max_num_seqs: int | None = None, kv_transport: str = "ray",
+                      start_timeout: float = 300.0):
+    """`pdserve serve` for one deployment on a free port; yields its address."""
+    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--port", "0", "--no-self-check",
+           "--mode", spec["mode"], "--kv-transport", kv_transport]
+    for pool in ("prefill", "decode", "normal"):
+        if pool in spec:
+            cmd += [f"--{pool}", str(spec[pool])]
+    if model:
+        cmd += ["--model", model]
+    if num_kv_blocks:
+        cmd += ["--num-kv-blocks", str(num_kv_blocks)]
+    if max_num_seqs:
+        cmd += ["--max-num-seqs", str(max_num_seqs)]
+    ray_tmp = tempfile.mkdtemp(prefix="pdcmp", dir="/tmp")
+    env = dict(os.environ, PDSERVE_RAY_TMP=ray_tmp, RAY_AUTH_MODE="disabled",
+               OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+    tail: collections.deque[str] = collections.deque(maxlen=40)
+    found: list[str] = []
+    ready = threading.Event()
+
+    def drain() -> None:  # keep reading, or the server blocks on a full pipe
+        for line in proc.stdout:
+            tail.append(line.rstrip())
+            m = LISTENING.search(line)
+            if m and not found:
+                found.append(m.group(1))
+                ready.set()
+        ready.set()
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        ready.wait(start_timeout)
+        if not found:
+            raise RuntimeError(f"`{' '.join(cmd[2:])}` did not start:\n" + "\n".join(tail))
+        yield found[0]
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        reader.join(5)
+
+
+@contextlib.contextmanager
+def inprocess_router(spec: dict, *, model: str, engine: dict | None = None,
+                     kv_transport: str = "ray", start_timeout: float = 300.0):
+    """A router on an event loop of its own thread, in this process's Ray (started if
+    needed); yields its address."""
+    import ray
+    from pdserve.router.config import PoolConfig, RouterConfig
+    from pdserve.router.server import start_router
+
+    if not ray.is_initialized():
+        ray.init(address="local", include_dashboard=False, log_to_driver=False,
+                 num_cpus=8, resources={"prefill": 8, "decode": 8},
+                 _temp_dir=os.environ.get("PDSERVE_RAY_TMP", "/tmp/pdserve-ray"))
+    engine = dict(engine or {})
+    config = RouterConfig(
+        model_dir=model, mode=spec["mode"], port=0, kv_transport=kv_transport,
+        prefill=PoolConfig("prefill", spec.get("prefill", 1), 0.5, resources={"prefill": 1},
+                           engine=engine),
+        decode=PoolConfig("decode", spec.get("decode", 1), 0.5, resources={"decode": 1},
+                          engine=engine),
+        normal=PoolConfig("normal", spec.get("normal", 1), 0.5, engine=engine))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server = None
+    try:
+        server = asyncio.run_coroutine_threadsafe(start_router(config), loop).result(start_timeout)
+        yield f"127.0.0.1:{server.port}"
+    finally:
+        if server is not None:
+            asyncio.run_coroutine_threadsafe(server.stop(grace=0.5), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def side_by_side(results: dict[str, dict], baseline: str = "disaggregated") -> dict:
+    """{metric: {deployment: value, ..., "ratio_<other>_to_<baseline>": x}} for the
+    whole workload and for each dataset class (e.g. the short chats alone)."""
+    def table(get) -> dict:
+        out = {}
+        for key in COMPARED:
+            row = {name: get(r).get(key) for name, r in results.items()}
+            base = row.get(baseline)
+            for name, v in list(row.items()):
+                if name != baseline and v is not None and base:
+                    row[f"ratio_{name}_to_{baseline}"] = v / base
+            out[key] = row
+        return out
+
+    kinds = sorted({k for r in results.values() for k in r.get("by_kind", {})})
+    return {"all": table(lambda r: r),
+            **{k: table(lambda r, k=k: r.get("by_kind", {}).get(k, {})) for k in kinds}}
+
+
+def compare(launchers: dict[str, contextlib.AbstractContextManager], requests: list,
+            **bench_kwargs) -> dict:
+    """Run `requests` against each deployment in turn; `launchers` maps a name to a
+    context manager that yields the router's address."""
+    from pdserve.bench.serve import run_benchmark
+
+    results = {}
+    for name, launcher in launchers.items():
+        t = time.perf_counter()
+        with launcher as address:
+            up = time.perf_counter() - t
+            print(f"{name}: router at {address} (up in {up:.1f} s); running "
+                  f"{len(requests)} requests ...", file=sys.stderr, flush=True)
+            r = asyncio.run(run_benchmark(address, requests, label=name, **bench_kwargs))
+        r["startup_s"] = up
+        results[name] = r
+    return {"deployments": results, "comparison": side_by_side(results)}
+
+
+def format_comparison(cmp: dict) -> str:
+    lines = []
+    for part, table in cmp.items():
+        names = [n for n in next(iter(table.values())) if not n.startswith("ratio_")]
+        ratios = [n for n in next(iter(table.values())) if n.startswith("ratio_")]
+        lines.append(f"-- {part} --")
+        lines.append(f"{'metric':<22}" + "".join(f"{n:>16}" for n in names + ratios))
+        for key, row in table.items():
+            cells = []
+            for n in names + ratios:
+                v = row.get(n)
+                cells.append(f"{'n/a':>16}" if v is None else f"{v:>16.3f}")
+            lines.append(f"{key:<22}" + "".join(cells))
+    return "\n".join(lines)
+
+
+# ---- command line ----------------------------------------------------------------------
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    from pdserve.bench.serve import add_dataset_args, add_load_args
+
+    add_dataset_args(p)
+    add_load_args(p)
+    p.set_defaults(dataset_name="mixed", num_prompts=40, request_rate=4.0,
+                   goodput=["ttft:3000", "tpot:150"])
+    p.add_argument("--launch", choices=["subprocess", "inprocess"], default="subprocess",
+                   help="how to bring each deployment up (default %(default)s)")
+    p.add_argument("--modes", default="disaggregated,normal",
+                   help="deployments to run, in this order (default %(default)s)")
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--kv-transport", choices=["ray", "grpc"], default="ray")
+    p.add_argument("--result-file", default="results/bench_compare_modes.json")
+    p.add_argument("--plot", default=None, help="PNG out (default: the JSON path with .png)")
+    p.add_argument("--no-plot", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from pdserve.bench.serve import build_requests, load_kwargs, write_json
+
+    names = [m for m in args.modes.replace(",", " ").split()]
+    unknown = [m for m in names if m not in DEPLOYMENTS]
+    if unknown or not names:
+        print(f"error: --modes takes {'/'.join(DEPLOYMENTS)}, got {args.modes!r}", file=sys.stderr)
+        return 2
+    from pdserve.router.cli_commands import ensure_model
+
+    model = ensure_model(args.model)
+    args.model = model
+    requests = build_requests(args)
+    kwargs = load_kwargs(args)
+    kwargs["request_rate"] = args.request_rate
+    engine = {"max_num_seqs": args.max_num_seqs}
+    if args.num_kv_blocks:
+        engine["num_kv_blocks"] = args.num_kv_blocks
+    launchers = {}
+    for name in names:
+        spec = DEPLOYMENTS[name]
+        if args.launch == "subprocess":
+            launchers[name] = subprocess_router(spec, model=model, kv_transport=args.kv_transport,
+                                                num_kv_blocks=args.num_kv_blocks,
+                                                max_num_seqs=args.max_num_seqs)
+        else:
+            launchers[name] = inprocess_router(spec, model=model, engine=engine,
+                                               kv_transport=args.kv_transport)
+    try:
+        out = compare(launchers, requests, **kwargs)
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if args.launch == "inprocess":
+            import ray
+
+            ray.shutdown()
+    out["workload"] = {
+        "dataset_name": args.dataset_name, "num_prompts": args.num_prompts,
+        "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+        "burstiness": args.burstiness, "seed": args.seed, "goodput_slos_ms": kwargs["slos"],
+        "mixed": {"long_ratio": args.mixed_long_ratio, "long_input_len": args.mixed_long_input_len,
+                  "long_output_len": args.mixed_long_output_len,
+                  "short_input_len": args.mixed_short_input_len,
+                  "short_output_len": args.mixed_short_output_len},
+        "launch": args.launch, "model": model, "engine": engine,
+        "deployments": {n: DEPLOYMENTS[n] for n in names}}
+    print(format_comparison(out["comparison"]), flush=True)
+    write_json(args.result_file, out)
+    if not args.no_plot:
+        from pdserve.bench.plots import plot_compare
+
+        plot = args.plot or str(Path(args.result_file).with_suffix(".png"))
+        kind = "short" if args.dataset_name == "mixed" else None
+        plot_compare(out["deployments"], plot, kind=kind,
+                     title=f"{args.dataset_name} workload, {args.num_prompts} requests at "
+                     f"{args.request_rate:g} req/s")
+        print(f"wrote {args.result_file} and {plot}")
+    else:
+        print(f"wrote {args.result_file}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_args(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Workloads for the serving benchmark, and the arrival process that paces them.
+
+Datasets (seeded, so two deployments see exactly the same requests):
+
+- ``random``: input and output lengths drawn uniformly from
+  ``[len * (1 - range_ratio), len * (1 + range_ratio)]`` (vLLM's random dataset), the
+  prompt made of random token ids (``ids``: sent as ids, exact lengths) or those ids
+  decoded to text (``text``: the router tokenizes it; the length recorded is the
+  re-encoded one).
+- ``mixed``: long prompts among short chats. A ``long_ratio`` share of the requests
+  (exactly ``round(n * long_ratio)``, at seeded random positions) has a long prompt and
+  a short answer; the rest are short chats with longer answers, whose inter-token
+  latency is what a long prefill disturbs in a normal (non-disaggregated) engine.
+
+Arrivals (vLLM's): gaps between sends are gamma-distributed with shape ``burstiness``
+and mean ``1 / request_rate``; burstiness 1 is a Poisson process, < 1 burstier,
+> 1 more regular. The first request goes at once; ``request_rate = inf`` sends all
+of them at once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+# Ids below this are left out of random prompts: small vocabularies keep their
+# special tokens (bos/eos/pad) at the bottom.
+FIRST_PROMPT_ID = 8
+
+
+@dataclass
+class SampleRequest:
+    prompt: str | list[int]
+    prompt_len: int
+    output_len: int
+    kind: str = "random"
+
+
+def length_range(length: int, range_ratio: float) -> tuple[int, int]:
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
+    if length < 1:
+        raise ValueError(f"lengths must be >= 1, got {length}")
+    low = max(1, int(length * (1.0 - range_ratio)))
+    high = max(low, int(length * (1.0 + range_ratio)))
+    return low, high
+
+
+def _prompt(rng: np.random.Generator, n: int, vocab_size: int, tokenizer, fmt: str
+            ) -> tuple[str | list[int], int]:
+    if vocab_size <= FIRST_PROMPT_ID:
+        raise ValueError(f"vocab_size must be > {FIRST_PROMPT_ID}, got {vocab_size}")
+    ids = rng.integers(FIRST_PROMPT_ID, vocab_size, size=n).tolist()
+    if fmt == "ids":
+        return ids, n
+    if fmt != "text":
+        raise ValueError(f"prompt format must be 'ids' or 'text', got {fmt!r}")
+    if tokenizer is None:
+        raise ValueError("text prompts need a tokenizer (the model folder's tokenizer.json)")
+    text = tokenizer.decode(ids)
+    return text, len(tokenizer.encode(text))
+
+
+def random_requests(num_prompts: int, input_len: int, output_len: int, *, vocab_size: int,
+                    range_ratio: float = 0.0, seed: int = 0, prompt_format: str = "ids",
+                    tokenizer=None, kind: str = "random") -> list[SampleRequest]:
+    rng = np.random.default_rng(seed)
+    in_lo, in_hi = length_range(input_len, range_ratio)
+    out_lo, out_hi = length_range(output_len, range_ratio)
+    in_lens = rng.integers(in_lo, in_hi + 1, size=num_prompts)
+    out_lens = rng.integers(out_lo, out_hi + 1, size=num_prompts)
+    out = []
+    for n_in, n_out in zip(in_lens, out_lens, strict=False):
+        prompt, plen = _prompt(rng, int(n_in), vocab_size, tokenizer, prompt_format)
+        out.append(SampleRequest(prompt, plen, int(n_out), kind))
+    return out
+
+
+def mixed_requests(num_prompts: int, *, vocab_size: int, long_ratio: float = 0.1,
+                   long_input_len: int = 1024, long_output_len: int = 8,
+                   short_input_len: int = 64, short_output_len: int = 64,
+                   range_ratio: float = 0.0, seed: int = 0, prompt_format: str = "ids",
+                   tokenizer=None) -> list[SampleRequest]:
+    if not 0.0 <= long_ratio <= 1.0:
+        raise ValueError(f"long_ratio must be in [0, 1], got {long_ratio}")
+    rng = np.random.default_rng(seed)
+    n_long = int(round(num_prompts * long_ratio))
+    is_long = np.zeros(num_prompts, dtype=bool)
+    is_long[rng.permutation(num_prompts)[:n_long]] = True
+    out = []
+    for i in range(num_prompts):
+        kind = "long" if is_long[i] else "short"
+        n_in, n_out = ((long_input_len, long_output_len) if is_long[i]
+                       else (short_input_len, short_output_len))
+        lo, hi = length_range(n_in, range_ratio)
+        olo, ohi = length_range(n_out, range_ratio)
+        n_in = int(rng.integers(lo, hi + 1))
+        n_out = int(rng.integers(olo, ohi + 1))
+        prompt, plen = _prompt(rng, n_in, vocab_size, tokenizer, prompt_format)
+        out.append(SampleRequest(prompt, plen, n_out, kind))
+    return out
+
+
+def arrival_offsets(num_requests: int, request_rate: float, burstiness: float = 1.0,
+                    seed: int = 0) -> list[float]:
+    """Send times (seconds after the start) of `num_requests` requests."""
+    if burstiness <= 0:
+        raise ValueError(f"burstiness must be > 0, got {burstiness}")
+    if not request_rate > 0:
+        raise ValueError(f"request_rate must be > 0 (or inf), got {request_rate}")
+    if num_requests <= 0:
+        return []
+    if math.isinf(request_rate):
+        return [0.0] * num_requests
+    rng = np.random.default_rng(seed)
+    theta = 1.0 / (request_rate * burstiness)
+    gaps = rng.gamma(shape=burstiness, scale=theta, size=num_requests - 1)
+    return [0.0, *np.cumsum(gaps).tolist()]

@@ -1,0 +1,160 @@
+"""PNG pictures of benchmark results (matplotlib, Agg backend: no display needed).
+
+- `plot_cdfs`: latency CDFs (TTFT, ITL, E2EL) of one or more runs, one line each.
+- `plot_sweep`: throughput and latency (median, p99) against the request rate.
+- `plot_compare`: deployments side by side (p99 ITL, TTFT, goodput) plus ITL CDFs.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _cdf(ax, values_ms, label: str) -> None:
+    import numpy as np
+
+    v = np.sort(np.asarray([x for x in values_ms if x is not None], dtype=float))
+    if v.size == 0:
+        return
+    ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", label=f"{label} (n={v.size})")
+
+
+def _ok(result: dict, key: str) -> list[float]:
+    """Per-request values (ms) of successful requests; itls flattened."""
+    ok = [not e for e in result["errors"]]
+    vals = result[key]
+    if key == "itls":
+        return [g * 1000 for good, gaps in zip(ok, vals, strict=False) if good for g in gaps]
+    return [v * 1000 for good, v in zip(ok, vals, strict=False) if good and v is not None]
+
+
+def plot_cdfs(results: dict[str, dict], path: str | Path, title: str = "") -> Path:
+    """One panel per metric (TTFT, ITL, E2EL), one CDF line per result."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, (key, name) in zip(axes, (("ttfts", "TTFT"), ("itls", "ITL (per chunk)"),
+                                      ("e2els", "E2EL")), strict=False):
+        for label, r in results.items():
+            _cdf(ax, _ok(r, key), label)
+        ax.set_xlabel(f"{name} (ms)")
+        ax.set_ylabel("fraction of requests" if key != "itls" else "fraction of gaps")
+        ax.set_title(f"{name} CDF")
+        ax.grid(alpha=0.3)
+        ax.set_ylim(0, 1.02)
+        if ax.has_data():
+            ax.legend(fontsize=8, loc="lower right")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _rate_x(runs: list[dict]) -> tuple[list[float], list[str]]:
+    finite = [float(r["request_rate"]) for r in runs if r["request_rate"] != "inf"]
+    inf_x = (max(finite) * 2 if finite else 1.0)
+    xs = [inf_x if r["request_rate"] == "inf" else float(r["request_rate"]) for r in runs]
+    labels = ["inf" if r["request_rate"] == "inf" else f"{float(r['request_rate']):g}" for r in runs]
+    return xs, labels
+
+
+def plot_sweep(runs: list[dict], path: str | Path, title: str = "") -> Path:
+    """Throughput, TTFT and ITL (median and p99) against the offered request rate."""
+    plt = _plt()
+    xs, labels = _rate_x(runs)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    ax = axes[0]
+    ax.plot(xs, [r["request_throughput"] for r in runs], "o-", label="requests/s")
+    if any(r.get("request_goodput") is not None for r in runs):
+        ax.plot(xs, [r.get("request_goodput") or 0 for r in runs], "s--", label="goodput req/s")
+    ax.set_ylabel("requests/s")
+    ax2 = ax.twinx()
+    ax2.plot(xs, [r["output_throughput"] for r in runs], "^:", color="C2", label="output tok/s")
+    ax2.set_ylabel("output tokens/s")
+    ax.legend(loc="upper left", fontsize=8)
+    ax2.legend(loc="lower right", fontsize=8)
+    ax.set_title("throughput")
+    for ax, key, name in ((axes[1], "ttft", "TTFT"), (axes[2], "itl", "ITL")):
+        ax.plot(xs, [r[f"median_{key}_ms"] for r in runs], "o-", label="median")
+        ax.plot(xs, [r[f"p99_{key}_ms"] for r in runs], "s--", label="p99")
+        ax.set_ylabel(f"{name} (ms)")
+        ax.set_title(f"{name} vs request rate")
+        ax.legend(fontsize=8)
+    for ax in axes:
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_xticks(xs)
+        ax.set_xticklabels(labels)
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_compare(results: dict[str, dict], path: str | Path, title: str = "",
+                 kind: str | None = None) -> Path:
+    """Bars of p99 ITL, p99 TTFT and goodput per deployment, and their ITL CDFs.
+    `kind` (e.g. "short") takes the bars from that dataset class's metrics."""
+    plt = _plt()
+    names = list(results)
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
+
+    def metric(r, key):
+        src = r.get("by_kind", {}).get(kind, r) if kind else r
+        v = src.get(key)
+        return 0.0 if v is None or (isinstance(v, float) and math.isnan(v)) else v
+
+    for ax, key, label in ((axes[0], "p99_itl_ms", "p99 ITL (ms)"),
+                           (axes[1], "p99_ttft_ms", "p99 TTFT (ms)"),
+                           (axes[2], "request_goodput", "goodput (req/s)")):
+        vals = [metric(results[n], key) for n in names]
+        bars = ax.bar(names, vals, color=[f"C{i}" for i in range(len(names))])
+        ax.bar_label(bars, fmt="%.3g", fontsize=8)
+        ax.set_title(label + (f" [{kind}]" if kind and key != "request_goodput" else ""))
+        ax.grid(alpha=0.3, axis="y")
+    for n in names:
+        _cdf(axes[3], _ok(results[n], "itls"), n)
+    axes[3].set_xlabel("ITL (ms)")
+    axes[3].set_title("ITL CDF (all requests)")
+    axes[3].grid(alpha=0.3)
+    if axes[3].has_data():
+        axes[3].legend(fontsize=8, loc="lower right")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_kv_transfer(result: dict, path: str | Path) -> Path:
+    """Bandwidth (MiB/s) per payload size: each transport beside memcpy."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    sizes = result["sizes_mib"]
+    for name, rows in result["bandwidth_mib_s"].items():
+        ax.plot(sizes, rows, "o-", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("payload (MiB)")
+    ax.set_ylabel("bandwidth (MiB/s, median)")
+    ax.set_title("KV hand-off bandwidth vs in-memory copy")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _save(fig, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    _plt().close(fig)
+    return path

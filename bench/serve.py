@@ -1,0 +1,420 @@
+"""Serving benchmark: a load generator against a running pdserve router.
+
+    pdserve serve &                                     # a router on 127.0.0.1:50051
+    pdserve bench serve --num-prompts 50 --request-rate 4 --goodput ttft:500 tpot:100
+    pdserve bench serve --dataset-name mixed --sweep-rates 1,2,4,inf
+
+Requests follow a seeded dataset (`datasets.py`) and a gamma/Poisson arrival process;
+each is sent with `ignore_eos` and `max_tokens` = its output length, greedy by default,
+so output lengths are controlled. Every time is measured by this client with
+`time.perf_counter()` (conventions in `serve_metrics.py`). Writes JSON whose field
+names are those of `vllm bench serve` (plus per-request lists and pdserve extras) and
+a PNG of the latency CDFs (or, with --sweep-rates, of throughput and latency against
+the request rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+DEFAULT_RESULT = "results/bench_serve.json"
+
+
+# ---- running ---------------------------------------------------------------------------
+
+async def _stream_one(client, req, rec, *, temperature: float, ignore_eos: bool,
+                      timeout: float | None) -> None:
+    """Send one request and record, as messages arrive, what the client sees."""
+    import grpc
+
+    rec.send_time = time.perf_counter()
+    try:
+        async for msg in client.stream(req.prompt, max_tokens=req.output_len,
+                                       temperature=temperature, ignore_eos=ignore_eos,
+                                       timeout=timeout):
+            now = time.perf_counter()
+            rec.record_message(now, len(msg.token_ids))
+            if msg.request_id:
+                rec.request_id = msg.request_id
+            if msg.finish_reason:
+                rec.end_time = now
+                rec.finish_reason = msg.finish_reason
+                rec.error = msg.error
+                rec.usage_prompt_tokens = msg.usage.prompt_tokens
+                rec.usage_completion_tokens = msg.usage.completion_tokens
+    except grpc.RpcError as exc:
+        code = exc.code() if hasattr(exc, "code") else None
+        rec.error = f"{getattr(code, 'name', 'RPC_ERROR')}: {exc.details() if hasattr(exc, 'details') else exc}"
+    except Exception as exc:  # anything else is the request's error, not the run's
+        rec.error = f"{type(exc).__name__}: {exc}"
+    if not rec.finish_reason and not rec.error:
+        rec.error = "the stream ended without a finish_reason"
+    if rec.finish_reason == "error" and not rec.error:
+        rec.error = "finish_reason error"
+
+
+def _rank_counters(state) -> dict:
+    """Per-rank step counters from GetClusterState (for before/after deltas)."""
+    out = {}
+    for pool in state.pools:
+        for r in pool.ranks:
+            out[f"{pool.name}/{r.rank}"] = {"num_steps": int(r.num_steps),
+                                            "num_empty_steps": int(r.num_empty_steps),
+                                            "num_preemptions": int(r.num_preemptions)}
+    return out
+
+
+async def _cluster_info(client) -> dict | None:
+    try:
+        state = await client.cluster_state()
+    except Exception:
+        return None
+    return {"mode": state.mode, "model": state.model, "kv_transport": state.kv_transport,
+            "pools": {p.name: len(p.ranks) for p in state.pools},
+            "counters": _rank_counters(state)}
+
+
+def _counter_deltas(before: dict | None, after: dict | None) -> dict | None:
+    if not before or not after:
+        return None
+    out = {}
+    for rank, c in after["counters"].items():
+        b = before["counters"].get(rank, {})
+        out[rank] = {k: v - b.get(k, 0) for k, v in c.items()}
+    return out
+
+
+async def run_benchmark(address: str, requests: list, *, request_rate: float = math.inf,
+                        burstiness: float = 1.0, max_concurrency: int | None = None,
+                        seed: int = 0, slos: dict[str, float] | None = None,
+                        percentiles=None, temperature: float = 0.0, ignore_eos: bool = True,
+                        request_timeout: float | None = None, num_warmups: int = 1,
+                        progress: bool = True, client=None, label: str = "") -> dict:
+    """Run `requests` (datasets.SampleRequest) against the router; returns the result dict.
+
+    `client` is anything with AsyncClient's `stream(prompt, **kw)` (and, optionally,
+    `cluster_state()`); by default an AsyncClient on `address`, closed at the end.
+    """
+    from pdserve.bench.datasets import arrival_offsets
+    from pdserve.bench.serve_metrics import (
+        DEFAULT_PERCENTILES,
+        RequestRecord,
+        calculate_metrics,
+        metrics_by_kind,
+        per_request_lists,
+    )
+    from tqdm import tqdm
+
+    percentiles = tuple(percentiles or DEFAULT_PERCENTILES)
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+    own_client = client is None
+    if own_client:
+        from pdserve.router.client import AsyncClient
+
+        client = AsyncClient(address)
+    try:
+        for i in range(num_warmups):  # not timed: connects, warms the ranks
+            req = requests[i % len(requests)]
+            warm = RequestRecord(prompt_len=req.prompt_len)
+            await _stream_one(client, type(req)(req.prompt, req.prompt_len, min(4, req.output_len)),
+                              warm, temperature=temperature, ignore_eos=ignore_eos,
+                              timeout=request_timeout or 300)
+            if not warm.success:
+                raise RuntimeError(f"warm-up request to {address} failed: {warm.error}")
+        before = await _cluster_info(client) if hasattr(client, "cluster_state") else None
+
+        offsets = arrival_offsets(len(requests), request_rate, burstiness, seed)
+        records = [RequestRecord(prompt_len=r.prompt_len, expected_output_len=r.output_len,
+                                 kind=r.kind) for r in requests]
+        sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        bar = tqdm(total=len(requests), disable=not progress, desc=label or "requests",
+                   file=sys.stderr, leave=False)
+
+        async def one(i: int) -> None:
+            rec = records[i]
+            rec.scheduled_time = start + offsets[i]
+            delay = rec.scheduled_time - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if sem is None:
+                await _stream_one(client, requests[i], rec, temperature=temperature,
+                                  ignore_eos=ignore_eos, timeout=request_timeout)
+            else:
+                async with sem:
+                    await _stream_one(client, requests[i], rec, temperature=temperature,
+                                      ignore_eos=ignore_eos, timeout=request_timeout)
+            bar.update(1)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(len(requests))))
+        duration = time.perf_counter() - start
+        bar.close()
+        after = await _cluster_info(client) if hasattr(client, "cluster_state") else None
+    finally:
+        if own_client:
+            await client.close()
+
+    result = {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "backend": "pdserve",
+        "label": label,
+        "address": address,
+        "num_prompts": len(requests),
+        "request_rate": request_rate if math.isfinite(request_rate) else "inf",
+        "burstiness": burstiness,
+        "max_concurrency": max_concurrency,
+        "seed": seed,
+        "temperature": temperature,
+        "ignore_eos": ignore_eos,
+        "percentiles": list(percentiles),
+    }
+    result.update(calculate_metrics(records, duration, slos, percentiles))
+    result["by_kind"] = metrics_by_kind(records, duration, slos, percentiles)
+    result["usage_completion_tokens"] = [r.usage_completion_tokens for r in records]
+    result.update(per_request_lists(records, start))
+    result["cluster"] = after or before
+    result["rank_step_deltas"] = _counter_deltas(before, after)
+    return result
+
+
+def format_summary(r: dict) -> str:
+    """The vLLM-style summary table."""
+    lines = [f"{' Serving Benchmark Result ' + (r.get('label') or ''):=^60}"]
+
+    def row(name, value, fmt="{:<40} {:<10.2f}"):
+        lines.append(fmt.format(name, value) if value is not None else f"{name:<40} n/a")
+
+    row("Successful requests:", r["completed"], "{:<40} {:<10}")
+    row("Failed requests:", r["failed"], "{:<40} {:<10}")
+    row("Request rate configured (RPS):", r["request_rate"], "{:<40} {:<10}")
+    row("Benchmark duration (s):", r["duration"])
+    row("Total input tokens:", r["total_input_tokens"], "{:<40} {:<10}")
+    row("Total generated tokens:", r["total_output_tokens"], "{:<40} {:<10}")
+    row("Request throughput (req/s):", r["request_throughput"])
+    if r.get("request_goodput") is not None:
+        row("Request goodput (req/s):", r["request_goodput"])
+    row("Output token throughput (tok/s):", r["output_throughput"])
+    row("Total token throughput (tok/s):", r["total_token_throughput"])
+    for key, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+                       ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+        lines.append(f"{title:-^60}")
+        row(f"Mean {key.upper()} (ms):", r[f"mean_{key}_ms"])
+        row(f"Median {key.upper()} (ms):", r[f"median_{key}_ms"])
+        for p in r["percentiles"]:
+            label = str(int(p)) if float(p).is_integer() else str(p)
+            row(f"P{label} {key.upper()} (ms):", r[f"p{label}_{key}_ms"])
+    lines.append("=" * 60)
+    return "\n".join(lines)
+
+
+# ---- command line ----------------------------------------------------------------------
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in str(text).replace(",", " ").split()]
+
+
+def add_dataset_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("dataset")
+    g.add_argument("--dataset-name", choices=["random", "mixed"], default="random")
+    g.add_argument("--num-prompts", type=int, default=100)
+    g.add_argument("--seed", type=int, default=0, help="dataset and arrival seed")
+    g.add_argument("--random-input-len", type=int, default=128)
+    g.add_argument("--random-output-len", type=int, default=32)
+    g.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="lengths uniform in [len*(1-r), len*(1+r)] (also for mixed)")
+    g.add_argument("--prompt-format", choices=["ids", "text"], default="ids",
+                   help="random prompts as token ids (exact lengths) or decoded text")
+    g.add_argument("--mixed-long-ratio", type=float, default=0.1,
+                   help="share of long prompts in the mixed workload")
+    g.add_argument("--mixed-long-input-len", type=int, default=1024)
+    g.add_argument("--mixed-long-output-len", type=int, default=8)
+    g.add_argument("--mixed-short-input-len", type=int, default=64)
+    g.add_argument("--mixed-short-output-len", type=int, default=64)
+    g.add_argument("--model", default=None,
+                   help="model folder, for the vocabulary and tokenizer (default: the "
+                   "built-in tiny model's folder that `pdserve serve` uses)")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="token ids of random prompts stay below this (default: the model's)")
+
+
+def add_load_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("load")
+    g.add_argument("--request-rate", type=float, default=math.inf,
+                   help="requests per second (default inf: all at once)")
+    g.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the inter-arrival times (1: Poisson)")
+    g.add_argument("--max-concurrency", type=int, default=None,
+                   help="at most this many requests in flight")
+    g.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                   help="SLOs for goodput, e.g. ttft:500 tpot:100 e2el:5000")
+    g.add_argument("--metric-percentiles", default="50,90,99")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--no-ignore-eos", action="store_true",
+                   help="let EOS end requests early (output lengths then vary)")
+    g.add_argument("--request-timeout", type=float, default=None, help="seconds per request")
+    g.add_argument("--num-warmups", type=int, default=1)
+    g.add_argument("--disable-tqdm", action="store_true")
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=DEFAULT_ADDRESS, help="router (default %(default)s)")
+    add_dataset_args(p)
+    add_load_args(p)
+    p.add_argument("--sweep-rates", default=None,
+                   help="run once per rate (e.g. 1,2,4,inf) and plot against the rate")
+    p.add_argument("--result-file", default=DEFAULT_RESULT, help="JSON out (default %(default)s)")
+    p.add_argument("--plot", default=None, help="PNG out (default: the JSON path with .png)")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--label", default="")
+
+
+def model_info(args: argparse.Namespace) -> tuple[int, object]:
+    """(vocab size, tokenizer or None) for building prompts."""
+    model = args.model
+    if model is None:
+        from pdserve.router.cli_commands import default_model_dir
+
+        model = str(default_model_dir())
+    tokenizer = None
+    vocab = args.vocab_size
+    cfg = Path(model) / "config.json"
+    if args.prompt_format == "text" or vocab is None:
+        if not cfg.is_file():
+            raise SystemExit(f"error: no model folder at {model} (pass --model DIR, or "
+                             "--vocab-size N with --prompt-format ids)")
+        if vocab is None:
+            vocab = int(json.loads(cfg.read_text())["vocab_size"])
+        if args.prompt_format == "text":
+            from pdserve.engine.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_dir(model)
+    return vocab, tokenizer
+
+
+def build_requests(args: argparse.Namespace) -> list:
+    from pdserve.bench.datasets import mixed_requests, random_requests
+
+    if args.num_prompts < 1:
+        raise SystemExit("error: --num-prompts must be >= 1")
+    vocab, tokenizer = model_info(args)
+    common = dict(vocab_size=vocab, range_ratio=args.random_range_ratio, seed=args.seed,
+                  prompt_format=args.prompt_format, tokenizer=tokenizer)
+    if args.dataset_name == "random":
+        return random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
+                               **common)
+    return mixed_requests(args.num_prompts, long_ratio=args.mixed_long_ratio,
+                          long_input_len=args.mixed_long_input_len,
+                          long_output_len=args.mixed_long_output_len,
+                          short_input_len=args.mixed_short_input_len,
+                          short_output_len=args.mixed_short_output_len, **common)
+
+
+def load_kwargs(args: argparse.Namespace) -> dict:
+    from pdserve.bench.serve_metrics import parse_goodput
+
+    try:
+        slos = parse_goodput(args.goodput)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    return dict(burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+                seed=args.seed, slos=slos, percentiles=_floats(args.metric_percentiles),
+                temperature=args.temperature, ignore_eos=not args.no_ignore_eos,
+                request_timeout=args.request_timeout, progress=not args.disable_tqdm)
+
+
+def write_json(path: str | Path, data: dict) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    requests = build_requests(args)
+    kwargs = load_kwargs(args)
+    dataset = {"dataset_name": args.dataset_name, "prompt_format": args.prompt_format}
+    plot = None if args.no_plot else (args.plot or str(Path(args.result_file).with_suffix(".png")))
+    try:
+        if args.sweep_rates:
+            rates = _floats(args.sweep_rates)
+            runs = []
+            for i, rate in enumerate(rates):
+                r = asyncio.run(run_benchmark(args.address, requests, request_rate=rate,
+                                              num_warmups=args.num_warmups if i == 0 else 0,
+                                              label=f"rate {rate:g}", **kwargs))
+                r.update(dataset)
+                print(format_summary(r), flush=True)
+                runs.append(r)
+            out = {"sweep_rates": [r["request_rate"] for r in runs], "runs": runs, **dataset}
+            write_json(args.result_file, out)
+            if plot:
+                from pdserve.bench.plots import plot_cdfs, plot_sweep
+
+                plot_sweep(runs, plot)
+                plot_cdfs({f"rate {r['request_rate']}": r for r in runs},
+                          str(Path(plot).with_name(Path(plot).stem + "_cdf.png")))
+        else:
+            r = asyncio.run(run_benchmark(args.address, requests, request_rate=args.request_rate,
+                                          num_warmups=args.num_warmups, label=args.label,
+                                          **kwargs))
+            r.update(dataset)
+            print(format_summary(r), flush=True)
+            write_json(args.result_file, r)
+            if plot:
+                from pdserve.bench.plots import plot_cdfs
+
+                plot_cdfs({args.label or "pdserve": r}, plot)
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.result_file}" + (f" and {plot}" if plot else ""), flush=True)
+    return 0
+
+
+# ---- `pdserve bench ...` -------------------------------------------------------------
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    from pdserve.bench import compare_modes, kv_transfer
+
+    sub = p.add_subparsers(dest="bench", metavar="BENCHMARK")
+    sub.required = True
+    s = sub.add_parser("serve", help="load a running router (vllm bench serve's metrics)",
+                       description=__doc__.splitlines()[0])
+    add_serve_args(s)
+    s.set_defaults(_bench=run_serve)
+    c = sub.add_parser("compare-modes", help="same mixed workload: disaggregated vs normal",
+                       description=compare_modes.__doc__.splitlines()[0])
+    compare_modes.add_args(c)
+    c.set_defaults(_bench=compare_modes.run)
+    k = sub.add_parser("kv-transfer", help="KV hand-off bandwidth per transport vs memcpy",
+                       description=kv_transfer.__doc__.splitlines()[0])
+    kv_transfer.add_args(k)
+    k.set_defaults(_bench=kv_transfer.run)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    return int(args._bench(args) or 0)
+
+
+def register_commands(register) -> None:
+    register("bench", "benchmarks: serve (load a router), compare-modes, kv-transfer",
+             add_bench_args, run_bench)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_serve_args(p)
+    return run_serve(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
