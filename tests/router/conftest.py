@@ -69,6 +69,8 @@ class RouterHarness:
             time.sleep(0.1)
 
     def close(self) -> None:
+        if not self.thread.is_alive():
+            return
         try:
             self.call(self.server.stop(grace=0.5), timeout=60)
         finally:
