@@ -109,7 +109,8 @@ def plot_compare(results: dict[str, dict], path: str | Path, title: str = "",
     fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
 
     def metric(r, key):
-        src = r.get("by_kind", {}).get(kind, r) if kind else r
+        by_kind = kind and key != "request_goodput"  # goodput: the whole workload
+        src = r.get("by_kind", {}).get(kind, r) if by_kind else r
         v = src.get(key)
         return 0.0 if v is None or (isinstance(v, float) and math.isnan(v)) else v
 

@@ -179,6 +179,8 @@ async def run_benchmark(address: str, requests: list, *, request_rate: float = m
     }
     result.update(calculate_metrics(records, duration, slos, percentiles))
     result["by_kind"] = metrics_by_kind(records, duration, slos, percentiles)
+    # The server's own counts, beside the client's (input_lens / output_lens).
+    result["usage_prompt_tokens"] = [r.usage_prompt_tokens for r in records]
     result["usage_completion_tokens"] = [r.usage_completion_tokens for r in records]
     result.update(per_request_lists(records, start))
     result["cluster"] = after or before
@@ -210,6 +212,8 @@ def format_summary(r: dict) -> str:
         row(f"Mean {key.upper()} (ms):", r[f"mean_{key}_ms"])
         row(f"Median {key.upper()} (ms):", r[f"median_{key}_ms"])
         for p in r["percentiles"]:
+            if p == 50:
+                continue  # the median, just above
             label = str(int(p)) if float(p).is_integer() else str(p)
             row(f"P{label} {key.upper()} (ms):", r[f"p{label}_{key}_ms"])
     lines.append("=" * 60)

@@ -1,0 +1,66 @@
+"""Disaggregated vs normal on the same requests: both deployments really run, and the
+side-by-side table is the two results' own numbers."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+from pdserve.bench.compare_modes import DEPLOYMENTS, compare, inprocess_router, side_by_side
+from pdserve.bench.datasets import mixed_requests
+from pdserve.bench.plots import plot_compare
+
+ENGINE = {"num_kv_blocks": 128, "max_num_seqs": 16, "block_size": 16}  # as conftest's
+
+
+def test_disaggregated_and_normal_side_by_side(router_address, tiny_model_dir, tmp_path):
+    reqs = mixed_requests(4, vocab_size=4096, long_ratio=0.25, long_input_len=160,
+                          long_output_len=2, short_input_len=16, short_output_len=5, seed=0)
+    launchers = {
+        # The session's disaggregated router stands in for a fresh one (saves a start-up).
+        "disaggregated": contextlib.nullcontext(router_address),
+        "normal": inprocess_router(DEPLOYMENTS["normal"], model=tiny_model_dir, engine=ENGINE),
+    }
+    out = compare(launchers, reqs, request_rate=math.inf, slos={"ttft": 60_000}, progress=False)
+    res = out["deployments"]
+    for name in ("disaggregated", "normal"):
+        r = res[name]
+        assert r["completed"] == 4, r["errors"]
+        assert r["cluster"]["mode"] == name
+        assert r["output_lens"] == [q.output_len for q in reqs]
+    assert res["normal"]["cluster"]["pools"] == {"normal": 2}
+    assert res["disaggregated"]["cluster"]["pools"] == {"prefill": 1, "decode": 1}
+    table = out["comparison"]
+    assert set(table) == {"all", "long", "short"}
+    row = table["all"]["p99_itl_ms"]
+    assert row["disaggregated"] == res["disaggregated"]["p99_itl_ms"]
+    assert row["ratio_normal_to_disaggregated"] == pytest.approx(
+        res["normal"]["p99_itl_ms"] / res["disaggregated"]["p99_itl_ms"])
+    assert table["short"]["request_goodput"]["normal"] == res["normal"]["by_kind"]["short"][
+        "request_goodput"]
+    png = plot_compare(res, tmp_path / "cmp.png", kind="short")
+    assert png.stat().st_size > 10_000
+
+
+def test_side_by_side_skips_missing_and_zero_baselines():
+    results = {"disaggregated": {"p99_itl_ms": 10.0, "request_goodput": None,
+                                 "p99_ttft_ms": 0.0},
+               "normal": {"p99_itl_ms": 25.0, "request_goodput": 1.0, "p99_ttft_ms": 5.0}}
+    t = side_by_side(results)["all"]
+    assert t["p99_itl_ms"]["ratio_normal_to_disaggregated"] == 2.5
+    assert "ratio_normal_to_disaggregated" not in t["request_goodput"]
+    assert "ratio_normal_to_disaggregated" not in t["p99_ttft_ms"]
+
+
+def test_cli_is_registered():
+    from pdserve.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "compare-modes", "--num-prompts", "8"])
+    assert args.dataset_name == "mixed" and args.num_prompts == 8
+    assert args.launch == "subprocess" and args.goodput == ["ttft:3000", "tpot:150"]
+    args = build_parser().parse_args(["bench", "serve", "--goodput", "ttft:5", "tpot:1",
+                                      "--request-rate", "2.5", "--burstiness", "0.5"])
+    assert args.goodput == ["ttft:5", "tpot:1"] and args.request_rate == 2.5
+    args = build_parser().parse_args(["bench", "kv-transfer", "--sizes", "1,256"])
+    assert args.sizes == "1,256"
