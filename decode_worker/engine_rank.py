@@ -119,6 +119,9 @@ class EngineRank:
         self._peers: list[Any] = []
         self._reports: list[dict] = []
         self._cond = threading.Condition()
+        # One lock for the engine across every loop this rank runs: admission between
+        # steps, and also while the group re-forms (no loop then; the next one sees it).
+        self._engine_lock = threading.Lock()
         self._loop_error: str | None = None
         self._kv_store: dict[str, bytes] = {}
         self._kv_server: Any = None
@@ -178,8 +181,9 @@ class EngineRank:
             scheduler.comm = comm
         self._vote = _PausingCommunicator(comm)
         self._loop_error = None
-        self.loop = self._loop_factory(self.engine, self._on_step, self._vote, self._on_error)
-        self.loop.start()
+        loop = self._loop_factory(self.engine, self._on_step, self._vote, self._on_error)
+        loop.lock = self._engine_lock
+        self.loop = loop.start() or loop
         return {"rank": rank, "world_size": world_size, "generation": generation}
 
     def pause(self, timeout_s: float = 30.0) -> bool:
@@ -218,9 +222,8 @@ class EngineRank:
     # -- admission -------------------------------------------------------------------
 
     def _call(self, fn: Callable[[Any], Any]) -> Any:
-        if self.loop is None:
-            raise RuntimeError(f"{self.pool_name} rank {self.rank} is not running (no group)")
-        result = self.loop.call(fn)
+        with self._engine_lock:
+            result = fn(self.engine)
         self._wake_pool()
         return result
 
@@ -245,8 +248,6 @@ class EngineRank:
 
     def abort(self, request_id: str) -> bool:
         self._kv_store.pop(request_id, None)
-        if self.loop is None:
-            return False
         return bool(self._call(lambda eng: eng.abort(request_id)))
 
     # -- reporting -------------------------------------------------------------------
@@ -297,11 +298,7 @@ class EngineRank:
                 "generation": self.generation}
 
     def stats(self) -> dict:
-        loop = self.loop
-        if loop is not None:
-            with loop.lock:
-                st = self.engine.stats()
-        else:
+        with self._engine_lock:
             st = self.engine.stats()
         d = asdict(st)
         d["kv_usage"] = st.kv_usage
@@ -309,10 +306,7 @@ class EngineRank:
         return d
 
     def is_idle(self) -> bool:
-        loop = self.loop
-        if loop is None:
-            return not self.engine.has_work()
-        with loop.lock:
+        with self._engine_lock:
             return not self.engine.has_work()
 
     # -- grpc KV transport -----------------------------------------------------------

@@ -92,6 +92,19 @@ class Pool:
                 return rank
             await asyncio.sleep(0.05)
 
+    async def wait_for_decode(self, exclude: set[int], timeout_s: float) -> RankHandle | None:
+        """The decode rank with the most free blocks, waiting while the pool re-forms."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            rank = self.choose_decode(exclude)
+            if rank is not None or loop.time() >= deadline or self.target == 0:
+                return rank
+            if not any(r.state != DEAD and r.uid not in exclude for r in self.ranks) \
+                    and not self.lock.locked():
+                return None  # nobody left to wait for
+            await asyncio.sleep(0.05)
+
     def choose_decode(self, exclude: set[int] = frozenset()) -> RankHandle | None:
         ranks = [r for r in self.ready() if r.uid not in exclude]
         if not ranks:

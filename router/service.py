@@ -115,9 +115,6 @@ class RouterService:
                 continue
             if not result["ok"]:
                 self._leave(rank, state)
-                if "not running" in result["error"]:  # a group re-forming: retry
-                    await asyncio.sleep(0.05)
-                    continue
                 self._finish(state, "error", f"{pool.name} rank refused the request: {result['error']}")
                 return
             if state.aborted:  # aborted while add_request was on its way
@@ -225,7 +222,10 @@ class RouterService:
         tried: set[int] = set()
         pool = self.pools["decode"]
         while True:
-            dst = pool.choose_decode(exclude=tried)
+            dst = await pool.wait_for_decode(tried, self.config.rank_wait_s)
+            if state.finished or state.aborted:
+                await self.transport.discard(handoff["ticket"], src)
+                return
             if dst is None:
                 self._finish(state, "error", "no decode rank could take the prefilled request"
                              + (f" ({', '.join(sorted(map(str, tried)))} refused)" if tried else ""))

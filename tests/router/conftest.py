@@ -86,8 +86,9 @@ def router_config(model_dir: str, **overrides):
     prefill = overrides.pop("prefill", 1)
     decode = overrides.pop("decode", 1)
     normal = overrides.pop("normal", 1)
+    overrides.setdefault("collective_timeout_s", 10.0)
     return RouterConfig(
-        model_dir=model_dir, port=0, collective_timeout_s=10.0,
+        model_dir=model_dir, port=0,
         prefill=PoolConfig("prefill", replicas=prefill, num_cpus=0.5,
                            resources={"prefill": 1}, engine=engine),
         decode=PoolConfig("decode", replicas=decode, num_cpus=0.5,

@@ -1,0 +1,86 @@
+"""A rank dies mid-load (ray.kill): its requests are re-prefilled on a surviving or
+replacement rank and finish with the same greedy tokens, or end with an error naming
+the cause; the router never hangs and keeps serving; the pool re-forms."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import ray
+from pdserve.router.client import AsyncClient, Client
+
+
+@pytest.fixture(scope="module")
+def router(make_router):
+    return make_router(prefill=2, decode=2, collective_timeout_s=3.0)
+
+
+def _load_with_kill(router, reference, pool_name: str, n: int = 24):
+    prompts = [f"{pool_name} failure {i}: the quick brown fox" for i in range(n)]
+    want = reference(prompts, 40)
+    pool = router.service.pools[pool_name]
+    generation = pool.generation
+
+    async def run():
+        async with AsyncClient(router.address, timeout=90) as client:
+            async def one(i):
+                await asyncio.sleep(0.03 * i)
+                return await client.generate(prompts[i], max_tokens=40, temperature=0,
+                                             ignore_eos=True)
+
+            tasks = [asyncio.create_task(one(i)) for i in range(n)]
+            await asyncio.sleep(0.5)
+            victim = next(r for r in pool.ready() if r.inflight)
+            ray.kill(victim.actor, no_restart=True)
+            return victim, await asyncio.gather(*tasks, return_exceptions=True)
+
+    started = time.monotonic()
+    victim, outs = asyncio.run(run())
+    elapsed = time.monotonic() - started
+    assert elapsed < 90
+    errors = []
+    for i, out in enumerate(outs):
+        assert not isinstance(out, BaseException), out  # never a hang or a broken stream
+        if out.finish_reason == "error":
+            errors.append(out.error)
+            assert "died" in out.error, out.error  # the cause is named
+        else:
+            assert out.finish_reason == "length" and out.token_ids == want[i], i
+    # greedy requests are recomputed, not failed
+    assert not errors, errors
+    assert victim.state == "dead"
+    assert pool.generation > generation  # the group re-formed without it
+    assert len(pool.ready()) == 2  # ... and a replacement joined
+    # the service keeps serving, with the same tokens
+    with Client(router.address, timeout=60) as client:
+        assert client.generate(prompts[0], max_tokens=40, temperature=0,
+                               ignore_eos=True).token_ids == want[0]
+    stats = router.wait_drained()
+    for ranks in stats.values():
+        for r in ranks:
+            if r["state"] != "dead":
+                assert r["num_free_blocks"] == r["num_total_blocks"], r
+
+
+def test_kill_a_prefill_rank_mid_load(router, reference):
+    _load_with_kill(router, reference, "prefill")
+
+
+def test_kill_a_decode_rank_mid_load(router, reference):
+    _load_with_kill(router, reference, "decode")
+
+
+def test_unseeded_sampled_request_on_a_dead_rank_ends_with_a_clear_error(router):
+    pool = router.service.pools["decode"]
+    with Client(router.address, timeout=60) as client:
+        stream = client.stream("the quick brown fox", max_tokens=1500, temperature=1.0,
+                               ignore_eos=True)
+        next(stream)
+        next(stream)
+        victim = next(r for r in pool.ready() if r.inflight)
+        ray.kill(victim.actor, no_restart=True)
+        last = list(stream)[-1]
+    assert last.finish_reason == "error"
+    assert "died" in last.error and "cannot be recomputed" in last.error
