@@ -6,9 +6,12 @@
 Each deployment is brought up in turn (`pdserve serve` in a subprocess with its own
 embedded Ray, by default; `--launch inprocess` runs the router on a thread of this
 process instead), loaded with the same seeded requests at the same seeded arrival
-times (`bench/serve.py`), and shut down. Writes JSON (both full results and a side
-by side table: p99 ITL, TTFT, goodput, overall and for the short chats alone, with
-normal / disaggregated ratios) and a PNG.
+times (`bench/serve.py`), and shut down. With the mixed workload each deployment then
+also serves the short chats alone (a control, at their share of the rate): the ratio
+of the chats' ITL with and without long prompts among them is the interference that
+disaggregation is meant to remove. Writes JSON (full results; a side by side table of
+p99 ITL, TTFT and goodput, overall and per class, with normal / disaggregated ratios;
+the interference table) and a PNG.
 """
 
 from __future__ import annotations
@@ -143,13 +146,39 @@ def side_by_side(results: dict[str, dict], baseline: str = "disaggregated") -> d
             **{k: table(lambda r, k=k: r.get("by_kind", {}).get(k, {})) for k in kinds}}
 
 
+def control_requests(requests: list) -> list:
+    """The short chats of a mixed workload alone (the control without long prompts)."""
+    return [r for r in requests if r.kind == "short"]
+
+
+def interference(results: dict[str, dict], controls: dict[str, dict], kind: str = "short") -> dict:
+    """Per deployment: the short chats' latency with long prompts among them, without,
+    and the ratio (1.0 = the long prefills do not disturb the chats at all)."""
+    out = {}
+    for name, r in results.items():
+        c = controls.get(name)
+        if c is None:
+            continue
+        mixed = r.get("by_kind", {}).get(kind, {})
+        alone = c.get("by_kind", {}).get(kind, c)
+        row = {}
+        for key in ("p99_itl_ms", "median_itl_ms", "p99_tpot_ms", "p99_ttft_ms"):
+            a, b = mixed.get(key), alone.get(key)
+            row[key] = {"with_long": a, "short_only": b,
+                        "ratio": (a / b) if a is not None and b else None}
+        out[name] = row
+    return out
+
+
 def compare(launchers: dict[str, contextlib.AbstractContextManager], requests: list,
-            **bench_kwargs) -> dict:
+            control: bool = False, **bench_kwargs) -> dict:
     """Run `requests` against each deployment in turn; `launchers` maps a name to a
-    context manager that yields the router's address."""
+    context manager that yields the router's address. With `control`, each deployment
+    then also runs the short chats alone, at their own share of the request rate."""
     from pdserve.bench.serve import run_benchmark
 
-    results = {}
+    results, controls = {}, {}
+    shorts = control_requests(requests) if control else []
     for name, launcher in launchers.items():
         t = time.perf_counter()
         with launcher as address:
@@ -157,9 +186,21 @@ def compare(launchers: dict[str, contextlib.AbstractContextManager], requests: l
             print(f"{name}: router at {address} (up in {up:.1f} s); running "
                   f"{len(requests)} requests ...", file=sys.stderr, flush=True)
             r = asyncio.run(run_benchmark(address, requests, label=name, **bench_kwargs))
+            if shorts:
+                kw = dict(bench_kwargs, num_warmups=0)
+                rate = kw.get("request_rate", math.inf)
+                kw["request_rate"] = rate * len(shorts) / len(requests)
+                print(f"{name}: control, {len(shorts)} short chats alone ...", file=sys.stderr,
+                      flush=True)
+                controls[name] = asyncio.run(run_benchmark(address, shorts,
+                                                           label=f"{name} (short only)", **kw))
         r["startup_s"] = up
         results[name] = r
-    return {"deployments": results, "comparison": side_by_side(results)}
+    out = {"deployments": results, "comparison": side_by_side(results)}
+    if controls:
+        out["controls"] = controls
+        out["interference"] = interference(results, controls)
+    return out
 
 
 def format_comparison(cmp: dict) -> str:
@@ -178,6 +219,18 @@ def format_comparison(cmp: dict) -> str:
     return "\n".join(lines)
 
 
+def format_interference(table: dict) -> str:
+    lines = ["-- short chats: with long prompts among them / alone --"]
+    for name, row in table.items():
+        cells = []
+        for key, v in row.items():
+            r = v["ratio"]
+            a, b = (("n/a" if x is None else f"{x:.1f}") for x in (v["with_long"], v["short_only"]))
+            cells.append(f"{key} {a}/{b} = " + ("n/a" if r is None else f"{r:.2f}x"))
+        lines.append(f"{name:<14} " + "; ".join(cells))
+    return "\n".join(lines)
+
+
 # ---- command line ----------------------------------------------------------------------
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -191,6 +244,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="how to bring each deployment up (default %(default)s)")
     p.add_argument("--modes", default="disaggregated,normal",
                    help="deployments to run, in this order (default %(default)s)")
+    p.add_argument("--no-control", action="store_true",
+                   help="skip the control run of the short chats alone in each deployment")
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--kv-transport", choices=["ray", "grpc"], default="ray")
@@ -230,7 +285,8 @@ def run(args: argparse.Namespace) -> int:
             launchers[name] = inprocess_router(spec, model=model, engine=engine,
                                                kv_transport=args.kv_transport)
     try:
-        out = compare(launchers, requests, **kwargs)
+        out = compare(launchers, requests,
+                      control=not args.no_control and args.dataset_name == "mixed", **kwargs)
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -250,13 +306,15 @@ def run(args: argparse.Namespace) -> int:
         "launch": args.launch, "model": model, "engine": engine,
         "deployments": {n: DEPLOYMENTS[n] for n in names}}
     print(format_comparison(out["comparison"]), flush=True)
+    if "interference" in out:
+        print(format_interference(out["interference"]), flush=True)
     write_json(args.result_file, out)
     if not args.no_plot:
         from pdserve.bench.plots import plot_compare
 
         plot = args.plot or str(Path(args.result_file).with_suffix(".png"))
         kind = "short" if args.dataset_name == "mixed" else None
-        plot_compare(out["deployments"], plot, kind=kind,
+        plot_compare(out["deployments"], plot, kind=kind, interference=out.get("interference"),
                      title=f"{args.dataset_name} workload, {args.num_prompts} requests at "
                      f"{args.request_rate:g} req/s")
         print(f"wrote {args.result_file} and {plot}")

@@ -101,12 +101,15 @@ def plot_sweep(runs: list[dict], path: str | Path, title: str = "") -> Path:
 
 
 def plot_compare(results: dict[str, dict], path: str | Path, title: str = "",
-                 kind: str | None = None) -> Path:
+                 kind: str | None = None, interference: dict | None = None) -> Path:
     """Bars of p99 ITL, p99 TTFT and goodput per deployment, and their ITL CDFs.
-    `kind` (e.g. "short") takes the bars from that dataset class's metrics."""
+    `kind` (e.g. "short") takes the latency bars from that dataset class's metrics;
+    `interference` (compare_modes.interference) adds the chats' p99 ITL with long
+    prompts among them against alone."""
     plt = _plt()
     names = list(results)
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
+    panels = 5 if interference else 4
+    fig, axes = plt.subplots(1, panels, figsize=(4.5 * panels, 4.2))
 
     def metric(r, key):
         by_kind = kind and key != "request_goodput"  # goodput: the whole workload
@@ -129,6 +132,21 @@ def plot_compare(results: dict[str, dict], path: str | Path, title: str = "",
     axes[3].grid(alpha=0.3)
     if axes[3].has_data():
         axes[3].legend(fontsize=8, loc="lower right")
+    if interference:
+        import numpy as np
+
+        ax = axes[4]
+        x = np.arange(len(names))
+        row = [interference.get(n, {}).get("p99_itl_ms", {}) for n in names]
+        for off, key, label in ((-0.2, "short_only", "short chats alone"),
+                                (0.2, "with_long", "with long prompts")):
+            bars = ax.bar(x + off, [v.get(key) or 0.0 for v in row], 0.4, label=label)
+            ax.bar_label(bars, fmt="%.3g", fontsize=8)
+        ax.set_xticks(x)
+        ax.set_xticklabels(names)
+        ax.set_title("short chats' p99 ITL (ms): interference")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3, axis="y")
     if title:
         fig.suptitle(title)
     fig.tight_layout()

@@ -7,7 +7,13 @@ import contextlib
 import math
 
 import pytest
-from pdserve.bench.compare_modes import DEPLOYMENTS, compare, inprocess_router, side_by_side
+from pdserve.bench.compare_modes import (
+    DEPLOYMENTS,
+    compare,
+    format_interference,
+    inprocess_router,
+    side_by_side,
+)
 from pdserve.bench.datasets import mixed_requests
 from pdserve.bench.plots import plot_compare
 
@@ -22,7 +28,8 @@ def test_disaggregated_and_normal_side_by_side(router_address, tiny_model_dir, t
         "disaggregated": contextlib.nullcontext(router_address),
         "normal": inprocess_router(DEPLOYMENTS["normal"], model=tiny_model_dir, engine=ENGINE),
     }
-    out = compare(launchers, reqs, request_rate=math.inf, slos={"ttft": 60_000}, progress=False)
+    out = compare(launchers, reqs, control=True, request_rate=math.inf, slos={"ttft": 60_000},
+                  progress=False)
     res = out["deployments"]
     for name in ("disaggregated", "normal"):
         r = res[name]
@@ -39,7 +46,17 @@ def test_disaggregated_and_normal_side_by_side(router_address, tiny_model_dir, t
         res["normal"]["p99_itl_ms"] / res["disaggregated"]["p99_itl_ms"])
     assert table["short"]["request_goodput"]["normal"] == res["normal"]["by_kind"]["short"][
         "request_goodput"]
-    png = plot_compare(res, tmp_path / "cmp.png", kind="short")
+    # The control: the 3 short chats alone, in each deployment.
+    for name in ("disaggregated", "normal"):
+        c = out["controls"][name]
+        assert c["completed"] == 3 and set(c["kinds"]) == {"short"}
+        row = out["interference"][name]["p99_itl_ms"]
+        assert row["with_long"] == res[name]["by_kind"]["short"]["p99_itl_ms"]
+        assert row["short_only"] == c["p99_itl_ms"]
+        assert row["ratio"] == pytest.approx(row["with_long"] / row["short_only"])
+    assert "n/a" not in format_interference(out["interference"])
+    png = plot_compare(res, tmp_path / "cmp.png", kind="short",
+                       interference=out["interference"])
     assert png.stat().st_size > 10_000
 
 
