@@ -1,10 +1,20 @@
 """Offline throughput: pdserve's NORMAL engine against Hugging Face `generate`.
 
-Same checkpoint, same prompts, greedy, fp32, measured in one run so the ratio is
-meaningful on a noisy shared machine. Writes JSON (default results/bench_offline.json).
+Same checkpoint, same prompts, greedy, fp32, same process and thread count. The
+machine may be shared (load changes during a run), so both sides run alternately
+(HF first on even repeats, pdserve first on odd ones) and the ratio is reported per
+pair and as the median over pairs. Writes JSON (default results/bench_offline.json).
 
     python bench/offline.py                      # tiny and small built-in models, batch 16
+    python bench/offline.py --quick              # tiny only, 2 pairs (a smoke run)
+    python bench/offline.py --batch 16 64 --repeats 5
     python bench/offline.py --model DIR --prompts ids.json --batch 16 64
+    python bench/offline.py --sizes small --analyse   # + step profile and bandwidth limit
+
+``--analyse`` (on by default for the small model) profiles one prefill step and the
+decode steps of a pdserve run (time per op category), measures the machine's memory
+bandwidth with a large tensor copy, and compares a decode step with the time it takes
+just to read the weights once at that bandwidth.
 """
 
 from __future__ import annotations
@@ -13,6 +23,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -26,49 +37,196 @@ def make_prompts(vocab_size: int, batch: int, prompt_len: int, seed: int = 0) ->
     return [[rng.randrange(8, vocab_size) for _ in range(prompt_len)] for _ in range(batch)]
 
 
-def bench_hf(model_dir: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
-    from transformers import AutoModelForCausalLM
+class HFSide:
+    """transformers' own best CPU setup: fp32, SDPA attention, its own KV cache, the
+    same thread count (torch's global setting), inference mode."""
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor(prompts)  # equal lengths: no padding needed
-    kwargs = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-                  attention_mask=torch.ones_like(ids), pad_token_id=0)
-    with torch.inference_mode():
-        model.generate(ids[:1, :8], max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
+    def __init__(self, model_dir: str):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+        ids = torch.tensor(prompts)  # equal lengths: no padding needed
+        with torch.inference_mode():
+            start = time.perf_counter()
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids),
+                                      max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                      do_sample=False, pad_token_id=0)
+            elapsed = time.perf_counter() - start
+        return elapsed, out[:, ids.shape[1]:].tolist()
+
+
+class PdserveSide:
+    def __init__(self, model_dir: str, batch: int):
+        from pdserve import LLM
+
+        self.llm = LLM(model_dir, max_num_seqs=max(batch, 1), max_num_batched_tokens=4096)
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+        from pdserve import SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         start = time.perf_counter()
-        out = model.generate(ids, **kwargs)
+        outs = self.llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         elapsed = time.perf_counter() - start
-    return elapsed, out[:, ids.shape[1]:].tolist()
+        return elapsed, [o.token_ids for o in outs]
 
 
-def bench_pdserve(model_dir: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
-    from pdserve import LLM, SamplingParams
-
-    llm = LLM(model_dir, max_num_seqs=max(len(prompts), 1), max_num_batched_tokens=4096)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(max_tokens=2, temperature=0.0),
-                 use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    return elapsed, [o.token_ids for o in outs]
-
-
-def run_case(name: str, model_dir: str, prompts: list[list[int]], max_tokens: int) -> dict:
-    hf_s, hf_tokens = bench_hf(model_dir, prompts, max_tokens)
-    pd_s, pd_tokens = bench_pdserve(model_dir, prompts, max_tokens)
+def run_case(name: str, model_dir: str, prompts: list[list[int]], max_tokens: int,
+             repeats: int) -> dict:
+    hf, pd = HFSide(model_dir), PdserveSide(model_dir, len(prompts))
+    warm = [p[:16] for p in prompts[:2]]
+    hf.run(warm, 2), pd.run(warm, 2)  # first-call costs (allocations, kernel choice)
+    hf_times, pd_times = [], []
+    load_before = os.getloadavg()[0]
+    hf_tokens = pd_tokens = None
+    for r in range(repeats):
+        sides = [("hf", hf), ("pd", pd)] if r % 2 == 0 else [("pd", pd), ("hf", hf)]
+        for tag, side in sides:
+            s, toks = side.run(prompts, max_tokens)
+            if tag == "hf":
+                hf_times.append(s)
+                hf_tokens = toks
+            else:
+                pd_times.append(s)
+                pd_tokens = toks
     total = len(prompts) * max_tokens
     same = sum(a == b for a, b in zip(hf_tokens, pd_tokens, strict=True))
+    pair_ratios = [h / p for h, p in zip(hf_times, pd_times, strict=True)]
+    hf_s, pd_s = statistics.median(hf_times), statistics.median(pd_times)
     row = {
-        "model": name, "batch": len(prompts), "prompt_len": len(prompts[0]), "output_len": max_tokens,
-        "hf_seconds": round(hf_s, 3), "pdserve_seconds": round(pd_s, 3),
-        "hf_output_tok_per_s": round(total / hf_s, 1), "pdserve_output_tok_per_s": round(total / pd_s, 1),
-        "speedup": round(hf_s / pd_s, 2), "identical_outputs": f"{same}/{len(prompts)}",
+        "model": name, "batch": len(prompts), "prompt_len": len(prompts[0]),
+        "output_len": max_tokens, "repeats": repeats,
+        "hf_seconds": [round(t, 3) for t in hf_times],
+        "pdserve_seconds": [round(t, 3) for t in pd_times],
+        "hf_output_tok_per_s": round(total / hf_s, 1),
+        "pdserve_output_tok_per_s": round(total / pd_s, 1),
+        "pair_ratios": [round(x, 2) for x in pair_ratios],
+        "speedup": round(statistics.median(pair_ratios), 2),  # median of paired ratios
+        "speedup_of_medians": round(hf_s / pd_s, 2),
+        "identical_outputs": f"{same}/{len(prompts)}",
+        "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
     print(f"{name:>6} batch={len(prompts):>3}: HF {row['hf_output_tok_per_s']:>8} tok/s  "
-          f"pdserve {row['pdserve_output_tok_per_s']:>8} tok/s  ratio {row['speedup']}x  "
-          f"identical {row['identical_outputs']}", flush=True)
+          f"pdserve {row['pdserve_output_tok_per_s']:>8} tok/s  ratio {row['speedup']}x "
+          f"(pairs {row['pair_ratios']})  identical {row['identical_outputs']}  "
+          f"load {row['load_avg_1min']}", flush=True)
     return row
+
+
+# ---- where a step's time goes, and the bandwidth limit ------------------------------
+
+_CATEGORIES = [  # (category, substrings of aten op names), first match wins
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")),
+    ("attention", ("scaled_dot_product", "flash_attention", "aten::softmax")),
+    ("kv_write_gather", ("index_select", "index_copy", "index_put", "aten::index")),
+    ("norm", ("rms_norm",)),
+    ("elementwise", ("aten::mul", "aten::add", "aten::silu", "aten::neg", "aten::cat",
+                     "aten::sub", "aten::copy_", "aten::where")),
+]
+
+
+def _categorise(prof) -> dict[str, float]:
+    """Self CPU seconds per category from a torch.profiler run."""
+    out: dict[str, float] = {c: 0.0 for c, _ in _CATEGORIES}
+    out["other_ops"] = 0.0
+    for ev in prof.key_averages():
+        cat = next((c for c, keys in _CATEGORIES if any(k in ev.key for k in keys)), "other_ops")
+        out[cat] += ev.self_cpu_time_total / 1e6
+    return out
+
+
+def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict:
+    """Best-of copy bandwidth of one large fp32 tensor (counts read + write bytes) and
+    read-only bandwidth (a sum). The weights of a decode step are read, not written,
+    so the read figure is the one the limit uses."""
+    a = torch.ones(nbytes // 4)
+    b = torch.empty_like(a)
+    copy_s = read_s = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        b.copy_(a)
+        copy_s = min(copy_s, time.perf_counter() - t)
+        t = time.perf_counter()
+        a.sum()
+        read_s = min(read_s, time.perf_counter() - t)
+    return {"tensor_bytes": nbytes, "copy_GBps_read_plus_write": round(2 * nbytes / copy_s / 1e9, 2),
+            "read_GBps": round(nbytes / read_s / 1e9, 2)}
+
+
+def analyse(model_dir: str, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Profile a pdserve run step by step (the prefill step; the decode steps) and
+    compare the decode step with reading the weights once at measured bandwidth."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pdserve import LLM, SamplingParams
+
+    llm = LLM(model_dir, max_num_seqs=len(prompts), max_num_batched_tokens=4096)
+    eng = llm.engines[0]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(prompt_token_ids=[p[:16] for p in prompts[:2]],
+                 sampling_params=SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+
+    def run_steps(profiled: bool):
+        for i, p in enumerate(prompts):
+            eng.add_request(f"a{profiled}-{i}", p, params)
+        walls: dict[str, list[float]] = {"prompt": [], "decode": []}
+        profs = {}
+        while eng.has_work():
+            sched_tokens = None
+            if profiled:
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    out = eng.step()
+            else:
+                out = eng.step()
+            sched_tokens = out.num_scheduled_tokens
+            if not sched_tokens:
+                continue  # the scheduler's empty vote steps (no model call)
+            walls[out.kind].append(out.duration_s)
+            if profiled:
+                profs.setdefault(out.kind, []).append(_categorise(prof))
+        return walls, profs
+
+    walls, _ = run_steps(False)  # wall times without profiler overhead
+    _, profs = run_steps(True)
+    bw = measure_bandwidth()
+    runner = eng.runner
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in runner.model.named_parameters()
+                       if "embed_tokens" not in n)  # decode reads B embedding rows only
+    cfg = runner.config
+    b, ctx = len(prompts), len(prompts[0]) + max_tokens // 2
+    kv_bytes = 2 * cfg.num_layers * b * ctx * cfg.num_kv_heads * cfg.head_dim * 4
+    decode_s = statistics.median(walls["decode"])
+    prefill_s = statistics.median(walls["prompt"])
+    limit_s = weight_bytes / (bw["read_GBps"] * 1e9)
+    limit_kv_s = (weight_bytes + kv_bytes) / (bw["read_GBps"] * 1e9)
+
+    def mean_breakdown(kind: str) -> dict:
+        rows = profs.get(kind, [])
+        if not rows:
+            return {}
+        return {k: round(1000 * statistics.mean(r[k] for r in rows), 2) for k in rows[0]}
+
+    result = {
+        "prefill_step_ms": round(1000 * prefill_s, 1),
+        "decode_step_ms_median": round(1000 * decode_s, 2),
+        "prefill_breakdown_ms_self_cpu": mean_breakdown("prompt"),
+        "decode_breakdown_ms_self_cpu": mean_breakdown("decode"),
+        "bandwidth": bw,
+        "weight_bytes_read_per_decode_step": weight_bytes,
+        "kv_bytes_read_per_decode_step_mid_run": kv_bytes,
+        "weights_once_at_read_bw_ms": round(1000 * limit_s, 2),
+        "weights_plus_kv_at_read_bw_ms": round(1000 * limit_kv_s, 2),
+        "decode_step_over_bandwidth_limit": round(decode_s / limit_s, 2),
+        "decode_flops": 2 * b * weight_bytes // 4,
+        "decode_GFLOPS_achieved": round(2 * b * weight_bytes / 4 / decode_s / 1e9, 1),
+        "prefill_GFLOPS_achieved": round(2 * b * len(prompts[0]) * weight_bytes / 4 / prefill_s / 1e9, 1),
+        "load_avg_1min": round(os.getloadavg()[0], 2),
+    }
+    print("analysis:", json.dumps(result, indent=1), flush=True)
+    return result
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -80,8 +238,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--sizes", nargs="+", default=["tiny", "small"], choices=["tiny", "small"])
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--repeats", type=int, default=3, help="HF/pdserve pairs per case")
+    parser.add_argument("--quick", action="store_true", help="tiny model only, 2 pairs, no analysis")
+    parser.add_argument("--analyse", action=argparse.BooleanOptionalAction, default=None,
+                        help="profile + bandwidth analysis (default: on for the small model)")
     parser.add_argument("--out", default="results/bench_offline.json")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.sizes, args.repeats = ["tiny"], 2
+        args.analyse = False if args.analyse is None else args.analyse
     torch.set_num_threads(args.threads)
 
     if args.model:
@@ -95,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
             make_tiny_model(root / size, variant="llama", size=size)
             models.append((size, str(root / size)))
 
-    rows = []
+    rows, analyses = [], {}
     for name, model_dir in models:
         vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
         for batch in args.batch:
@@ -103,10 +268,16 @@ def main(argv: list[str] | None = None) -> None:
                 prompts = json.loads(Path(args.prompts).read_text())[:batch]
             else:
                 prompts = make_prompts(vocab, batch, args.prompt_len)
-            rows.append(run_case(name, model_dir, prompts, args.max_tokens))
+            rows.append(run_case(name, model_dir, prompts, args.max_tokens, args.repeats))
+            want = args.analyse if args.analyse is not None else name == "small"
+            if want and name not in analyses:
+                analyses[name] = {"batch": batch, **analyse(model_dir, prompts, args.max_tokens)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"benchmark": "offline", "threads": args.threads, "results": rows}, indent=2))
+    out.write_text(json.dumps({
+        "benchmark": "offline", "threads": args.threads,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "cpu_count": os.cpu_count(),
+        "results": rows, "analysis": analyses}, indent=2))
     print(f"wrote {out}")
 
 

@@ -1,14 +1,15 @@
 """A Llama-family decoder, top to bottom, running on the paged KV cache.
 
 Module names match Hugging Face checkpoints (``model.layers.3.self_attn.q_proj``),
-so weights load by name. Input is a step's flat token list (rows back to back)
+so weights load by name; ``CausalLM.fuse`` then swaps each layer's projections for
+fused, pre-transposed matmuls (q|k|v, gate|up; see ``MatMul``). Input is a step's flat token list (rows back to back)
 with absolute positions; attention metadata says where each row's keys live.
 
     h = embed(tokens)
     for each layer:
-        x = rmsnorm(h); q, k, v = proj(x); (qwen3: q, k = rmsnorm per head)
+        x = rmsnorm(h); q, k, v = split(x @ Wqkv); (qwen3: q, k = rmsnorm per head)
         q, k = rope(q, k, positions); h += o_proj(attention(q, k, v, cache, meta))
-        h += down(silu(gate(rmsnorm(h))) * up(rmsnorm(h)))
+        g, u = split(rmsnorm(h) @ Wgate_up); h += (silu(g) * u) @ Wdown
     logits = lm_head(rmsnorm(h))       # only at rows that sample
 """
 
@@ -21,8 +22,40 @@ from pdserve.engine.weights import load_checked
 from pdserve.kernels.attention import AttentionMetadata, attention_step
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.norms import RMSNorm
-from pdserve.kernels.rope import apply_rope, inv_frequencies, rope_cos_sin
+from pdserve.kernels.rope import RopeTable, apply_rope, inv_frequencies
 from torch import nn
+
+
+class MatMul(nn.Module):
+    """``x @ weight_t (+ bias)`` for 2-D ``x`` [T, in], with the weight stored transposed
+    and contiguous ([in, out]).
+
+    Why: on CPU, MKL's sgemm is ~1.5x faster at decode shapes (T = batch of
+    decode rows, ~16) with a plain [in, out] right operand than with the transposed
+    view ``nn.Linear`` hands it (same speed at prefill shapes). ``fuse`` also
+    concatenates projections that read the same input (q|k|v, gate|up) so each
+    layer runs 4 matmuls instead of 7: fewer calls, and the input is read once.
+    """
+
+    def __init__(self, weight_t: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.weight_t = nn.Parameter(weight_t, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def fuse(cls, linears: list[nn.Linear]) -> MatMul:
+        w = torch.cat([m.weight for m in linears]).t().contiguous()
+        biases = [m.bias for m in linears]
+        if all(b is None for b in biases):
+            return cls(w, None)
+        b = torch.cat([m.bias if m.bias is not None else w.new_zeros(m.out_features)
+                       for m in linears])
+        return cls(w, b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return torch.mm(x, self.weight_t)
+        return torch.addmm(self.bias, x, self.weight_t)
 
 
 class Attention(nn.Module):
@@ -44,16 +77,24 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
+    def fuse(self) -> None:
+        """Replace q/k/v by one [hidden, (Hq + 2 Hk) * D] matmul (see ``MatMul``)."""
+        self.qkv = MatMul.fuse([self.q_proj, self.k_proj, self.v_proj])
+        self.o = MatMul.fuse([self.o_proj])
+        del self.q_proj, self.k_proj, self.v_proj, self.o_proj
+
     def forward(self, x, cos, sin, cache: KVCache, meta: AttentionMetadata):
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        t, hq, hk, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv(x).view(t, hq + 2 * hk, d)
+        v = qkv[:, hq + hk:]
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = self.q_norm(qkv[:, :hq]), self.k_norm(qkv[:, hq:hq + hk])
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:  # one rotation for the q and k heads together (same cos/sin per token)
+            qk = apply_rope(qkv[:, :hq + hk], cos, sin)
+            q, k = qk[:, :hq], qk[:, hq:]
         out = attention_step(q, k, v, self.layer, cache, meta, self.scale)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self.o(out.reshape(t, hq * d))
 
 
 class MLP(nn.Module):
@@ -64,8 +105,17 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=b)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=b)
 
+    def fuse(self) -> None:
+        """gate and up as one [hidden, 2 * intermediate] matmul; down pre-transposed."""
+        self.gate_up = MatMul.fuse([self.gate_proj, self.up_proj])
+        self.down = MatMul.fuse([self.down_proj])
+        self.intermediate = self.gate_proj.out_features
+        del self.gate_proj, self.up_proj, self.down_proj
+
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gu = self.gate_up(x)
+        i = self.intermediate
+        return self.down(F.silu(gu[:, :i]) * gu[:, i:])
 
 
 class DecoderLayer(nn.Module):
@@ -95,7 +145,7 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         self.model = DecoderModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.inv_freq: torch.Tensor | None = None  # fp32, set by init_rope (not a weight)
+        self.rope: RopeTable | None = None  # set by init_rope (not a weight)
 
     def init_rope(self, device: str | torch.device) -> None:
         r = self.cfg.rope
@@ -103,24 +153,33 @@ class CausalLM(nn.Module):
             inv = inv_frequencies(self.cfg.head_dim, r.theta, r.rope_type, r.factor,
                                   r.low_freq_factor, r.high_freq_factor,
                                   r.original_max_position_embeddings)
-        self.inv_freq = inv.to(device)
+        self.rope = RopeTable(inv.to(device))
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         return {n: tuple(p.shape) for n, p in self.named_parameters(remove_duplicate=False)}
+
+    def fuse(self) -> None:
+        """After loading by checkpoint names: fused, pre-transposed matmul weights (the
+        originals are dropped, so memory does not double)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        self.logits_proj = MatMul.fuse([self.lm_head])
+        del self.lm_head
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         """tokens, positions: [T] -> final hidden states [T, hidden] (after the last norm)."""
         h = self.model.embed_tokens(tokens)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
+        cos, sin = self.rope.cos_sin(positions, h.dtype, meta.max_position)
         for layer in self.model.layers:
             h = layer(h, cos, sin, cache, meta)
         return self.model.norm(h)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.logits_proj(hidden).float()
 
 
 def load_model(model_dir, dtype: torch.dtype = torch.float32,
@@ -138,4 +197,5 @@ def load_model(model_dir, dtype: torch.dtype = torch.float32,
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.init_rope(device)
+    model.fuse()
     return cfg, model.eval().requires_grad_(False)

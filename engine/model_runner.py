@@ -26,6 +26,7 @@ import torch
 from pdserve.engine.model import load_model
 from pdserve.engine.weights import file_digest, weight_files
 from pdserve.kernels.attention import AttentionGroup, AttentionMetadata
+from pdserve.kernels.decode_kv import DecodeKV
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.sampling import sample as sample_tokens
 from pdserve.kernels.slot_mapping import full_slots, ring_slots
@@ -108,6 +109,8 @@ class ModelRunner:
         self.num_kv_blocks = num_kv_blocks
         self.num_state_slots = num_state_slots
         self.ring_len = self.kv_cache.ring_len
+        # Contiguous K/V of decode rows, capped at the cache's own budget.
+        self.decode_kv = DecodeKV(self.kv_cache, max_bytes=kv_cache_bytes)
         self._gen = torch.Generator().manual_seed(seed)
         self._fingerprint: str | None = None
         self._tokenizer = None
@@ -220,6 +223,42 @@ class ModelRunner:
     def prepare(self, rows: list[RunnerRow]):
         """Flat tokens/positions and attention metadata for a step (on the device)."""
         self._check(rows)
+        decode_rows = [i for i, r in enumerate(rows) if len(r.token_ids) == 1]
+        # Every step plans the contiguous decode K/V (a step without decode rows drops
+        # all slots: see DecodeKV's safety rules).
+        plan = self.decode_kv.plan([rows[i].block_table for i in decode_rows],
+                                   [rows[i].start_pos for i in decode_rows])
+        if len(decode_rows) == len(rows) and not self.kv_cache.ring_layers:
+            tokens, positions, meta, last = self._prepare_decode(rows, plan)
+        else:
+            tokens, positions, meta, last = self._prepare_general(rows, plan)
+        meta.decode_kv, meta.decode_plan = self.decode_kv, plan
+        meta.max_position = max(r.start_pos + len(r.token_ids) for r in rows) - 1
+        return tokens, positions, meta, last
+
+    def _prepare_decode(self, rows: list[RunnerRow], plan):
+        """All rows decode (q = 1) and every layer is full attention: the metadata is a
+        few per-row lists, built in Python without the general path's tensor algebra."""
+        dev, bs = self.device, self.block_size
+        b = len(rows)
+        pos = [r.start_pos for r in rows]
+        slots = [r.block_table[p // bs] * bs + p % bs for r, p in zip(rows, pos, strict=True)]
+        ar = torch.arange(b, device=dev)
+        positions = torch.tensor(pos, device=dev)
+        bt = None
+        if plan is None:  # the gather path reads the block tables
+            nb = math.ceil((max(pos) + 1) / bs)
+            bt = torch.tensor([(r.block_table[:nb] + [0] * nb)[:nb] for r in rows], device=dev)
+        group = AttentionGroup(
+            token_index=ar[:, None], q_valid=torch.ones(b, 1, dtype=torch.bool, device=dev),
+            q_pos=positions[:, None], block_tables=bt, ring_rows=None, ring_pos=None,
+            valid_tokens=ar, valid_flat=None, fresh=False, decode=True, covers_all=True)
+        meta = AttentionMetadata(groups=[group], slot_mapping=torch.tensor(slots, device=dev),
+                                 ring_dest=None, ring_src=None, num_tokens=b)
+        tokens = torch.tensor([r.token_ids[0] for r in rows], device=dev)
+        return tokens, positions, meta, ar
+
+    def _prepare_general(self, rows: list[RunnerRow], plan):
         dev, bs, cache = self.device, self.block_size, self.kv_cache
         b = len(rows)
         q_lens = torch.tensor([len(r.token_ids) for r in rows], dtype=torch.long)
@@ -263,7 +302,8 @@ class ModelRunner:
             off = torch.where(q_valid, ar[None, :], 0)
             token_index = cu[ri][:, None] + off
             g_bt = ring_rows = ring_pos = None
-            if bt is not None and not is_fresh:
+            is_decode = bool(ql.max() == 1)
+            if bt is not None and not is_fresh and not (is_decode and plan is not None):
                 nb_g = math.ceil(int(seqlen_k[ri].max()) / bs)
                 g_bt = bt[ri, :nb_g].to(dev)
             if slots is not None and not is_fresh:
@@ -277,8 +317,10 @@ class ModelRunner:
                 ring_pos=ring_pos, valid_tokens=token_index[q_valid].to(dev),
                 valid_flat=None if bool(q_valid.all()) else
                 q_valid.flatten().nonzero().flatten().to(dev),
-                fresh=is_fresh,
+                fresh=is_fresh, decode=is_decode,
             ))
+        if len(groups) == 1:
+            groups[0].covers_all = True
         meta = AttentionMetadata(
             groups=groups,
             slot_mapping=slot_mapping.to(dev) if slot_mapping is not None else None,
@@ -291,6 +333,12 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, rows: list[RunnerRow]) -> torch.Tensor:
         sp = [r.sampling for r in rows]
+        if all(p.temperature == 0 for p in sp):
+            # All greedy: argmax is the whole answer; skip building five per-row
+            # settings tensors. The generator still advances exactly as on the general
+            # path, so later unseeded draws do not depend on which path ran.
+            torch.randint(-(2**62), 2**62, (len(rows),), generator=self._gen)
+            return logits.argmax(dim=-1)
         n = len(rows)
         fresh = torch.randint(-(2**62), 2**62, (n,), generator=self._gen)
         seeds = torch.tensor(

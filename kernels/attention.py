@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from pdserve.kernels.decode_kv import DecodeKV, DecodePlan
 
 
 @dataclass
@@ -41,6 +42,8 @@ class AttentionGroup:
     valid_flat: torch.Tensor | None = None  # [n_valid] long: q_valid.flatten().nonzero();
     # None when every query is valid (e.g. decode rows)
     fresh: bool = False  # every row starts at position 0: keys are the step's own K/V
+    decode: bool = False  # every row has one query (q = 1)
+    covers_all: bool = False  # the step's only group, its tokens 0 .. T-1 in order
 
 
 @dataclass
@@ -50,6 +53,9 @@ class AttentionMetadata:
     ring_dest: torch.Tensor | None  # [T'] ring rows to write (dropped positions removed)
     ring_src: torch.Tensor | None  # [T'] flat token written to each ring_dest
     num_tokens: int
+    max_position: int | None = None  # largest position in the step (host-side bound)
+    decode_kv: DecodeKV | None = None  # contiguous K/V of decode rows (full layers) ...
+    decode_plan: DecodePlan | None = None  # ... and this step's slots; None: gather
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -151,20 +157,35 @@ def write_ring_kv(k_ring: torch.Tensor, v_ring: torch.Tensor, meta: AttentionMet
 def attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache,
                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """One layer's attention for a whole step. q [T, Hq, D], k/v [T, Hk, D] -> [T, Hq, D]."""
-    out = torch.empty_like(q)
     window = cache.layer_windows[layer]
     if window is None:
         k_blocks, v_blocks = cache.k_blocks[layer], cache.v_blocks[layer]
         write_blocks_kv(k_blocks, v_blocks, meta.slot_mapping, k, v)
-        for g in meta.groups:
-            o = (fresh_attention(q, k, v, g, None, scale) if g.fresh
-                 else paged_attention(q, k_blocks, v_blocks, g, scale))
-            out.index_copy_(0, g.valid_tokens, o)
+
+        def run(g: AttentionGroup) -> torch.Tensor:
+            if g.fresh:
+                return fresh_attention(q, k, v, g, None, scale)
+            if g.decode and meta.decode_plan is not None:
+                if g.covers_all:
+                    return meta.decode_kv.attention(meta.decode_plan, layer, q, k, v, scale)
+                rows = g.valid_tokens
+                return meta.decode_kv.attention(meta.decode_plan, layer, q.index_select(0, rows),
+                                                k.index_select(0, rows),
+                                                v.index_select(0, rows), scale)
+            return paged_attention(q, k_blocks, v_blocks, g, scale)
     else:
         k_ring, v_ring = cache.k_ring[layer], cache.v_ring[layer]
-        for g in meta.groups:  # every group reads the ring before anything is written
-            o = (fresh_attention(q, k, v, g, window, scale) if g.fresh
-                 else ring_attention(q, k, v, k_ring, v_ring, g, window, scale))
-            out.index_copy_(0, g.valid_tokens, o)
+
+        def run(g: AttentionGroup) -> torch.Tensor:
+            return (fresh_attention(q, k, v, g, window, scale) if g.fresh
+                    else ring_attention(q, k, v, k_ring, v_ring, g, window, scale))
+
+    if len(meta.groups) == 1 and meta.groups[0].covers_all:
+        out = run(meta.groups[0])
+    else:
+        out = torch.empty_like(q)
+        for g in meta.groups:  # ring layers: every group reads the ring before the write
+            out.index_copy_(0, g.valid_tokens, run(g))
+    if window is not None:
         write_ring_kv(k_ring, v_ring, meta, k, v)
     return out

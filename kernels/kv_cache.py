@@ -78,6 +78,9 @@ class KVCache:
         self.block_size = block_size
         self.layer_windows = windows
         self.num_state_slots = num_state_slots
+        # Bumped by every write that does not come from a model step (imports, block
+        # and state copies): copies of cache contents (``DecodeKV``) check it.
+        self.version = 0
         self.ring_len = ring_len
         self.dtype = dtype
         self.device = torch.device(device)
@@ -140,11 +143,13 @@ class KVCache:
                  self.head_dim)
         _check("k_blocks", k, shape)
         _check("v_blocks", v, shape)
+        self.version += 1
         for n, i in enumerate(self.full_layers):
             self.k_blocks[i].index_copy_(0, idx, k[n].to(self.device, self.dtype))
             self.v_blocks[i].index_copy_(0, idx, v[n].to(self.device, self.dtype))
 
     def copy_block(self, src: int, dst: int) -> None:
+        self.version += 1
         for i in self.full_layers:
             self.k_blocks[i][dst].copy_(self.k_blocks[i][src])
             self.v_blocks[i][dst].copy_(self.v_blocks[i][src])
@@ -171,6 +176,7 @@ class KVCache:
         shape = (len(self.ring_layers), self.ring_len, self.num_kv_heads, self.head_dim)
         _check("k_ring", k, shape)
         _check("v_ring", v, shape)
+        self.version += 1
         for n, i in enumerate(self.ring_layers):
             self.k_ring[i][rows] = k[n].to(self.device, self.dtype)
             self.v_ring[i][rows] = v[n].to(self.device, self.dtype)
@@ -179,6 +185,7 @@ class KVCache:
         if not self.ring_layers:
             return
         src, dst = self._ring_rows(src_slot), self._ring_rows(dst_slot)
+        self.version += 1
         for i in self.ring_layers:
             self.k_ring[i][dst] = self.k_ring[i][src]
             self.v_ring[i][dst] = self.v_ring[i][src]
