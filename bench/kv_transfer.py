@@ -171,6 +171,8 @@ async def _measure_transport(name: str, sizes_mib: list[float], repeats: int) ->
                 if not res.ok:
                     raise RuntimeError(f"{name} transport failed at {size:g} MiB: "
                                        f"{res.kind}: {res.error}")
+                if res.nbytes and res.nbytes != nbytes:  # grpc counts what it relayed
+                    raise RuntimeError(f"{name}: relayed {res.nbytes} bytes of {nbytes}")
                 if res.request_id != rid:
                     raise RuntimeError(f"{name}: delivered {res.request_id!r}, sent {rid!r}")
                 del ticket

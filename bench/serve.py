@@ -50,6 +50,7 @@ async def _stream_one(client, req, rec, *, temperature: float, ignore_eos: bool,
                 rec.error = msg.error
                 rec.usage_prompt_tokens = msg.usage.prompt_tokens
                 rec.usage_completion_tokens = msg.usage.completion_tokens
+                rec.breakdown = _breakdown(msg)
     except grpc.RpcError as exc:
         code = exc.code() if hasattr(exc, "code") else None
         rec.error = f"{getattr(code, 'name', 'RPC_ERROR')}: {exc.details() if hasattr(exc, 'details') else exc}"
@@ -59,6 +60,19 @@ async def _stream_one(client, req, rec, *, temperature: float, ignore_eos: bool,
         rec.error = "the stream ended without a finish_reason"
     if rec.finish_reason == "error" and not rec.error:
         rec.error = "finish_reason error"
+
+
+def _breakdown(msg) -> dict | None:
+    """The router's per-request TTFT breakdown, once GenerateResponse carries one in a
+    `timings` field on its last message (not yet: see serve_metrics.RequestRecord)."""
+    try:
+        if not msg.HasField("timings"):
+            return None
+    except ValueError:  # no such field in this proto
+        return None
+    from google.protobuf.json_format import MessageToDict
+
+    return MessageToDict(msg.timings, preserving_proto_field_name=True)
 
 
 def _rank_counters(state) -> dict:

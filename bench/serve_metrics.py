@@ -49,8 +49,10 @@ class RequestRecord:
     error: str = ""
     usage_prompt_tokens: int | None = None
     usage_completion_tokens: int | None = None
-    # Server-side per-request breakdown (router queue, prefill queue, ...), when the
-    # router reports one; kept as-is in the JSON.
+    # Server-side TTFT breakdown of this request, when the router reports one (a
+    # `timings` message on the last GenerateResponse, e.g. router_queue_ms,
+    # prefill_queue_ms, prefill_ms, kv_handoff_ms, decode_queue_ms); kept as-is in
+    # the JSON's `ttft_breakdowns`, in request order, beside `request_ids`.
     breakdown: dict | None = None
 
     @property

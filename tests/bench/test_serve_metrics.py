@@ -125,3 +125,16 @@ def test_lists_and_by_kind(records):
     assert set(kinds) == {"short", "long"}
     assert kinds["short"]["completed"] == 2 and kinds["short"]["failed"] == 1
     assert kinds["long"]["mean_ttft_ms"] == pytest.approx(300.0)
+
+
+def test_breakdown_absent_until_the_router_sends_one():
+    from pdserve.bench.serve import _breakdown
+    from pdserve.rpc import router_pb2
+
+    assert _breakdown(router_pb2.GenerateResponse(finish_reason="length")) is None
+
+    class Later:  # a proto that has the field but left it unset
+        def HasField(self, name):
+            return False
+
+    assert _breakdown(Later()) is None
