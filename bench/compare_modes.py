@@ -171,33 +171,69 @@ def interference(results: dict[str, dict], controls: dict[str, dict], kind: str 
 
 
 def compare(launchers: dict[str, contextlib.AbstractContextManager], requests: list,
-            control: bool = False, **bench_kwargs) -> dict:
-    """Run `requests` against each deployment in turn; `launchers` maps a name to a
-    context manager that yields the router's address. With `control`, each deployment
-    then also runs the short chats alone, at their own share of the request rate."""
-    from pdserve.bench.serve import run_benchmark
+            control: bool = False, rounds: int = 1, **bench_kwargs) -> dict:
+    """Run `requests` against each deployment; `launchers` maps a name to a context
+    manager that yields the router's address.
 
-    results, controls = {}, {}
+    rounds = 1: one deployment up at a time, in turn. rounds > 1: all of them up at
+    once (idle pools park), the workload run `rounds` times in alternating order
+    (A B, B A, ...) so a noisy neighbour hits both alike; each deployment's runs are
+    merged into one result. With `control`, every run of the mixed workload is
+    followed by the short chats alone, at their own share of the request rate.
+    """
+    from pdserve.bench.serve import collect, summarize
+
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if not requests:
+        raise ValueError("no requests to send")
     shorts = control_requests(requests) if control else []
-    for name, launcher in launchers.items():
+    collect_kw = {k: v for k, v in bench_kwargs.items() if k not in ("slos", "percentiles")}
+    rate = bench_kwargs.get("request_rate", math.inf)
+    runs: dict[str, list] = {n: [] for n in launchers}
+    ctl: dict[str, list] = {n: [] for n in launchers}
+    startup: dict[str, float] = {}
+
+    def one_round(name: str, address: str, k: int) -> None:
+        print(f"{name}: round {k + 1}/{rounds}, {len(requests)} requests ...", file=sys.stderr,
+              flush=True)
+        kw = dict(collect_kw, label=name)
+        if k:
+            kw["num_warmups"] = 0
+        runs[name].append(asyncio.run(collect(address, requests, **kw)))
+        if shorts:
+            kw.update(num_warmups=0, label=f"{name} (short only)",
+                      request_rate=rate * len(shorts) / len(requests))
+            ctl[name].append(asyncio.run(collect(address, shorts, **kw)))
+
+    def start(stack: contextlib.ExitStack, name: str) -> str:
         t = time.perf_counter()
-        with launcher as address:
-            up = time.perf_counter() - t
-            print(f"{name}: router at {address} (up in {up:.1f} s); running "
-                  f"{len(requests)} requests ...", file=sys.stderr, flush=True)
-            r = asyncio.run(run_benchmark(address, requests, label=name, **bench_kwargs))
-            if shorts:
-                kw = dict(bench_kwargs, num_warmups=0)
-                rate = kw.get("request_rate", math.inf)
-                kw["request_rate"] = rate * len(shorts) / len(requests)
-                print(f"{name}: control, {len(shorts)} short chats alone ...", file=sys.stderr,
-                      flush=True)
-                controls[name] = asyncio.run(run_benchmark(address, shorts,
-                                                           label=f"{name} (short only)", **kw))
-        r["startup_s"] = up
-        results[name] = r
-    out = {"deployments": results, "comparison": side_by_side(results)}
-    if controls:
+        address = stack.enter_context(launchers[name])
+        startup[name] = time.perf_counter() - t
+        print(f"{name}: router at {address} (up in {startup[name]:.1f} s)", file=sys.stderr,
+              flush=True)
+        return address
+
+    names = list(launchers)
+    if rounds == 1:
+        for name in names:
+            with contextlib.ExitStack() as stack:
+                one_round(name, start(stack, name), 0)
+    else:
+        with contextlib.ExitStack() as stack:
+            addresses = {name: start(stack, name) for name in names}
+            for k in range(rounds):
+                for name in (names if k % 2 == 0 else names[::-1]):
+                    one_round(name, addresses[name], k)
+
+    results = {}
+    for name in names:
+        results[name] = summarize(runs[name], label=name, **bench_kwargs)
+        results[name]["startup_s"] = startup[name]
+    out = {"deployments": results, "comparison": side_by_side(results), "rounds": rounds}
+    if shorts:
+        kw = dict(bench_kwargs, request_rate=rate * len(shorts) / len(requests))
+        controls = {n: summarize(ctl[n], label=f"{n} (short only)", **kw) for n in names}
         out["controls"] = controls
         out["interference"] = interference(results, controls)
     return out
@@ -244,6 +280,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="how to bring each deployment up (default %(default)s)")
     p.add_argument("--modes", default="disaggregated,normal",
                    help="deployments to run, in this order (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="1: deployments up one at a time; N > 1: all up together, the "
+                   "workload run N times in alternating order, runs merged")
     p.add_argument("--no-control", action="store_true",
                    help="skip the control run of the short chats alone in each deployment")
     p.add_argument("--num-kv-blocks", type=int, default=None)
@@ -285,9 +324,9 @@ def run(args: argparse.Namespace) -> int:
             launchers[name] = inprocess_router(spec, model=model, engine=engine,
                                                kv_transport=args.kv_transport)
     try:
-        out = compare(launchers, requests,
+        out = compare(launchers, requests, rounds=args.rounds,
                       control=not args.no_control and args.dataset_name == "mixed", **kwargs)
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
@@ -303,7 +342,7 @@ def run(args: argparse.Namespace) -> int:
                   "long_output_len": args.mixed_long_output_len,
                   "short_input_len": args.mixed_short_input_len,
                   "short_output_len": args.mixed_short_output_len},
-        "launch": args.launch, "model": model, "engine": engine,
+        "launch": args.launch, "rounds": args.rounds, "model": model, "engine": engine,
         "deployments": {n: DEPLOYMENTS[n] for n in names}}
     print(format_comparison(out["comparison"]), flush=True)
     if "interference" in out:

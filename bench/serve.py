@@ -21,6 +21,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -106,28 +107,31 @@ def _counter_deltas(before: dict | None, after: dict | None) -> dict | None:
     return out
 
 
-async def run_benchmark(address: str, requests: list, *, request_rate: float = math.inf,
-                        burstiness: float = 1.0, max_concurrency: int | None = None,
-                        seed: int = 0, slos: dict[str, float] | None = None,
-                        percentiles=None, temperature: float = 0.0, ignore_eos: bool = True,
-                        request_timeout: float | None = None, num_warmups: int = 1,
-                        progress: bool = True, client=None, label: str = "") -> dict:
-    """Run `requests` (datasets.SampleRequest) against the router; returns the result dict.
+@dataclass
+class Run:
+    """One pass of a workload over a router: the client's records and the clocks."""
+
+    records: list
+    start: float
+    duration: float
+    before: dict | None = None  # GetClusterState before and after (step counters)
+    after: dict | None = None
+
+
+async def collect(address: str, requests: list, *, request_rate: float = math.inf,
+                  burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
+                  temperature: float = 0.0, ignore_eos: bool = True,
+                  request_timeout: float | None = None, num_warmups: int = 1,
+                  progress: bool = True, client=None, label: str = "") -> Run:
+    """Send `requests` (datasets.SampleRequest) on their arrival schedule; record each.
 
     `client` is anything with AsyncClient's `stream(prompt, **kw)` (and, optionally,
     `cluster_state()`); by default an AsyncClient on `address`, closed at the end.
     """
     from pdserve.bench.datasets import arrival_offsets
-    from pdserve.bench.serve_metrics import (
-        DEFAULT_PERCENTILES,
-        RequestRecord,
-        calculate_metrics,
-        metrics_by_kind,
-        per_request_lists,
-    )
+    from pdserve.bench.serve_metrics import RequestRecord
     from tqdm import tqdm
 
-    percentiles = tuple(percentiles or DEFAULT_PERCENTILES)
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
     own_client = client is None
@@ -176,13 +180,32 @@ async def run_benchmark(address: str, requests: list, *, request_rate: float = m
     finally:
         if own_client:
             await client.close()
+    return Run(records, start, duration, before, after)
 
+
+def summarize(runs: list[Run], *, address: str = "", label: str = "",
+              request_rate: float = math.inf, burstiness: float = 1.0,
+              max_concurrency: int | None = None, seed: int = 0,
+              slos: dict[str, float] | None = None, percentiles=None,
+              temperature: float = 0.0, ignore_eos: bool = True, **_ignored) -> dict:
+    """The result dict of one or more runs of the same workload: metrics over all their
+    requests, duration the sum of theirs; per-request lists in run order."""
+    from pdserve.bench.serve_metrics import (
+        DEFAULT_PERCENTILES,
+        calculate_metrics,
+        metrics_by_kind,
+        per_request_lists,
+    )
+
+    percentiles = tuple(percentiles or DEFAULT_PERCENTILES)
+    records = [r for run in runs for r in run.records]
+    duration = sum(run.duration for run in runs)
     result = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "backend": "pdserve",
         "label": label,
         "address": address,
-        "num_prompts": len(requests),
+        "num_prompts": len(records),
         "request_rate": request_rate if math.isfinite(request_rate) else "inf",
         "burstiness": burstiness,
         "max_concurrency": max_concurrency,
@@ -190,16 +213,36 @@ async def run_benchmark(address: str, requests: list, *, request_rate: float = m
         "temperature": temperature,
         "ignore_eos": ignore_eos,
         "percentiles": list(percentiles),
+        "num_runs": len(runs),
     }
     result.update(calculate_metrics(records, duration, slos, percentiles))
     result["by_kind"] = metrics_by_kind(records, duration, slos, percentiles)
     # The server's own counts, beside the client's (input_lens / output_lens).
     result["usage_prompt_tokens"] = [r.usage_prompt_tokens for r in records]
     result["usage_completion_tokens"] = [r.usage_completion_tokens for r in records]
-    result.update(per_request_lists(records, start))
-    result["cluster"] = after or before
-    result["rank_step_deltas"] = _counter_deltas(before, after)
+    lists: dict = {}
+    for run in runs:  # send offsets relative to each run's own start
+        for key, values in per_request_lists(run.records, run.start).items():
+            lists.setdefault(key, []).extend(values)
+    result.update(lists)
+    result["cluster"] = runs[-1].after or runs[-1].before if runs else None
+    deltas: dict = {}
+    for run in runs:
+        for rank, c in (_counter_deltas(run.before, run.after) or {}).items():
+            acc = deltas.setdefault(rank, {})
+            for k, v in c.items():
+                acc[k] = acc.get(k, 0) + v
+    result["rank_step_deltas"] = deltas or None
     return result
+
+
+async def run_benchmark(address: str, requests: list, **kwargs) -> dict:
+    """`collect` then `summarize` (their keyword arguments): one run's result dict."""
+    if not requests:
+        raise ValueError("no requests to send")
+    collect_kw = {k: v for k, v in kwargs.items() if k not in ("slos", "percentiles")}
+    run = await collect(address, requests, **collect_kw)
+    return summarize([run], address=address, **kwargs)
 
 
 def format_summary(r: dict) -> str:

@@ -28,14 +28,15 @@ def test_disaggregated_and_normal_side_by_side(router_address, tiny_model_dir, t
         "disaggregated": contextlib.nullcontext(router_address),
         "normal": inprocess_router(DEPLOYMENTS["normal"], model=tiny_model_dir, engine=ENGINE),
     }
-    out = compare(launchers, reqs, control=True, request_rate=math.inf, slos={"ttft": 60_000},
-                  progress=False)
+    # Two rounds: both deployments up at once, runs alternating and merged.
+    out = compare(launchers, reqs, control=True, rounds=2, request_rate=math.inf,
+                  slos={"ttft": 60_000}, progress=False)
     res = out["deployments"]
     for name in ("disaggregated", "normal"):
         r = res[name]
-        assert r["completed"] == 4, r["errors"]
+        assert r["completed"] == 8 and r["num_runs"] == 2, r["errors"]
         assert r["cluster"]["mode"] == name
-        assert r["output_lens"] == [q.output_len for q in reqs]
+        assert r["output_lens"] == [q.output_len for q in reqs] * 2
     assert res["normal"]["cluster"]["pools"] == {"normal": 2}
     assert res["disaggregated"]["cluster"]["pools"] == {"prefill": 1, "decode": 1}
     table = out["comparison"]
@@ -49,7 +50,7 @@ def test_disaggregated_and_normal_side_by_side(router_address, tiny_model_dir, t
     # The control: the 3 short chats alone, in each deployment.
     for name in ("disaggregated", "normal"):
         c = out["controls"][name]
-        assert c["completed"] == 3 and set(c["kinds"]) == {"short"}
+        assert c["completed"] == 6 and set(c["kinds"]) == {"short"}
         row = out["interference"][name]["p99_itl_ms"]
         assert row["with_long"] == res[name]["by_kind"]["short"]["p99_itl_ms"]
         assert row["short_only"] == c["p99_itl_ms"]

@@ -138,3 +138,21 @@ def test_breakdown_absent_until_the_router_sends_one():
             return False
 
     assert _breakdown(Later()) is None
+
+
+def test_runs_merge_into_one_result(records):
+    from pdserve.bench.serve import Run, summarize
+
+    a, b, c, d = records
+    counters = {"counters": {"decode/0": {"num_steps": 10, "num_empty_steps": 1}}}
+    later = {"counters": {"decode/0": {"num_steps": 15, "num_empty_steps": 1}}}
+    runs = [Run([a, b], start=10.0, duration=0.5, before=counters, after=later),
+            Run([c, d], start=10.5, duration=1.5, before=counters, after=later)]
+    r = summarize(runs, slos={"ttft": 250}, percentiles=(99,))
+    whole = calculate_metrics(records, 2.0, {"ttft": 250}, (99,))
+    for key in ("completed", "failed", "duration", "request_throughput", "p99_ttft_ms",
+                "mean_itl_ms", "request_goodput", "total_output_tokens"):
+        assert r[key] == pytest.approx(whole[key]), key
+    assert r["num_runs"] == 2 and r["output_lens"] == [4, 1, 0, 3]
+    assert r["send_offsets"] == pytest.approx([0.0, 0.0, 0.0, 0.5])  # per run's own start
+    assert r["rank_step_deltas"] == {"decode/0": {"num_steps": 10, "num_empty_steps": 0}}
