@@ -68,6 +68,7 @@ class Pool:
         self._uids = 0
         self.lock = asyncio.Lock()  # one resize / re-form at a time
         self.on_new_rank = None     # set by the router: starts the rank's poll loop
+        self.on_rank_removed = None  # set by the router: recovers requests left on a rank
 
     # -- rank choice -----------------------------------------------------------------
 
@@ -205,6 +206,9 @@ class Pool:
                     r.state = DEAD
                     if r.poll_task is not None:
                         r.poll_task.cancel()
+                    if r.inflight and self.on_rank_removed is not None:
+                        # the drain timed out: its requests start again elsewhere
+                        self.on_rank_removed(self, r, f"{r.name} was scaled down")
                     try:
                         await r.actor.shutdown.remote()
                     except Exception:

@@ -14,6 +14,7 @@ import logging
 from typing import Any
 
 import grpc
+import ray
 from pdserve.router.config import RouterConfig
 from pdserve.router.pools import DEAD, Pool, RankHandle
 from pdserve.router.requests import DECODE, HANDOFF, PREFILL, RequestState, RequestTracker
@@ -32,6 +33,7 @@ class RouterService:
         self.pools: dict[str, Pool] = {p.name: Pool(p, config) for p in config.pools()}
         for pool in self.pools.values():
             pool.on_new_rank = self._start_polling
+            pool.on_rank_removed = self._requests_left_on
         self.tokenizer: Any = None
         self.limits: ModelLimits | None = None
         self.num_rank_failures = 0
@@ -197,7 +199,20 @@ class RouterService:
                                 rank.name, reply["loop_error"])
                     self._spawn(pool.heal(reply["generation"]))
 
+    def _requests_left_on(self, pool: Pool, rank: RankHandle, why: str) -> None:
+        for rid in list(rank.inflight):
+            rank.inflight.discard(rid)
+            state = self.tracker.get(rid)
+            if state is not None and not state.finished and state.stage != HANDOFF:
+                self._recover(state, why)
+
     def _on_step(self, pool: Pool, rank: RankHandle, step: dict) -> None:
+        try:
+            self._route_step(rank, step)
+        except Exception:  # a bug here must not stop the rank's reports
+            log.exception("handling a step report of %s failed", rank.name)
+
+    def _route_step(self, rank: RankHandle, step: dict) -> None:
         for out in step["outputs"]:
             state = self.tracker.get(out["request_id"])
             if state is None or state.finished:
@@ -262,6 +277,10 @@ class RouterService:
         log.error("%s died: %s", rank.name, why)
         rank.state = DEAD
         rank.error = why
+        try:  # if only its replies failed, make sure it is gone before the group re-forms
+            ray.kill(rank.actor, no_restart=True)
+        except Exception:
+            pass
         cause = f"{rank.name} died ({why.splitlines()[0][:200]})"
         for rid in list(rank.inflight):
             state = self.tracker.get(rid)

@@ -242,3 +242,13 @@ def test_router_process_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_scale_pool_rejects_bad_arguments(router):
+    with Client(router.address, timeout=30) as client:
+        for pool, n, field in (("gpu", 1, "pool"), ("decode", 0, "replicas"),
+                               ("normal", 1, "pool")):
+            with pytest.raises(grpc.RpcError) as err:
+                client.scale(pool, n)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert field in err.value.details()
