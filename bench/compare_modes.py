@@ -23,6 +23,7 @@ import contextlib
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -90,6 +91,7 @@ def subprocess_router(spec: dict, *, model: str | None = None, num_kv_blocks: in
                 proc.kill()
                 proc.wait(10)
         reader.join(5)
+        shutil.rmtree(ray_tmp, ignore_errors=True)  # that Ray's session files and logs
 
 
 @contextlib.contextmanager

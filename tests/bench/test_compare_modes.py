@@ -82,3 +82,23 @@ def test_cli_is_registered():
     assert args.goodput == ["ttft:5", "tpot:1"] and args.request_rate == 2.5
     args = build_parser().parse_args(["bench", "kv-transfer", "--sizes", "1,256"])
     assert args.sizes == "1,256"
+
+
+def test_cli_brings_up_a_subprocess_router(tiny_model_dir, tmp_path):
+    """`pdserve bench compare-modes` end to end: `pdserve serve` in a subprocess with its
+    own Ray, loaded, stopped; JSON and PNG written."""
+    import json
+
+    from pdserve.bench.compare_modes import main
+
+    out = tmp_path / "cmp.json"
+    rc = main(["--model", tiny_model_dir, "--modes", "disaggregated", "--num-prompts", "4",
+               "--mixed-long-ratio", "0.25", "--mixed-long-input-len", "100",
+               "--mixed-short-output-len", "4", "--request-rate", "inf", "--no-control",
+               "--disable-tqdm", "--result-file", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    d = r["deployments"]["disaggregated"]
+    assert d["completed"] == 4 and d["cluster"]["pools"] == {"prefill": 1, "decode": 1}
+    assert r["workload"]["launch"] == "subprocess" and "controls" not in r
+    assert (tmp_path / "cmp.png").stat().st_size > 10_000
