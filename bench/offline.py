@@ -193,8 +193,10 @@ def analyse(model_dir: str, prompts: list[list[int]], max_tokens: int) -> dict:
     _, profs = run_steps(True)
     bw = measure_bandwidth()
     runner = eng.runner
-    weight_bytes = sum(p.numel() * p.element_size() for n, p in runner.model.named_parameters()
-                       if "embed_tokens" not in n)  # decode reads B embedding rows only
+    # Matmul weights (+ norms); a decode step reads only B rows of the embedding.
+    weight_bytes = runner.model.matmul_weight_bytes() + sum(
+        p.numel() * p.element_size() for n, p in runner.model.named_parameters()
+        if "norm" in n)
     cfg = runner.config
     b, ctx = len(prompts), len(prompts[0]) + max_tokens // 2
     kv_bytes = 2 * cfg.num_layers * b * ctx * cfg.num_kv_heads * cfg.head_dim * 4

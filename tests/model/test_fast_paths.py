@@ -1,0 +1,108 @@
+"""The runner's fast paths equal its general paths: fused matmuls, the contiguous
+decode K/V (vs gathering blocks), the all-greedy sampler, the decode-only prepare."""
+
+from __future__ import annotations
+
+import torch
+from pdserve.engine.model import MatMul
+from pdserve.engine.model_runner import ModelRunner, RunnerRow
+from pdserve.kernels.sampling import sample
+from pdserve.scheduler.sampling_params import SamplingParams
+from torch import nn
+
+TOL = 1e-5
+
+
+def test_fused_matmul_equals_separate_linears():
+    torch.manual_seed(0)
+    parts = [nn.Linear(32, 24, bias=True), nn.Linear(32, 8, bias=True), nn.Linear(32, 8)]
+    x = torch.randn(5, 32)
+    fused = MatMul.fuse(parts)
+    want = torch.cat([m(x) for m in parts], dim=-1)
+    assert (fused.in_features, fused.out_features) == (32, 40)
+    assert fused.packed is not None or not torch.backends.mkldnn.is_available()
+    assert (fused(x) - want).abs().max().item() < 1e-5
+    assert (fused(x[:1]) - want[:1]).abs().max().item() < 1e-5  # any row count
+    nobias = MatMul.fuse([nn.Linear(32, 16, bias=False)])
+    assert nobias.bias is None
+
+
+def _pair(path):
+    """A default runner and one whose decode K/V copy is disabled (always gathers)."""
+    fast = ModelRunner(path, num_kv_blocks=64, num_state_slots=8)
+    slow = ModelRunner(path, num_kv_blocks=64, num_state_slots=8)
+    slow.decode_kv.max_bytes = 0
+    return fast, slow
+
+
+def _same(fast, slow, rows):
+    a, b = fast.compute_logits(rows), slow.compute_logits(rows)
+    assert (a - b).abs().max().item() < TOL
+    return a
+
+
+def test_decode_copy_equals_gather_when_rows_come_and_go(tiny_dirs, h):
+    """Rows reorder, skip a step, come back, join mid-run, share a step with a prefill
+    chunk; forked siblings share every block of their slot key; a block copy (fork
+    copy-on-write) invalidates the copy."""
+    fast, slow = _pair(tiny_dirs["llama"])
+    assert fast.decode_kv.max_bytes > 0
+    p = h.prompts_of([20, 15, 33, 40], seed=11)
+    t = {0: [1, 2], 1: [3, 4], 2: [5, 6, 7], 3: [8, 9, 10], 4: [3, 11]}  # 4: fork of 1
+    pos = {0: 20, 1: 15, 2: 33}
+    _same(fast, slow, [RunnerRow(p[i], 0, t[i]) for i in range(3)])
+
+    def dec(i, token=7):
+        row = RunnerRow([token], pos[i], t[i])
+        pos[i] += 1
+        return row
+
+    for order in ([0, 1, 2], [2, 0], [1, 0, 2], [0, 2, 1]):
+        _same(fast, slow, [dec(i) for i in order])
+    assert len(fast.decode_kv.keys) == 3 and not slow.decode_kv.keys  # the copy is in use
+    # Row 1 now has 15 + 3 = 18 positions; a prefill chunk shares a step with decodes.
+    _same(fast, slow, [RunnerRow(p[3][:30], 0, t[3]), dec(0), dec(2)])
+    _same(fast, slow, [RunnerRow(p[3][30:], 30, t[3]), dec(1), dec(0)])
+    # Fork: row 4 = row 1's first block (full, shared) + its own second block.
+    for r in (fast, slow):
+        r.kv_cache.copy_block(4, 11)
+    pos[4] = pos[1]
+    _same(fast, slow, [dec(1, 9), dec(4, 12), dec(0)])
+    _same(fast, slow, [dec(4, 13), dec(1, 14), dec(2)])
+
+
+def test_forked_siblings_with_identical_keys(tiny_dirs, h):
+    """Two rows whose blocks covering 0 .. len-1 are the same (a fork at a block
+    boundary): only one may continue the shared slot, the other gathers."""
+    fast, slow = _pair(tiny_dirs["llama"])
+    (p,) = h.prompts_of([15], seed=12)
+    _same(fast, slow, [RunnerRow(p, 0, [1])])
+    _same(fast, slow, [RunnerRow([5], 15, [1])])  # slot key: ((1,), 16)
+    _same(fast, slow, [RunnerRow([6], 16, [1, 2]), RunnerRow([9], 16, [1, 3])])
+    _same(fast, slow, [RunnerRow([7], 17, [1, 2]), RunnerRow([8], 17, [1, 3])])
+
+
+def test_runner_greedy_matches_with_and_without_decode_copy(tiny_dirs, h):
+    fast, slow = _pair(tiny_dirs["llama"])
+    prompts = h.prompts_of([3, 17, 40, 90], seed=13)
+    assert h.drive(fast, prompts, 20, budget=50) == h.drive(slow, prompts, 20, budget=50)
+
+
+def test_greedy_fast_path_equals_general_sampler(tiny_dirs):
+    runner = ModelRunner(tiny_dirs["llama"], num_kv_blocks=8)
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 4096, generator=g)
+    rows = [RunnerRow([1], 0, [1], sampling=SamplingParams(temperature=0.0), output_index=i)
+            for i in range(6)]
+    state = runner._gen.get_state()
+    fast = runner._sample(logits, rows)
+    after_fast = runner._gen.get_state()
+    n = len(rows)
+    general = sample(logits, torch.zeros(n), torch.zeros(n, dtype=torch.long), torch.ones(n),
+                     torch.zeros(n, dtype=torch.long), torch.arange(n))
+    assert torch.equal(fast, general)
+    # The generator advances as on the general path (a mixed batch draws one seed per row).
+    runner._gen.set_state(state)
+    mixed = rows[:5] + [RunnerRow([1], 0, [1], sampling=SamplingParams(temperature=1.0))]
+    runner._sample(logits, mixed)
+    assert torch.equal(runner._gen.get_state(), after_fast)
