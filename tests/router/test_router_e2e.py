@@ -252,3 +252,31 @@ def test_scale_pool_rejects_bad_arguments(router):
                 client.scale(pool, n)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert field in err.value.details()
+
+
+def test_aborts_at_every_stage_leak_nothing(router):
+    """Abort by id after varying delays, so the abort lands while the request is queued,
+    prefilling, handing off or decoding; every stream ends with "abort" (or finished
+    first) and afterwards every block on both pools is free."""
+    long_prompt = list(range(3, 3 + 400))  # several chunks of prefill work
+
+    async def run():
+        async with AsyncClient(router.address, timeout=60) as client:
+            async def one(i, delay):
+                rid = f"race-{i}"
+                task = asyncio.create_task(client.generate(
+                    long_prompt if i % 2 else PROMPTS[i % 4], request_id=rid, max_tokens=60,
+                    ignore_eos=True, temperature=0))
+                await asyncio.sleep(delay)
+                await client.abort(rid)
+                return await task
+
+            # 4 long requests (~29 blocks each at full length) fit the 127-block pools
+            delays = [0.0, 0.001, 0.003, 0.01, 0.02, 0.04, 0.08, 0.15]
+            return await asyncio.gather(*(one(i, d) for i, d in enumerate(delays)))
+
+    outs = asyncio.run(run())
+    assert all(o.finish_reason in ("abort", "length") for o in outs), [
+        (o.request_id, o.finish_reason, o.error) for o in outs]
+    assert sum(o.finish_reason == "abort" for o in outs) >= 3
+    _assert_no_leak(router, timeout=10.0)
