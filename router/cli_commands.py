@@ -50,28 +50,62 @@ def ensure_model(model: str | None) -> str:
 # ---- serve -----------------------------------------------------------------------
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="router config YAML (RouterConfig fields; pools under "
+                   "prefill/decode/normal; see router/serve.example.yaml); flags override it")
     p.add_argument("--model", help="Hugging Face model folder (default: the built-in tiny "
                    "model, generated on first use)")
-    p.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default %(default)s)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT,
-                   help="router port (default %(default)s; 0 picks a free one)")
-    p.add_argument("--prefill", type=int, default=1, help="prefill ranks (default 1)")
-    p.add_argument("--decode", type=int, default=1, help="decode ranks (default 1)")
-    p.add_argument("--normal", type=int, default=1, help="ranks of the normal pool "
+    p.add_argument("--host", default=None, help=f"address to bind (default {DEFAULT_HOST})")
+    p.add_argument("--port", type=int, default=None,
+                   help=f"router port (default {DEFAULT_PORT}; 0 picks a free one)")
+    p.add_argument("--prefill", type=int, default=None, help="prefill ranks (default 1)")
+    p.add_argument("--decode", type=int, default=None, help="decode ranks (default 1)")
+    p.add_argument("--normal", type=int, default=None, help="ranks of the normal pool "
                    "(--mode normal; default 1)")
-    p.add_argument("--mode", choices=["disaggregated", "normal"], default="disaggregated")
+    p.add_argument("--mode", choices=["disaggregated", "normal"], default=None,
+                   help="default disaggregated")
     p.add_argument("--ray-address", default=None,
                    help="join this Ray cluster (e.g. 'auto' on a `ray up` head); "
                    "default: start an embedded local Ray")
-    p.add_argument("--kv-transport", choices=["ray", "grpc"], default="ray")
-    p.add_argument("--max-queue-depth", type=int, default=256)
+    p.add_argument("--kv-transport", choices=["ray", "grpc"], default=None, help="default ray")
+    p.add_argument("--max-queue-depth", type=int, default=None, help="default 256")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV blocks per rank (default: sized by the engine)")
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--num-cpus", type=float, default=0.5, help="CPUs Ray reserves per rank")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default 32")
+    p.add_argument("--num-cpus", type=float, default=None,
+                   help="CPUs Ray reserves per rank (default 0.5)")
     p.add_argument("--no-self-check", action="store_true")
     p.add_argument("--exit-after-self-check", action="store_true",
                    help="stop once the self-check passed (for CI and `make serve` checks)")
+
+
+def serve_config(args: argparse.Namespace):
+    """RouterConfig from --config (if any) and the flags given (flags win)."""
+    from pdserve.router.config import config_from_dict, load_config
+
+    top = {"mode": args.mode, "host": args.host, "port": args.port,
+           "kv_transport": args.kv_transport, "max_queue_depth": args.max_queue_depth}
+    if args.config:
+        config = load_config(args.config)
+    else:
+        config = config_from_dict({"host": DEFAULT_HOST, "port": DEFAULT_PORT,
+                                   "engine": {"max_num_seqs": 32}})
+    for key, value in top.items():
+        if value is not None:
+            setattr(config, key, value)
+    for pool in (config.prefill, config.decode, config.normal):
+        replicas = getattr(args, pool.name)
+        if replicas is not None:
+            pool.replicas = replicas
+        if args.num_cpus is not None:
+            pool.num_cpus = args.num_cpus
+        if args.max_num_seqs is not None:
+            pool.engine["max_num_seqs"] = args.max_num_seqs
+        if args.num_kv_blocks is not None:
+            pool.engine["num_kv_blocks"] = args.num_kv_blocks
+    if args.model or not config.model_dir:
+        config.model_dir = ensure_model(args.model)
+    config.validate()
+    return config
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -81,45 +115,32 @@ def _run_serve(args: argparse.Namespace) -> int:
     import signal
 
     import ray
-    from pdserve.router.config import PoolConfig, RouterConfig
     from pdserve.router.server import start_router
 
-    model = ensure_model(args.model)
-    engine = {"max_num_seqs": args.max_num_seqs}
-    if args.num_kv_blocks:
-        engine["num_kv_blocks"] = args.num_kv_blocks
-    config = RouterConfig(
-        model_dir=model, mode=args.mode, host=args.host, port=args.port,
-        kv_transport=args.kv_transport, max_queue_depth=args.max_queue_depth,
-        prefill=PoolConfig("prefill", args.prefill, args.num_cpus, resources={"prefill": 1},
-                           engine=engine),
-        decode=PoolConfig("decode", args.decode, args.num_cpus, resources={"decode": 1},
-                          engine=engine),
-        normal=PoolConfig("normal", args.normal, args.num_cpus, engine=engine),
-    )
     try:
-        config.validate()
-    except ValueError as exc:
+        config = serve_config(args)
+    except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    model = config.model_dir
     if args.ray_address:
         ray.init(address=args.ray_address, log_to_driver=False)
     else:
         # Embedded local Ray; room to scale each pool on this machine.
-        room = 4 + max(args.prefill, args.decode, args.normal)
+        room = 4 + max(p.replicas for p in config.pools())
         ray.init(address="local", include_dashboard=False, log_to_driver=False,
                  num_cpus=max(os.cpu_count() or 2, room),
                  resources={"prefill": room, "decode": room},
                  _temp_dir=os.environ.get("PDSERVE_RAY_TMP", "/tmp/pdserve-ray"))
 
     async def main() -> int:
-        print(f"starting {args.mode} pools (model {model}) ...", flush=True)
+        print(f"starting {config.mode} pools (model {model}) ...", flush=True)
         server = await start_router(config)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        address = f"{args.host}:{server.port}"
+        address = f"{config.host}:{server.port}"
         print(f"pdserve router listening on {address}", flush=True)
         addr_flag = "" if address == DEFAULT_ADDRESS else f" --address {address}"
         print(f"try: pdserve generate{addr_flag} --max-tokens 32 'def add(x, y):'", flush=True)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 MODES = ("disaggregated", "normal")
@@ -71,3 +72,58 @@ class RouterConfig:
 
     def pools(self) -> list[PoolConfig]:
         return [self.prefill, self.decode] if self.mode == "disaggregated" else [self.normal]
+
+
+_POOL_NAMES = ("prefill", "decode", "normal")
+# Fields a YAML file may set (the factories are for programs, not files).
+_FILE_FIELDS = {f.name for f in fields(RouterConfig)} - {
+    "engine_factory", "loop_factory", "communicator_factory"}
+_POOL_FIELDS = {f.name for f in fields(PoolConfig)} - {"name"}
+
+
+def config_from_dict(data: dict[str, Any], **overrides: Any) -> RouterConfig:
+    """A RouterConfig from plain data (a parsed YAML file); unknown keys are refused.
+
+    Pools are mappings under `prefill`, `decode`, `normal` with PoolConfig fields;
+    a top-level `engine` mapping applies to every pool (a pool's own wins).
+    """
+    data = dict(data or {})
+    shared_engine = data.pop("engine", {}) or {}
+    unknown = set(data) - _FILE_FIELDS
+    if unknown:
+        raise ValueError(f"unknown router config field(s): {', '.join(sorted(unknown))}")
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in _POOL_NAMES:
+            value = dict(value or {})
+            bad = set(value) - _POOL_FIELDS
+            if bad:
+                raise ValueError(f"unknown {key} pool field(s): {', '.join(sorted(bad))}")
+            default = getattr(RouterConfig(model_dir=""), key)
+            engine = {**shared_engine, **value.pop("engine", {})}
+            kwargs[key] = PoolConfig(key, **{**_pool_kwargs(default), **value, "engine": engine})
+        else:
+            kwargs[key] = value
+    for name in _POOL_NAMES:
+        if name not in kwargs and shared_engine:
+            default = getattr(RouterConfig(model_dir=""), name)
+            kwargs[name] = PoolConfig(name, **{**_pool_kwargs(default), "engine": dict(shared_engine)})
+    kwargs.update({k: v for k, v in overrides.items() if v is not None})
+    kwargs.setdefault("model_dir", "")
+    config = RouterConfig(**kwargs)
+    config.validate()
+    return config
+
+
+def _pool_kwargs(pool: PoolConfig) -> dict[str, Any]:
+    return {f: getattr(pool, f) for f in _POOL_FIELDS}
+
+
+def load_config(path: str | Path, **overrides: Any) -> RouterConfig:
+    import yaml
+
+    text = Path(path).read_text()
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a router config must be a mapping of fields")
+    return config_from_dict(data, **overrides)
