@@ -75,10 +75,12 @@ def default_loop_factory(engine: Any, on_step: Callable, communicator: Any,
 
 
 def default_communicator_factory(rank: int, world_size: int, address: str | None,
-                                 timeout_s: float, prefix: str) -> Any:
+                                 timeout_s: float, prefix: str, device: str | None = None) -> Any:
     from pdserve.engine.dp_comm import TorchDistCommunicator
 
-    return TorchDistCommunicator(rank, world_size, address, timeout=timeout_s, prefix=prefix)
+    # The backend follows the device: NCCL for ranks on a GPU, gloo on CPU.
+    return TorchDistCommunicator(rank, world_size, address, timeout=timeout_s, prefix=prefix,
+                                 device=device)
 
 
 def _error_text(exc: BaseException) -> str:
@@ -170,8 +172,13 @@ class EngineRank:
                 self._comm.close()
             except Exception:  # a broken group may refuse; it is dropped either way
                 pass
+        device = self.engine_config.get("device") or "cpu"
+        if device == "cuda":
+            import torch
+
+            device = f"cuda:{torch.cuda.current_device()}"
         comm = self._comm_factory(rank, world_size, address, self.collective_timeout_s,
-                                  f"pdserve/{self.pool_name}/g{generation}")
+                                  f"pdserve/{self.pool_name}/g{generation}", device=device)
         self._comm = comm
         self.rank, self.world_size, self.generation = rank, world_size, generation
         self._peers = list(peers)
@@ -291,7 +298,7 @@ class EngineRank:
     def poll(self, timeout_s: float = 0.5) -> dict:
         """Every step report since the last poll (waits up to `timeout_s` for one)."""
         with self._cond:
-            if not self._reports and self._loop_error is None:
+            if not self._reports:  # a failed loop reports once, then at the poll pace
                 self._cond.wait(timeout_s)
             reports, self._reports = self._reports, []
         return {"steps": reports, "stats": self.stats(), "loop_error": self._loop_error,

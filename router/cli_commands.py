@@ -73,6 +73,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None, help="default 32")
     p.add_argument("--num-cpus", type=float, default=None,
                    help="CPUs Ray reserves per rank (default 0.5)")
+    p.add_argument("--num-gpus", type=float, default=None,
+                   help="GPUs per rank (default 0: CPU ranks; > 0 puts the engines on CUDA)")
     p.add_argument("--no-self-check", action="store_true")
     p.add_argument("--exit-after-self-check", action="store_true",
                    help="stop once the self-check passed (for CI and `make serve` checks)")
@@ -98,6 +100,8 @@ def serve_config(args: argparse.Namespace):
             pool.replicas = replicas
         if args.num_cpus is not None:
             pool.num_cpus = args.num_cpus
+        if args.num_gpus is not None:
+            pool.num_gpus = args.num_gpus
         if args.max_num_seqs is not None:
             pool.engine["max_num_seqs"] = args.max_num_seqs
         if args.num_kv_blocks is not None:

@@ -119,12 +119,15 @@ class Pool:
 
     def _new_actor(self) -> RankHandle:
         c = self.config
+        engine = dict(c.engine, model_dir=self.rc.model_dir)
+        if c.num_gpus:
+            engine.setdefault("device", "cuda")  # Ray sets CUDA_VISIBLE_DEVICES for the actor
         cls = ray.remote(_actor_class(self.name))
         actor = cls.options(
             num_cpus=c.num_cpus, num_gpus=c.num_gpus or None, resources=dict(c.resources),
             max_concurrency=16, max_restarts=0,
         ).remote(
-            dict(c.engine, model_dir=self.rc.model_dir),
+            engine,
             engine_factory=self.rc.engine_factory, loop_factory=self.rc.loop_factory,
             communicator_factory=self.rc.communicator_factory,
             kv_transport=self.rc.kv_transport, collective_timeout_s=self.rc.collective_timeout_s,
