@@ -119,7 +119,7 @@ def run_case(name: str, model_dir: str, prompts: list[list[int]], max_tokens: in
 # ---- where a step's time goes, and the bandwidth limit ------------------------------
 
 _CATEGORIES = [  # (category, substrings of aten op names), first match wins
-    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")),
+    ("matmul", ("linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")),
     ("attention", ("scaled_dot_product", "flash_attention", "aten::softmax")),
     ("kv_write_gather", ("index_select", "index_copy", "index_put", "aten::index")),
     ("norm", ("rms_norm",)),

@@ -134,7 +134,7 @@ class MLP(nn.Module):
     def forward(self, x):
         gu = self.gate_up(x)
         i = self.intermediate
-        return self.down(F.silu(gu[:, :i]) * gu[:, i:])
+        return self.down(F.silu(gu[:, :i]).mul_(gu[:, i:]))  # in place: one fewer [T, I]
 
 
 class DecoderLayer(nn.Module):
@@ -146,8 +146,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, h, cos, sin, cache, meta):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # Residual adds into the fresh sublayer outputs (a + b == b + a exactly): no
+        # new [T, hidden] tensor per add.
+        h = self.self_attn(self.input_layernorm(h), cos, sin, cache, meta).add_(h)
+        return self.mlp(self.post_attention_layernorm(h)).add_(h)
 
 
 class DecoderModel(nn.Module):

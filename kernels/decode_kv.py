@@ -33,7 +33,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass
@@ -45,7 +44,7 @@ class DecodePlan:
     num_slots: int  # attention runs over slots [0, num_slots)
     length: int  # keys [0, length): max(start_pos) + 1
     identity: bool  # slots == arange(B): no scatter/gather of queries needed
-    mask: torch.Tensor | None  # [num_slots, 1, 1, length] bool, None when all keys count
+    mask: torch.Tensor | None  # [num_slots, 1, 1, length] additive (0 / -inf); None: all keys
     fill_slots: torch.Tensor | None  # [F] slots to fill from the paged cache first
     fill_blocks: torch.Tensor | None  # [F, nb] their block ids (0-padded)
 
@@ -127,7 +126,9 @@ class DecodeKV:
         if not identity or any(s != length - 1 for s in starts):
             lens = torch.ones(num_slots, dtype=torch.long)  # idle slots see key 0 only
             lens[torch.tensor(slots)] = torch.tensor(starts) + 1
-            mask = (torch.arange(length)[None, :] < lens[:, None])[:, None, None, :].to(dev)
+            hide = torch.arange(length)[None, :] >= lens[:, None]
+            mask = torch.zeros(num_slots, 1, 1, length, dtype=c.dtype).masked_fill_(
+                hide[:, None, None, :], float("-inf")).to(dev)
         fill_slots = fill_blocks = None
         if fills:
             nb = max(math.ceil(starts[n] / bs) for n in fills)
@@ -150,18 +151,7 @@ class DecodeKV:
             self._fill(plan, layer, kc, vc)
         kc[plan.slots, :, plan.positions] = k
         vc[plan.slots, :, plan.positions] = v
-        b, hq, d = q.shape
-        n, L = plan.num_slots, plan.length
-        if plan.identity:
-            qs = q[:, :, None]
-        else:
-            qs = q.new_zeros(n, hq, 1, d)
-            qs[plan.slots] = q[:, :, None]
-        out = F.scaled_dot_product_attention(
-            qs, kc[:n, :, :L], vc[:n, :, :L], attn_mask=plan.mask, scale=scale,
-            enable_gqa=hq != kc.shape[1])
-        out = out[:, :, 0]
-        return out if plan.identity else out.index_select(0, plan.slots)
+        return _decode_attention(q, kc, vc, plan, scale)
 
     def _fill(self, plan: DecodePlan, layer: int, kc: torch.Tensor, vc: torch.Tensor) -> None:
         """Copy the new rows' blocks [F, nb * bs] into their slots (positions past a row's
@@ -172,3 +162,31 @@ class DecodeKV:
             rows = blocks.index_select(0, idx)  # [F * nb, bs, Hk, D]
             rows = rows.view(f, nb * blocks.shape[1], *blocks.shape[2:]).transpose(1, 2)
             dst[plan.fill_slots, :, :nb * blocks.shape[1]] = rows
+
+
+def _decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, plan: DecodePlan,
+                      scale: float) -> torch.Tensor:
+    """Single-query attention over slots [0, n) and keys [0, L) of the copies
+    kc/vc [S, Hk, C, D], as two batched matmuls per (slot, kv head).
+
+    Why not SDPA: its flash kernel is built for query blocks; with one query per row
+    it took ~25% longer than scores = q @ K^T, softmax, @ V (which also reads K and
+    V in place: [S * Hk, C, D] views, no copies). Query head h uses kv head
+    h // (Hq / Hk), as transformers' ``repeat_kv``."""
+    b, hq, d = q.shape
+    n, length, hk = plan.num_slots, plan.length, kc.shape[1]
+    g = hq // hk
+    if plan.identity:
+        qs = q.reshape(n * hk, g, d)
+    else:
+        qs = q.new_zeros(n, hq, d)
+        qs[plan.slots] = q
+        qs = qs.view(n * hk, g, d)
+    k = kc.view(-1, kc.shape[2], d)[:n * hk, :length]
+    v = vc.view(-1, vc.shape[2], d)[:n * hk, :length]
+    scores = torch.baddbmm(qs.new_empty(n * hk, g, length), qs, k.transpose(1, 2),
+                           beta=0.0, alpha=scale)
+    if plan.mask is not None:
+        scores.view(n, hk, g, length).add_(plan.mask)
+    out = torch.bmm(scores.softmax(dim=-1), v).view(n, hq, d)
+    return out if plan.identity else out.index_select(0, plan.slots)

@@ -83,7 +83,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos/sin: [T, head_dim]."""
+    """x: [T, heads, head_dim]; cos/sin: [T, head_dim]. ``x * cos + rotate_half(x) * sin``
+    with the same roundings, in two new tensors instead of five (prefill moves
+    ~10 MB per layer through these)."""
     cos = cos[:, None, :]
     sin = sin[:, None, :]
-    return x * cos + rotate_half(x) * sin
+    half = x.shape[-1] // 2
+    out = x * cos
+    rot = torch.empty_like(out)
+    torch.neg(x[..., half:], out=rot[..., :half])
+    rot[..., half:] = x[..., :half]
+    return out.add_(rot.mul_(sin))

@@ -106,3 +106,26 @@ def test_greedy_fast_path_equals_general_sampler(tiny_dirs):
     mixed = rows[:5] + [RunnerRow([1], 0, [1], sampling=SamplingParams(temperature=1.0))]
     runner._sample(logits, mixed)
     assert torch.equal(runner._gen.get_state(), after_fast)
+
+
+def test_thread_tuner_tries_both_then_keeps_the_faster_and_explores():
+    from pdserve.engine.model_runner import ThreadTuner
+
+    tuner = ThreadTuner(explore=4)
+    key = ("decode", 5)
+    picks = []
+    for _ in range(9):
+        t = tuner.choose(key, 2)
+        picks.append(t)
+        tuner.record(key, t, 0.010 if t == 1 else 0.030, 16)  # 1 thread is faster
+    assert picks[:2] == [2, 1]  # the caller's setting first, then 1
+    assert picks[2:] == [1, 2, 1, 1, 1, 2, 1]  # every 4th step tries the other
+    assert ThreadTuner().choose(key, 1) == 1
+
+
+def test_thread_tuner_restores_the_callers_thread_count(tiny_dirs):
+    before = torch.get_num_threads()
+    runner = ModelRunner(tiny_dirs["llama"], num_kv_blocks=8)
+    for _ in range(3):
+        runner.execute([RunnerRow([5, 6, 7], 0, [1])])
+        assert torch.get_num_threads() == before
