@@ -316,6 +316,17 @@ class EngineRank:
         with self._engine_lock:
             return not self.engine.has_work()
 
+    def check_drained(self) -> str | None:
+        """None when the engine holds nothing (the engine's block-leak invariant)."""
+        with self._engine_lock:
+            if not hasattr(self.engine, "assert_drained"):
+                return None
+            try:
+                self.engine.assert_drained()
+            except AssertionError as exc:
+                return f"{self.pool_name} rank {self.rank}: {exc}"
+        return None
+
     # -- grpc KV transport -----------------------------------------------------------
 
     def take_kv(self, request_id: str) -> bytes | None:

@@ -68,6 +68,15 @@ class RouterHarness:
                 return stats
             time.sleep(0.1)
 
+    def drained_errors(self) -> list[str]:
+        """The engines' own block-leak invariant on every live rank (empty: no leak)."""
+        async def check():
+            ranks = [r for p in self.service.pools.values() for r in p.ranks
+                     if r.state != "dead"]
+            return await asyncio.gather(*(r.actor.check_drained.remote() for r in ranks))
+
+        return [e for e in self.call(check()) if e]
+
     def close(self) -> None:
         if not self.thread.is_alive():
             return

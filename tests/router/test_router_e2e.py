@@ -32,6 +32,7 @@ def _assert_no_leak(harness, timeout: float = 30.0):
             assert r["num_free_blocks"] == r["num_total_blocks"], (pool, r)
             assert r["num_waiting"] == 0 and r["num_prompted"] == 0, (pool, r)
     assert len(harness.service.tracker) == 0
+    assert harness.drained_errors() == []
 
 
 def test_greedy_output_equals_offline_llm(router, reference):

@@ -62,6 +62,7 @@ def _load_with_kill(router, reference, pool_name: str, n: int = 24):
         for r in ranks:
             if r["state"] != "dead":
                 assert r["num_free_blocks"] == r["num_total_blocks"], r
+    assert router.drained_errors() == []
 
 
 def test_kill_a_prefill_rank_mid_load(router, reference):

@@ -41,4 +41,5 @@ def test_greedy_equals_offline(make_router, reference, overrides):
     for ranks in stats.values():
         for r in ranks:
             assert r["num_free_blocks"] == r["num_total_blocks"]
+    assert router.drained_errors() == []
     router.close()

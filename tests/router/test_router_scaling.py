@@ -20,6 +20,7 @@ def _drained(h):
         for r in ranks:
             assert r["num_free_blocks"] == r["num_total_blocks"], (pool, r)
     assert len(h.service.tracker) == 0
+    assert h.drained_errors() == []
 
 
 def _ranks(h, pool):
