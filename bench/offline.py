@@ -3,7 +3,10 @@
 Same checkpoint, same prompts, greedy, fp32, same process and thread count. The
 machine may be shared (load changes during a run), so both sides run alternately
 (HF first on even repeats, pdserve first on odd ones) and the ratio is reported per
-pair and as the median over pairs. Writes JSON (default results/bench_offline.json).
+pair and as the median over pairs. pdserve picks 1 thread or the given count per step
+(whichever it has timed faster); HF runs at the given count, and, as a control, also
+at ``--hf-alt-threads`` (default 1), so the ratio against HF's better setting is in
+the output too. Writes JSON (default results/bench_offline.json).
 
     python bench/offline.py                      # tiny and small built-in models, batch 16
     python bench/offline.py --quick              # tiny only, 2 pairs (a smoke run)
@@ -47,8 +50,18 @@ class HFSide:
         self.model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
 
-    def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+    def run(self, prompts: list[list[int]], max_tokens: int,
+            threads: int | None = None) -> tuple[float, list[list[int]]]:
         ids = torch.tensor(prompts)  # equal lengths: no padding needed
+        caller = torch.get_num_threads()
+        if threads:
+            torch.set_num_threads(threads)
+        try:
+            return self._run(ids, max_tokens)
+        finally:
+            torch.set_num_threads(caller)
+
+    def _run(self, ids: torch.Tensor, max_tokens: int) -> tuple[float, list[list[int]]]:
         with torch.inference_mode():
             start = time.perf_counter()
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids),
@@ -75,23 +88,25 @@ class PdserveSide:
 
 
 def run_case(name: str, model_dir: str, prompts: list[list[int]], max_tokens: int,
-             repeats: int) -> dict:
+             repeats: int, hf_alt_threads: int = 0) -> dict:
+    """``hf_alt_threads``: also time HF at this thread count (a control: pdserve picks
+    its thread count per step, HF cannot, and on a loaded machine HF may do better
+    with fewer threads than the benchmark's setting)."""
     hf, pd = HFSide(model_dir), PdserveSide(model_dir, len(prompts))
     warm = [p[:16] for p in prompts[:2]]
     hf.run(warm, 2), pd.run(warm, 2)  # first-call costs (allocations, kernel choice)
-    hf_times, pd_times = [], []
+    times: dict[str, list[float]] = {"hf": [], "pd": [], "hf_alt": []}
+    runs = {"hf": lambda: hf.run(prompts, max_tokens), "pd": lambda: pd.run(prompts, max_tokens),
+            "hf_alt": lambda: hf.run(prompts, max_tokens, threads=hf_alt_threads)}
+    order = ["hf", "pd"] + (["hf_alt"] if hf_alt_threads else [])
     load_before = os.getloadavg()[0]
-    hf_tokens = pd_tokens = None
+    tokens = {}
     for r in range(repeats):
-        sides = [("hf", hf), ("pd", pd)] if r % 2 == 0 else [("pd", pd), ("hf", hf)]
-        for tag, side in sides:
-            s, toks = side.run(prompts, max_tokens)
-            if tag == "hf":
-                hf_times.append(s)
-                hf_tokens = toks
-            else:
-                pd_times.append(s)
-                pd_tokens = toks
+        for tag in (order if r % 2 == 0 else order[::-1]):
+            s, tokens[tag] = runs[tag]()
+            times[tag].append(s)
+    hf_times, pd_times = times["hf"], times["pd"]
+    hf_tokens, pd_tokens = tokens["hf"], tokens["pd"]
     total = len(prompts) * max_tokens
     same = sum(a == b for a, b in zip(hf_tokens, pd_tokens, strict=True))
     pair_ratios = [h / p for h, p in zip(hf_times, pd_times, strict=True)]
@@ -109,18 +124,35 @@ def run_case(name: str, model_dir: str, prompts: list[list[int]], max_tokens: in
         "identical_outputs": f"{same}/{len(prompts)}",
         "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
+    if hf_alt_threads:
+        alt = times["hf_alt"]
+        best = [min(a, b) for a, b in zip(hf_times, alt, strict=True)]
+        row.update({
+            "hf_alt_threads": hf_alt_threads,
+            "hf_alt_seconds": [round(t, 3) for t in alt],
+            "speedup_vs_hf_alt_threads": round(statistics.median(
+                [a / p for a, p in zip(alt, pd_times, strict=True)]), 2),
+            "speedup_vs_hf_best_threads": round(statistics.median(
+                [b / p for b, p in zip(best, pd_times, strict=True)]), 2),
+            "hf_alt_identical_outputs": tokens["hf_alt"] == hf_tokens,
+        })
     print(f"{name:>6} batch={len(prompts):>3}: HF {row['hf_output_tok_per_s']:>8} tok/s  "
           f"pdserve {row['pdserve_output_tok_per_s']:>8} tok/s  ratio {row['speedup']}x "
           f"(pairs {row['pair_ratios']})  identical {row['identical_outputs']}  "
           f"load {row['load_avg_1min']}", flush=True)
+    if hf_alt_threads:
+        print(f"{'':>6} control: HF at {hf_alt_threads} thread(s) {row['hf_alt_seconds']} s; "
+              f"ratio vs it {row['speedup_vs_hf_alt_threads']}x, vs HF's better setting per "
+              f"pair {row['speedup_vs_hf_best_threads']}x", flush=True)
     return row
 
 
 # ---- where a step's time goes, and the bandwidth limit ------------------------------
 
 _CATEGORIES = [  # (category, substrings of aten op names), first match wins
-    ("matmul", ("linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")),
-    ("attention", ("scaled_dot_product", "flash_attention", "aten::softmax")),
+    ("attention", ("scaled_dot_product", "flash_attention", "softmax", "aten::bmm",
+                   "aten::baddbmm")),
+    ("matmul", ("linear_pointwise", "aten::mm", "aten::addmm", "aten::matmul", "aten::linear")),
     ("kv_write_gather", ("index_select", "index_copy", "index_put", "aten::index")),
     ("norm", ("rms_norm",)),
     ("elementwise", ("aten::mul", "aten::add", "aten::silu", "aten::neg", "aten::cat",
@@ -128,14 +160,16 @@ _CATEGORIES = [  # (category, substrings of aten op names), first match wins
 ]
 
 
-def _categorise(prof) -> dict[str, float]:
-    """Self CPU seconds per category from a torch.profiler run."""
+def _categorise(prof) -> tuple[dict[str, float], dict[str, float]]:
+    """Self CPU seconds per category, and per op, from a torch.profiler run."""
     out: dict[str, float] = {c: 0.0 for c, _ in _CATEGORIES}
     out["other_ops"] = 0.0
+    ops: dict[str, float] = {}
     for ev in prof.key_averages():
         cat = next((c for c, keys in _CATEGORIES if any(k in ev.key for k in keys)), "other_ops")
         out[cat] += ev.self_cpu_time_total / 1e6
-    return out
+        ops[ev.key] = ev.self_cpu_time_total / 1e6
+    return out, ops
 
 
 def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict:
@@ -173,22 +207,21 @@ def analyse(model_dir: str, prompts: list[list[int]], max_tokens: int) -> dict:
         for i, p in enumerate(prompts):
             eng.add_request(f"a{profiled}-{i}", p, params)
         walls: dict[str, list[float]] = {"prompt": [], "decode": []}
-        profs = {}
+        profs: dict[str, list] = {}
         while eng.has_work():
-            sched_tokens = None
             if profiled:
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
                     out = eng.step()
             else:
                 out = eng.step()
-            sched_tokens = out.num_scheduled_tokens
-            if not sched_tokens:
-                continue  # the scheduler's empty vote steps (no model call)
+            if not out.num_scheduled_tokens:
+                continue  # the scheduler's empty vote steps (no model call, ~10 us)
             walls[out.kind].append(out.duration_s)
             if profiled:
-                profs.setdefault(out.kind, []).append(_categorise(prof))
+                profs.setdefault(out.kind, []).append((out.duration_s, *_categorise(prof)))
         return walls, profs
 
+    run_steps(False)  # lets the thread tuner settle on this run's shapes
     walls, _ = run_steps(False)  # wall times without profiler overhead
     _, profs = run_steps(True)
     bw = measure_bandwidth()
@@ -209,9 +242,20 @@ def analyse(model_dir: str, prompts: list[list[int]], max_tokens: int) -> dict:
         rows = profs.get(kind, [])
         if not rows:
             return {}
-        return {k: round(1000 * statistics.mean(r[k] for r in rows), 2) for k in rows[0]}
+        out = {k: round(1000 * statistics.mean(r[1][k] for r in rows), 2) for k in rows[0][1]}
+        out["sum_of_ops"] = round(sum(out.values()), 2)
+        out["profiled_step_wall"] = round(1000 * statistics.mean(r[0] for r in rows), 2)
+        ops: dict[str, float] = {}
+        for r in rows:
+            for k, v in r[2].items():
+                ops[k] = ops.get(k, 0.0) + v / len(rows)
+        out["top_ops"] = {k: round(1000 * v, 2) for k, v in
+                          sorted(ops.items(), key=lambda kv: -kv[1])[:8]}
+        return out
 
     result = {
+        "note": "breakdowns: self CPU ms per step by op category on the main thread, from "
+                "torch.profiler (a separate, profiled run); *_ms: wall, unprofiled",
         "prefill_step_ms": round(1000 * prefill_s, 1),
         "decode_step_ms_median": round(1000 * decode_s, 2),
         "prefill_breakdown_ms_self_cpu": mean_breakdown("prompt"),
@@ -225,6 +269,8 @@ def analyse(model_dir: str, prompts: list[list[int]], max_tokens: int) -> dict:
         "decode_flops": 2 * b * weight_bytes // 4,
         "decode_GFLOPS_achieved": round(2 * b * weight_bytes / 4 / decode_s / 1e9, 1),
         "prefill_GFLOPS_achieved": round(2 * b * len(prompts[0]) * weight_bytes / 4 / prefill_s / 1e9, 1),
+        "thread_tuner_s_per_token": {f"{k[0]}/under_2^{k[1]}_tokens/{k[2]}_threads": round(v * 1e6, 1)
+                                     for k, v in runner._threads.cost.items()},
         "load_avg_1min": round(os.getloadavg()[0], 2),
     }
     print("analysis:", json.dumps(result, indent=1), flush=True)
@@ -241,6 +287,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", nargs="+", default=["tiny", "small"], choices=["tiny", "small"])
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--repeats", type=int, default=3, help="HF/pdserve pairs per case")
+    parser.add_argument("--hf-alt-threads", type=int, default=1,
+                        help="also time HF at this thread count as a control (0: off)")
     parser.add_argument("--quick", action="store_true", help="tiny model only, 2 pairs, no analysis")
     parser.add_argument("--analyse", action=argparse.BooleanOptionalAction, default=None,
                         help="profile + bandwidth analysis (default: on for the small model)")
@@ -270,7 +318,8 @@ def main(argv: list[str] | None = None) -> None:
                 prompts = json.loads(Path(args.prompts).read_text())[:batch]
             else:
                 prompts = make_prompts(vocab, batch, args.prompt_len)
-            rows.append(run_case(name, model_dir, prompts, args.max_tokens, args.repeats))
+            alt = args.hf_alt_threads if args.hf_alt_threads != args.threads else 0
+            rows.append(run_case(name, model_dir, prompts, args.max_tokens, args.repeats, alt))
             want = args.analyse if args.analyse is not None else name == "small"
             if want and name not in analyses:
                 analyses[name] = {"batch": batch, **analyse(model_dir, prompts, args.max_tokens)}

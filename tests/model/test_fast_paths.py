@@ -129,3 +129,23 @@ def test_thread_tuner_restores_the_callers_thread_count(tiny_dirs):
     for _ in range(3):
         runner.execute([RunnerRow([5, 6, 7], 0, [1])])
         assert torch.get_num_threads() == before
+
+
+def test_rope_table_and_in_place_rotation_equal_the_reference():
+    from pdserve.kernels.rope import (
+        RopeTable,
+        apply_rope,
+        inv_frequencies,
+        rope_cos_sin,
+        rotate_half,
+    )
+
+    inv = inv_frequencies(64, 10000.0)
+    table = RopeTable(inv, initial=8)
+    pos = torch.tensor([0, 3, 7, 8, 40, 1000])  # past the initial size: the table grows
+    cos, sin = table.cos_sin(pos, torch.float32, max_position=1000)
+    want_cos, want_sin = rope_cos_sin(pos, inv, torch.float32)
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    x = torch.randn(6, 5, 64)[:, 1:4]  # a strided view, as q|k heads of a qkv output are
+    assert torch.equal(apply_rope(x, cos, sin),
+                       x * cos[:, None] + rotate_half(x) * sin[:, None])
