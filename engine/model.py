@@ -22,7 +22,7 @@ from pdserve.engine.weights import load_checked
 from pdserve.kernels.attention import AttentionMetadata, attention_step
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.norms import RMSNorm
-from pdserve.kernels.rope import RopeTable, apply_rope, inv_frequencies
+from pdserve.kernels.rope import RopeTable, apply_rope_signed, inv_frequencies
 from torch import nn
 
 
@@ -108,9 +108,9 @@ class Attention(nn.Module):
         v = qkv[:, hq + hk:]
         if self.qk_norm:
             q, k = self.q_norm(qkv[:, :hq]), self.k_norm(qkv[:, hq:hq + hk])
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = apply_rope_signed(q, cos, sin), apply_rope_signed(k, cos, sin)  # sin: signed
         else:  # one rotation for the q and k heads together (same cos/sin per token)
-            qk = apply_rope(qkv[:, :hq + hk], cos, sin)
+            qk = apply_rope_signed(qkv[:, :hq + hk], cos, sin)
             q, k = qk[:, :hq], qk[:, hq:]
         out = attention_step(q, k, v, self.layer, cache, meta, self.scale)
         return self.o(out.reshape(t, hq * d))
@@ -193,7 +193,8 @@ class CausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """tokens, positions: [T] -> final hidden states [T, hidden] (after the last norm)."""
         h = self.model.embed_tokens(tokens)
-        cos, sin = self.rope.cos_sin(positions, h.dtype, meta.max_position)
+        # sin comes with its first half negated (see apply_rope_signed).
+        cos, sin = self.rope.cos_sin(positions, h.dtype, meta.max_position, signed=True)
         for layer in self.model.layers:
             h = layer(h, cos, sin, cache, meta)
         return self.model.norm(h)

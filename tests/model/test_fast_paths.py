@@ -135,6 +135,7 @@ def test_rope_table_and_in_place_rotation_equal_the_reference():
     from pdserve.kernels.rope import (
         RopeTable,
         apply_rope,
+        apply_rope_signed,
         inv_frequencies,
         rope_cos_sin,
         rotate_half,
@@ -147,5 +148,7 @@ def test_rope_table_and_in_place_rotation_equal_the_reference():
     want_cos, want_sin = rope_cos_sin(pos, inv, torch.float32)
     assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
     x = torch.randn(6, 5, 64)[:, 1:4]  # a strided view, as q|k heads of a qkv output are
-    assert torch.equal(apply_rope(x, cos, sin),
-                       x * cos[:, None] + rotate_half(x) * sin[:, None])
+    want = x * cos[:, None] + rotate_half(x) * sin[:, None]
+    assert torch.equal(apply_rope(x, cos, sin), want)
+    _, sin_signed = table.cos_sin(pos, torch.float32, max_position=1000, signed=True)
+    assert torch.equal(apply_rope_signed(x, cos, sin_signed), want)
