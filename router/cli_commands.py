@@ -67,6 +67,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="join this Ray cluster (e.g. 'auto' on a `ray up` head); "
                    "default: start an embedded local Ray")
     p.add_argument("--kv-transport", choices=["ray", "grpc"], default=None, help="default ray")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="Prometheus text endpoint (default: router port + 1; 0 turns it off)")
     p.add_argument("--max-queue-depth", type=int, default=None, help="default 256")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV blocks per rank (default: sized by the engine)")
@@ -85,7 +87,8 @@ def serve_config(args: argparse.Namespace):
     from pdserve.router.config import config_from_dict, load_config
 
     top = {"mode": args.mode, "host": args.host, "port": args.port,
-           "kv_transport": args.kv_transport, "max_queue_depth": args.max_queue_depth}
+           "kv_transport": args.kv_transport, "max_queue_depth": args.max_queue_depth,
+           "metrics_port": getattr(args, "metrics_port", None)}
     if args.config:
         config = load_config(args.config)
     else:
@@ -146,6 +149,8 @@ def _run_serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         address = f"{config.host}:{server.port}"
         print(f"pdserve router listening on {address}", flush=True)
+        if server.metrics_port:
+            print(f"metrics on http://{config.host}:{server.metrics_port}/metrics", flush=True)
         addr_flag = "" if address == DEFAULT_ADDRESS else f" --address {address}"
         print(f"try: pdserve generate{addr_flag} --max-tokens 32 'def add(x, y):'", flush=True)
         rc = 0

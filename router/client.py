@@ -74,6 +74,12 @@ def build_request(prompt: str | Sequence[int], *, request_id: str = "",
     return req
 
 
+def step_dicts(timeline: router_pb2.Timeline) -> list[dict]:
+    """A Timeline's step records as plain dicts (every field)."""
+    names = [f.name for f in router_pb2.StepRecord.DESCRIPTOR.fields]
+    return [{n: getattr(s, n) for n in names} for s in timeline.steps]
+
+
 class Client:
     """Blocking client. `timeout` (seconds) becomes the gRPC deadline of each call."""
 
@@ -104,6 +110,12 @@ class Client:
     def scale(self, pool: str, replicas: int, timeout: float | None = None) -> router_pb2.ScalePoolResponse:
         return self._stub.ScalePool(router_pb2.ScalePoolRequest(pool=pool, replicas=replicas),
                                     timeout=timeout or self.timeout)
+
+    def timeline(self, since: float = 0.0, timeout: float | None = None) -> list[dict]:
+        """Engine steps of every live rank that ended after unix time `since`."""
+        reply = self._stub.GetTimeline(router_pb2.TimelineRequest(since=since),
+                                       timeout=timeout or self.timeout)
+        return step_dicts(reply)
 
     def close(self) -> None:
         self._channel.close()
@@ -147,6 +159,12 @@ class AsyncClient:
     async def scale(self, pool: str, replicas: int) -> router_pb2.ScalePoolResponse:
         return await self._stub.ScalePool(router_pb2.ScalePoolRequest(pool=pool, replicas=replicas),
                                           timeout=self.timeout)
+
+    async def timeline(self, since: float = 0.0) -> list[dict]:
+        """Engine steps of every live rank that ended after unix time `since`."""
+        reply = await self._stub.GetTimeline(router_pb2.TimelineRequest(since=since),
+                                             timeout=self.timeout)
+        return step_dicts(reply)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -36,6 +36,9 @@ class RouterConfig:
     mode: str = "disaggregated"
     host: str = "127.0.0.1"
     port: int = 50051
+    # Prometheus text endpoint (router/metrics.py): None = port + 1 (a free port when
+    # `port` is 0); 0 turns it off.
+    metrics_port: int | None = None
     kv_transport: str = "ray"
     # Requests accepted but not finished; past it, RESOURCE_EXHAUSTED.
     max_queue_depth: int = 256
@@ -57,6 +60,11 @@ class RouterConfig:
     # ends with an error; while a pool re-forms, dispatch waits up to rank_wait_s.
     max_attempts: int = 3
     rank_wait_s: float = 60.0
+    # Bounds that keep the router from ever hanging on a wedged rank or transfer:
+    # a KV hand-off that takes longer fails over to another decode rank; a rank that
+    # answers no poll for rank_unresponsive_s is treated as dead.
+    handoff_timeout_s: float = 60.0
+    rank_unresponsive_s: float = 120.0
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -67,6 +75,8 @@ class RouterConfig:
             raise ValueError(f"max_queue_depth must be >= 1, got {self.max_queue_depth}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         for pool in self.pools():
             pool.validate()
 

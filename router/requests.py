@@ -41,6 +41,10 @@ class RequestState:
     # Tokens the current attempt produced; a retried attempt replays the ones already
     # streamed (checked, not re-sent) before streaming new ones.
     attempt_tokens: int = 0
+    # When it was first sent to a rank, and the durations (seconds, each on one host's
+    # clock) the ranks and the router measured of it: GenerateResponse.timings.
+    dispatched_at: float | None = None
+    timings: dict = field(default_factory=dict)
 
     @property
     def request_id(self) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -40,9 +41,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             return
         rid = state.request_id
         detok = IncrementalDetokenizer(svc.tokenizer, prepared.prompt_token_ids)
+        last_chunk = None
         try:
             while True:
                 event = await state.events.get()
+                if event.token_ids:
+                    now = time.monotonic()
+                    if last_chunk is not None:
+                        svc.metrics.inter_token(now - last_chunk)
+                    last_chunk = now
                 text = "".join(detok.push(t) for t in event.token_ids)
                 if event.finish_reason is None:
                     yield router_pb2.GenerateResponse(request_id=rid, token_ids=event.token_ids,
@@ -53,11 +60,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     request_id=rid, token_ids=event.token_ids, text=text,
                     finish_reason=event.finish_reason, error=event.error or "",
                     usage=router_pb2.Usage(prompt_tokens=len(prepared.prompt_token_ids),
-                                           completion_tokens=len(state.tokens)))
+                                           completion_tokens=len(state.tokens)),
+                    timings=timings_message(state))
                 break
         finally:
             if not state.finished:  # client gone or deadline passed: abort wherever it is
                 await svc.abort(rid, "client disconnected or deadline exceeded")
+            svc.metrics.request_finished(state, time.monotonic())
             svc.tracker.release(rid)
 
     async def Abort(self, request, context):
@@ -85,6 +94,24 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return router_pb2.ScalePoolResponse(pool=request.pool, replicas=request.replicas,
                                             previous_replicas=previous)
 
+    async def GetTimeline(self, request, context):
+        records = await self.svc.timeline(request.since)
+        records.sort(key=lambda r: (r["start"], r["pool"], r["rank"]))
+        return router_pb2.Timeline(steps=[
+            router_pb2.StepRecord(**{k: v for k, v in r.items() if k != "seq"}) for r in records])
+
+
+def timings_message(state) -> router_pb2.Timings:
+    """GenerateResponse.timings from what the router and the ranks measured (seconds)."""
+    t = state.timings
+    ttft = state.first_token_at - state.created if state.first_token_at is not None else 0.0
+    return router_pb2.Timings(
+        router_queue_ms=1e3 * t.get("router_queue_s", 0.0),
+        prefill_queue_ms=1e3 * t.get("prefill_queue_s", 0.0),
+        prefill_ms=1e3 * t.get("prefill_s", 0.0), kv_export_ms=1e3 * t.get("kv_export_s", 0.0),
+        ttft_ms=1e3 * ttft, kv_handoff_ms=1e3 * t.get("kv_handoff_s", 0.0),
+        decode_queue_ms=1e3 * t.get("decode_queue_s", 0.0), kv_bytes=int(t.get("kv_bytes", 0)))
+
 
 class RouterServer:
     """A started router: the service (pools and ranks) behind a bound gRPC port."""
@@ -93,6 +120,7 @@ class RouterServer:
         self.service = service
         self.server = server
         self.port = port
+        self.metrics_port: int | None = None  # the Prometheus endpoint's, when serving
 
     @property
     def address(self) -> str:
@@ -103,6 +131,7 @@ class RouterServer:
         await self.server.wait_for_termination()
 
     async def stop(self, grace: float = 1.0) -> None:
+        self.service.metrics.stop_server()
         await self.service.stop()
         await self.server.stop(grace)
 
@@ -125,7 +154,22 @@ async def start_router(config: RouterConfig) -> RouterServer:
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("router serving on %s:%d", config.host, port)
-    return RouterServer(service, server, port)
+    router = RouterServer(service, server, port)
+    metrics_port = config.metrics_port
+    if metrics_port is None:  # default: the next port (a free one when the router's was)
+        metrics_port = port + 1 if config.port else -1
+    if metrics_port != 0:
+        try:
+            router.metrics_port = service.metrics.start_server(config.host, max(metrics_port, 0))
+            log.info("metrics on http://%s:%d/metrics", config.host, router.metrics_port)
+        except OSError as exc:
+            if config.metrics_port is not None:  # asked for: starting without it is wrong
+                await router.stop(0)
+                raise RuntimeError(f"cannot bind the metrics endpoint to {config.host}:"
+                                   f"{metrics_port}: {exc}") from exc
+            log.warning("no metrics endpoint: cannot bind %s:%d (%s)", config.host,
+                        metrics_port, exc)
+    return router
 
 
 def run_forever(config: RouterConfig) -> None:

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import grpc
 import ray
 from pdserve.router.config import RouterConfig
+from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pools import DEAD, Pool, RankHandle
 from pdserve.router.requests import DECODE, HANDOFF, PREFILL, RequestState, RequestTracker
-from pdserve.router.transports import make_transport
+from pdserve.router.transports import DeliveryResult, make_transport
 from pdserve.router.validation import ModelLimits, PreparedRequest, RequestError
 
 log = logging.getLogger(__name__)
@@ -37,6 +39,7 @@ class RouterService:
         self.tokenizer: Any = None
         self.limits: ModelLimits | None = None
         self.num_rank_failures = 0
+        self.metrics = RouterMetrics(self)
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
 
@@ -108,6 +111,9 @@ class RouterService:
             rank.inflight.add(rid)
             rank.outstanding_tokens += len(state.request.prompt_token_ids)
             state.attempts += 1
+            if state.dispatched_at is None:
+                state.dispatched_at = time.monotonic()
+                state.timings["router_queue_s"] = state.dispatched_at - state.created
             try:
                 result = await rank.actor.add_request.remote(
                     rid, state.request.prompt_token_ids, state.request.sampling_dict())
@@ -182,10 +188,14 @@ class RouterService:
     async def _poll(self, pool: Pool, rank: RankHandle) -> None:
         while not self._stopping and rank.state != DEAD:
             try:
-                reply = await rank.actor.poll.remote(self.config.poll_timeout_s)
+                reply = await asyncio.wait_for(
+                    rank.actor.poll.remote(self.config.poll_timeout_s),
+                    self.config.rank_unresponsive_s)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                if isinstance(exc, asyncio.TimeoutError):
+                    exc = TimeoutError(f"no reply to a poll for {self.config.rank_unresponsive_s:g}s")
                 if rank.state != DEAD:
                     await self._rank_died(pool, rank, f"{type(exc).__name__}: {exc}")
                 return
@@ -217,6 +227,8 @@ class RouterService:
             state = self.tracker.get(out["request_id"])
             if state is None or state.finished:
                 continue
+            if "timings" in out:
+                state.timings.update(out["timings"])
             if out["finish_reason"] is not None:
                 self._finish(state, out["finish_reason"], out.get("error"), out["token_ids"])
             else:
@@ -226,6 +238,8 @@ class RouterService:
             if state is None or state.finished or state.aborted:
                 self._spawn(self.transport.discard(handoff["ticket"], rank))
                 continue
+            state.timings.update(handoff.get("timings") or {})
+            state.timings["kv_bytes"] = handoff["nbytes"]
             if state.attempt_tokens == 0:
                 state.push([handoff["first_token_id"]])  # streamed before any KV moves
             self._leave(rank, state)
@@ -235,7 +249,9 @@ class RouterService:
     async def _hand_off(self, state: RequestState, src: RankHandle, handoff: dict) -> None:
         rid = state.request_id
         tried: set[int] = set()
+        last_error = ""
         pool = self.pools["decode"]
+        started = time.monotonic()
         while True:
             dst = await pool.wait_for_decode(tried, self.config.rank_wait_s)
             if state.finished or state.aborted:
@@ -243,7 +259,7 @@ class RouterService:
                 return
             if dst is None:
                 self._finish(state, "error", "no decode rank could take the prefilled request"
-                             + (f" ({', '.join(sorted(map(str, tried)))} refused)" if tried else ""))
+                             + (f" (last: {last_error})" if last_error else ""))
                 await self.transport.discard(handoff["ticket"], src)
                 return
             tried.add(dst.uid)
@@ -251,10 +267,20 @@ class RouterService:
             dst.inflight.add(rid)
             dst.pending_imports += 1
             try:
-                result = await self.transport.deliver(handoff["ticket"], src, dst)
+                try:
+                    result = await asyncio.wait_for(
+                        self.transport.deliver(handoff["ticket"], src, dst),
+                        self.config.handoff_timeout_s)
+                except asyncio.TimeoutError:
+                    result = DeliveryResult(False, kind="transport", error=(
+                        f"KV hand-off to {dst.name} timed out after "
+                        f"{self.config.handoff_timeout_s:g}s"))
+                    await self._abort_on(dst, rid)  # in case the import lands late
             finally:
                 dst.pending_imports -= 1
             if result.ok:
+                state.timings["kv_handoff_s"] = took = time.monotonic() - started
+                self.metrics.handed_off(handoff["nbytes"], took)
                 if state.aborted or state.finished:
                     await self._abort_on(dst, rid)
                     dst.inflight.discard(rid)
@@ -262,6 +288,7 @@ class RouterService:
                     state.stage = DECODE
                 return
             dst.inflight.discard(rid)
+            last_error = result.error
             if state.finished:
                 return
             if result.kind == "payload":
@@ -317,6 +344,13 @@ class RouterService:
         return {"mode": self.config.mode, "model": self.config.model_dir, "pools": pools,
                 "num_inflight": len(self.tracker), "max_queue_depth": self.config.max_queue_depth,
                 "kv_transport": self.transport.name}
+
+    async def timeline(self, since: float = 0.0) -> list[dict]:
+        """Every live rank's step records that ended after unix time `since`."""
+        ranks = [r for p in self.pools.values() for r in p.ranks if r.state != DEAD]
+        results = await asyncio.gather(*(r.actor.timeline_records.remote(since) for r in ranks),
+                                       return_exceptions=True)
+        return [rec for res in results if isinstance(res, list) for rec in res]
 
     async def refresh_stats(self) -> None:
         ranks = [r for p in self.pools.values() for r in p.ranks if r.state != DEAD]

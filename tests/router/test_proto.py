@@ -35,4 +35,4 @@ def test_generated_code_imports_as_pdserve_rpc():
     assert req.HasField("max_tokens") and not req.HasField("temperature")
     assert hasattr(router_pb2_grpc, "RouterServicer")
     names = {m.name for m in router_pb2.DESCRIPTOR.services_by_name["Router"].methods}
-    assert names == {"Generate", "Abort", "GetClusterState", "ScalePool"}
+    assert names == {"Generate", "Abort", "GetClusterState", "ScalePool", "GetTimeline"}
