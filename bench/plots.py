@@ -3,6 +3,8 @@
 - `plot_cdfs`: latency CDFs (TTFT, ITL, E2EL) of one or more runs, one line each.
 - `plot_sweep`: throughput and latency (median, p99) against the request rate.
 - `plot_compare`: deployments side by side (p99 ITL, TTFT, goodput) plus ITL CDFs.
+- `plot_timeline`: one run's engine steps, one row per rank, bars coloured by kind,
+  KV hand-offs marked (in the manner of the chapter's Figure 5.1).
 """
 
 from __future__ import annotations
@@ -167,6 +169,70 @@ def plot_kv_transfer(result: dict, path: str | Path) -> Path:
     ax.set_title("KV hand-off bandwidth vs in-memory copy")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+TIMELINE_COLORS = {"prompt": "tab:blue", "decode": "tab:green", "empty_prompt": "#f5b971",
+                   "empty": "#c8c8c8"}
+_POOL_ORDER = {"prefill": 0, "normal": 1, "decode": 2}
+
+
+def timeline_window(records: list[dict], width_s: float | None = None) -> tuple[float, float]:
+    """A window worth zooming into: around the median KV hand-off (else the middle)."""
+    t0 = min(r["start"] for r in records)
+    t1 = max(r["end"] for r in records)
+    width = width_s or max(0.5, min(3.0, (t1 - t0) / 8))
+    marks = sorted(r["handoff_end"] for r in records if r.get("num_handoffs"))
+    centre = marks[len(marks) // 2] if marks else (t0 + t1) / 2
+    lo = max(t0, centre - width / 3)
+    return lo, min(t1, lo + width)
+
+
+def plot_timeline(records: list[dict], path: str | Path, title: str = "",
+                  zoom_s: float | None = None) -> Path:
+    """Engine steps per rank (rows) against time: prompt (prefill chunks), decode,
+    empty_prompt and empty steps as bars; KV exports (prefill, v) and imports (decode,
+    ^) as red marks. Top: the whole run; bottom: a window of `zoom_s` seconds."""
+    plt = _plt()
+    if not records:
+        raise ValueError("no step records to draw")
+    rows = sorted({(r["pool"], r["rank"]) for r in records},
+                  key=lambda k: (_POOL_ORDER.get(k[0], 9), k[0], k[1]))
+    index = {k: i for i, k in enumerate(rows)}
+    t0 = min(r["start"] for r in records)
+    window = timeline_window(records, zoom_s)
+    fig, axes = plt.subplots(2, 1, figsize=(14, 2.2 + 1.3 * len(rows)))
+    for ax, (lo, hi) in zip(axes, ((None, None), window), strict=True):
+        for kind, color in TIMELINE_COLORS.items():
+            for k, i in index.items():
+                spans = [(r["start"] - t0, max(r["end"] - r["start"], 1e-4)) for r in records
+                         if r["kind"] == kind and (r["pool"], r["rank"]) == k]
+                if spans:
+                    ax.broken_barh(spans, (i - 0.35, 0.7), facecolors=color, edgecolors="none",
+                                   label=kind)
+        for marker, sel in (("v", lambda r: r["kind"] != "import" and r.get("num_handoffs")),
+                            ("^", lambda r: r["kind"] == "import")):
+            pts = [(r["handoff_end"] - t0, index[(r["pool"], r["rank"])] + 0.42)
+                   for r in records if sel(r)]
+            if pts:
+                xs, ys = zip(*pts, strict=True)
+                ax.scatter(xs, ys, marker=marker, s=18, color="tab:red", zorder=3,
+                           label="KV export" if marker == "v" else "KV import")
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels([f"{p} {r}" for p, r in rows])
+        ax.set_ylim(len(rows) - 0.4, -0.6)
+        ax.grid(alpha=0.3, axis="x")
+        if lo is not None:
+            ax.set_xlim(lo - t0, hi - t0)
+            ax.set_title(f"zoom: {hi - lo:.2f} s", fontsize=9)
+        ax.set_xlabel("seconds since the first step")
+    handles, labels = axes[0].get_legend_handles_labels()
+    uniq = dict(zip(labels, handles, strict=True))
+    axes[0].legend(uniq.values(), uniq.keys(), fontsize=8, loc="upper right", ncol=6)
+    counts = {k: sum(1 for r in records if r["kind"] == k) for k in (*TIMELINE_COLORS, "import")}
+    axes[0].set_title(title or "engine steps per rank: " + ", ".join(
+        f"{n} {k}" for k, n in counts.items() if n))
     fig.tight_layout()
     return _save(fig, path)
 

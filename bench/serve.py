@@ -64,16 +64,23 @@ async def _stream_one(client, req, rec, *, temperature: float, ignore_eos: bool,
 
 
 def _breakdown(msg) -> dict | None:
-    """The router's per-request TTFT breakdown, once GenerateResponse carries one in a
-    `timings` field on its last message (not yet: see serve_metrics.RequestRecord)."""
+    """The router's per-request TTFT breakdown: the `timings` field of the last
+    GenerateResponse as a dict of every field (ms; kv_bytes an int), or None."""
     try:
         if not msg.HasField("timings"):
             return None
     except ValueError:  # no such field in this proto
         return None
-    from google.protobuf.json_format import MessageToDict
+    t = msg.timings
+    return {f.name: getattr(t, f.name) for f in t.DESCRIPTOR.fields}
 
-    return MessageToDict(msg.timings, preserving_proto_field_name=True)
+
+async def fetch_timeline(address: str, since: float) -> list[dict]:
+    """The router's step records of every live rank since unix time `since`."""
+    from pdserve.router.client import AsyncClient
+
+    async with AsyncClient(address, timeout=60) as client:
+        return await client.timeline(since)
 
 
 def _rank_counters(state) -> dict:
@@ -116,6 +123,7 @@ class Run:
     duration: float
     before: dict | None = None  # GetClusterState before and after (step counters)
     after: dict | None = None
+    wall_start: float = 0.0  # time.time() at `start` (to ask the ranks for their steps)
 
 
 async def collect(address: str, requests: list, *, request_rate: float = math.inf,
@@ -172,7 +180,7 @@ async def collect(address: str, requests: list, *, request_rate: float = math.in
                                       ignore_eos=ignore_eos, timeout=request_timeout)
             bar.update(1)
 
-        start = time.perf_counter()
+        wall_start, start = time.time(), time.perf_counter()
         await asyncio.gather(*(one(i) for i in range(len(requests))))
         duration = time.perf_counter() - start
         bar.close()
@@ -180,7 +188,7 @@ async def collect(address: str, requests: list, *, request_rate: float = math.in
     finally:
         if own_client:
             await client.close()
-    return Run(records, start, duration, before, after)
+    return Run(records, start, duration, before, after, wall_start)
 
 
 def summarize(runs: list[Run], *, address: str = "", label: str = "",
@@ -192,6 +200,7 @@ def summarize(runs: list[Run], *, address: str = "", label: str = "",
     requests, duration the sum of theirs; per-request lists in run order."""
     from pdserve.bench.serve_metrics import (
         DEFAULT_PERCENTILES,
+        breakdown_summary,
         calculate_metrics,
         metrics_by_kind,
         per_request_lists,
@@ -217,6 +226,8 @@ def summarize(runs: list[Run], *, address: str = "", label: str = "",
     }
     result.update(calculate_metrics(records, duration, slos, percentiles))
     result["by_kind"] = metrics_by_kind(records, duration, slos, percentiles)
+    result["ttft_breakdown"] = breakdown_summary(records, percentiles)
+    result["start_unix_s"] = runs[0].wall_start if runs else None
     # The server's own counts, beside the client's (input_lens / output_lens).
     result["usage_prompt_tokens"] = [r.usage_prompt_tokens for r in records]
     result["usage_completion_tokens"] = [r.usage_completion_tokens for r in records]
@@ -273,6 +284,19 @@ def format_summary(r: dict) -> str:
                 continue  # the median, just above
             label = str(int(p)) if float(p).is_integer() else str(p)
             row(f"P{label} {key.upper()} (ms):", r[f"p{label}_{key}_ms"])
+    b = r.get("ttft_breakdown")
+    if b:
+        lines.append(f"{'Server-side timings (ms; mean / median / p99)':-^60}")
+        p = "p99" if "p99" in b["client_ttft_ms"] else list(b["client_ttft_ms"])[-1]
+        for key, name in (("router_queue_ms", "router queue"), ("prefill_queue_ms", "prefill queue"),
+                          ("prefill_ms", "prefill"), ("kv_export_ms", "KV export"),
+                          ("transit_ms", "transit (Ray calls, polls)"),
+                          ("ttft_ms", "= TTFT at the router"), ("client_ttft_ms", "TTFT at the client"),
+                          ("kv_handoff_ms", "after token 1: KV hand-off"),
+                          ("decode_queue_ms", "after token 1: decode queue")):
+            v = b[key]
+            lines.append(f"{name + ':':<34} {v['mean']:>8.2f} {v['median']:>8.2f} {v[p]:>8.2f}")
+        lines.append(f"{'KV bytes per hand-off (mean):':<34} {b['kv_bytes']['mean']:>8.0f}")
     lines.append("=" * 60)
     return "\n".join(lines)
 
@@ -335,6 +359,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--result-file", default=DEFAULT_RESULT, help="JSON out (default %(default)s)")
     p.add_argument("--plot", default=None, help="PNG out (default: the JSON path with .png)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--timeline", default=None, metavar="FILE.png",
+                   help="also draw the run's engine steps per rank (their records go to "
+                   "FILE.json)")
     p.add_argument("--label", default="")
 
 
@@ -434,6 +461,14 @@ def run_serve(args: argparse.Namespace) -> int:
                 from pdserve.bench.plots import plot_cdfs
 
                 plot_cdfs({args.label or "pdserve": r}, plot)
+        if args.timeline:
+            first = runs[0] if args.sweep_rates else r
+            steps = asyncio.run(fetch_timeline(args.address, first["start_unix_s"]))
+            write_json(Path(args.timeline).with_suffix(".json"), {"steps": steps})
+            from pdserve.bench.plots import plot_timeline
+
+            plot_timeline(steps, args.timeline)
+            print(f"wrote {args.timeline} ({len(steps)} steps)", flush=True)
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -236,6 +236,37 @@ def per_request_lists(records: Sequence[RequestRecord], start_time: float | None
     }
 
 
+# Parts of GenerateResponse.timings (router/README.md): the first four lie inside the
+# TTFT (the first token is streamed once the prefill rank reports it); ttft_ms is the
+# router's own view of it; hand-off and decode queue come after the first token.
+TTFT_PARTS = ("router_queue_ms", "prefill_queue_ms", "prefill_ms", "kv_export_ms")
+BREAKDOWN_FIELDS = TTFT_PARTS + ("ttft_ms", "kv_handoff_ms", "decode_queue_ms", "kv_bytes")
+
+
+def breakdown_summary(records: Sequence[RequestRecord],
+                      percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> dict | None:
+    """Mean, median and percentiles of each part of the router's per-request TTFT
+    breakdowns (successful requests that carry one), plus `transit_ms` (the router's
+    TTFT minus its parts: Ray calls and polls) and `client_ttft_ms` over the same
+    requests. None when no request carries a breakdown."""
+    rows = [(r, r.breakdown) for r in records if r.success and r.breakdown]
+    if not rows:
+        return None
+    columns = {k: [float(b.get(k, 0.0)) for _, b in rows] for k in BREAKDOWN_FIELDS}
+    columns["transit_ms"] = [float(b.get("ttft_ms", 0.0)) - sum(float(b.get(k, 0.0))
+                                                                for k in TTFT_PARTS)
+                             for _, b in rows]
+    columns["client_ttft_ms"] = [r.ttft * 1000.0 for r, _ in rows]
+    out: dict = {"num_requests": len(rows)}
+    for key, values in columns.items():
+        arr = np.asarray(values, dtype=np.float64)
+        stats = {"mean": float(arr.mean()), "median": float(np.median(arr))}
+        for p in percentiles:
+            stats[f"p{_pct_label(p)}"] = float(np.percentile(arr, p))
+        out[key] = stats
+    return out
+
+
 def metrics_by_kind(records: Sequence[RequestRecord], duration_s: float,
                     slos: dict[str, float] | None = None,
                     percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> dict[str, dict]:

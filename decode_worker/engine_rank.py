@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+from pdserve.decode_worker.step_timeline import StepTimeline
+
 log = logging.getLogger(__name__)
 
 # The loop's has-work vote is 0 (work) / 1 (none); -1 asks every rank to pause.
@@ -127,6 +129,9 @@ class EngineRank:
         self._loop_error: str | None = None
         self._kv_store: dict[str, bytes] = {}
         self._kv_server: Any = None
+        self.timeline = StepTimeline()
+        self._last_stats: dict | None = None
+        self._imported_at: dict[str, float] = {}  # request id -> monotonic time taken
         self.kv_address: str | None = None
         if kv_transport == "grpc":
             from pdserve.decode_worker.kv_service import start_kv_server
@@ -238,29 +243,37 @@ class EngineRank:
                     sampling: dict) -> dict:
         from pdserve.scheduler.sampling_params import SamplingParams
 
+        arrival = time.monotonic()  # before waiting for the step in progress to end
         try:
             params = SamplingParams(**sampling)
-            self._call(lambda eng: eng.add_request(request_id, list(prompt_token_ids), params))
+            self._call(lambda eng: eng.add_request(request_id, list(prompt_token_ids), params,
+                                                   arrival_time=arrival))
         except (ValueError, TypeError, RuntimeError) as exc:
             return {"ok": False, "error": _error_text(exc)}
         return {"ok": True}
 
     def import_prefilled(self, payload: bytes) -> dict:
+        start = time.time()
         try:
             rid = self._call(lambda eng: eng.import_prefilled(payload))
         except Exception as exc:
             kind = "capacity" if "Capacity" in type(exc).__name__ else "payload"
             return {"ok": False, "kind": kind, "error": _error_text(exc)}
+        self._imported_at[rid] = time.monotonic()
+        self.timeline.imported(self.pool_name, self.rank, start, time.time())
         return {"ok": True, "request_id": rid}
 
     def abort(self, request_id: str) -> bool:
         self._kv_store.pop(request_id, None)
+        self._imported_at.pop(request_id, None)
         return bool(self._call(lambda eng: eng.abort(request_id)))
 
     # -- reporting -------------------------------------------------------------------
 
     def _on_step(self, out: Any) -> None:
+        end = time.time()
         if not out.outputs and not out.handoffs:
+            self.timeline.step(self.pool_name, self.rank, out, end)
             return
         report = {
             "kind": out.kind,
@@ -270,11 +283,29 @@ class EngineRank:
                  "num_output_tokens": o.num_output_tokens, "error": o.error}
                 for o in out.outputs
             ],
-            "handoffs": [self._export(h) for h in out.handoffs],
         }
+        hs = time.time() if out.handoffs else 0.0
+        report["handoffs"] = [self._export(h) for h in out.handoffs]
+        self.timeline.step(self.pool_name, self.rank, out, end, hs, time.time() if hs else 0.0)
+        if self.engine_type == "normal" or self._imported_at:
+            self._add_timings(out, report["outputs"])
         with self._cond:
             self._reports.append(report)
             self._cond.notify_all()
+
+    def _add_timings(self, out: Any, entries: list[dict]) -> None:
+        """Durations on this rank's clock for the router's TTFT breakdown: a decode
+        rank's wait from taking a payload to its first decode step; a normal rank's
+        prefill queue and prefill, on the output that carries the first token."""
+        step_start = time.monotonic() - getattr(out, "duration_s", 0.0)
+        for o, entry in zip(out.outputs, entries, strict=True):
+            taken = self._imported_at.pop(o.request_id, None) if self._imported_at else None
+            if taken is not None:
+                entry["timings"] = {"decode_queue_s": max(0.0, step_start - taken)}
+            elif o.new_token_ids and o.num_output_tokens == len(o.new_token_ids):
+                t = _prefill_timings(o)
+                if t:
+                    entry["timings"] = t
 
     def _export(self, handoff: Any) -> dict:
         entry = {"request_id": handoff.request_id, "first_token_id": int(handoff.first_token_id),
@@ -288,6 +319,10 @@ class EngineRank:
 
             # The object lives in this node's store; the decode rank resolves the ref.
             entry["ticket"] = ray.put(handoff.payload)
+        t = _prefill_timings(handoff)
+        if t:
+            t["kv_export_s"] = max(0.0, time.monotonic() - handoff.first_token_time)
+            entry["timings"] = t
         return entry
 
     def _on_error(self, exc: BaseException) -> None:
@@ -301,16 +336,38 @@ class EngineRank:
             if not self._reports:  # a failed loop reports once, then at the poll pace
                 self._cond.wait(timeout_s)
             reports, self._reports = self._reports, []
-        return {"steps": reports, "stats": self.stats(), "loop_error": self._loop_error,
+        return {"steps": reports, "stats": self._poll_stats(), "loop_error": self._loop_error,
                 "generation": self.generation}
+
+    def _poll_stats(self) -> dict:
+        """Fresh stats when the engine is between steps, else the latest ones: a poll
+        must not wait for a running step, or the reports it carries (first tokens among
+        them) wait with it."""
+        if self._last_stats is not None and not self._engine_lock.acquire(blocking=False):
+            return self._last_stats
+        if self._last_stats is None:
+            return self.stats()
+        try:
+            st = self.engine.stats()
+        finally:
+            self._engine_lock.release()
+        return self._stats_dict(st)
 
     def stats(self) -> dict:
         with self._engine_lock:
             st = self.engine.stats()
+        return self._stats_dict(st)
+
+    def _stats_dict(self, st: Any) -> dict:
         d = asdict(st)
         d["kv_usage"] = st.kv_usage
         d["rank"] = self.rank
+        self._last_stats = d
         return d
+
+    def timeline_records(self, since: float = 0.0, since_seq: int = 0) -> list[dict]:
+        """This rank's recent steps (a bounded ring; see step_timeline.py)."""
+        return self.timeline.since(since, since_seq)
 
     def is_idle(self) -> bool:
         with self._engine_lock:
@@ -344,6 +401,18 @@ class EngineRank:
                 self._comm.close()
             except Exception:
                 pass
+
+
+def _prefill_timings(x: Any) -> dict | None:
+    """Prefill queue and compute, in seconds, from a RequestOutput's or HandOff's
+    engine-clock times (None when the engine did not record them)."""
+    scheduled = getattr(x, "first_scheduled_time", None)
+    first = getattr(x, "first_token_time", None)
+    arrival = getattr(x, "arrival_time", None)
+    if scheduled is None or first is None or arrival is None:
+        return None
+    return {"prefill_queue_s": max(0.0, scheduled - arrival),
+            "prefill_s": max(0.0, first - scheduled)}
 
 
 def _node_ip() -> str:

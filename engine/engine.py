@@ -58,6 +58,9 @@ class LLMEngine:
         self._aborted_imports: list[str] = []  # aborted before admission: reported next step
         self.num_steps = 0
         self.num_empty_steps = 0
+        # request id -> engine-clock time its first prompt chunk was scheduled (for the
+        # router's TTFT breakdown); dropped when the request finishes or is handed off.
+        self._first_scheduled: dict[str, float] = {}
 
     # -- admission -------------------------------------------------------------------
 
@@ -111,6 +114,8 @@ class LLMEngine:
         started = time.perf_counter()
         self._admit_imports()
         sched_out = self.scheduler.schedule()
+        if sched_out.kind == StepKind.PROMPT and sched_out.scheduled:
+            self._note_scheduled(sched_out)
         sampled = self._execute(sched_out)
         result = self.scheduler.process_outputs(sched_out, sampled)
         outputs = self._collect_outputs(sched_out, result)
@@ -120,7 +125,17 @@ class LLMEngine:
             self.num_empty_steps += 1
         return StepOutputs(kind=_KIND_NAMES[sched_out.kind], outputs=outputs, handoffs=handoffs,
                            num_scheduled_tokens=sched_out.num_tokens,
-                           duration_s=time.perf_counter() - started)
+                           duration_s=time.perf_counter() - started,
+                           num_rows=len(sched_out.scheduled))
+
+    def _note_scheduled(self, sched_out: SchedulerOutput) -> None:
+        first = self._first_scheduled
+        if len(first) > 2 * len(self._requests) + 64:  # drop any that left another way
+            for rid in [r for r in first if r not in self._requests]:
+                del first[rid]
+        now = time.monotonic()
+        for row in sched_out.scheduled:
+            first.setdefault(row.seq.request_id, now)
 
     def _execute(self, sched_out: SchedulerOutput) -> list[int | None]:
         if sched_out.is_empty:
@@ -157,19 +172,20 @@ class LLMEngine:
             out = self._output_for(by_id, seq)
             out.finish_reason = seq.finish_reason
             self._requests.pop(seq.request_id, None)
+            self._first_scheduled.pop(seq.request_id, None)
         for request_id in self._aborted_imports:
             by_id[request_id] = RequestOutput(request_id, [], finish_reason="abort")
             self._requests.pop(request_id, None)
         self._aborted_imports.clear()
         return list(by_id.values())
 
-    @staticmethod
-    def _output_for(by_id: dict[str, RequestOutput], seq: Sequence) -> RequestOutput:
+    def _output_for(self, by_id: dict[str, RequestOutput], seq: Sequence) -> RequestOutput:
         out = by_id.get(seq.request_id)
         if out is None:
             out = by_id[seq.request_id] = RequestOutput(
                 seq.request_id, [], num_prompt_tokens=seq.prompt_len,
-                arrival_time=seq.arrival_time, first_token_time=seq.first_token_time)
+                arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
+                first_scheduled_time=self._first_scheduled.get(seq.request_id))
         out.num_output_tokens = seq.output_len
         out.first_token_time = seq.first_token_time
         return out
@@ -187,7 +203,10 @@ class LLMEngine:
             tensors=tensors)
         self.scheduler.release_handed_off(seq)
         self._requests.pop(seq.request_id, None)
-        return HandOff(seq.request_id, seq.token_ids[-1], payload.to_bytes(), seq.prompt_len)
+        return HandOff(seq.request_id, seq.token_ids[-1], payload.to_bytes(), seq.prompt_len,
+                       arrival_time=seq.arrival_time,
+                       first_scheduled_time=self._first_scheduled.pop(seq.request_id, None),
+                       first_token_time=seq.first_token_time)
 
     def _admit_imports(self) -> None:
         while self._pending_imports:

@@ -18,6 +18,7 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     error: str | None = None
+    first_scheduled_time: float | None = None  # engine clock: its first prompt chunk ran
 
     @property
     def finished(self) -> bool:
@@ -32,6 +33,11 @@ class HandOff:
     first_token_id: int
     payload: bytes
     num_prompt_tokens: int
+    # Engine-clock seconds (time.monotonic), as in RequestOutput: admitted, first prompt
+    # chunk scheduled, first token sampled.
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
 
 
 @dataclass
@@ -41,6 +47,7 @@ class StepOutputs:
     handoffs: list[HandOff] = field(default_factory=list)
     num_scheduled_tokens: int = 0
     duration_s: float = 0.0
+    num_rows: int = 0  # sequences scheduled (0 for an empty step)
 
 
 @dataclass

@@ -45,20 +45,42 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "error")
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "error", "timings")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: str
     usage: Usage
     error: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    timings: Timings
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+
+class Timings(_message.Message):
+    __slots__ = ("router_queue_ms", "prefill_queue_ms", "prefill_ms", "kv_export_ms", "ttft_ms", "kv_handoff_ms", "decode_queue_ms", "kv_bytes")
+    ROUTER_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_EXPORT_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDOFF_MS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    router_queue_ms: float
+    prefill_queue_ms: float
+    prefill_ms: float
+    kv_export_ms: float
+    ttft_ms: float
+    kv_handoff_ms: float
+    decode_queue_ms: float
+    kv_bytes: int
+    def __init__(self, router_queue_ms: _Optional[float] = ..., prefill_queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., kv_export_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., kv_handoff_ms: _Optional[float] = ..., decode_queue_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -155,3 +177,39 @@ class ScalePoolResponse(_message.Message):
     replicas: int
     previous_replicas: int
     def __init__(self, pool: _Optional[str] = ..., replicas: _Optional[int] = ..., previous_replicas: _Optional[int] = ...) -> None: ...
+
+class TimelineRequest(_message.Message):
+    __slots__ = ("since",)
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    since: float
+    def __init__(self, since: _Optional[float] = ...) -> None: ...
+
+class StepRecord(_message.Message):
+    __slots__ = ("pool", "rank", "kind", "start", "end", "num_tokens", "num_rows", "num_handoffs", "handoff_start", "handoff_end")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HANDOFFS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_START_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_END_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    rank: int
+    kind: str
+    start: float
+    end: float
+    num_tokens: int
+    num_rows: int
+    num_handoffs: int
+    handoff_start: float
+    handoff_end: float
+    def __init__(self, pool: _Optional[str] = ..., rank: _Optional[int] = ..., kind: _Optional[str] = ..., start: _Optional[float] = ..., end: _Optional[float] = ..., num_tokens: _Optional[int] = ..., num_rows: _Optional[int] = ..., num_handoffs: _Optional[int] = ..., handoff_start: _Optional[float] = ..., handoff_end: _Optional[float] = ...) -> None: ...
+
+class Timeline(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedCompositeFieldContainer[StepRecord]
+    def __init__(self, steps: _Optional[_Iterable[_Union[StepRecord, _Mapping]]] = ...) -> None: ...

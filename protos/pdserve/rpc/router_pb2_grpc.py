@@ -54,6 +54,11 @@ class RouterStub:
                 request_serializer=pdserve_dot_rpc_dot_router__pb2.ScalePoolRequest.SerializeToString,
                 response_deserializer=pdserve_dot_rpc_dot_router__pb2.ScalePoolResponse.FromString,
                 _registered_method=True)
+        self.GetTimeline = channel.unary_unary(
+                '/pdserve.rpc.Router/GetTimeline',
+                request_serializer=pdserve_dot_rpc_dot_router__pb2.TimelineRequest.SerializeToString,
+                response_deserializer=pdserve_dot_rpc_dot_router__pb2.Timeline.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -88,6 +93,13 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTimeline(self, request, context):
+        """Every live rank's recent engine steps (a bounded ring per rank), for timelines.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +122,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.ScalePool,
                     request_deserializer=pdserve_dot_rpc_dot_router__pb2.ScalePoolRequest.FromString,
                     response_serializer=pdserve_dot_rpc_dot_router__pb2.ScalePoolResponse.SerializeToString,
+            ),
+            'GetTimeline': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTimeline,
+                    request_deserializer=pdserve_dot_rpc_dot_router__pb2.TimelineRequest.FromString,
+                    response_serializer=pdserve_dot_rpc_dot_router__pb2.Timeline.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +237,33 @@ class Router:
             '/pdserve.rpc.Router/ScalePool',
             pdserve_dot_rpc_dot_router__pb2.ScalePoolRequest.SerializeToString,
             pdserve_dot_rpc_dot_router__pb2.ScalePoolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTimeline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.rpc.Router/GetTimeline',
+            pdserve_dot_rpc_dot_router__pb2.TimelineRequest.SerializeToString,
+            pdserve_dot_rpc_dot_router__pb2.Timeline.FromString,
             options,
             channel_credentials,
             insecure,
