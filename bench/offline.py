@@ -49,6 +49,12 @@ class HFSide:
 
         self.model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+        # EOS neither stops nor is banned: the equivalent of pdserve's ``ignore_eos``.
+        # (``min_new_tokens`` would set EOS's logit to -inf, so the two would differ
+        # wherever EOS is the argmax; a None passed to generate() is replaced by the
+        # model's own generation config, hence it is cleared there.)
+        self.model.generation_config.eos_token_id = None
+        self.model.generation_config.pad_token_id = 0
 
     def run(self, prompts: list[list[int]], max_tokens: int,
             threads: int | None = None) -> tuple[float, list[list[int]]]:
@@ -65,8 +71,7 @@ class HFSide:
         with torch.inference_mode():
             start = time.perf_counter()
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids),
-                                      max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                      do_sample=False, pad_token_id=0)
+                                      max_new_tokens=max_tokens, do_sample=False)
             elapsed = time.perf_counter() - start
         return elapsed, out[:, ids.shape[1]:].tolist()
 
