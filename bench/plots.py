@@ -211,6 +211,13 @@ def plot_timeline(records: list[dict], path: str | Path, title: str = "",
                 if spans:
                     ax.broken_barh(spans, (i - 0.35, 0.7), facecolors=color, edgecolors="none",
                                    label=kind)
+        # Empty steps last well under a millisecond (the rank then waits at the next
+        # vote): a tick marks each, or they would not show at the scale of a run.
+        ticks = [(r["start"] - t0, index[(r["pool"], r["rank"])]) for r in records
+                 if r["kind"] in ("empty", "empty_prompt")]
+        if ticks:
+            xs, ys = zip(*ticks, strict=True)
+            ax.scatter(xs, ys, marker="|", s=120, color="#9a9a9a", linewidths=0.8, zorder=2)
         for marker, sel in (("v", lambda r: r["kind"] != "import" and r.get("num_handoffs")),
                             ("^", lambda r: r["kind"] == "import")):
             pts = [(r["handoff_end"] - t0, index[(r["pool"], r["rank"])] + 0.42)

@@ -83,6 +83,26 @@ async def fetch_timeline(address: str, since: float) -> list[dict]:
         return await client.timeline(since)
 
 
+def _write_timeline(address: str, since: float, png: str) -> None:
+    """The run's step records (JSON beside the PNG) and their picture; a router that
+    cannot give them costs the picture, not the run's results."""
+    import grpc
+    from pdserve.bench.plots import plot_timeline
+
+    try:
+        steps = asyncio.run(fetch_timeline(address, since))
+    except grpc.RpcError as exc:
+        print(f"no timeline: the router's GetTimeline failed ({exc.code().name}: "
+              f"{exc.details()})", file=sys.stderr)
+        return
+    write_json(Path(png).with_suffix(".json"), {"since_unix_s": since, "steps": steps})
+    if not steps:
+        print("no timeline: the ranks kept no steps of this run", file=sys.stderr)
+        return
+    plot_timeline(steps, png)
+    print(f"wrote {png} ({len(steps)} steps)", flush=True)
+
+
 def _rank_counters(state) -> dict:
     """Per-rank step counters from GetClusterState (for before/after deltas)."""
     out = {}
@@ -463,12 +483,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 plot_cdfs({args.label or "pdserve": r}, plot)
         if args.timeline:
             first = runs[0] if args.sweep_rates else r
-            steps = asyncio.run(fetch_timeline(args.address, first["start_unix_s"]))
-            write_json(Path(args.timeline).with_suffix(".json"), {"steps": steps})
-            from pdserve.bench.plots import plot_timeline
-
-            plot_timeline(steps, args.timeline)
-            print(f"wrote {args.timeline} ({len(steps)} steps)", flush=True)
+            _write_timeline(args.address, first["start_unix_s"], args.timeline)
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -75,6 +75,26 @@ def test_timeline_picture_from_hand_made_steps(tmp_path):
         plot_timeline([], tmp_path / "none.png")
 
 
+def test_step_ring_is_bounded_and_names_empty_steps():
+    from types import SimpleNamespace
+
+    from pdserve.decode_worker.step_timeline import StepTimeline
+
+    ring = StepTimeline(maxlen=4)
+    for i, (kind, n) in enumerate([("prompt", 9), ("decode", 3), ("decode", 0),
+                                   ("empty_prompt", 0), ("decode", 2)]):
+        out = SimpleNamespace(kind=kind, num_scheduled_tokens=n, duration_s=0.5, num_rows=n,
+                              handoffs=[1] if kind == "prompt" else [])
+        ring.step("decode", 1, out, end=10.0 + i)
+    ring.imported("decode", 1, 15.0, 15.25)
+    recs = ring.since()
+    assert [r["seq"] for r in recs] == [3, 4, 5, 6]  # the oldest two fell off
+    assert [r["kind"] for r in recs] == ["empty", "empty_prompt", "decode", "import"]
+    assert recs[0]["start"] == 11.5 and recs[0]["end"] == 12.0
+    assert [r["seq"] for r in ring.since(since=13.5)] == [5, 6]
+    assert [r["seq"] for r in ring.since(since_seq=5)] == [6]
+
+
 def test_cli_breakdown_and_timeline_from_a_real_run(router_address, tiny_model_dir, tmp_path):
     from pdserve.bench.serve import main as serve_main
 

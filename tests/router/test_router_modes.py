@@ -35,6 +35,11 @@ def test_greedy_equals_offline(make_router, reference, overrides):
         assert transport.bytes_moved > len(prompts) * 1000  # the payloads went through us
     with Client(router.address, timeout=30) as client:
         state = client.cluster_state()
+        t = list(client.stream(PROMPTS[0], max_tokens=3, temperature=0))[-1].timings
+    # the TTFT breakdown on this path too (normal: no KV moves)
+    assert t.prefill_ms > 0
+    assert t.router_queue_ms + t.prefill_queue_ms + t.prefill_ms + t.kv_export_ms <= t.ttft_ms
+    assert (t.kv_bytes > 0 and t.kv_handoff_ms > 0) == (state.mode == "disaggregated")
     assert state.mode == overrides.get("mode", "disaggregated")
     assert state.kv_transport == overrides.get("kv_transport", "ray")
     stats = router.wait_drained()
