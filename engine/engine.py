@@ -260,7 +260,9 @@ class LLMEngine:
         return EngineStats(
             engine_type=self.config.engine_type, rank=self.rank,
             num_waiting=len(sched.waiting) + len(self._pending_imports),
-            num_running=len(sched.running), num_prompted=len(sched.prompted),
+            # Finished sequences may sit in `running` until the next decode pass (S26).
+            num_running=sum(not s.is_finished for s in sched.running),
+            num_prompted=len(sched.prompted),
             num_free_blocks=sched.num_free_blocks, num_total_blocks=self.runner.num_kv_blocks - 1,
             outstanding_prompt_tokens=outstanding, num_preemptions=sched.num_preemptions,
             num_empty_steps=self.num_empty_steps, num_steps=self.num_steps)

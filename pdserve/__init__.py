@@ -1,7 +1,8 @@
 """pdserve: LLM serving with prefill and decode disaggregated.
 
-`LLM` and `SamplingParams` are imported lazily so that light parts of the package
-(the router, the CLI client) never pay for importing torch.
+`LLM`, `SamplingParams` and the router clients `Client` / `AsyncClient` are imported
+lazily, so a client never pays for importing torch and the offline API never imports
+gRPC.
 """
 
 from __future__ import annotations
@@ -9,10 +10,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "CompletionOutput", "Client", "AsyncClient"]
 
 if TYPE_CHECKING:
     from pdserve.engine.llm import LLM, CompletionOutput
+    from pdserve.router.client import AsyncClient, Client
     from pdserve.scheduler.sampling_params import SamplingParams
 
 
@@ -21,6 +23,10 @@ def __getattr__(name: str) -> Any:
         from pdserve.engine import llm
 
         return getattr(llm, name)
+    if name in ("Client", "AsyncClient"):
+        from pdserve.router import client
+
+        return getattr(client, name)
     if name == "SamplingParams":
         from pdserve.scheduler.sampling_params import SamplingParams
 

@@ -92,6 +92,9 @@ def test_import_waits_for_blocks_then_completes(model_dirs, handoffs):
     outputs, _ = drain(completion)
     finished = {o.request_id: o.finish_reason for o in outputs if o.finished}
     assert set(finished) == {h.request_id for h in handoffs}
+    stats = completion.stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_prompted) == (0, 0, 0)
+    assert stats.num_free_blocks == stats.num_total_blocks
     completion.assert_drained()
 
 
