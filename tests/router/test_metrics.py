@@ -83,12 +83,13 @@ def test_request_counters_match_what_was_sent(run):
         assert _delta(after, before, "pdserve_requests_total", finish_reason=reason) == n, reason
     assert _delta(after, before, "pdserve_time_to_first_token_seconds_count") == 5
     assert _delta(after, before, "pdserve_e2e_request_latency_seconds_count") == 5
-    gaps = sum(len(o["times"]) - 1 for o in outs[:4])  # one chunk per token on one decode rank
-    assert 0 < _delta(after, before, "pdserve_inter_token_latency_seconds_count") <= gaps + 1
+    gaps = sum(len(o["times"]) - 1 for o in outs)  # chunks <= tokens received
+    assert 0 < _delta(after, before, "pdserve_inter_token_latency_seconds_count") <= gaps
     handoffs = _delta(after, before, "pdserve_kv_handoff_bytes_count")
-    assert 4 <= handoffs <= 5
-    assert _delta(after, before, "pdserve_kv_handoff_bytes_sum") == pytest.approx(
-        sum(o["last"].timings.kv_bytes for o in outs[:4]), rel=0.3)
+    assert 4 <= handoffs <= 5  # the aborted one's may have been cut short
+    moved = _delta(after, before, "pdserve_kv_handoff_bytes_sum")
+    assert sum(o["last"].timings.kv_bytes for o in outs[:4]) <= moved
+    assert moved <= sum(o["last"].timings.kv_bytes for o in outs)
     assert _delta(after, before, "pdserve_kv_handoff_seconds_count") == handoffs
     assert after[("pdserve_requests_in_flight", ())] == 0
 
