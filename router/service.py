@@ -118,6 +118,8 @@ class RouterService:
                 result = await rank.actor.add_request.remote(
                     rid, state.request.prompt_token_ids, state.request.sampling_dict())
             except Exception as exc:  # the rank died on the way: try another
+                if rid not in rank.inflight:
+                    return  # _rank_died got there first and has already re-dispatched it
                 self._leave(rank, state)
                 log.warning("add_request on %s failed: %s", rank.name, exc)
                 continue
