@@ -35,28 +35,29 @@ class MatMul(nn.Module):
     """``x @ W.T (+ b)`` for 2-D ``x`` [T, in]; ``fuse`` concatenates projections that
     read the same input (q|k|v, gate|up), so a layer runs 4 matmuls instead of 7.
 
-    On CPU in fp32 the weight is kept only in oneDNN's packed (blocked) layout. Why: a
-    decode step multiplies ~16 rows by every weight, so it streams all weights from
-    memory once per step; with a plain weight MKL re-packs it on every call, which
-    costs about as much again. Measured on the 82M model's weights (1 thread, 16
-    rows): 41 ms packed vs 51 ms ``F.linear`` vs 21 ms to merely read them; prefill
-    shapes (2048 rows) run at the same ~150 GFLOPS either way. Elsewhere (GPU,
-    bf16/fp16) it is ``F.linear``.
+    On CPU in fp32 the weight is also kept in oneDNN's packed (blocked) layout, used
+    for inputs of at most ``PACKED_MAX_ROWS`` rows (decode steps). Why: a decode step
+    multiplies ~16 rows by every weight, so it streams all weights from memory once
+    per step; with a plain weight MKL re-packs it on every call, which costs about as
+    much again. Measured on the 82M model's weights (1 thread, 16 rows): 41 ms packed
+    vs 51 ms ``F.linear`` vs 21 ms to merely read them. At prefill shapes (2048 rows)
+    MKL's ``F.linear`` on the plain weight was ~13% faster than oneDNN (2.56 s vs
+    2.96 s of the small model's prefill), hence both copies: the weights take twice
+    their size in memory on this path. Elsewhere (GPU, bf16/fp16): ``F.linear`` only.
     """
 
     PACK_BATCH_HINT = 16  # oneDNN picks its blocking for about this many rows
+    PACKED_MAX_ROWS = 128
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.weight = nn.Parameter(weight, requires_grad=False)
         self.packed = None
-        self.weight = None
         if (weight.device.type == "cpu" and weight.dtype == torch.float32
                 and _onednn_packing_available()):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_BATCH_HINT)
-        else:
-            self.weight = nn.Parameter(weight, requires_grad=False)
 
     @classmethod
     def fuse(cls, linears: list[nn.Linear]) -> MatMul:
@@ -68,11 +69,11 @@ class MatMul(nn.Module):
         return cls(w, b)
 
     def weight_bytes(self) -> int:
-        elem = 4 if self.packed is not None else self.weight.element_size()
-        return self.out_features * self.in_features * elem
+        """Bytes one multiplication reads (one copy of the weight)."""
+        return self.out_features * self.in_features * self.weight.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        if self.packed is not None and x.shape[0] <= self.PACKED_MAX_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
