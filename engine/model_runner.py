@@ -372,7 +372,8 @@ class ThreadTuner:
     the steps. Per (kind, size bucket), an average of seconds per token for each
     choice; untried choices first, then the faster one, with every ``explore``-th step
     on the other so that a change in load is noticed. Thread count does not change
-    results (oneDNN matmuls and SDPA give bitwise equal outputs for 1 and 2 threads).
+    results (oneDNN and MKL matmuls and SDPA gave bitwise equal outputs for 1 and 2
+    threads at this model's decode and prefill shapes).
     torch's global setting is restored after each step, so other code in the process
     (e.g. transformers in a benchmark) keeps the caller's thread count.
     """
