@@ -3,34 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 
 import pytest
-
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
-@pytest.fixture(scope="session")
-def ray_session():
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(address="local", include_dashboard=False, num_cpus=8,
-                 resources={"prefill": 8, "decode": 8},
-                 # short (socket paths) and our own: other suites may run a Ray beside us
-                 _temp_dir=f"/tmp/pdr{os.getpid() % 100000}",
-                 log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    from pdserve.engine.tiny_model import make_tiny_model
-
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
 
 
 class RouterHarness:
