@@ -81,10 +81,11 @@ class HFSide:
 
 
 class PdserveSide:
-    def __init__(self, model_dir: str, batch: int):
+    def __init__(self, model_dir: str, batch: int, compile: bool = False):
         from pdserve import LLM
 
-        self.llm = LLM(model_dir, max_num_seqs=max(batch, 1), max_num_batched_tokens=4096)
+        self.llm = LLM(model_dir, max_num_seqs=max(batch, 1), max_num_batched_tokens=4096,
+                       compile=compile)
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
         from pdserve import SamplingParams
@@ -97,17 +98,27 @@ class PdserveSide:
 
 
 def run_case(name: str, model_dir: str, prompts: list[list[int]], max_tokens: int,
-             repeats: int, hf_alt_threads: int = 0) -> dict:
+             repeats: int, hf_alt_threads: int = 0, compile: bool = False) -> dict:
     """``hf_alt_threads``: also time HF at this thread count (a control: pdserve picks
     its thread count per step, HF cannot, and on a loaded machine HF may do better
-    with fewer threads than the benchmark's setting)."""
+    with fewer threads than the benchmark's setting). ``compile``: also time pdserve
+    with ``LLM(compile=True)`` (its compile warm-up is reported, not timed)."""
     hf, pd = HFSide(model_dir), PdserveSide(model_dir, len(prompts))
     warm = [p[:16] for p in prompts[:2]]
     hf.run(warm, 2), pd.run(warm, 2)  # first-call costs (allocations, kernel choice)
-    times: dict[str, list[float]] = {"hf": [], "pd": [], "hf_alt": []}
+    compile_s = None
+    if compile:
+        pdc = PdserveSide(model_dir, len(prompts), compile=True)
+        start = time.perf_counter()
+        # Two row counts: a static graph, then one with the row count symbolic.
+        pdc.run(warm, 3), pdc.run([p[:16] for p in prompts[:3]], 3)
+        compile_s = time.perf_counter() - start
+    times: dict[str, list[float]] = {"hf": [], "pd": [], "hf_alt": [], "pdc": []}
     runs = {"hf": lambda: hf.run(prompts, max_tokens), "pd": lambda: pd.run(prompts, max_tokens),
             "hf_alt": lambda: hf.run(prompts, max_tokens, threads=hf_alt_threads)}
-    order = ["hf", "pd"] + (["hf_alt"] if hf_alt_threads else [])
+    if compile:
+        runs["pdc"] = lambda: pdc.run(prompts, max_tokens)
+    order = ["hf", "pd"] + (["hf_alt"] if hf_alt_threads else []) + (["pdc"] if compile else [])
     load_before = os.getloadavg()[0]
     tokens = {}
     for r in range(repeats):
@@ -145,6 +156,17 @@ def run_case(name: str, model_dir: str, prompts: list[list[int]], max_tokens: in
                 [b / p for b, p in zip(best, pd_times, strict=True)]), 2),
             "hf_alt_identical_outputs": tokens["hf_alt"] == hf_tokens,
         })
+    if compile:
+        pdc_times = times["pdc"]
+        row.update({
+            "compile_warmup_seconds": round(compile_s, 1),
+            "pdserve_compiled_seconds": [round(t, 3) for t in pdc_times],
+            "compiled_pair_ratios": [round(h / p, 2) for h, p in
+                                     zip(hf_times, pdc_times, strict=True)],
+            "speedup_compiled": round(statistics.median(
+                [h / p for h, p in zip(hf_times, pdc_times, strict=True)]), 2),
+            "compiled_identical_outputs": tokens["pdc"] == pd_tokens,
+        })
     print(f"{name:>6} batch={len(prompts):>3}: HF {row['hf_output_tok_per_s']:>8} tok/s  "
           f"pdserve {row['pdserve_output_tok_per_s']:>8} tok/s  ratio {row['speedup']}x "
           f"(pairs {row['pair_ratios']})  identical {row['identical_outputs']}  "
@@ -153,6 +175,11 @@ def run_case(name: str, model_dir: str, prompts: list[list[int]], max_tokens: in
         print(f"{'':>6} control: HF at {hf_alt_threads} thread(s) {row['hf_alt_seconds']} s; "
               f"ratio vs it {row['speedup_vs_hf_alt_threads']}x, vs HF's better setting per "
               f"pair {row['speedup_vs_hf_best_threads']}x", flush=True)
+    if compile:
+        print(f"{'':>6} compiled: {row['pdserve_compiled_seconds']} s; ratio "
+              f"{row['speedup_compiled']}x (pairs {row['compiled_pair_ratios']}); warm-up "
+              f"(compile) {row['compile_warmup_seconds']} s; same tokens as eager "
+              f"{row['compiled_identical_outputs']}", flush=True)
     return row
 
 
@@ -303,6 +330,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model only, 2 pairs, no analysis")
     parser.add_argument("--analyse", action=argparse.BooleanOptionalAction, default=None,
                         help="profile + bandwidth analysis (default: on for the small model)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time pdserve with LLM(compile=True) (decode blocks compiled)")
     parser.add_argument("--out", default="results/bench_offline.json")
     args = parser.parse_args(argv)
     if args.quick:
@@ -332,7 +361,8 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 prompts = make_prompts(vocab, batch, args.prompt_len)
             alt = args.hf_alt_threads if args.hf_alt_threads != args.threads else 0
-            rows.append(run_case(name, model_dir, prompts, args.max_tokens, args.repeats, alt))
+            rows.append(run_case(name, model_dir, prompts, args.max_tokens, args.repeats, alt,
+                                 args.compile))
             want = args.analyse if args.analyse is not None else name == "small"
             if want and name not in analyses:
                 analyses[name] = {"batch": batch, **analyse(model_dir, prompts, args.max_tokens)}

@@ -31,6 +31,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's choice
+    compile: bool = False  # torch.compile the decode step's dense blocks (ModelRunner)
 
     def __post_init__(self) -> None:
         if self.engine_type not in _ENGINE_TYPES:

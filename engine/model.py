@@ -200,6 +200,20 @@ class CausalLM(nn.Module):
             h = layer(h, cos, sin, cache, meta)
         return self.model.norm(h)
 
+    def enable_compile(self) -> None:
+        """Opt in to the compiled decode path (see ``_decode_compiled``)."""
+        self._compiled = _CompiledDecode(self)
+
+    def forward_decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                       meta: AttentionMetadata) -> torch.Tensor:
+        """``forward`` for a decode-only step; through the compiled dense blocks when
+        ``enable_compile`` ran and the step qualifies, else eager."""
+        c = getattr(self, "_compiled", None)
+        if c is None or not c.supports(cache, meta):
+            return self(tokens, positions, cache, meta)
+        with torch.inference_mode():
+            return c.run(tokens, positions, cache, meta)
+
     def matmul_weight_bytes(self) -> int:
         """Bytes of every matmul weight: what a decode step reads at least once."""
         return sum(m.weight_bytes() for m in self.modules() if isinstance(m, MatMul))
@@ -207,6 +221,104 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.logits_proj(hidden).float()
+
+
+def _lin(x, weight, bias):
+    return F.linear(x, weight, bias)
+
+
+def _rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos[:, None, :] + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin[:, None, :]
+
+
+def _pre(h, cos, sin, ln_w, qkv_w, qkv_b, eps: float, hq: int, hk: int, d: int):
+    """rmsnorm -> fused qkv matmul -> rope: q [T, Hq, D], k, v [T, Hk, D]."""
+    t = h.shape[0]
+    x = F.rms_norm(h, ln_w.shape, ln_w, eps)
+    qkv = _lin(x, qkv_w, qkv_b).view(t, hq + 2 * hk, d)
+    qk = _rope(qkv[:, :hq + hk], cos, sin)
+    return qk[:, :hq], qk[:, hq:], qkv[:, hq + hk:]
+
+
+def _post(attn, h, o_w, o_b, ln2_w, gu_w, gu_b, dn_w, dn_b, eps: float,
+          inter: int):
+    """o_proj + residual, rmsnorm, gate|up, silu * up, down + residual; attn [T, Hq * D]."""
+    h = _lin(attn, o_w, o_b) + h
+    gu = _lin(F.rms_norm(h, ln2_w.shape, ln2_w, eps), gu_w, gu_b)
+    return _lin(F.silu(gu[:, :inter]) * gu[:, inter:], dn_w, dn_b) + h
+
+
+def _post_pre(attn, h, cos, sin, o_w, o_b, ln2_w, gu_w, gu_b, dn_w, dn_b,
+              ln_w, qkv_w, qkv_b, eps: float, inter: int, hq: int, hk: int, d: int):
+    h = _post(attn, h, o_w, o_b, ln2_w, gu_w, gu_b, dn_w, dn_b, eps, inter)
+    q, k, v = _pre(h, cos, sin, ln_w, qkv_w, qkv_b, eps, hq, hk, d)
+    return h, q, k, v
+
+
+def _post_final(attn, h, o_w, o_b, ln2_w, gu_w, gu_b, dn_w, dn_b, norm_w,
+                eps: float, inter: int):
+    h = _post(attn, h, o_w, o_b, ln2_w, gu_w, gu_b, dn_w, dn_b, eps, inter)
+    return F.rms_norm(h, norm_w.shape, norm_w, eps)
+
+
+class _CompiledDecode:
+    """Decode steps with each layer's dense work (norms, matmuls, rope, MLP) in
+    ``torch.compile``d blocks: one between consecutive layers' attentions (post of
+    layer i + pre of layer i+1), so the Python dispatch of ~15 small ops per layer
+    becomes one call. Attention (KV writes, the contiguous decode K/V) stays eager:
+    its length changes every step. Weights are passed as arguments, so one graph
+    serves every layer. Matmuls use the plain weights (inductor calls MKL); the
+    oneDNN packed copies serve the eager path only."""
+
+    def __init__(self, model: CausalLM):
+        self.model = model
+        cfg = model.cfg
+        self.eps = cfg.rms_norm_eps
+        # Automatic dynamic shapes: the first graph is static, a second row count
+        # recompiles with the row count symbolic (weights stay static). Dynamo also
+        # guards on torch's thread count, so ThreadTuner's 1 / N threads make one
+        # graph each (their C++ kernels then use that many threads).
+        opts = dict(dynamic=None, fullgraph=True)
+        self.pre = torch.compile(_pre, **opts)
+        self.post_pre = torch.compile(_post_pre, **opts)
+        self.post_final = torch.compile(_post_final, **opts)
+
+    def supports(self, cache, meta) -> bool:
+        m = self.model
+        return (not m.cfg.qk_norm and not cache.ring_layers and m.model.norm.weight.dtype == torch.float32
+                and len(meta.groups) == 1 and meta.groups[0].decode)
+
+    @staticmethod
+    def _w(mm: MatMul):
+        # The plain weight: inductor cannot take oneDNN's packed one (its lowering of
+        # mkldnn._linear_pointwise rejects it; an opaque custom op costs a Python call).
+        return mm.weight, mm.bias
+
+    def run(self, tokens, positions, cache, meta):
+        m = self.model
+        layers = m.model.layers
+        eps = self.eps
+        h = m.model.embed_tokens(tokens)
+        cos, sin = m.rope.cos_sin(positions, h.dtype, meta.max_position, signed=True)
+        a0 = layers[0].self_attn
+        q, k, v = self.pre(h, cos, sin, layers[0].input_layernorm.weight, *self._w(a0.qkv),
+                           eps, a0.num_heads, a0.num_kv_heads, a0.head_dim)
+        for i, layer in enumerate(layers):
+            at = layer.self_attn
+            out = attention_step(q, k, v, at.layer, cache, meta, at.scale).flatten(1)
+            mlp = layer.mlp
+            common = (*self._w(at.o), layer.post_attention_layernorm.weight, *self._w(mlp.gate_up),
+                      *self._w(mlp.down))
+            if i + 1 < len(layers):
+                nxt = layers[i + 1]
+                na = nxt.self_attn
+                h, q, k, v = self.post_pre(out, h, cos, sin, *common, nxt.input_layernorm.weight,
+                                           *self._w(na.qkv), eps, mlp.intermediate,
+                                           na.num_heads, na.num_kv_heads, na.head_dim)
+            else:
+                h = self.post_final(out, h, *common, m.model.norm.weight, eps, mlp.intermediate)
+        return h
 
 
 def load_model(model_dir, dtype: torch.dtype = torch.float32,

@@ -5,6 +5,9 @@
                                        state_slot=0, sampling=SamplingParams(...),
                                        sample=True, output_index=0), ...])
 
+``compile=True``: decode steps run each layer's dense work through ``torch.compile``
+(``CausalLM.enable_compile``); the first decode steps pay the compile (seconds).
+
 A row's ``token_ids`` are its ``q`` query tokens at positions
 ``start_pos .. start_pos + q - 1`` (``start_pos = seqlen_k - q``, spec S36); its
 ``block_table`` must cover ``seqlen_k`` positions; ``state_slot`` addresses the
@@ -79,6 +82,7 @@ class ModelRunner:
         kv_cache_bytes: int = 256 << 20,
         seed: int = 0,
         adaptive_threads: bool = True,
+        compile: bool = False,
     ):
         from pdserve.engine.model_config import ModelConfig
 
@@ -87,6 +91,9 @@ class ModelRunner:
         cfg0 = ModelConfig.from_dir(model_dir)
         self.dtype = resolve_dtype(dtype, cfg0.torch_dtype)
         self.config, self.model = load_model(model_dir, self.dtype, self.device)
+        self.compile = compile
+        if compile:  # decode steps through torch.compile'd dense blocks (see CausalLM)
+            self.model.enable_compile()
         cfg = self.config
         self.block_size = block_size
         if num_state_slots is None:
@@ -139,6 +146,7 @@ class ModelRunner:
             num_state_slots=slots,
             ring_len=getattr(config, "ring_len", None),
             kv_cache_bytes=int(getattr(config, "kv_cache_memory_mb", 256)) << 20,
+            compile=bool(getattr(config, "compile", False)),
         )
 
     # ---- identity ------------------------------------------------------------
@@ -205,7 +213,10 @@ class ModelRunner:
     # ---- internals -------------------------------------------------------------
     def _forward(self, rows: list[RunnerRow]) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, positions, meta, last = self.prepare(rows)
-        hidden = self.model(tokens, positions, self.kv_cache, meta)
+        if self.compile:
+            hidden = self.model.forward_decode(tokens, positions, self.kv_cache, meta)
+        else:
+            hidden = self.model(tokens, positions, self.kv_cache, meta)
         return hidden, last
 
     def _check(self, rows: list[RunnerRow]) -> None:

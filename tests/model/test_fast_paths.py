@@ -3,6 +3,7 @@ decode K/V (vs gathering blocks), the all-greedy sampler, the decode-only prepar
 
 from __future__ import annotations
 
+import pytest
 import torch
 from pdserve.engine.model import MatMul
 from pdserve.engine.model_runner import ModelRunner, RunnerRow
@@ -152,3 +153,20 @@ def test_rope_table_and_in_place_rotation_equal_the_reference():
     assert torch.equal(apply_rope(x, cos, sin), want)
     _, sin_signed = table.cos_sin(pos, torch.float32, max_position=1000, signed=True)
     assert torch.equal(apply_rope_signed(x, cos, sin_signed), want)
+
+
+@pytest.mark.slow
+def test_compiled_decode_equals_eager_token_for_token(tiny_dirs, h):
+    """``ModelRunner(compile=True)``: decode steps through the torch.compile'd dense
+    blocks give the eager runner's greedy tokens (rows of several lengths, so decode
+    batches shrink and mix with prefill chunks), and its logits agree closely."""
+    eager = ModelRunner(tiny_dirs["llama"], num_kv_blocks=64, num_state_slots=8)
+    compiled = ModelRunner(tiny_dirs["llama"], num_kv_blocks=64, num_state_slots=8,
+                           compile=True)
+    prompts = h.prompts_of([3, 17, 40, 90], seed=14)
+    assert h.drive(compiled, prompts, 12, budget=50) == h.drive(eager, prompts, 12, budget=50)
+    (p,) = h.prompts_of([21], seed=15)
+    for r in (eager, compiled):
+        r.compute_logits([RunnerRow(p, 0, [60, 61])])
+    rows = [RunnerRow([5], 21, [60, 61])]
+    assert (eager.compute_logits(rows) - compiled.compute_logits(rows)).abs().max() < 1e-4
