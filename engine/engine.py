@@ -58,9 +58,6 @@ class LLMEngine:
         self._aborted_imports: list[str] = []  # aborted before admission: reported next step
         self.num_steps = 0
         self.num_empty_steps = 0
-        # request id -> engine-clock time its first prompt chunk was scheduled (for the
-        # router's TTFT breakdown); dropped when the request finishes or is handed off.
-        self._first_scheduled: dict[str, float] = {}
 
     # -- admission -------------------------------------------------------------------
 
@@ -128,14 +125,13 @@ class LLMEngine:
                            duration_s=time.perf_counter() - started,
                            num_rows=len(sched_out.scheduled))
 
-    def _note_scheduled(self, sched_out: SchedulerOutput) -> None:
-        first = self._first_scheduled
-        if len(first) > 2 * len(self._requests) + 64:  # drop any that left another way
-            for rid in [r for r in first if r not in self._requests]:
-                del first[rid]
+    @staticmethod
+    def _note_scheduled(sched_out: SchedulerOutput) -> None:
+        """Stamp when each prompt first ran, for the router's TTFT breakdown."""
         now = time.monotonic()
         for row in sched_out.scheduled:
-            first.setdefault(row.seq.request_id, now)
+            if row.seq.first_scheduled_time is None:
+                row.seq.first_scheduled_time = now
 
     def _execute(self, sched_out: SchedulerOutput) -> list[int | None]:
         if sched_out.is_empty:
@@ -172,7 +168,6 @@ class LLMEngine:
             out = self._output_for(by_id, seq)
             out.finish_reason = seq.finish_reason
             self._requests.pop(seq.request_id, None)
-            self._first_scheduled.pop(seq.request_id, None)
         for request_id in self._aborted_imports:
             by_id[request_id] = RequestOutput(request_id, [], finish_reason="abort")
             self._requests.pop(request_id, None)
@@ -185,7 +180,7 @@ class LLMEngine:
             out = by_id[seq.request_id] = RequestOutput(
                 seq.request_id, [], num_prompt_tokens=seq.prompt_len,
                 arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
-                first_scheduled_time=self._first_scheduled.get(seq.request_id))
+                first_scheduled_time=seq.first_scheduled_time)
         out.num_output_tokens = seq.output_len
         out.first_token_time = seq.first_token_time
         return out
@@ -205,7 +200,7 @@ class LLMEngine:
         self._requests.pop(seq.request_id, None)
         return HandOff(seq.request_id, seq.token_ids[-1], payload.to_bytes(), seq.prompt_len,
                        arrival_time=seq.arrival_time,
-                       first_scheduled_time=self._first_scheduled.pop(seq.request_id, None),
+                       first_scheduled_time=seq.first_scheduled_time,
                        first_token_time=seq.first_token_time)
 
     def _admit_imports(self) -> None:

@@ -51,7 +51,8 @@ class Sequence:
     __slots__ = (
         "request_id", "token_ids", "prompt_len", "sampling", "eos_token_id", "arrival_time",
         "order", "processed", "in_flight", "draft_len", "block_table", "state_slot", "status",
-        "so_status", "schedulable", "checkpoints", "first_token_time", "fork_pending",
+        "so_status", "schedulable", "checkpoints", "first_scheduled_time", "first_token_time",
+        "fork_pending",
         "bypassed", "retired",
     )
 
@@ -81,6 +82,7 @@ class Sequence:
         self.so_status = 0  # 0 none/inactive, 1 active, -1 failed
         self.schedulable = True
         self.checkpoints: list[int] = []  # ascending prompt positions a chunk may not cross
+        self.first_scheduled_time: float | None = None  # first prompt chunk scheduled (engine clock)
         self.first_token_time: float | None = None
         self.fork_pending = False  # holds a parent's pinned blocks until it gets its own copies
         self.bypassed = 0  # how often a smaller request passed it (opt-in bypass policy)
