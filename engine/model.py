@@ -262,6 +262,32 @@ def _post_final(attn, h, o_w, o_b, ln2_w, gu_w, gu_b, dn_w, dn_b, norm_w,
     return F.rms_norm(h, norm_w.shape, norm_w, eps)
 
 
+def _decode_step(h, cos, sin, weights: list, eps: float, inter: int, hq: int, hk: int,
+                 d: int, scale: float, k_blocks: list, v_blocks: list, kcs: list, vcs: list,
+                 slot_mapping, slots, positions, mask, length: int):
+    """A whole decode step (every layer, attention included) for an identity plan:
+    row i lives in slot i of the contiguous K/V ``kcs``/``vcs`` [S, Hk, C, D]."""
+    n = h.shape[0]
+    g = hq // hk
+    for i in range(len(weights)):
+        ln_w, qkv_w, qkv_b, o_w, o_b, ln2_w, gu_w, gu_b, dn_w, dn_b = weights[i]
+        kb, vb, kc, vc = k_blocks[i], v_blocks[i], kcs[i], vcs[i]
+        q, k, v = _pre(h, cos, sin, ln_w, qkv_w, qkv_b, eps, hq, hk, d)
+        nb, bs = kb.shape[:2]
+        kb.view(nb * bs, hk, d).index_copy_(0, slot_mapping, k)
+        vb.view(nb * bs, hk, d).index_copy_(0, slot_mapping, v)
+        kc[slots, :, positions] = k
+        vc[slots, :, positions] = v
+        kk = kc.view(-1, kc.shape[2], d)[:n * hk, :length]
+        vv = vc.view(-1, vc.shape[2], d)[:n * hk, :length]
+        scores = torch.bmm(q.reshape(n * hk, g, d), kk.transpose(1, 2)) * scale
+        if mask is not None:
+            scores = (scores.view(n, hk, g, length) + mask[:n]).view(n * hk, g, length)
+        attn = torch.bmm(scores.softmax(dim=-1), vv).view(n, hq * d)
+        h = _post(attn, h, o_w, o_b, ln2_w, gu_w, gu_b, dn_w, dn_b, eps, inter)
+    return h
+
+
 class _CompiledDecode:
     """Decode steps with each layer's dense work (norms, matmuls, rope, MLP) in
     ``torch.compile``d blocks: one between consecutive layers' attentions (post of
@@ -283,6 +309,9 @@ class _CompiledDecode:
         self.pre = torch.compile(_pre, **opts)
         self.post_pre = torch.compile(_post_pre, **opts)
         self.post_final = torch.compile(_post_final, **opts)
+        self.step = torch.compile(_decode_step, **opts)
+        self._weights = None
+        self._marked = None
 
     def supports(self, cache, meta) -> bool:
         m = self.model
@@ -301,6 +330,9 @@ class _CompiledDecode:
         eps = self.eps
         h = m.model.embed_tokens(tokens)
         cos, sin = m.rope.cos_sin(positions, h.dtype, meta.max_position, signed=True)
+        plan = meta.decode_plan
+        if plan is not None and plan.identity and meta.groups[0].covers_all:
+            return self._run_whole(h, cos, sin, cache, meta, plan)
         a0 = layers[0].self_attn
         q, k, v = self.pre(h, cos, sin, layers[0].input_layernorm.weight, *self._w(a0.qkv),
                            eps, a0.num_heads, a0.num_kv_heads, a0.head_dim)
@@ -319,6 +351,36 @@ class _CompiledDecode:
             else:
                 h = self.post_final(out, h, *common, m.model.norm.weight, eps, mlp.intermediate)
         return h
+
+    def _run_whole(self, h, cos, sin, cache, meta, plan):
+        m = self.model
+        layers = m.model.layers
+        if self._weights is None:
+            self._weights = [
+                (ly.input_layernorm.weight, *self._w(ly.self_attn.qkv), *self._w(ly.self_attn.o),
+                 ly.post_attention_layernorm.weight, *self._w(ly.mlp.gate_up),
+                 *self._w(ly.mlp.down)) for ly in layers]
+        dkv = meta.decode_kv
+        # Row count, slots, capacity and key length change during a run: symbolic from
+        # the first compile, so the graph is not compiled again as they grow.
+        mark = torch._dynamo.maybe_mark_dynamic
+        for t in (h, cos, sin, meta.slot_mapping, plan.slots, plan.positions):
+            mark(t, 0)
+        if plan.mask is not None:
+            mark(plan.mask, 0), mark(plan.mask, 3)
+        if self._marked is not dkv.k[0]:  # the copies were (re)allocated
+            for t in (*dkv.k, *dkv.v):
+                mark(t, 0), mark(t, 2)
+            self._marked = dkv.k[0]
+        if plan.fill_slots is not None:
+            for i in range(len(layers)):
+                dkv._fill(plan, i, dkv.k[i], dkv.v[i])
+        a0 = layers[0].self_attn
+        h = self.step(h, cos, sin, self._weights, self.eps, layers[0].mlp.intermediate,
+                      a0.num_heads, a0.num_kv_heads, a0.head_dim, a0.scale, cache.k_blocks,
+                      cache.v_blocks, dkv.k, dkv.v, meta.slot_mapping, plan.slots,
+                      plan.positions, plan.mask, plan.length)
+        return F.rms_norm(h, m.model.norm.weight.shape, m.model.norm.weight, self.eps)
 
 
 def load_model(model_dir, dtype: torch.dtype = torch.float32,
