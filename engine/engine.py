@@ -27,7 +27,7 @@ from pdserve.engine.model_runner import ModelRunner, RunnerRow
 from pdserve.engine.outputs import EngineStats, HandOff, RequestOutput, StepOutputs
 from pdserve.scheduler.block_pool import AllocStatus
 from pdserve.scheduler.config import EngineType
-from pdserve.scheduler.output import SchedulerOutput, StepKind
+from pdserve.scheduler.output import SchedulerOutput, StepKind, StepResult
 from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.scheduler.scheduler import Scheduler
 from pdserve.scheduler.sequence import Sequence
@@ -115,7 +115,7 @@ class LLMEngine:
             self._note_scheduled(sched_out)
         sampled = self._execute(sched_out)
         result = self.scheduler.process_outputs(sched_out, sampled)
-        outputs = self._collect_outputs(sched_out, result)
+        outputs = self._collect_outputs(result)
         handoffs = [self._hand_off(seq) for seq in result.handed_off]
         self.num_steps += 1
         if sched_out.is_empty:
@@ -155,7 +155,7 @@ class LLMEngine:
         ]
         return self.runner.execute(rows)
 
-    def _collect_outputs(self, sched_out: SchedulerOutput, result) -> list[RequestOutput]:
+    def _collect_outputs(self, result: StepResult) -> list[RequestOutput]:
         by_id: dict[str, RequestOutput] = {}
         # A handed-off request's first token travels in its HandOff, not here.
         handed_off = {seq.request_id for seq in result.handed_off}
@@ -174,7 +174,8 @@ class LLMEngine:
         self._aborted_imports.clear()
         return list(by_id.values())
 
-    def _output_for(self, by_id: dict[str, RequestOutput], seq: Sequence) -> RequestOutput:
+    @staticmethod
+    def _output_for(by_id: dict[str, RequestOutput], seq: Sequence) -> RequestOutput:
         out = by_id.get(seq.request_id)
         if out is None:
             out = by_id[seq.request_id] = RequestOutput(
