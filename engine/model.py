@@ -103,7 +103,10 @@ class Attention(nn.Module):
         self.o = MatMul.fuse([self.o_proj])
         del self.q_proj, self.k_proj, self.v_proj, self.o_proj
 
-    def forward(self, x, cos, sin, cache: KVCache, meta: AttentionMetadata):
+    def forward(self, x, cos, sin, cache: KVCache, meta: AttentionMetadata,
+                keep: torch.Tensor | None = None):
+        """``keep``: flat token indices whose output is wanted (the cache is written for
+        every token); None: all."""
         t, hq, hk, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(x).view(t, hq + 2 * hk, d)
         v = qkv[:, hq + hk:]
@@ -114,7 +117,9 @@ class Attention(nn.Module):
             qk = apply_rope_signed(qkv[:, :hq + hk], cos, sin)
             q, k = qk[:, :hq], qk[:, hq:]
         out = attention_step(q, k, v, self.layer, cache, meta, self.scale)
-        return self.o(out.reshape(t, hq * d))
+        if keep is not None:
+            out = out.index_select(0, keep)
+        return self.o(out.reshape(out.shape[0], hq * d))
 
 
 class MLP(nn.Module):
@@ -146,10 +151,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, cos, sin, cache, meta):
+    def forward(self, h, cos, sin, cache, meta, keep: torch.Tensor | None = None):
+        """``keep``: compute the output only at these flat token indices (every token's
+        K/V is still written); the result then has ``len(keep)`` rows."""
         # Residual adds into the fresh sublayer outputs (a + b == b + a exactly): no
         # new [T, hidden] tensor per add.
-        h = self.self_attn(self.input_layernorm(h), cos, sin, cache, meta).add_(h)
+        a = self.self_attn(self.input_layernorm(h), cos, sin, cache, meta, keep)
+        h = a.add_(h if keep is None else h.index_select(0, keep))
         return self.mlp(self.post_attention_layernorm(h)).add_(h)
 
 
@@ -191,13 +199,20 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """tokens, positions: [T] -> final hidden states [T, hidden] (after the last norm)."""
+                meta: AttentionMetadata, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens, positions: [T] -> final hidden states [T, hidden] (after the last norm).
+
+        ``keep``: the flat token indices whose hidden state is wanted (those that
+        sample); the result is then [len(keep), hidden]. Every layer still writes K/V
+        for all T tokens, but the last layer's o_proj and MLP run on the kept rows only:
+        in a prefill step that is most of one layer's matmuls saved (a 2048-token
+        prefill keeps 16)."""
         h = self.model.embed_tokens(tokens)
         # sin comes with its first half negated (see apply_rope_signed).
         cos, sin = self.rope.cos_sin(positions, h.dtype, meta.max_position, signed=True)
-        for layer in self.model.layers:
-            h = layer(h, cos, sin, cache, meta)
+        last = len(self.model.layers) - 1
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, cache, meta, keep if i == last else None)
         return self.model.norm(h)
 
     def enable_compile(self) -> None:

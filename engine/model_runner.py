@@ -191,13 +191,13 @@ class ModelRunner:
     def execute(self, rows: list[RunnerRow]) -> list[int | None]:
         if not rows:
             return []
+        want = [i for i, r in enumerate(rows) if r.sample]
         with self._threads.step(rows):
-            hidden, last = self._forward(rows)
-            want = [i for i, r in enumerate(rows) if r.sample]
+            hidden = self._forward(rows, want)
             out: list[int | None] = [None] * len(rows)
             if not want:
                 return out
-            logits = self.model.compute_logits(hidden[last[want]])
+            logits = self.model.compute_logits(hidden)
             tokens = self._sample(logits, [rows[i] for i in want]).tolist()
         for i, t in zip(want, tokens, strict=True):
             out[i] = int(t)
@@ -207,17 +207,19 @@ class ModelRunner:
         """Run the step (writing KV like ``execute``) and return fp32 logits [B, V] at
         each row's last query position, whatever its ``sample`` flag."""
         with self._threads.step(rows):
-            hidden, last = self._forward(rows)
-            return self.model.compute_logits(hidden[last])
+            return self.model.compute_logits(self._forward(rows, range(len(rows))))
 
     # ---- internals -------------------------------------------------------------
-    def _forward(self, rows: list[RunnerRow]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, rows: list[RunnerRow], want) -> torch.Tensor:
+        """Final hidden states [len(want), hidden] at the last query token of each row
+        in ``want`` (the step still writes every row's K/V)."""
         tokens, positions, meta, last = self.prepare(rows)
-        if self.compile:
-            hidden = self.model.forward_decode(tokens, positions, self.kv_cache, meta)
-        else:
-            hidden = self.model(tokens, positions, self.kv_cache, meta)
-        return hidden, last
+        if len(want) == tokens.shape[0]:  # a decode step: every token is kept
+            if self.compile:
+                return self.model.forward_decode(tokens, positions, self.kv_cache, meta)
+            return self.model(tokens, positions, self.kv_cache, meta)
+        keep = last[list(want)] if len(want) else last[:1]  # no 0-row matmuls
+        return self.model(tokens, positions, self.kv_cache, meta, keep)
 
     def _check(self, rows: list[RunnerRow]) -> None:
         bs, cache = self.block_size, self.kv_cache
@@ -373,18 +375,21 @@ class ModelRunner:
 
 
 class ThreadTuner:
-    """Runs each CPU step with 1 thread or with torch's current thread count, whichever
-    has been faster lately for steps of that kind and size.
+    """Runs each CPU decode step with 1 thread or with torch's current thread count,
+    whichever has been faster lately for steps of that size.
 
     Why: on a 2-core machine shared with other work, two OpenMP threads wait at every
     barrier for a peer that the OS has descheduled. Measured under load 6-10 on 2
-    cores, one thread ran the small model's decode steps about 2x faster and its
-    prefill about 1.6x faster (wall time), while an idle machine favours two. So: time
-    the steps. Per (kind, size bucket), an average of seconds per token for each
-    choice; untried choices first, then the faster one, with every ``explore``-th step
-    on the other so that a change in load is noticed. Thread count does not change
-    results (oneDNN and MKL matmuls and SDPA gave bitwise equal outputs for 1 and 2
-    threads at this model's decode and prefill shapes).
+    cores, one thread ran the small model's decode steps about 2x faster (wall time),
+    while an idle machine favours two. So: time the steps. Per size bucket, an average
+    of seconds per token for each choice; untried choices first, then the faster one,
+    with every ``explore``-th step on the other so that a change in load is noticed.
+    Only decode steps are tuned: they are many and short, so a wrong try costs one
+    step's difference. Prefill steps are few and long (one is a large share of an
+    offline batch): one exploratory prefill on 1 thread of an idle machine cost ~1 s
+    of a 5 s run of the small model, so they always use every thread. Thread count
+    does not change results (oneDNN and MKL matmuls and SDPA gave bitwise equal
+    outputs for 1 and 2 threads at this model's decode and prefill shapes).
     torch's global setting is restored after each step, so other code in the process
     (e.g. transformers in a benchmark) keeps the caller's thread count.
     """
@@ -416,12 +421,11 @@ class ThreadTuner:
     @contextlib.contextmanager
     def step(self, rows: list[RunnerRow]):
         caller = torch.get_num_threads()
-        if not self.enabled or caller <= 1:
+        tokens = sum(len(r.token_ids) for r in rows)
+        if not self.enabled or caller <= 1 or tokens != len(rows):
             yield
             return
-        tokens = sum(len(r.token_ids) for r in rows)
-        kind = "decode" if tokens == len(rows) else "prefill"
-        key = (kind, tokens.bit_length())
+        key = ("decode", tokens.bit_length())
         threads = self.choose(key, caller)
         torch.set_num_threads(threads)
         start = time.perf_counter()

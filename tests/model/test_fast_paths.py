@@ -132,6 +132,47 @@ def test_thread_tuner_restores_the_callers_thread_count(tiny_dirs):
         assert torch.get_num_threads() == before
 
 
+def test_thread_tuner_runs_prefill_steps_on_every_thread(monkeypatch):
+    """A prefill step is never an exploratory 1-thread try (one costs seconds)."""
+    from pdserve.engine.model_runner import ThreadTuner
+
+    seen = []
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(torch, "set_num_threads", seen.append)
+    tuner = ThreadTuner(explore=2)
+    prefill = [RunnerRow(list(range(64)), 0, [1])]
+    decode = [RunnerRow([1], 5, [1]) for _ in range(4)]
+    for _ in range(6):
+        with tuner.step(prefill):
+            pass
+    assert seen == [] and not tuner.cost  # untouched: the caller's 2 threads
+    for _ in range(2):
+        with tuner.step(decode):
+            pass
+    assert seen == [2, 2, 1, 2]  # decode: tries 2, then 1, restoring 2 after each
+
+
+def test_last_layer_runs_only_the_sampled_rows_and_matches_the_full_step(tiny_dirs):
+    """execute() trims the last layer to the rows that sample; their logits equal the
+    untrimmed computation (compute_logits) and the cache is written the same."""
+    rows = [RunnerRow(list(range(3, 40)), 0, [1, 2, 3]), RunnerRow(list(range(9, 30)), 0, [4, 5]),
+            RunnerRow(list(range(50, 60)), 0, [6], sample=False)]
+    a = ModelRunner(tiny_dirs["llama"], num_kv_blocks=8)
+    b = ModelRunner(tiny_dirs["llama"], num_kv_blocks=8)
+    tokens = a.execute(rows)
+    full = b.compute_logits(rows)
+    assert tokens[:2] == full[:2].argmax(-1).tolist() and tokens[2] is None
+    assert torch.equal(a.kv_cache.k_blocks[-1], b.kv_cache.k_blocks[-1])
+    assert torch.equal(a.kv_cache.v_blocks[-1], b.kv_cache.v_blocks[-1])
+    def forward(r, keep=None):
+        tokens, positions, meta, _ = r.prepare(rows)
+        return r.model(tokens, positions, r.kv_cache, meta, keep)
+
+    trimmed = forward(a, keep=torch.tensor([36]))
+    assert trimmed.shape[0] == 1
+    assert (trimmed - forward(b)[36:37]).abs().max() < 1e-5
+
+
 def test_rope_table_and_in_place_rotation_equal_the_reference():
     from pdserve.kernels.rope import (
         RopeTable,
