@@ -2,7 +2,7 @@
 
 Module names match Hugging Face checkpoints (``model.layers.3.self_attn.q_proj``),
 so weights load by name; ``CausalLM.fuse`` then swaps each layer's projections for
-fused matmuls (q|k|v, gate|up) with packed weights (see ``MatMul``). Input is a step's flat token list (rows back to back)
+fused matmuls (q|k|v, gate|up) with decode-friendly weight layouts (see ``MatMul``). Input is a step's flat token list (rows back to back)
 with absolute positions; attention metadata says where each row's keys live.
 
     h = embed(tokens)
@@ -35,29 +35,46 @@ class MatMul(nn.Module):
     """``x @ W.T (+ b)`` for 2-D ``x`` [T, in]; ``fuse`` concatenates projections that
     read the same input (q|k|v, gate|up), so a layer runs 4 matmuls instead of 7.
 
-    On CPU in fp32 the weight is also kept in oneDNN's packed (blocked) layout, used
-    for inputs of at most ``PACKED_MAX_ROWS`` rows (decode steps). Why: a decode step
-    multiplies ~16 rows by every weight, so it streams all weights from memory once
-    per step; with a plain weight MKL re-packs it on every call, which costs about as
-    much again. Measured on the 82M model's weights (1 thread, 16 rows): 41 ms packed
-    vs 51 ms ``F.linear`` vs 21 ms to merely read them. At prefill shapes (2048 rows)
-    MKL's ``F.linear`` on the plain weight was ~13% faster than oneDNN (2.56 s vs
-    2.96 s of the small model's prefill), hence both copies: the weights take twice
-    their size in memory on this path. Elsewhere (GPU, bf16/fp16): ``F.linear`` only.
+    On CPU in fp32 the weight is also kept in a second layout for inputs of at most
+    ``DECODE_MAX_ROWS`` rows (decode steps), chosen by size:
+
+    - up to ``TRANSPOSED_MAX_NUMEL`` elements: ``W.T`` contiguous, multiplied by
+      ``torch.mm``. MKL's small-``M`` kernels run ~1.5x faster on a [in, out] operand
+      than on the transposed view ``F.linear`` passes (tiny model, all decode matmuls,
+      16 rows: 1.34-1.49 ms vs 1.90-2.54 ms; 1 and 2 threads).
+    - larger: oneDNN's packed (blocked) layout. A decode step streams every weight from
+      memory once; with a plain weight MKL re-packs it on every call. Small model, all
+      decode matmuls, 16 rows: packed 44.5 ms vs 58.4 ms ``F.linear`` (1 thread), 27.4 vs
+      31.9 ms (2 threads). ``torch.compile`` cannot take a packed weight, so
+      ``use_transposed`` switches every matmul to ``W.T`` for the compiled decode path.
+
+    At prefill shapes (2048 rows) ``F.linear`` on the plain weight is the fastest
+    (small model, 2 threads: 1.53 s vs 1.72 s for ``W.T``), hence two copies: the
+    weights take twice their size in memory on this path. The layout is a fixed rule
+    (not timed at start-up) so that every process computes bitwise the same logits.
+    Elsewhere (GPU, bf16/fp16): ``F.linear`` only.
     """
 
     PACK_BATCH_HINT = 16  # oneDNN picks its blocking for about this many rows
-    PACKED_MAX_ROWS = 128
+    DECODE_MAX_ROWS = 128
+    TRANSPOSED_MAX_NUMEL = 1_500_000
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.weight = nn.Parameter(weight, requires_grad=False)
+        self.packed = self.transposed = None
+        if weight.device.type == "cpu" and weight.dtype == torch.float32:
+            if weight.numel() <= self.TRANSPOSED_MAX_NUMEL or not _onednn_packing_available():
+                self.use_transposed()
+            else:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_BATCH_HINT)
+
+    def use_transposed(self) -> None:
+        """Decode rows multiply ``W.T`` (contiguous) instead of a packed weight."""
+        self.transposed = self.weight.detach().t().contiguous()
         self.packed = None
-        if (weight.device.type == "cpu" and weight.dtype == torch.float32
-                and _onednn_packing_available()):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_BATCH_HINT)
 
     @classmethod
     def fuse(cls, linears: list[nn.Linear]) -> MatMul:
@@ -73,8 +90,13 @@ class MatMul(nn.Module):
         return self.out_features * self.in_features * self.weight.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] <= self.PACKED_MAX_ROWS:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if x.shape[0] <= self.DECODE_MAX_ROWS:
+            if self.transposed is not None:
+                if self.bias is None:
+                    return torch.mm(x, self.transposed)
+                return torch.addmm(self.bias, x, self.transposed)
+            if self.packed is not None:
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
@@ -189,8 +211,8 @@ class CausalLM(nn.Module):
         return {n: tuple(p.shape) for n, p in self.named_parameters(remove_duplicate=False)}
 
     def fuse(self) -> None:
-        """After loading by checkpoint names: fused, packed matmul weights (the
-        originals are dropped, so memory does not double)."""
+        """After loading by checkpoint names: fused matmul weights with their decode
+        layouts (see ``MatMul``); the unfused originals are dropped."""
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
@@ -216,7 +238,12 @@ class CausalLM(nn.Module):
         return self.model.norm(h)
 
     def enable_compile(self) -> None:
-        """Opt in to the compiled decode path (see ``_decode_compiled``)."""
+        """Opt in to the compiled decode path (see ``_CompiledDecode``); its matmuls
+        multiply ``W.T`` (a packed weight cannot enter the graph)."""
+        for layer in self.model.layers:
+            for mm in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down):
+                if mm.packed is not None:
+                    mm.use_transposed()
         self._compiled = _CompiledDecode(self)
 
     def forward_decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
@@ -238,8 +265,9 @@ class CausalLM(nn.Module):
         return self.logits_proj(hidden).float()
 
 
-def _lin(x, weight, bias):
-    return F.linear(x, weight, bias)
+def _lin(x, w_t, bias):
+    """``x @ w_t (+ bias)`` with ``w_t`` = W.T ([in, out]; see ``MatMul``)."""
+    return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
 
 
 def _rope(x, cos, sin):
@@ -309,8 +337,7 @@ class _CompiledDecode:
     layer i + pre of layer i+1), so the Python dispatch of ~15 small ops per layer
     becomes one call. Attention (KV writes, the contiguous decode K/V) stays eager:
     its length changes every step. Weights are passed as arguments, so one graph
-    serves every layer. Matmuls use the plain weights (inductor calls MKL); the
-    oneDNN packed copies serve the eager path only."""
+    serves every layer. Matmuls multiply ``W.T`` (inductor calls MKL's mm)."""
 
     def __init__(self, model: CausalLM):
         self.model = model
@@ -335,9 +362,10 @@ class _CompiledDecode:
 
     @staticmethod
     def _w(mm: MatMul):
-        # The plain weight: inductor cannot take oneDNN's packed one (its lowering of
+        # W.T: inductor cannot take oneDNN's packed weight (its lowering of
         # mkldnn._linear_pointwise rejects it; an opaque custom op costs a Python call).
-        return mm.weight, mm.bias
+        # Off the CPU fp32 path there is no contiguous copy: the view serves.
+        return (mm.transposed if mm.transposed is not None else mm.weight.t()), mm.bias
 
     def run(self, tokens, positions, cache, meta):
         m = self.model

@@ -21,11 +21,26 @@ def test_fused_matmul_equals_separate_linears():
     fused = MatMul.fuse(parts)
     want = torch.cat([m(x) for m in parts], dim=-1)
     assert (fused.in_features, fused.out_features) == (32, 40)
-    assert fused.packed is not None or not torch.backends.mkldnn.is_available()
+    assert fused.transposed is not None  # small: W.T for decode rows
+    assert torch.equal(fused.transposed, fused.weight.t())
     assert (fused(x) - want).abs().max().item() < 1e-5
     assert (fused(x[:1]) - want[:1]).abs().max().item() < 1e-5  # any row count
     nobias = MatMul.fuse([nn.Linear(32, 16, bias=False)])
     assert nobias.bias is None
+
+
+def test_large_matmul_uses_the_packed_layout_for_decode_rows_and_switches_for_compile():
+    torch.manual_seed(0)
+    w = torch.randn(1600, 1024) / 32  # more than TRANSPOSED_MAX_NUMEL elements
+    big = MatMul(w, None)
+    x = torch.randn(16, 1024)
+    want = x @ w.T
+    if torch.backends.mkldnn.is_available():
+        assert big.packed is not None and big.transposed is None
+    assert (big(x) - want).abs().max() < 1e-4  # decode rows: packed
+    assert (big(torch.randn(200, 1024)).shape == (200, 1600))  # prefill rows: plain weight
+    big.use_transposed()
+    assert big.packed is None and (big(x) - want).abs().max() < 1e-4
 
 
 def _pair(path):
