@@ -105,8 +105,19 @@ class RequestState:
 
 
 class RequestTracker:
-    def __init__(self, max_queue_depth: int) -> None:
+    """In-flight requests by id, plus the ids aborted before their Generate arrived.
+
+    A client that sends ``Abort`` right after starting ``Generate`` on another stream
+    can be ahead of it; the abort must not be lost. An unknown id is remembered for
+    ``early_abort_ttl_s`` (at most ``max_early_aborts`` ids, oldest dropped first), and
+    a request registered with a remembered id ends at once with "abort"."""
+
+    def __init__(self, max_queue_depth: int, early_abort_ttl_s: float = 60.0,
+                 max_early_aborts: int = 4096) -> None:
         self.max_queue_depth = max_queue_depth
+        self.early_abort_ttl_s = early_abort_ttl_s
+        self.max_early_aborts = max_early_aborts
+        self._early_aborts: dict[str, float] = {}  # id -> expiry (monotonic), oldest first
         self._states: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
@@ -138,6 +149,28 @@ class RequestTracker:
         state = RequestState(request)
         self._states[request.request_id] = state
         return state
+
+    def remember_early_abort(self, request_id: str) -> None:
+        if not request_id:
+            return
+        now = time.monotonic()
+        self._early_aborts.pop(request_id, None)
+        self._early_aborts[request_id] = now + self.early_abort_ttl_s
+        self._drop_expired(now)
+        while len(self._early_aborts) > self.max_early_aborts:
+            del self._early_aborts[next(iter(self._early_aborts))]
+
+    def take_early_abort(self, request_id: str) -> bool:
+        """Was ``request_id`` aborted before it arrived (and not long ago)? Forgets it."""
+        self._drop_expired(time.monotonic())
+        return self._early_aborts.pop(request_id, None) is not None
+
+    def _drop_expired(self, now: float) -> None:
+        while self._early_aborts:
+            oldest = next(iter(self._early_aborts))
+            if self._early_aborts[oldest] > now:
+                return
+            del self._early_aborts[oldest]
 
     def release(self, request_id: str) -> None:
         if self._states.pop(request_id, None) is not None:

@@ -85,8 +85,13 @@ class RouterService:
     # -- requests --------------------------------------------------------------------
 
     def admit(self, request: PreparedRequest) -> RequestState:
-        """Register a validated request (ALREADY_EXISTS / RESOURCE_EXHAUSTED) and send it."""
+        """Register a validated request (ALREADY_EXISTS / RESOURCE_EXHAUSTED) and send it;
+        one whose id an ``Abort`` named before it arrived ends at once with "abort"."""
         state = self.tracker.register(request)
+        if self.tracker.take_early_abort(state.request_id):
+            state.aborted = True
+            self._finish(state, "abort", "aborted by the client before the request arrived")
+            return state
         self._spawn(self._dispatch(state))
         return state
 
@@ -167,7 +172,8 @@ class RouterService:
 
     async def abort(self, request_id: str, reason: str = "aborted by the client") -> bool:
         state = self.tracker.get(request_id)
-        if state is None:
+        if state is None:  # not here (yet): a Generate with this id may be on its way
+            self.tracker.remember_early_abort(request_id)
             return False
         if state.finished:
             return True

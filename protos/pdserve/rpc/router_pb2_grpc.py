@@ -73,7 +73,9 @@ class RouterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Aborts a request wherever it is. Unknown ids are harmless (found = false).
+        """Aborts a request wherever it is. An unknown id gives found = false and is
+        remembered for a minute: a Generate with that id arriving later ends at once
+        with finish_reason "abort" (an Abort sent just after Generate may overtake it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
