@@ -33,6 +33,7 @@ from pdserve.engine.weights import file_digest, weight_files
 from pdserve.kernels.attention import AttentionGroup, AttentionMetadata
 from pdserve.kernels.decode_kv import DecodeKV
 from pdserve.kernels.kv_cache import KVCache
+from pdserve.kernels.sampling import greedy
 from pdserve.kernels.sampling import sample as sample_tokens
 from pdserve.kernels.slot_mapping import full_slots, ring_slots
 from pdserve.scheduler.sampling_params import SamplingParams
@@ -357,7 +358,7 @@ class ModelRunner:
             # settings tensors. The generator still advances exactly as on the general
             # path, so later unseeded draws do not depend on which path ran.
             torch.randint(-(2**62), 2**62, (len(rows),), generator=self._gen)
-            return logits.argmax(dim=-1)
+            return greedy(logits)
         n = len(rows)
         fresh = torch.randint(-(2**62), 2**62, (n,), generator=self._gen)
         seeds = torch.tensor(

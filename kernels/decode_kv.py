@@ -62,7 +62,7 @@ class DecodeKV:
 
     def _bytes(self, slots: int, capacity: int) -> int:
         c = self.cache
-        elem = torch.tensor([], dtype=c.dtype).element_size()
+        elem = c.dtype.itemsize
         return 2 * len(c.full_layers) * slots * c.num_kv_heads * capacity * c.head_dim * elem
 
     def _grow(self, slots: int, capacity: int) -> None:

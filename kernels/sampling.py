@@ -18,6 +18,28 @@ import torch
 _M32 = 0xFFFFFFFF
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` (the first maximal index of each row), faster on CPU.
+
+    Why: torch's CPU argmax over the last dimension is not vectorised (~130 µs for
+    16 x 4096 fp32 here, about 5% of a compiled tiny-model decode step), while
+    ``amax``, ``sub``, ``sign`` and ``mul`` are. A row's entries equal to its maximum
+    become 1, the others 0; weighting column ``j`` by ``V - j`` makes the row's
+    largest weight ``V - (first maximal index)``, exact in fp32 up to 2**24 columns.
+    When a row's maximum is NaN or infinite, torch's own argmax answers for the batch
+    (its NaN and infinity rules are the reference)."""
+    v = logits.shape[-1]
+    if logits.dtype != torch.float32 or logits.device.type != "cpu" or v >= 1 << 24:
+        return logits.argmax(-1)
+    top = logits.amax(-1, keepdim=True)  # NaN if the row holds one
+    if not bool(torch.isfinite(top).all()):
+        return logits.argmax(-1)
+    hit = (logits - top).sign_().add_(1)
+    weights = torch.arange(v, 0, -1, dtype=torch.float32, device=logits.device)
+    best = hit.mul_(weights).amax(-1)
+    return (v - best).long()
+
+
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     """(x * c) mod 2**32 for 0 <= x < 2**32 without int64 overflow."""
     lo = x * (c & 0xFFFF)

@@ -185,3 +185,27 @@ def test_runner_seeded_generation_reproducible_across_batches(tiny_dirs, h):
     assert together[0] != h.drive(ModelRunner(path, num_kv_blocks=64), prompts[:1], 10,
                                   sampling=[SamplingParams(temperature=1.0, top_p=0.95,
                                                            seed=41)])[0]
+
+
+def test_greedy_equals_argmax_including_ties_infinities_and_nan():
+    from pdserve.kernels.sampling import greedy
+
+    g = torch.Generator().manual_seed(0)
+    for vocab in (1, 7, 4096, 151_936):
+        logits = torch.randn(16, vocab, generator=g)
+        assert torch.equal(greedy(logits), logits.argmax(-1))
+    x = torch.randn(9, 50, generator=g)
+    x[0, [3, 17, 40]] = 9.0  # ties: the first maximal index
+    x[1, :] = float("-inf")  # nothing but -inf
+    x[1, 5] = -1e30
+    x[2, 11] = float("inf")
+    x[3, [2, 30]] = float("inf")  # tied infinities
+    x[4, :] = float("-inf")  # an all -inf row
+    x[5, 8] = float("nan")  # NaN wins argmax
+    x[6, :] = 0.0
+    x[7, 49] = 1e-45  # a subnormal maximum, last column
+    x[8, 0] = 3e38
+    assert torch.equal(greedy(x), x.argmax(-1))
+    assert greedy(x).dtype == torch.long
+    half = torch.randn(4, 33, generator=g).to(torch.bfloat16)  # other dtypes: argmax itself
+    assert torch.equal(greedy(half), half.argmax(-1))
