@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.weights import load_checked
+from pdserve.kernels import skinny_gemm
 from pdserve.kernels.attention import AttentionMetadata, attention_step
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.norms import RMSNorm
@@ -36,17 +37,19 @@ class MatMul(nn.Module):
     read the same input (q|k|v, gate|up), so a layer runs 4 matmuls instead of 7.
 
     On CPU in fp32 the weight is also kept in a second layout for inputs of at most
-    ``DECODE_MAX_ROWS`` rows (decode steps), chosen by size:
+    ``DECODE_MAX_ROWS`` rows (decode steps), the first that applies:
 
+    - column panels for ``kernels/skinny_gemm`` (AVX-512 CPUs, ``out`` a multiple of 32):
+      a kernel built for a few rows times a large weight, ~1.3x faster than the best of
+      the torch layouts below on every decode matmul of the tiny and small models;
     - up to ``TRANSPOSED_MAX_NUMEL`` elements: ``W.T`` contiguous, multiplied by
       ``torch.mm``. MKL's small-``M`` kernels run ~1.5x faster on a [in, out] operand
       than on the transposed view ``F.linear`` passes (tiny model, all decode matmuls,
-      16 rows: 1.34-1.49 ms vs 1.90-2.54 ms; 1 and 2 threads).
-    - larger: oneDNN's packed (blocked) layout. A decode step streams every weight from
-      memory once; with a plain weight MKL re-packs it on every call. Small model, all
-      decode matmuls, 16 rows: packed 44.5 ms vs 58.4 ms ``F.linear`` (1 thread), 27.4 vs
-      31.9 ms (2 threads). ``torch.compile`` cannot take a packed weight, so
-      ``use_transposed`` switches every matmul to ``W.T`` for the compiled decode path.
+      16 rows: 1.34-1.49 ms vs 1.90-2.54 ms; 1 and 2 threads);
+    - larger: oneDNN's packed (blocked) layout; with a plain weight MKL re-packs it on
+      every call. Small model, all decode matmuls, 16 rows: packed 44.5 ms vs 58.4 ms
+      ``F.linear`` (1 thread), 27.4 vs 31.9 ms (2 threads). ``torch.compile`` cannot
+      take a packed weight, so ``use_transposed`` switches to ``W.T`` for compiled graphs.
 
     At prefill shapes (2048 rows) ``F.linear`` on the plain weight is the fastest
     (small model, 2 threads: 1.53 s vs 1.72 s for ``W.T``), hence two copies: the
@@ -64,9 +67,11 @@ class MatMul(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.weight = nn.Parameter(weight, requires_grad=False)
-        self.packed = self.transposed = None
+        self.panels = self.packed = self.transposed = None
         if weight.device.type == "cpu" and weight.dtype == torch.float32:
-            if weight.numel() <= self.TRANSPOSED_MAX_NUMEL or not _onednn_packing_available():
+            if self.out_features % 32 == 0 and skinny_gemm.available():
+                self.panels = skinny_gemm.pack(weight)
+            elif weight.numel() <= self.TRANSPOSED_MAX_NUMEL or not _onednn_packing_available():
                 self.use_transposed()
             else:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_BATCH_HINT)
@@ -75,6 +80,13 @@ class MatMul(nn.Module):
         """Decode rows multiply ``W.T`` (contiguous) instead of a packed weight."""
         self.transposed = self.weight.detach().t().contiguous()
         self.packed = None
+
+    def decode_operand(self) -> torch.Tensor:
+        """What a compiled graph passes to ``linear`` below for decode rows: the panels,
+        a [out, in] view of the contiguous ``W.T``, or the plain weight."""
+        if self.panels is not None:
+            return self.panels
+        return self.transposed.t() if self.transposed is not None else self.weight
 
     @classmethod
     def fuse(cls, linears: list[nn.Linear]) -> MatMul:
@@ -91,6 +103,8 @@ class MatMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.DECODE_MAX_ROWS:
+            if self.panels is not None:
+                return skinny_gemm.matmul(x, self.panels, self.out_features, self.bias)
             if self.transposed is not None:
                 if self.bias is None:
                     return torch.mm(x, self.transposed)
@@ -98,6 +112,14 @@ class MatMul(nn.Module):
             if self.packed is not None:
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def linear(x: torch.Tensor, operand: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for a ``MatMul.decode_operand``: panels ([P, K, 16], P * 16
+    outputs) or a [out, in] weight (view)."""
+    if operand.dim() == 3:
+        return torch.ops.pdserve.skinny_matmul(x, operand, operand.shape[0] * 16, bias)
+    return F.linear(x, operand, bias)
 
 
 class Attention(nn.Module):
@@ -239,7 +261,7 @@ class CausalLM(nn.Module):
 
     def enable_compile(self) -> None:
         """Opt in to the compiled decode path (see ``_CompiledDecode``); its matmuls
-        multiply ``W.T`` (a packed weight cannot enter the graph)."""
+        read panels or ``W.T`` (a packed weight cannot enter the graph)."""
         for layer in self.model.layers:
             for mm in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down):
                 if mm.packed is not None:
@@ -265,9 +287,6 @@ class CausalLM(nn.Module):
         return self.logits_proj(hidden).float()
 
 
-def _lin(x, w_t, bias):
-    """``x @ w_t (+ bias)`` with ``w_t`` = W.T ([in, out]; see ``MatMul``)."""
-    return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
 
 
 def _rope(x, cos, sin):
@@ -279,7 +298,7 @@ def _pre(h, cos, sin, ln_w, qkv_w, qkv_b, eps: float, hq: int, hk: int, d: int):
     """rmsnorm -> fused qkv matmul -> rope: q [T, Hq, D], k, v [T, Hk, D]."""
     t = h.shape[0]
     x = F.rms_norm(h, ln_w.shape, ln_w, eps)
-    qkv = _lin(x, qkv_w, qkv_b).view(t, hq + 2 * hk, d)
+    qkv = linear(x, qkv_w, qkv_b).view(t, hq + 2 * hk, d)
     qk = _rope(qkv[:, :hq + hk], cos, sin)
     return qk[:, :hq], qk[:, hq:], qkv[:, hq + hk:]
 
@@ -287,9 +306,9 @@ def _pre(h, cos, sin, ln_w, qkv_w, qkv_b, eps: float, hq: int, hk: int, d: int):
 def _post(attn, h, o_w, o_b, ln2_w, gu_w, gu_b, dn_w, dn_b, eps: float,
           inter: int):
     """o_proj + residual, rmsnorm, gate|up, silu * up, down + residual; attn [T, Hq * D]."""
-    h = _lin(attn, o_w, o_b) + h
-    gu = _lin(F.rms_norm(h, ln2_w.shape, ln2_w, eps), gu_w, gu_b)
-    return _lin(F.silu(gu[:, :inter]) * gu[:, inter:], dn_w, dn_b) + h
+    h = linear(attn, o_w, o_b) + h
+    gu = linear(F.rms_norm(h, ln2_w.shape, ln2_w, eps), gu_w, gu_b)
+    return linear(F.silu(gu[:, :inter]) * gu[:, inter:], dn_w, dn_b) + h
 
 
 def _post_pre(attn, h, cos, sin, o_w, o_b, ln2_w, gu_w, gu_b, dn_w, dn_b,
@@ -337,7 +356,8 @@ class _CompiledDecode:
     layer i + pre of layer i+1), so the Python dispatch of ~15 small ops per layer
     becomes one call. Attention (KV writes, the contiguous decode K/V) stays eager:
     its length changes every step. Weights are passed as arguments, so one graph
-    serves every layer. Matmuls multiply ``W.T`` (inductor calls MKL's mm)."""
+    serves every layer. Matmuls read ``MatMul.decode_operand`` (skinny_gemm's panels
+    through its operator, else ``W.T`` for MKL's mm)."""
 
     def __init__(self, model: CausalLM):
         self.model = model
@@ -362,10 +382,9 @@ class _CompiledDecode:
 
     @staticmethod
     def _w(mm: MatMul):
-        # W.T: inductor cannot take oneDNN's packed weight (its lowering of
-        # mkldnn._linear_pointwise rejects it; an opaque custom op costs a Python call).
-        # Off the CPU fp32 path there is no contiguous copy: the view serves.
-        return (mm.transposed if mm.transposed is not None else mm.weight.t()), mm.bias
+        # Not oneDNN's packed weight: inductor cannot take it (``enable_compile``
+        # switched those to W.T).
+        return mm.decode_operand(), mm.bias
 
     def run(self, tokens, positions, cache, meta):
         m = self.model

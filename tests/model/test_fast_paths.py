@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from pdserve.engine.model import MatMul
 from pdserve.engine.model_runner import ModelRunner, RunnerRow
 from pdserve.kernels.sampling import sample
@@ -21,7 +22,7 @@ def test_fused_matmul_equals_separate_linears():
     fused = MatMul.fuse(parts)
     want = torch.cat([m(x) for m in parts], dim=-1)
     assert (fused.in_features, fused.out_features) == (32, 40)
-    assert fused.transposed is not None  # small: W.T for decode rows
+    assert fused.transposed is not None  # small, 40 outputs (not panels): W.T for decode rows
     assert torch.equal(fused.transposed, fused.weight.t())
     assert (fused(x) - want).abs().max().item() < 1e-5
     assert (fused(x[:1]) - want[:1]).abs().max().item() < 1e-5  # any row count
@@ -29,18 +30,52 @@ def test_fused_matmul_equals_separate_linears():
     assert nobias.bias is None
 
 
-def test_large_matmul_uses_the_packed_layout_for_decode_rows_and_switches_for_compile():
+def test_matmul_decode_layouts_by_rule_all_equal_linear():
+    """Panels (skinny_gemm) when out is a multiple of 32 and the kernel is built; else
+    W.T up to TRANSPOSED_MAX_NUMEL elements, oneDNN-packed above (switched to W.T for
+    compiled graphs). Every layout equals F.linear at decode and prefill row counts."""
+    from pdserve.engine.model import linear
+    from pdserve.kernels import skinny_gemm
+
     torch.manual_seed(0)
-    w = torch.randn(1600, 1024) / 32  # more than TRANSPOSED_MAX_NUMEL elements
-    big = MatMul(w, None)
-    x = torch.randn(16, 1024)
-    want = x @ w.T
-    if torch.backends.mkldnn.is_available():
-        assert big.packed is not None and big.transposed is None
-    assert (big(x) - want).abs().max() < 1e-4  # decode rows: packed
-    assert (big(torch.randn(200, 1024)).shape == (200, 1600))  # prefill rows: plain weight
-    big.use_transposed()
-    assert big.packed is None and (big(x) - want).abs().max() < 1e-4
+    cases = {"panels": (1600, 1024), "transposed": (40, 32), "packed": (1601, 1024)}
+    for kind, (n, k) in cases.items():
+        w, b = torch.randn(n, k) / 32, torch.randn(n)
+        mm = MatMul(w, b)
+        layout = {"panels": mm.panels, "transposed": mm.transposed, "packed": mm.packed}
+        if kind == "panels" and not skinny_gemm.available():
+            kind = "transposed"  # no AVX-512 or no compiler: the torch layouts serve
+        if kind == "packed" and not torch.backends.mkldnn.is_available():
+            kind = "transposed"
+        assert [key for key, v in layout.items() if v is not None] == [kind]
+        for rows in (1, 5, 16, 200):
+            x = torch.randn(rows, k)
+            assert (mm(x) - F.linear(x, w, b)).abs().max() < 1e-4, (kind, rows)
+            assert (linear(x, mm.decode_operand(), b) - F.linear(x, w, b)).abs().max() < 1e-4 \
+                or mm.packed is not None  # a packed weight is not a graph operand
+        if mm.packed is not None:
+            mm.use_transposed()
+            assert mm.packed is None and mm.decode_operand().shape == (n, k)
+
+
+def test_skinny_gemm_kernel_matches_linear_at_ragged_shapes():
+    from pdserve.kernels import skinny_gemm
+
+    if not skinny_gemm.available():
+        pytest.skip("skinny_gemm needs an AVX-512 CPU and a C compiler")
+    g = torch.Generator().manual_seed(1)
+    for m, n, k in [(1, 32, 1), (7, 48, 33), (8, 96, 64), (9, 200, 70), (33, 4096, 256)]:
+        w, x, b = (torch.randn(n, k, generator=g), torch.randn(m, k, generator=g),
+                   torch.randn(n, generator=g))
+        panels = skinny_gemm.pack(w)
+        assert panels.shape == (-(-n // 32) * 2, k, 16)
+        assert (skinny_gemm.matmul(x, panels, n, b) - F.linear(x, w, b)).abs().max() < 1e-4
+        assert (skinny_gemm.matmul(x, panels, n) - x @ w.T).abs().max() < 1e-4
+        op = torch.ops.pdserve.skinny_matmul(x, panels, n, None)
+        assert torch.equal(op, skinny_gemm.matmul(x, panels, n))
+    assert skinny_gemm.matmul(torch.empty(0, 8), skinny_gemm.pack(torch.ones(32, 8)), 32).shape == (0, 32)
+    with pytest.raises(ValueError, match="does not fit"):
+        skinny_gemm.matmul(torch.randn(2, 9), skinny_gemm.pack(torch.ones(32, 8)), 32)
 
 
 def _pair(path):

@@ -1,0 +1,148 @@
+"""Decode-shaped fp32 matmuls on AVX-512 CPUs: a few rows times a large weight.
+
+    panels = pack(weight)                      # [N, K] -> [P, K, 16], once at load
+    out = matmul(x, panels, n=weight.shape[0], bias=None)   # x [M, K] -> [M, N]
+
+Why: a decode step multiplies ~16 rows by every weight of the model, so it is a stream
+of the weights through the cores with 16 FMAs per weight element. MKL's and oneDNN's
+kernels for that shape keep too few loads in flight to use the memory bandwidth (small
+model, 16 rows, 2 threads: ~28 ms for 315 MB of weights, against 15 ms to read them).
+Here the weight is stored as 16-column panels, each contiguous over K, and a thread
+runs two panels against eight rows at a time with all sixteen accumulators in
+registers, prefetching the panels ahead; threads split the panels (OpenMP, torch's own
+runtime, so ``torch.set_num_threads`` applies). Measured in one run, all decode
+matmuls of the small model at 16 rows: 23-30 ms vs 31-44 ms for oneDNN's packed
+weights (2 threads), 47-54 vs 58-70 ms (1 thread); tiny model 1.2 vs 1.8-2.3 ms.
+
+Sums run over K in order, so results differ from MKL's in the last bits (as MKL's
+differ between its own kernels); the engine's greedy tokens still equal transformers'.
+
+The C source beside this file is compiled on first use with the system's C compiler
+(``cc``, or ``$CC``) into ``~/.cache/pdserve`` (or ``$XDG_CACHE_HOME/pdserve``), under
+a name that hashes the source and flags; a finished build is renamed into place, so
+processes starting together do not see half-written files. Where the CPU lacks
+AVX-512, no compiler is found or the build fails, ``available()`` is False (the reason
+is logged once) and callers keep their torch matmuls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("skinny_gemm.c")
+FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+PANEL = 16
+
+
+def _cpu_has_avx512() -> bool:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        return "avx512f" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX")
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "pdserve"
+
+
+def _build(compiler: str) -> Path:
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"skinny_gemm-{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], check=True,
+                       capture_output=True, text=True, timeout=120)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The compiled kernel, or None (reason logged once)."""
+    if not _cpu_has_avx512():
+        log.info("skinny_gemm off: the CPU has no AVX-512")
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        log.warning("skinny_gemm off: no C compiler (cc, gcc or $CC) found")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("skinny_gemm off: building %s failed: %s", SOURCE.name, detail)
+        return None
+    lib.skinny_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                ctypes.c_void_p]
+    lib.skinny_gemm.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] fp32 -> panels [P, K, 16] with P even (columns past N are zero)."""
+    n, k = weight.shape
+    p = -(-n // (2 * PANEL)) * 2
+    padded = weight.new_zeros(p * PANEL, k)
+    padded[:n] = weight
+    return padded.view(p, PANEL, k).transpose(1, 2).contiguous()
+
+
+def matmul(x: torch.Tensor, panels: torch.Tensor, n: int,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for x [M, K] fp32 on the CPU, W given as ``pack(W)``."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("skinny_gemm is not available on this machine")
+    x = x.contiguous()
+    m, k = x.shape
+    if panels.shape[1] != k or panels.shape[0] * PANEL < n:
+        raise ValueError(f"x [{m}, {k}] does not fit panels {tuple(panels.shape)} for n={n}")
+    out = torch.empty(m, n, dtype=torch.float32)
+    if m:
+        b = None if bias is None else bias.contiguous()
+        rc = lib.skinny_gemm(x.data_ptr(), m, k, panels.data_ptr(), n,
+                             None if b is None else b.data_ptr(), out.data_ptr())
+        if rc != 0:
+            raise MemoryError("skinny_gemm could not allocate its scratch rows")
+    return out
+
+
+@torch.library.custom_op("pdserve::skinny_matmul", mutates_args=())
+def skinny_matmul(x: torch.Tensor, panels: torch.Tensor, n: int,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """``matmul`` as an operator, so that a ``torch.compile`` graph can call it."""
+    return matmul(x, panels, n, bias)
+
+
+@skinny_matmul.register_fake
+def _(x, panels, n, bias):
+    return x.new_empty(x.shape[0], n)
