@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define PREFETCH_K 16 /* panel rows ahead: keeps the weight stream's loads in flight */
+#define PREFETCH_K 32 /* panel rows (2 KiB) ahead: keeps the weight streams' loads in flight */
 
 /* Eight rows of x against two panels (32 columns): 16 accumulators in registers; per k,
  * two 64-byte weight loads, eight broadcasts, sixteen FMAs. */

@@ -10,9 +10,10 @@ model, 16 rows, 2 threads: ~28 ms for 315 MB of weights, against 15 ms to read t
 Here the weight is stored as 16-column panels, each contiguous over K, and a thread
 runs two panels against eight rows at a time with all sixteen accumulators in
 registers, prefetching the panels ahead; threads split the panels (OpenMP, torch's own
-runtime, so ``torch.set_num_threads`` applies). Measured in one run, all decode
-matmuls of the small model at 16 rows: 23-30 ms vs 31-44 ms for oneDNN's packed
-weights (2 threads), 47-54 vs 58-70 ms (1 thread); tiny model 1.2 vs 1.8-2.3 ms.
+runtime, so ``torch.set_num_threads`` applies). All decode matmuls of the small model
+at 16 rows, best of 8 alternated runs: 15.1 ms (20.9 GB/s of weights: the machine's
+read bandwidth) vs 24.2 ms for oneDNN's packed weights with 2 threads; 27.8 vs 40.9 ms
+with 1 thread (11.3 GB/s, one core's bandwidth). Tiny model: 1.2 vs 1.8-2.3 ms.
 
 Sums run over K in order, so results differ from MKL's in the last bits (as MKL's
 differ between its own kernels); the engine's greedy tokens still equal transformers'.
