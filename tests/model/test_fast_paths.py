@@ -267,3 +267,34 @@ def test_compiled_decode_equals_eager_token_for_token(tiny_dirs, h):
         r.compute_logits([RunnerRow(p, 0, [60, 61])])
     rows = [RunnerRow([5], 21, [60, 61])]
     assert (eager.compute_logits(rows) - compiled.compute_logits(rows)).abs().max() < 1e-4
+
+
+def test_skinny_gemm_builds_into_the_cache_and_falls_back_without_a_compiler(tmp_path):
+    """A fresh cache gets the built library; with no usable compiler the kernel is off
+    (a logged warning) and MatMul keeps a torch layout, with the same results."""
+    import os
+    import subprocess
+    import sys
+
+    from pdserve.kernels import skinny_gemm
+
+    probe = ("import torch; from pdserve.kernels import skinny_gemm as s; "
+             "from pdserve.engine.model import MatMul; w = torch.randn(64, 32); "
+             "x = torch.randn(3, 32); m = MatMul(w, None); "
+             "assert (m(x) - x @ w.T).abs().max() < 1e-4; "
+             "print(s.available(), m.panels is not None)")
+
+    def run(**env):
+        out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, **env},
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split(), out.stderr
+
+    (avail, panels), _ = run(XDG_CACHE_HOME=str(tmp_path / "fresh"))
+    built = list((tmp_path / "fresh" / "pdserve").glob("skinny_gemm-*.so"))
+    assert (avail, panels) == ((str(skinny_gemm.available()),) * 2)
+    assert len(built) == int(skinny_gemm.available())
+    (avail, panels), err = run(XDG_CACHE_HOME=str(tmp_path / "nocc"), CC="/nonexistent/cc")
+    assert (avail, panels) == ("False", "False")
+    if skinny_gemm._cpu_has_avx512():
+        assert "skinny_gemm off" in err and "nonexistent" in err
