@@ -55,7 +55,9 @@ class MatMul(nn.Module):
     At prefill shapes (2048 rows) ``F.linear`` on the plain weight is the fastest
     (small model, 2 threads: 1.53 s vs 1.72 s for ``W.T``), hence two copies: the
     weights take twice their size in memory on this path. The layout is a fixed rule
-    (not timed at start-up) so that every process computes bitwise the same logits.
+    (not timed at start-up) so that processes on like machines (same CPU features and
+    compiler) compute bitwise the same logits, e.g. a replacement rank replaying a
+    greedy request.
     Elsewhere (GPU, bf16/fp16): ``F.linear`` only.
     """
 
