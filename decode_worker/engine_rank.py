@@ -9,7 +9,7 @@ One rank = one engine + one `EngineLoop` thread + (for world size > 1) a
 - every step's outputs are queued as plain dicts; the router long-polls them
   (`poll`), so one Ray reply carries whole steps, never single tokens;
 - the data-parallel group is formed by `join_group` with an address the pool
-  controller got from rank 0's `free_address` (rendezvous through Ray, no fixed
+  controller got from rank 0's `open_group_store` (rendezvous through Ray, no fixed
   port), and re-formed the same way after a resize or a dead peer: `pause` stops
   every rank of the pool at the same step boundary (a vote), then the next
   `join_group` starts a new loop with the new group.
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -76,8 +75,9 @@ def default_loop_factory(engine: Any, on_step: Callable, communicator: Any,
                       park_timeout_s=0.5, on_error=on_error)
 
 
-def default_communicator_factory(rank: int, world_size: int, address: str | None,
+def default_communicator_factory(rank: int, world_size: int, address: Any,
                                  timeout_s: float, prefix: str, device: str | None = None) -> Any:
+    """``address``: the group store's tcp:// address, or (rank 0) the store itself."""
     from pdserve.engine.dp_comm import TorchDistCommunicator
 
     # The backend follows the device: NCCL for ranks on a GPU, gloo on CPU.
@@ -119,6 +119,8 @@ class EngineRank:
         self.generation = -1
         self.loop: Any = None
         self._comm: Any = None
+        self._hosted_store: Any = None  # opened for the next group (rank 0 only)
+        self._group_store: Any = None  # the store of the current group, if hosted here
         self._vote: _PausingCommunicator | None = None
         self._peers: list[Any] = []
         self._reports: list[dict] = []
@@ -160,13 +162,22 @@ class EngineRank:
             "num_total_blocks": stats["num_total_blocks"], "kv_address": self.kv_address,
         }
 
-    def free_address(self) -> str:
-        """A tcp:// address with a port free on this node, for the group's store."""
+    def open_group_store(self) -> str:
+        """Host the next group's rendezvous store (this rank becomes its rank 0) and
+        return its tcp:// address.
+
+        The store binds a port the OS picks and keeps it, so no other process can take
+        the port between choosing it and listening on it (probing for a free port and
+        binding it later failed with EADDRINUSE under parallel tests)."""
+        import datetime
+
+        import torch.distributed as dist
+
         host = _node_ip()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        return f"tcp://{host}:{port}"
+        self._hosted_store = dist.TCPStore(
+            host, 0, None, True, timeout=datetime.timedelta(seconds=self.collective_timeout_s),
+            wait_for_workers=False)
+        return f"tcp://{host}:{self._hosted_store.port}"
 
     def join_group(self, rank: int, world_size: int, address: str | None, generation: int,
                    peers: list[Any]) -> dict:
@@ -182,8 +193,13 @@ class EngineRank:
             import torch
 
             device = f"cuda:{torch.cuda.current_device()}"
-        comm = self._comm_factory(rank, world_size, address, self.collective_timeout_s,
+        # Rank 0 hosts the store it opened in open_group_store: it joins through that
+        # store object (the others connect to its address).
+        hosted, self._hosted_store = self._hosted_store, None
+        init = hosted if hosted is not None and rank == 0 and address is not None else address
+        comm = self._comm_factory(rank, world_size, init, self.collective_timeout_s,
                                   f"pdserve/{self.pool_name}/g{generation}", device=device)
+        self._group_store = hosted  # kept alive for as long as the group lives
         self._comm = comm
         self.rank, self.world_size, self.generation = rank, world_size, generation
         self._peers = list(peers)

@@ -138,6 +138,10 @@ class TorchDistCommunicator:
                 gloo_host = "127.0.0.1"
         elif isinstance(init, dist.Store):
             base = init
+            # A store this rank hosts (see EngineRank.open_group_store): the same
+            # loopback rule as for its address, so all ranks pick the same interface.
+            if gloo_host is None and getattr(init, "host", None) in _LOOPBACK:
+                gloo_host = "127.0.0.1"
         else:
             raise TypeError(f"init must be an address string or a torch.distributed.Store, got {type(init)}")
         store = dist.PrefixStore(f"{prefix}/", base)

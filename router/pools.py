@@ -1,8 +1,8 @@
 """Pools of engine-rank actors: start, rendezvous, choose a rank, resize, lose a rank.
 
 The controller lives in the router process and talks to ranks only through Ray
-handles. A pool's data-parallel group is formed by asking its first rank for a free
-address on its node (`free_address`) and handing that address to every rank's
+handles. A pool's data-parallel group is formed by asking its first rank to open the
+group's store on its node (`open_group_store`) and handing that address to every rank's
 `join_group` at once; a resize or a dead rank re-forms it the same way, with a new
 generation number, after pausing the survivors at a common step boundary.
 """
@@ -169,7 +169,7 @@ class Pool:
             return
         address = None
         if len(live) > 1:
-            address = await live[0].actor.free_address.remote()
+            address = await live[0].actor.open_group_store.remote()
         peers_of = {r.uid: [p.actor for p in live if p.uid != r.uid] for r in live}
         results = await asyncio.gather(
             *(r.actor.join_group.remote(i, len(live), address, self.generation, peers_of[r.uid])
