@@ -125,8 +125,9 @@ def matmul(x: torch.Tensor, panels: torch.Tensor, n: int,
         raise RuntimeError("skinny_gemm is not available on this machine")
     x = x.contiguous()
     m, k = x.shape
-    if panels.shape[1] != k or panels.shape[0] * PANEL < n:
-        raise ValueError(f"x [{m}, {k}] does not fit panels {tuple(panels.shape)} for n={n}")
+    if panels.shape[1] != k or panels.shape[0] * PANEL < n or x.dtype != torch.float32:
+        raise ValueError(f"x [{m}, {k}] {x.dtype} does not fit fp32 panels "
+                         f"{tuple(panels.shape)} for n={n}")
     out = torch.empty(m, n, dtype=torch.float32)
     if m:
         b = None if bias is None else bias.contiguous()

@@ -76,6 +76,8 @@ def test_skinny_gemm_kernel_matches_linear_at_ragged_shapes():
     assert skinny_gemm.matmul(torch.empty(0, 8), skinny_gemm.pack(torch.ones(32, 8)), 32).shape == (0, 32)
     with pytest.raises(ValueError, match="does not fit"):
         skinny_gemm.matmul(torch.randn(2, 9), skinny_gemm.pack(torch.ones(32, 8)), 32)
+    with pytest.raises(ValueError, match="does not fit"):
+        skinny_gemm.matmul(torch.randn(2, 8).bfloat16(), skinny_gemm.pack(torch.ones(32, 8)), 32)
 
 
 def _pair(path):
