@@ -73,6 +73,17 @@ def test_skinny_gemm_kernel_matches_linear_at_ragged_shapes():
         assert (skinny_gemm.matmul(x, panels, n) - x @ w.T).abs().max() < 1e-4
         op = torch.ops.pdserve.skinny_matmul(x, panels, n, None)
         assert torch.equal(op, skinny_gemm.matmul(x, panels, n))
+    # Each output is one thread's in-order sum: the thread count cannot change a bit
+    # (ThreadTuner relies on it).
+    before = torch.get_num_threads()
+    try:
+        w, x = torch.randn(1280, 768, generator=g), torch.randn(16, 768, generator=g)
+        torch.set_num_threads(1)
+        one = skinny_gemm.matmul(x, skinny_gemm.pack(w), 1280)
+        torch.set_num_threads(2)
+        assert torch.equal(one, skinny_gemm.matmul(x, skinny_gemm.pack(w), 1280))
+    finally:
+        torch.set_num_threads(before)
     assert skinny_gemm.matmul(torch.empty(0, 8), skinny_gemm.pack(torch.ones(32, 8)), 32).shape == (0, 32)
     with pytest.raises(ValueError, match="does not fit"):
         skinny_gemm.matmul(torch.randn(2, 9), skinny_gemm.pack(torch.ones(32, 8)), 32)
