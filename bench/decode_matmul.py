@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     weights = decode_weights(model)
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     result = {"benchmark": "decode_matmul", "model_dir": model_dir, "threads": torch.get_num_threads(),
-              "weight_bytes": nbytes, "bandwidth": measure_bandwidth(1 << 28), "rows": {}}
+              "weight_bytes": nbytes, "bandwidth": measure_bandwidth(), "rows": {}}
     print(f"{len(weights)} matmuls, {nbytes / 1e6:.1f} MB of weights, "
           f"{result['threads']} threads; read bandwidth {result['bandwidth']['read_GBps']} GB/s")
     for rows in args.rows:
