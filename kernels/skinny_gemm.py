@@ -54,7 +54,7 @@ def _cpu_has_avx512() -> bool:
     try:
         return "avx512f" in Path("/proc/cpuinfo").read_text().split()
     except OSError:
-        return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX")
+        return torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 def _cache_dir() -> Path:
