@@ -271,10 +271,23 @@ class CausalLM(nn.Module):
                     mm.use_transposed()
         self._compiled = _CompiledDecode(self)
 
+    def use_decode_kernel(self, on: bool = True) -> bool:
+        """Decode steps through ``kernels/decode_step`` (one C call per step) where it
+        applies (see ``engine/decode_kernel``); returns whether it is now on."""
+        from pdserve.engine import decode_kernel
+
+        self._kernel = decode_kernel.build(self) if on else None
+        return self._kernel is not None
+
     def forward_decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                        meta: AttentionMetadata) -> torch.Tensor:
-        """``forward`` for a decode-only step; through the compiled dense blocks when
-        ``enable_compile`` ran and the step qualifies, else eager."""
+        """``forward`` for a decode-only step: through the C decode step when
+        ``use_decode_kernel`` turned it on and the step qualifies, else through the
+        compiled dense blocks when ``enable_compile`` ran and the step qualifies, else
+        eager."""
+        k = getattr(self, "_kernel", None)
+        if k is not None and k.supports(cache, meta):
+            return k.run(tokens, positions, cache, meta)
         c = getattr(self, "_compiled", None)
         if c is None or not c.supports(cache, meta):
             return self(tokens, positions, cache, meta)

@@ -84,6 +84,7 @@ class ModelRunner:
         seed: int = 0,
         adaptive_threads: bool = True,
         compile: bool = False,
+        decode_kernel: bool = True,
     ):
         from pdserve.engine.model_config import ModelConfig
 
@@ -93,7 +94,10 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, cfg0.torch_dtype)
         self.config, self.model = load_model(model_dir, self.dtype, self.device)
         self.compile = compile
-        if compile:  # decode steps through torch.compile'd dense blocks (see CausalLM)
+        # Decode steps: one C call where the CPU and model allow, else torch (compiled
+        # dense blocks when asked), see CausalLM.forward_decode.
+        self.decode_kernel = self.model.use_decode_kernel(decode_kernel)
+        if compile:
             self.model.enable_compile()
         cfg = self.config
         self.block_size = block_size
@@ -216,9 +220,7 @@ class ModelRunner:
         in ``want`` (the step still writes every row's K/V)."""
         tokens, positions, meta, last = self.prepare(rows)
         if len(want) == tokens.shape[0]:  # a decode step: every token is kept
-            if self.compile:
-                return self.model.forward_decode(tokens, positions, self.kv_cache, meta)
-            return self.model(tokens, positions, self.kv_cache, meta)
+            return self.model.forward_decode(tokens, positions, self.kv_cache, meta)
         keep = last[list(want)] if len(want) else last[:1]  # no 0-row matmuls
         return self.model(tokens, positions, self.kv_cache, meta, keep)
 

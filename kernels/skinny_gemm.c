@@ -1,37 +1,10 @@
 /* Decode-shaped matmuls on AVX-512 CPUs: out[M, N] = x[M, K] @ W^T (+ bias) for a few
  * rows M and a large weight W, which is packed as column panels [P][K][16] (P even;
  * columns past N are zero). See skinny_gemm.py for why and how it is built. */
-#include <immintrin.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define PREFETCH_K 32 /* panel rows (2 KiB) ahead: keeps the weight streams' loads in flight */
-
-/* Eight rows of x against two panels (32 columns): 16 accumulators in registers; per k,
- * two 64-byte weight loads, eight broadcasts, sixteen FMAs. */
-static inline void block8x32(const float *x, int64_t K, const float *w0, const float *w1,
-                             __m512 acc[16]) {
-    __m512 a[16];
-    for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k++) {
-        _mm_prefetch((const char *)(w0 + (k + PREFETCH_K) * 16), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w1 + (k + PREFETCH_K) * 16), _MM_HINT_T0);
-        __m512 v0 = _mm512_loadu_ps(w0 + k * 16), v1 = _mm512_loadu_ps(w1 + k * 16);
-#pragma GCC unroll 8
-        for (int r = 0; r < 8; r++) {
-            __m512 b = _mm512_set1_ps(x[r * K + k]);
-            a[2 * r] = _mm512_fmadd_ps(b, v0, a[2 * r]);
-            a[2 * r + 1] = _mm512_fmadd_ps(b, v1, a[2 * r + 1]);
-        }
-    }
-    for (int i = 0; i < 16; i++) acc[i] = a[i];
-}
-
-static __mmask16 mask_for(int64_t cols) {
-    if (cols <= 0) return 0;
-    return cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
-}
+#include "skinny_block.h"
 
 /* Returns 0, or -1 when the scratch rows could not be allocated. */
 int skinny_gemm(const float *x, int64_t M, int64_t K, const float *panels, int64_t N,

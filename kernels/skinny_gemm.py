@@ -18,89 +18,29 @@ with 1 thread (11.3 GB/s, one core's bandwidth). Tiny model: 1.2 vs 1.8-2.3 ms.
 Sums run over K in order, so results differ from MKL's in the last bits (as MKL's
 differ between its own kernels); the engine's greedy tokens still equal transformers'.
 
-The C source beside this file is compiled on first use with the system's C compiler
-(``cc``, or ``$CC``) into ``~/.cache/pdserve`` (or ``$XDG_CACHE_HOME/pdserve``), under
-a name that hashes the source and flags; a finished build is renamed into place, so
-processes starting together do not see half-written files. Where the CPU lacks
-AVX-512, no compiler is found or the build fails, ``available()`` is False (the reason
-is logged once) and callers keep their torch matmuls.
+The C source beside this file is compiled on first use (``kernels/cbuild.py``); where
+that is not possible, ``available()`` is False and callers keep their torch matmuls.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
+from pdserve.kernels import cbuild
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("skinny_gemm.c")
-FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 PANEL = 16
-
-
-def _cpu_has_avx512() -> bool:
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return False
-    try:
-        return "avx512f" in Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return torch.backends.cpu.get_cpu_capability() == "AVX512"
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "pdserve"
-
-
-def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"skinny_gemm-{digest}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], check=True,
-                       capture_output=True, text=True, timeout=120)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The compiled kernel, or None (reason logged once)."""
-    if not _cpu_has_avx512():
-        log.info("skinny_gemm off: the CPU has no AVX-512")
-        return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        log.warning("skinny_gemm off: no C compiler (cc, gcc or $CC) found")
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", "") or exc
-        log.warning("skinny_gemm off: building %s failed: %s", SOURCE.name, detail)
-        return None
-    lib.skinny_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                ctypes.c_void_p]
-    lib.skinny_gemm.restype = ctypes.c_int
+    lib = cbuild.load("skinny_gemm")
+    if lib is not None:
+        lib.skinny_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                    ctypes.c_void_p]
+        lib.skinny_gemm.restype = ctypes.c_int
     return lib
 
 

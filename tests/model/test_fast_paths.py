@@ -264,9 +264,11 @@ def test_compiled_decode_equals_eager_token_for_token(tiny_dirs, h):
     """``ModelRunner(compile=True)``: decode steps through the torch.compile'd dense
     blocks give the eager runner's greedy tokens (rows of several lengths, so decode
     batches shrink and mix with prefill chunks), and its logits agree closely."""
-    eager = ModelRunner(tiny_dirs["llama"], num_kv_blocks=64, num_state_slots=8)
+    # Both without the C decode step, which would take the decode steps otherwise.
+    eager = ModelRunner(tiny_dirs["llama"], num_kv_blocks=64, num_state_slots=8,
+                        decode_kernel=False)
     compiled = ModelRunner(tiny_dirs["llama"], num_kv_blocks=64, num_state_slots=8,
-                           compile=True)
+                           compile=True, decode_kernel=False)
     prompts = h.prompts_of([3, 17, 40, 90], seed=14)
     assert h.drive(compiled, prompts, 12, budget=50) == h.drive(eager, prompts, 12, budget=50)
     assert (h.drive(compiled, prompts, 9, budget=64, mixed=False, first_block=30)
@@ -291,11 +293,11 @@ def test_skinny_gemm_builds_into_the_cache_and_falls_back_without_a_compiler(tmp
 
     from pdserve.kernels import skinny_gemm
 
-    probe = ("import torch; from pdserve.kernels import skinny_gemm as s; "
+    probe = ("import torch; from pdserve.kernels import skinny_gemm as s, decode_step as d; "
              "from pdserve.engine.model import MatMul; w = torch.randn(64, 32); "
              "x = torch.randn(3, 32); m = MatMul(w, None); "
              "assert (m(x) - x @ w.T).abs().max() < 1e-4; "
-             "print(s.available(), m.panels is not None)")
+             "print(s.available(), m.panels is not None, d.available())")
 
     def run(**env):
         out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, **env},
@@ -303,11 +305,13 @@ def test_skinny_gemm_builds_into_the_cache_and_falls_back_without_a_compiler(tmp
         assert out.returncode == 0, out.stderr
         return out.stdout.split(), out.stderr
 
-    (avail, panels), _ = run(XDG_CACHE_HOME=str(tmp_path / "fresh"))
-    built = list((tmp_path / "fresh" / "pdserve").glob("skinny_gemm-*.so"))
-    assert (avail, panels) == ((str(skinny_gemm.available()),) * 2)
-    assert len(built) == int(skinny_gemm.available())
-    (avail, panels), err = run(XDG_CACHE_HOME=str(tmp_path / "nocc"), CC="/nonexistent/cc")
-    assert (avail, panels) == ("False", "False")
-    if skinny_gemm._cpu_has_avx512():
+    (avail, panels, step), _ = run(XDG_CACHE_HOME=str(tmp_path / "fresh"))
+    built = sorted(p.name.split("-")[0] for p in (tmp_path / "fresh" / "pdserve").glob("*.so"))
+    assert (avail, panels, step) == ((str(skinny_gemm.available()),) * 3)
+    assert built == (["decode_step", "skinny_gemm"] if skinny_gemm.available() else [])
+    (avail, panels, step), err = run(XDG_CACHE_HOME=str(tmp_path / "nocc"), CC="/nonexistent/cc")
+    assert (avail, panels, step) == ("False", "False", "False")
+    from pdserve.kernels import cbuild
+
+    if cbuild.cpu_has_avx512():
         assert "skinny_gemm off" in err and "nonexistent" in err

@@ -1,0 +1,65 @@
+"""Decode steps of a ``CausalLM`` through ``kernels/decode_step`` (one C call per step).
+
+Used for decode-only steps whose rows all have a slot in the contiguous decode K/V
+(``DecodePlan``), when the model is fp32 on an AVX-512 CPU, every matmul has
+``skinny_gemm`` panels, and the layers are plain full-attention Llama layers (no
+sliding window, no q/k norm). Other steps take the torch path.
+"""
+
+from __future__ import annotations
+
+import torch
+from pdserve.kernels import decode_step
+from pdserve.kernels.attention import AttentionMetadata
+from pdserve.kernels.kv_cache import KVCache
+
+
+def build(model) -> KernelDecode | None:
+    """A kernel bound to ``model``'s fused weights, or None where it does not apply."""
+    cfg = model.cfg
+    layers = model.model.layers
+    if (not decode_step.available() or cfg.qk_norm or cfg.has_sliding_window
+            or model.model.norm.weight.dtype != torch.float32):
+        return None
+    mats = [(ly.self_attn.qkv, ly.self_attn.o, ly.mlp.gate_up, ly.mlp.down) for ly in layers]
+    if any(m.panels is None for group in mats for m in group):
+        return None
+    a = layers[0].self_attn
+    dims = decode_step.StepDims(
+        hidden=cfg.hidden_size, q_heads=a.num_heads, kv_heads=a.num_kv_heads,
+        head_dim=a.head_dim, intermediate=layers[0].mlp.intermediate, layers=len(layers),
+        eps=cfg.rms_norm_eps, scale=a.scale)
+    if not dims.supported():
+        return None
+    weights = [decode_step.LayerWeights(
+        ln=ly.input_layernorm.weight, qkv=qkv.panels, qkv_bias=qkv.bias, o=o.panels,
+        o_bias=o.bias, ln2=ly.post_attention_layernorm.weight, gate_up=gu.panels,
+        gate_up_bias=gu.bias, down=down.panels, down_bias=down.bias)
+        for ly, (qkv, o, gu, down) in zip(layers, mats, strict=True)]
+    return KernelDecode(model, decode_step.DecodeStep(dims, weights, model.model.norm.weight))
+
+
+class KernelDecode:
+    def __init__(self, model, step: decode_step.DecodeStep):
+        self.model = model
+        self.step = step
+
+    @staticmethod
+    def supports(cache: KVCache, meta: AttentionMetadata) -> bool:
+        return (not cache.ring_layers and meta.decode_plan is not None
+                and len(meta.groups) == 1 and meta.groups[0].decode
+                and meta.groups[0].covers_all)
+
+    @torch.inference_mode()
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+            meta: AttentionMetadata) -> torch.Tensor:
+        m = self.model
+        h = m.model.embed_tokens(tokens)
+        cos, sin = m.rope.cos_sin(positions, h.dtype, meta.max_position, signed=True)
+        plan, dkv = meta.decode_plan, meta.decode_kv
+        if plan.fill_slots is not None:  # rows decoding for the first time: copy their K/V
+            for i in range(len(m.model.layers)):
+                dkv._fill(plan, i, dkv.k[i], dkv.v[i])
+        kv = (cache.k_blocks, cache.v_blocks, dkv.k, dkv.v)
+        return self.step.run(h, cos, sin, meta.slot_mapping, plan.slots, plan.positions, kv,
+                             dkv.capacity)

@@ -1,0 +1,262 @@
+/* A whole decode step of a Llama-family model on AVX-512 CPUs in one call: every layer's
+ * norms, matmuls (skinny_block.h on column panels), rope, KV writes, attention over the
+ * contiguous decode K/V, SiLU MLP and residuals, then the final norm. See decode_step.py
+ * for why, the layouts and the limits. One OpenMP region for the step; phases meet at a
+ * spinning barrier (an OpenMP barrier sleeps under OMP_WAIT_POLICY=PASSIVE and costs a
+ * wake-up per phase). */
+#include <math.h>
+#include <omp.h>
+#include <sched.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "skinny_block.h"
+
+enum { D_ROWS, D_HIDDEN, D_Q_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_LAYERS, D_CAPACITY,
+       D_COUNT };
+enum { P_LN, P_QKV, P_QKV_B, P_O, P_O_B, P_LN2, P_GATE_UP, P_GATE_UP_B, P_DOWN, P_DOWN_B,
+       P_K_BLOCKS, P_V_BLOCKS, P_K_SLOTS, P_V_SLOTS, P_COUNT };
+
+#define SPINS_BEFORE_YIELD 20000
+
+typedef struct {
+    int count, phase;
+} Barrier;
+
+static void barrier_wait(Barrier *b, int threads) {
+    if (threads == 1) return;
+    int phase = __atomic_load_n(&b->phase, __ATOMIC_ACQUIRE);
+    if (__atomic_add_fetch(&b->count, 1, __ATOMIC_ACQ_REL) == threads) {
+        __atomic_store_n(&b->count, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&b->phase, phase + 1, __ATOMIC_RELEASE);
+        return;
+    }
+    /* Yield after a while: on a loaded machine the peer may be descheduled. */
+    for (int spins = 0; __atomic_load_n(&b->phase, __ATOMIC_ACQUIRE) == phase; spins++)
+        if (spins < SPINS_BEFORE_YIELD) _mm_pause(); else sched_yield();
+}
+
+/* exp(x), Cody-Waite reduction and Cephes' degree-6 polynomial (~1 ulp); NaN stays NaN. */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-103.0f), _mm512_min_ps(_mm512_set1_ps(88.7f), x));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
+    return _mm512_scalef_ps(_mm512_add_ps(p, _mm512_set1_ps(1.0f)), n);
+}
+
+/* out = x * rsqrt(mean(x^2) + eps) * w over H floats (H % 16 == 0). */
+static void rms_norm_row(const float *x, const float *w, int64_t H, float eps, float *out) {
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t k = 0; k < H; k += 16) {
+        __m512 v = _mm512_loadu_ps(x + k);
+        s = _mm512_fmadd_ps(v, v, s);
+    }
+    float r = 1.0f / sqrtf(_mm512_reduce_add_ps(s) / (float)H + eps);
+    __m512 rv = _mm512_set1_ps(r);
+    for (int64_t k = 0; k < H; k += 16)
+        _mm512_storeu_ps(out + k, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + k), rv),
+                                                _mm512_loadu_ps(w + k)));
+}
+
+/* Rows [0, M) of x (row stride K; rows up to the next multiple of 8 are read and their
+ * results dropped) times panel pairs [p0, p1) -> out (row stride ldo) + bias; add_to:
+ * out += that instead (the residual, added after the bias as in torch). */
+static void matmul_part(const float *x, int64_t M, int64_t K, const float *panels, int64_t N,
+                        const float *bias, float *out, int64_t ldo, int add_to, int64_t p0,
+                        int64_t p1) {
+    __m512 acc[16];
+    for (int64_t pp = p0; pp < p1; pp++) {
+        const float *w0 = panels + 2 * pp * K * 16, *w1 = w0 + K * 16;
+        int64_t col = pp * 32;
+        __mmask16 m0 = mask_for(N - col), m1 = mask_for(N - col - 16);
+        __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias + col) : _mm512_setzero_ps();
+        __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + col + 16) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < M; r += 8) {
+            block8x32(x + r * K, K, w0, w1, acc);
+            int64_t rows = M - r < 8 ? M - r : 8;
+            for (int64_t i = 0; i < rows; i++) {
+                float *o = out + (r + i) * ldo + col;
+                __m512 y0 = _mm512_add_ps(acc[2 * i], b0), y1 = _mm512_add_ps(acc[2 * i + 1], b1);
+                if (add_to) {
+                    y0 = _mm512_add_ps(y0, _mm512_maskz_loadu_ps(m0, o));
+                    y1 = _mm512_add_ps(y1, _mm512_maskz_loadu_ps(m1, o + 16));
+                }
+                _mm512_mask_storeu_ps(o, m0, y0);
+                _mm512_mask_storeu_ps(o + 16, m1, y1);
+            }
+        }
+    }
+}
+
+static void matmul(int t, int threads, const float *x, int64_t M, int64_t K,
+                   const float *panels, int64_t N, const float *bias, float *out, int add_to) {
+    int64_t pairs = (N + 31) / 32;
+    matmul_part(x, M, K, panels, N, bias, out, N, add_to, pairs * t / threads,
+                pairs * (t + 1) / threads);
+}
+
+/* x * cos + rotate(x) * sin with sin's first half negated (RopeTable's signed sin). */
+static inline void rope(const float *x, const float *cos, const float *sin, int64_t D,
+                        float *out) {
+    int64_t half = D / 2;
+    for (int64_t c = 0; c < half; c += 16) {
+        __m512 a = _mm512_loadu_ps(x + c), b = _mm512_loadu_ps(x + half + c);
+        _mm512_storeu_ps(out + c, _mm512_add_ps(_mm512_mul_ps(a, _mm512_loadu_ps(cos + c)),
+                                                _mm512_mul_ps(b, _mm512_loadu_ps(sin + c))));
+        _mm512_storeu_ps(out + half + c,
+                         _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(cos + half + c)),
+                                       _mm512_mul_ps(a, _mm512_loadu_ps(sin + half + c))));
+    }
+}
+
+/* g query heads (q: g x D) against keys/values [0, len) (K, V: len x D): scores scaled,
+ * softmax, weighted sum of values -> out (g x D). dc = D / 16, a constant at each call
+ * site so that the loops over a row unroll into registers. */
+static inline __attribute__((always_inline)) void attend(
+    const float *q, const float *K, const float *V, int64_t len, int64_t g, const int dc,
+    float scale, float *scores, float *out) {
+    const int64_t D = dc * 16;
+    for (int64_t t = 0; t < len; t++) {
+        __m512 kv[16];
+#pragma GCC unroll 16
+        for (int c = 0; c < dc; c++) kv[c] = _mm512_loadu_ps(K + t * D + c * 16);
+        for (int64_t h = 0; h < g; h++) {
+            __m512 s = _mm512_setzero_ps();
+#pragma GCC unroll 16
+            for (int c = 0; c < dc; c++) s = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + c * 16), kv[c], s);
+            scores[h * len + t] = _mm512_reduce_add_ps(s) * scale;
+        }
+    }
+    for (int64_t h = 0; h < g; h++) {
+        float *s = scores + h * len;
+        __m512 mv = _mm512_set1_ps(-INFINITY);
+        for (int64_t t = 0; t < len; t += 16)
+            mv = _mm512_mask_max_ps(mv, mask_for(len - t), mv, _mm512_maskz_loadu_ps(mask_for(len - t), s + t));
+        __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv)), sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < len; t += 16) {
+            __mmask16 k = mask_for(len - t);
+            __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), m));
+            _mm512_mask_storeu_ps(s + t, k, e);
+            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
+        }
+        __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(sum));
+        for (int64_t t = 0; t < len; t += 16) {
+            __mmask16 k = mask_for(len - t);
+            _mm512_mask_storeu_ps(s + t, k, _mm512_div_ps(_mm512_maskz_loadu_ps(k, s + t), total));
+        }
+        __m512 acc[16];
+#pragma GCC unroll 16
+        for (int c = 0; c < dc; c++) acc[c] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < len; t++) {
+            __m512 p = _mm512_set1_ps(s[t]);
+#pragma GCC unroll 16
+            for (int c = 0; c < dc; c++) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(V + t * D + c * 16), acc[c]);
+        }
+#pragma GCC unroll 16
+        for (int c = 0; c < dc; c++) _mm512_storeu_ps(out + h * D + c * 16, acc[c]);
+    }
+}
+
+static void attend_any(const float *q, const float *K, const float *V, int64_t len, int64_t g,
+                       int64_t D, float scale, float *scores, float *out) {
+    switch (D) {
+    case 64: attend(q, K, V, len, g, 4, scale, scores, out); break;
+    case 128: attend(q, K, V, len, g, 8, scale, scores, out); break;
+    default: attend(q, K, V, len, g, (int)(D / 16), scale, scores, out); break;
+    }
+}
+
+static inline int64_t round8(int64_t n) { return (n + 7) / 8 * 8; }
+
+/* Floats of scratch that decode_step needs for these dims and thread count. */
+int64_t decode_step_workspace(const int64_t *dims, int64_t threads) {
+    int64_t n8 = round8(dims[D_ROWS]), H = dims[D_HIDDEN], D = dims[D_HEAD_DIM];
+    int64_t hq = dims[D_Q_HEADS], hk = dims[D_KV_HEADS], I = dims[D_INTER];
+    int64_t g = hq / hk;
+    return n8 * (H + (hq + 2 * hk) * D + hq * D + 2 * I + I) + threads * g * (dims[D_CAPACITY] + D);
+}
+
+/* h [n, H]: the embedded tokens in, the last layer's output out (before the final norm);
+ * out [n, H]: after the final norm. cos/sin [n, D] (sin signed); cache_slot [n]: each
+ * row's flat slot in the paged blocks [*, Hk, D]; kv_slot, pos [n]: its slot in the
+ * decode K/V [S, Hk, C, D] and the position it writes (it attends to [0, pos]).
+ * layers: P_COUNT pointers per layer (biases may be 0). Returns 0. */
+int decode_step(const int64_t *dims, const int64_t *layers, float *h, const float *cos,
+                const float *sin, const int64_t *cache_slot, const int64_t *kv_slot,
+                const int64_t *pos, const float *norm_w, float *out, float *work,
+                double eps_d, double scale_d, int threads) {
+    const int64_t n = dims[D_ROWS], H = dims[D_HIDDEN], hq = dims[D_Q_HEADS];
+    const int64_t hk = dims[D_KV_HEADS], D = dims[D_HEAD_DIM], I = dims[D_INTER];
+    const int64_t L = dims[D_LAYERS], C = dims[D_CAPACITY], g = hq / hk, n8 = round8(n);
+    const int64_t W = (hq + 2 * hk) * D;
+    const float eps = (float)eps_d, scale = (float)scale_d;
+    float *x = work, *qkv = x + n8 * H, *attn = qkv + n8 * W, *gu = attn + n8 * hq * D;
+    float *act = gu + n8 * 2 * I, *thread_scratch = act + n8 * I;
+    Barrier barrier = {0, 0};
+
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        float *scores = thread_scratch + t * g * (C + D), *q = scores + g * C;
+        for (int64_t r = t; r < n; r += nt)
+            rms_norm_row(h + r * H, (const float *)layers[P_LN], H, eps, x + r * H);
+        barrier_wait(&barrier, nt);
+        for (int64_t l = 0; l < L; l++) {
+            const int64_t *p = layers + l * P_COUNT;
+            matmul(t, nt, x, n, H, (const float *)p[P_QKV], W, (const float *)p[P_QKV_B], qkv, 0);
+            barrier_wait(&barrier, nt);
+            float *kb = (float *)p[P_K_BLOCKS], *vb = (float *)p[P_V_BLOCKS];
+            float *ks = (float *)p[P_K_SLOTS], *vs = (float *)p[P_V_SLOTS];
+            for (int64_t task = t; task < n * hk; task += nt) {
+                int64_t r = task / hk, j = task % hk;
+                const float *row = qkv + r * W, *c = cos + r * D, *s = sin + r * D;
+                float *k_slot = ks + ((kv_slot[r] * hk + j) * C) * D;
+                float *v_slot = vs + ((kv_slot[r] * hk + j) * C) * D;
+                rope(row + (hq + j) * D, c, s, D, k_slot + pos[r] * D);
+                memcpy(v_slot + pos[r] * D, row + (hq + hk + j) * D, D * sizeof(float));
+                memcpy(kb + (cache_slot[r] * hk + j) * D, k_slot + pos[r] * D, D * sizeof(float));
+                memcpy(vb + (cache_slot[r] * hk + j) * D, v_slot + pos[r] * D, D * sizeof(float));
+                for (int64_t i = 0; i < g; i++) rope(row + (j * g + i) * D, c, s, D, q + i * D);
+                attend_any(q, k_slot, v_slot, pos[r] + 1, g, D, scale, scores,
+                           attn + r * hq * D + j * g * D);
+            }
+            barrier_wait(&barrier, nt);
+            matmul(t, nt, attn, n, hq * D, (const float *)p[P_O], H, (const float *)p[P_O_B], h, 1);
+            barrier_wait(&barrier, nt);
+            for (int64_t r = t; r < n; r += nt)
+                rms_norm_row(h + r * H, (const float *)p[P_LN2], H, eps, x + r * H);
+            barrier_wait(&barrier, nt);
+            matmul(t, nt, x, n, H, (const float *)p[P_GATE_UP], 2 * I, (const float *)p[P_GATE_UP_B],
+                   gu, 0);
+            barrier_wait(&barrier, nt);
+            for (int64_t r = t; r < n; r += nt) {
+                const float *gate = gu + r * 2 * I, *up = gate + I;
+                float *a = act + r * I;
+                for (int64_t k = 0; k < I; k += 16) {
+                    __mmask16 m = mask_for(I - k);
+                    __m512 gv = _mm512_maskz_loadu_ps(m, gate + k);
+                    __m512 sig = _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
+                    _mm512_mask_storeu_ps(a + k, m, _mm512_mul_ps(_mm512_div_ps(gv, sig),
+                                                                  _mm512_maskz_loadu_ps(m, up + k)));
+                }
+            }
+            barrier_wait(&barrier, nt);
+            matmul(t, nt, act, n, I, (const float *)p[P_DOWN], H, (const float *)p[P_DOWN_B], h, 1);
+            barrier_wait(&barrier, nt);
+            const float *next_w = l + 1 < L ? (const float *)layers[(l + 1) * P_COUNT + P_LN] : norm_w;
+            for (int64_t r = t; r < n; r += nt)
+                rms_norm_row(h + r * H, next_w, H, eps, (l + 1 < L ? x : out) + r * H);
+            barrier_wait(&barrier, nt);
+        }
+    }
+    return 0;
+}

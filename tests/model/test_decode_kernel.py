@@ -1,0 +1,131 @@
+"""The C decode step (``kernels/decode_step``, via ``engine/decode_kernel``) against the
+torch path: same hidden states to ~1e-5, same cache writes, same greedy tokens, results
+independent of the thread count, and the fallback where it does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pdserve.engine.model_runner import ModelRunner, RunnerRow
+from pdserve.kernels import decode_step
+
+needs_kernel = pytest.mark.skipif(not decode_step.available(),
+                                  reason="the C decode step needs AVX-512 and a C compiler")
+
+
+def _pair(path, **kw):
+    torch_path = ModelRunner(path, num_kv_blocks=64, num_state_slots=8, decode_kernel=False,
+                             adaptive_threads=False, **kw)
+    kernel = ModelRunner(path, num_kv_blocks=64, num_state_slots=8, adaptive_threads=False, **kw)
+    assert not torch_path.decode_kernel and kernel.decode_kernel
+    return torch_path, kernel
+
+
+def _decode_hidden(runner, rows):
+    tokens, positions, meta, _ = runner.prepare(rows)
+    return runner.model.forward_decode(tokens, positions, runner.kv_cache, meta)
+
+
+@needs_kernel
+def test_decode_kernel_equals_torch_over_uneven_rows(tiny_dirs, h):
+    """Rows of different lengths (so each attends to its own key count), rows that start
+    decoding later (their K/V is copied into a slot first) and a row that leaves (slots
+    move): hidden states within 1e-4 of the torch path at every step, and the paged
+    cache written identically."""
+    ref, ker = _pair(tiny_dirs["llama"])
+    prompts = h.prompts_of([3, 19, 40, 7], seed=3)
+    tables = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(len(prompts))]
+    seqs = [list(p) for p in prompts]
+    for r in (ref, ker):
+        r.execute([RunnerRow(p, 0, t) for p, t in zip(prompts[:3], tables, strict=False)])
+    for step in range(12):
+        live = [0, 1, 2] + ([3] if step >= 4 else [])
+        if step == 4:  # a late prompt: its first decode step gathers its blocks
+            for r in (ref, ker):
+                r.execute([RunnerRow(prompts[3], 0, tables[3])])
+        if step >= 8:
+            live.remove(1)
+        rows = [RunnerRow([seqs[i][-1]], len(seqs[i]) - 1, tables[i]) for i in live]
+        a, b = _decode_hidden(ref, rows), _decode_hidden(ker, rows)
+        assert a.shape == b.shape
+        assert (a - b).abs().max() < 1e-4, step
+        nxt = ref.model.compute_logits(a).argmax(-1).tolist()
+        for i, t in zip(live, nxt, strict=True):
+            seqs[i].append(t)
+    for layer in range(ref.num_layers):
+        for x, y in ((ref.kv_cache.k_blocks, ker.kv_cache.k_blocks),
+                     (ref.kv_cache.v_blocks, ker.kv_cache.v_blocks)):
+            assert (x[layer] - y[layer]).abs().max() < 1e-4
+
+
+@needs_kernel
+def test_decode_kernel_greedy_tokens_equal_transformers(tiny_dirs, h):
+    ker = ModelRunner(tiny_dirs["llama"], num_kv_blocks=64, num_state_slots=8)
+    assert ker.decode_kernel
+    prompts = h.prompts_of([5, 23, 61], seed=21)
+    got = h.drive(ker, prompts, 16, mixed=False)
+    assert got == [h.hf_greedy(tiny_dirs["llama"], p, 16) for p in prompts]
+
+
+@needs_kernel
+def test_decode_kernel_with_biases_equals_torch(tiny_dirs, h):
+    """Models with q/k/v, o and MLP biases (qwen2-style): the kernel adds them as torch does."""
+    ref, ker = _pair(tiny_dirs["llama"])
+    g = torch.Generator().manual_seed(5)
+    for r in (ref, ker):
+        for ly in r.model.model.layers:
+            for mm in (ly.self_attn.qkv, ly.self_attn.o, ly.mlp.gate_up, ly.mlp.down):
+                mm.bias = torch.nn.Parameter(0.05 * torch.randn(mm.out_features, generator=g),
+                                             requires_grad=False)
+        g.manual_seed(5)
+    assert ker.model.use_decode_kernel()  # rebuilt: it binds the biases it finds
+    prompts = h.prompts_of([9, 30], seed=4)
+    tables = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    for r in (ref, ker):
+        r.execute([RunnerRow(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
+    rows = [RunnerRow([11], 9, tables[0]), RunnerRow([12], 30, tables[1])]
+    assert (_decode_hidden(ref, rows) - _decode_hidden(ker, rows)).abs().max() < 1e-4
+
+
+@needs_kernel
+def test_decode_kernel_results_do_not_depend_on_the_thread_count(tiny_dirs, h):
+    """Each output element is computed by one thread in a fixed order, so 1 and 2
+    threads give bitwise equal states (ThreadTuner's choice cannot change a token)."""
+    runners = [ModelRunner(tiny_dirs["llama"], num_kv_blocks=64, num_state_slots=8,
+                           adaptive_threads=False) for _ in range(2)]
+    prompts = h.prompts_of([6, 33, 17], seed=8)
+    tables = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
+    caller = torch.get_num_threads()
+    outs = []
+    try:
+        for r, threads in zip(runners, (1, 2), strict=True):
+            torch.set_num_threads(threads)
+            r.execute([RunnerRow(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
+            rows = [RunnerRow([7], len(p), t) for p, t in zip(prompts, tables, strict=True)]
+            outs.append(_decode_hidden(r, rows))
+    finally:
+        torch.set_num_threads(caller)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_decode_kernel_off_where_it_does_not_apply(tiny_dirs, h):
+    """Sliding-window models keep the torch path; so does a runner asked not to use it.
+    Both still give transformers' greedy tokens."""
+    swa = ModelRunner(tiny_dirs["mistral-swa"], num_kv_blocks=64, num_state_slots=8)
+    assert not swa.decode_kernel
+    off = ModelRunner(tiny_dirs["llama"], num_kv_blocks=64, num_state_slots=8,
+                      decode_kernel=False)
+    assert not off.decode_kernel
+    (p,) = h.prompts_of([12], seed=2)
+    assert h.drive(off, [p], 8) == [h.hf_greedy(tiny_dirs["llama"], p, 8)]
+
+
+def test_decode_step_refuses_what_it_cannot_run():
+    dims = decode_step.StepDims(hidden=100, q_heads=4, kv_heads=2, head_dim=64,
+                                intermediate=128, layers=1, eps=1e-6, scale=0.125)
+    assert not dims.supported()  # hidden not a multiple of 16
+    assert not decode_step.StepDims(256, 4, 2, 48, 128, 1, 1e-6, 0.1).supported()
+    assert not decode_step.StepDims(256, 6, 4, 64, 128, 1, 1e-6, 0.1).supported()
+    assert decode_step.StepDims(256, 4, 2, 64, 128, 1, 1e-6, 0.1).supported()
+    with pytest.raises(ValueError, match="fp32"):
+        decode_step._ptr(torch.zeros(4, dtype=torch.float64))
