@@ -13,31 +13,41 @@ Stop tokens are the scheduler's business, not this module's.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import torch
+from pdserve.kernels import cbuild
 
 _M32 = 0xFFFFFFFF
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(-1)`` (the first maximal index of each row), faster on CPU.
+    """``logits.argmax(-1)`` (the first maximal index of each row; a row holding NaN
+    answers its first NaN), from ``argmax.c`` for fp32 CPU logits.
 
-    Why: torch's CPU argmax over the last dimension is not vectorised (~130 µs for
-    16 x 4096 fp32 here, about 5% of a compiled tiny-model decode step), while
-    ``amax``, ``sub``, ``sign`` and ``mul`` are. A row's entries equal to its maximum
-    become 1, the others 0; weighting column ``j`` by ``V - j`` makes the row's
-    largest weight ``V - (first maximal index)``, exact in fp32 up to 2**24 columns.
-    When a row's maximum is NaN or infinite, torch's own argmax answers for the batch
-    (its NaN and infinity rules are the reference)."""
-    v = logits.shape[-1]
-    if logits.dtype != torch.float32 or logits.device.type != "cpu" or v >= 1 << 24:
+    Why: torch's CPU argmax over the last dimension is not vectorised: 77 µs for
+    16 x 4096 fp32 here, and ~160 µs for an amax/sign/mul formulation under
+    ``OMP_WAIT_POLICY=PASSIVE`` (each op wakes the thread team), against a few µs in
+    C: ~5-10% of a tiny-model decode step. Other dtypes and devices: torch's argmax."""
+    lib = _argmax_library()
+    if lib is None or logits.dtype != torch.float32 or logits.device.type != "cpu" \
+            or logits.dim() != 2 or logits.stride(-1) != 1:
         return logits.argmax(-1)
-    top = logits.amax(-1, keepdim=True)  # NaN if the row holds one
-    if not bool(torch.isfinite(top).all()):
-        return logits.argmax(-1)
-    hit = (logits - top).sign_().add_(1)
-    weights = torch.arange(v, 0, -1, dtype=torch.float32, device=logits.device)
-    best = hit.mul_(weights).amax(-1)
-    return (v - best).long()
+    out = torch.empty(logits.shape[0], dtype=torch.long)
+    lib.argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0),
+                    out.data_ptr())
+    return out
+
+
+@functools.cache
+def _argmax_library() -> ctypes.CDLL | None:
+    lib = cbuild.load("argmax")
+    if lib is not None:
+        i64 = ctypes.c_int64
+        lib.argmax_rows.argtypes = [ctypes.c_void_p, i64, i64, i64, ctypes.c_void_p]
+        lib.argmax_rows.restype = None
+    return lib
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -105,7 +115,7 @@ def sample(
 ) -> torch.Tensor:
     """One token per row. logits [B, V] (any float dtype); per-row settings [B]."""
     logits = logits.float()
-    greedy_tokens = logits.argmax(dim=-1)
+    greedy_tokens = greedy(logits)
     sampled = temperature > 0
     if not bool(sampled.any()):
         return greedy_tokens

@@ -194,7 +194,7 @@ def test_greedy_equals_argmax_including_ties_infinities_and_nan():
     for vocab in (1, 7, 4096, 151_936):
         logits = torch.randn(16, vocab, generator=g)
         assert torch.equal(greedy(logits), logits.argmax(-1))
-    x = torch.randn(9, 50, generator=g)
+    x = torch.randn(10, 50, generator=g)
     x[0, [3, 17, 40]] = 9.0  # ties: the first maximal index
     x[1, :] = float("-inf")  # nothing but -inf
     x[1, 5] = -1e30
@@ -205,7 +205,10 @@ def test_greedy_equals_argmax_including_ties_infinities_and_nan():
     x[6, :] = 0.0
     x[7, 49] = 1e-45  # a subnormal maximum, last column
     x[8, 0] = 3e38
+    x[9, [20, 4]] = float("nan")  # the first NaN, after a larger value
+    x[9, 1] = 50.0
     assert torch.equal(greedy(x), x.argmax(-1))
+    assert torch.equal(greedy(x[:, 3:41]), x[:, 3:41].argmax(-1))  # a strided view
     assert greedy(x).dtype == torch.long
     half = torch.randn(4, 33, generator=g).to(torch.bfloat16)  # other dtypes: argmax itself
     assert torch.equal(greedy(half), half.argmax(-1))
