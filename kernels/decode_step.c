@@ -128,7 +128,13 @@ static inline __attribute__((always_inline)) void attend(
     for (int64_t t = 0; t < len; t++) {
         __m512 kv[16];
 #pragma GCC unroll 16
-        for (int c = 0; c < dc; c++) kv[c] = _mm512_loadu_ps(K + t * D + c * 16);
+        for (int c = 0; c < dc; c++) {
+            /* Two streams in flight per thread (keys ahead, values for the third pass):
+             * the hardware prefetcher alone left attention at ~13 GB/s (small model). */
+            _mm_prefetch((const char *)(K + (t + 16) * D + c * 16), _MM_HINT_T0);
+            _mm_prefetch((const char *)(V + t * D + c * 16), _MM_HINT_T1);
+            kv[c] = _mm512_loadu_ps(K + t * D + c * 16);
+        }
         for (int64_t h = 0; h < g; h++) {
             __m512 s = _mm512_setzero_ps();
 #pragma GCC unroll 16
