@@ -240,6 +240,18 @@ def _prefill_matmul_flops(model, batch: int, prompt_len: int) -> int:
     return 2 * (tokens * (all_params - kept_params) + batch * kept_params)
 
 
+def _phase_rates(phases: dict, weight_bytes: int, kv_bytes: int) -> dict:
+    """GB/s of the C decode step's matmul phases (weights) and attention (K/V), from
+    thread 0's phase times (barrier waits excluded)."""
+    if not phases.get("steps"):
+        return {}
+    work = phases["work"]
+    matmul_ms = sum(work[p] for p in ("qkv", "o_proj", "gate_up", "down"))
+    return {"decode_kernel_matmul_ms": round(matmul_ms, 2),
+            "decode_kernel_matmul_GBps": round(weight_bytes / matmul_ms / 1e6, 1),
+            "decode_kernel_attention_GBps": round(kv_bytes / work["attention"] / 1e6, 1)}
+
+
 def analyse(model_dir: str, prompts: list[list[int]], max_tokens: int) -> dict:
     """Profile a pdserve run step by step (the prefill step; the decode steps) and
     compare the decode step with reading the weights once at measured bandwidth."""
@@ -271,11 +283,15 @@ def analyse(model_dir: str, prompts: list[list[int]], max_tokens: int) -> dict:
                 profs.setdefault(out.kind, []).append((out.duration_s, *_categorise(prof)))
         return walls, profs
 
+    runner = eng.runner
+    kernel = getattr(runner.model, "_kernel", None)  # the C decode step, when it is on
     run_steps(False)  # lets the thread tuner settle on this run's shapes
+    if kernel is not None:
+        kernel.step.start_profile()
     walls, _ = run_steps(False)  # wall times without profiler overhead
+    phases = kernel.step.stop_profile() if kernel is not None else {}
     _, profs = run_steps(True)
     bw = measure_bandwidth()
-    runner = eng.runner
     # Matmul weights (+ norms); a decode step reads only B rows of the embedding.
     weight_bytes = runner.model.matmul_weight_bytes() + sum(
         p.numel() * p.element_size() for n, p in runner.model.named_parameters()
@@ -295,8 +311,8 @@ def analyse(model_dir: str, prompts: list[list[int]], max_tokens: int) -> dict:
         out = {k: round(1000 * statistics.mean(r[1][k] for r in rows), 2) for k in rows[0][1]}
         out["sum_of_ops"] = round(sum(out.values()), 2)
         out["profiled_step_wall"] = round(1000 * statistics.mean(r[0] for r in rows), 2)
-        # Eager decode matmuls call skinny_gemm through ctypes (no aten op to profile):
-        # they are most of this remainder, with the step's Python.
+        # The C decode step (kernels/decode_step) is one call, not an aten op: it is
+        # most of this remainder in decode steps (its phases are timed separately).
         out["outside_aten_ops"] = round(out["profiled_step_wall"] - out["sum_of_ops"], 2)
         ops: dict[str, float] = {}
         for r in rows:
@@ -319,6 +335,8 @@ def analyse(model_dir: str, prompts: list[list[int]], max_tokens: int) -> dict:
         "weights_once_at_read_bw_ms": round(1000 * limit_s, 2),
         "weights_plus_kv_at_read_bw_ms": round(1000 * limit_kv_s, 2),
         "decode_step_over_bandwidth_limit": round(decode_s / limit_s, 2),
+        "decode_kernel_phases_ms": phases,
+        **_phase_rates(phases, weight_bytes, kv_bytes),
         "decode_flops": 2 * b * weight_bytes // 4,
         "decode_GFLOPS_achieved": round(2 * b * weight_bytes / 4 / decode_s / 1e9, 1),
         "prefill_GFLOPS_achieved": round(_prefill_matmul_flops(runner.model, b, len(prompts[0]))

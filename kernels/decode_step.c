@@ -9,6 +9,7 @@
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #include "skinny_block.h"
 
@@ -16,6 +17,9 @@ enum { D_ROWS, D_HIDDEN, D_Q_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_LAYERS, D
        D_COUNT };
 enum { P_LN, P_QKV, P_QKV_B, P_O, P_O_B, P_LN2, P_GATE_UP, P_GATE_UP_B, P_DOWN, P_DOWN_B,
        P_K_BLOCKS, P_V_BLOCKS, P_K_SLOTS, P_V_SLOTS, P_COUNT };
+
+enum { PH_NORM, PH_QKV, PH_ATTENTION, PH_O, PH_POST_NORM, PH_GATE_UP, PH_SILU_MUL, PH_DOWN,
+       PH_COUNT };
 
 #define SPINS_BEFORE_YIELD 20000
 
@@ -34,6 +38,28 @@ static void barrier_wait(Barrier *b, int threads) {
     /* Yield after a while: on a loaded machine the peer may be descheduled. */
     for (int spins = 0; __atomic_load_n(&b->phase, __ATOMIC_ACQUIRE) == phase; spins++)
         if (spins < SPINS_BEFORE_YIELD) _mm_pause(); else sched_yield();
+}
+
+static inline double now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e9 + ts.tv_nsec;
+}
+
+/* The end of a phase: wait for every thread. With a times buffer, thread 0 adds the
+ * phase's work (ns) to times[phase] and its wait at the barrier to times[PH_COUNT + phase]. */
+static void end_phase(Barrier *b, int t, int threads, double *times, int phase, double *mark) {
+    if (times && t == 0) {
+        double x = now_ns();
+        times[phase] += x - *mark;
+        *mark = x;
+    }
+    barrier_wait(b, threads);
+    if (times && t == 0) {
+        double x = now_ns();
+        times[PH_COUNT + phase] += x - *mark;
+        *mark = x;
+    }
 }
 
 /* exp(x), Cody-Waite reduction and Cephes' degree-6 polynomial (~1 ulp); NaN stays NaN. */
@@ -195,11 +221,12 @@ int64_t decode_step_workspace(const int64_t *dims, int64_t threads) {
  * out [n, H]: after the final norm. cos/sin [n, D] (sin signed); cache_slot [n]: each
  * row's flat slot in the paged blocks [*, Hk, D]; kv_slot, pos [n]: its slot in the
  * decode K/V [S, Hk, C, D] and the position it writes (it attends to [0, pos]).
- * layers: P_COUNT pointers per layer (biases may be 0). Returns 0. */
+ * layers: P_COUNT pointers per layer (biases may be 0). times: NULL, or 2 * PH_COUNT
+ * doubles that thread 0's phase times are added to (see end_phase). Returns 0. */
 int decode_step(const int64_t *dims, const int64_t *layers, float *h, const float *cos,
                 const float *sin, const int64_t *cache_slot, const int64_t *kv_slot,
                 const int64_t *pos, const float *norm_w, float *out, float *work,
-                double eps_d, double scale_d, int threads) {
+                double eps_d, double scale_d, int threads, double *times) {
     const int64_t n = dims[D_ROWS], H = dims[D_HIDDEN], hq = dims[D_Q_HEADS];
     const int64_t hk = dims[D_KV_HEADS], D = dims[D_HEAD_DIM], I = dims[D_INTER];
     const int64_t L = dims[D_LAYERS], C = dims[D_CAPACITY], g = hq / hk, n8 = round8(n);
@@ -213,13 +240,14 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         float *scores = thread_scratch + t * g * (C + D), *q = scores + g * C;
+        double mark = times && t == 0 ? now_ns() : 0.0;
         for (int64_t r = t; r < n; r += nt)
             rms_norm_row(h + r * H, (const float *)layers[P_LN], H, eps, x + r * H);
-        barrier_wait(&barrier, nt);
+        end_phase(&barrier, t, nt, times, PH_NORM, &mark);
         for (int64_t l = 0; l < L; l++) {
             const int64_t *p = layers + l * P_COUNT;
             matmul(t, nt, x, n, H, (const float *)p[P_QKV], W, (const float *)p[P_QKV_B], qkv, 0);
-            barrier_wait(&barrier, nt);
+            end_phase(&barrier, t, nt, times, PH_QKV, &mark);
             float *kb = (float *)p[P_K_BLOCKS], *vb = (float *)p[P_V_BLOCKS];
             float *ks = (float *)p[P_K_SLOTS], *vs = (float *)p[P_V_SLOTS];
             for (int64_t task = t; task < n * hk; task += nt) {
@@ -235,15 +263,15 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
                 attend_any(q, k_slot, v_slot, pos[r] + 1, g, D, scale, scores,
                            attn + r * hq * D + j * g * D);
             }
-            barrier_wait(&barrier, nt);
+            end_phase(&barrier, t, nt, times, PH_ATTENTION, &mark);
             matmul(t, nt, attn, n, hq * D, (const float *)p[P_O], H, (const float *)p[P_O_B], h, 1);
-            barrier_wait(&barrier, nt);
+            end_phase(&barrier, t, nt, times, PH_O, &mark);
             for (int64_t r = t; r < n; r += nt)
                 rms_norm_row(h + r * H, (const float *)p[P_LN2], H, eps, x + r * H);
-            barrier_wait(&barrier, nt);
+            end_phase(&barrier, t, nt, times, PH_POST_NORM, &mark);
             matmul(t, nt, x, n, H, (const float *)p[P_GATE_UP], 2 * I, (const float *)p[P_GATE_UP_B],
                    gu, 0);
-            barrier_wait(&barrier, nt);
+            end_phase(&barrier, t, nt, times, PH_GATE_UP, &mark);
             for (int64_t r = t; r < n; r += nt) {
                 const float *gate = gu + r * 2 * I, *up = gate + I;
                 float *a = act + r * I;
@@ -255,13 +283,13 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
                                                                   _mm512_maskz_loadu_ps(m, up + k)));
                 }
             }
-            barrier_wait(&barrier, nt);
+            end_phase(&barrier, t, nt, times, PH_SILU_MUL, &mark);
             matmul(t, nt, act, n, I, (const float *)p[P_DOWN], H, (const float *)p[P_DOWN_B], h, 1);
-            barrier_wait(&barrier, nt);
+            end_phase(&barrier, t, nt, times, PH_DOWN, &mark);
             const float *next_w = l + 1 < L ? (const float *)layers[(l + 1) * P_COUNT + P_LN] : norm_w;
             for (int64_t r = t; r < n; r += nt)
                 rms_norm_row(h + r * H, next_w, H, eps, (l + 1 < L ? x : out) + r * H);
-            barrier_wait(&barrier, nt);
+            end_phase(&barrier, t, nt, times, PH_NORM, &mark);
         }
     }
     return 0;

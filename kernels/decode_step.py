@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 from pdserve.kernels import cbuild, skinny_gemm
 
+# Phases of a layer, in decode_step.c's PH_* order ("norm" includes the final norm).
+PHASES = ("norm", "qkv", "attention", "o_proj", "post_norm", "gate_up", "silu_mul", "down")
 # Pointer order of one layer (decode_step.c's P_* enum).
 LAYER_FIELDS = ("ln", "qkv", "qkv_bias", "o", "o_bias", "ln2", "gate_up", "gate_up_bias",
                 "down", "down_bias", "k_blocks", "v_blocks", "k_slots", "v_slots")
@@ -46,7 +48,7 @@ def _library() -> ctypes.CDLL | None:
         lib.decode_step_workspace.argtypes = [p, i64]
         lib.decode_step_workspace.restype = i64
         lib.decode_step.argtypes = [p, p, p, p, p, p, p, p, p, p, p, ctypes.c_double,
-                                    ctypes.c_double, ctypes.c_int]
+                                    ctypes.c_double, ctypes.c_int, p]
         lib.decode_step.restype = ctypes.c_int
     return lib
 
@@ -108,6 +110,23 @@ class DecodeStep:
         self._pointers_for = None  # the cache tensors' addresses the table was built for
         self._pointers = None
         self._work = torch.empty(0)
+        self._times: torch.Tensor | None = None  # float64 [2, phases] while profiling
+        self._profiled_steps = 0
+
+    def start_profile(self) -> None:
+        """Time each phase of the following steps (thread 0: work, then barrier wait)."""
+        self._times = torch.zeros(2, len(PHASES), dtype=torch.float64)
+        self._profiled_steps = 0
+
+    def stop_profile(self) -> dict:
+        """Mean ms per step of each phase since ``start_profile``: ``work`` (thread 0's
+        share of the phase) and ``wait`` (its wait for the other threads)."""
+        times, n = self._times, max(self._profiled_steps, 1)
+        self._times = None
+        if times is None:
+            return {}
+        return {kind: {ph: round(float(times[i, j]) / n / 1e6, 3) for j, ph in enumerate(PHASES)}
+                for i, kind in enumerate(("work", "wait"))} | {"steps": self._profiled_steps}
 
     def _layer_pointers(self, kv: tuple[list, list, list, list]) -> torch.Tensor:
         """[layers, 14] int64: weights, then the layer's paged blocks and decode K/V
@@ -145,5 +164,7 @@ class DecodeStep:
         lib.decode_step(dims.data_ptr(), self._layer_pointers(kv).data_ptr(), _ptr(h),
                         _ptr(cos), _ptr(sin), *(t.data_ptr() for t in index),
                         _ptr(self.final_norm), _ptr(out), self._work.data_ptr(), d.eps, d.scale,
-                        threads)
+                        threads, None if self._times is None else self._times.data_ptr())
+        if self._times is not None:
+            self._profiled_steps += 1
         return out

@@ -41,6 +41,13 @@ def test_offline_bench_writes_ratios_identical_outputs_and_analysis(tiny_model_d
     assert analysis["decode_step_ms_median"] > 0 and analysis["prefill_step_ms"] > 0
     assert analysis["bandwidth"]["read_GBps"] > 0
     decode = analysis["decode_breakdown_ms_self_cpu"]
-    # Matmuls are aten ops, or skinny_gemm calls that land outside them.
+    # Matmuls are aten ops, or C calls (decode_step, skinny_gemm) that land outside them.
     assert decode["matmul"] + decode["outside_aten_ops"] > 0
     assert decode["profiled_step_wall"] >= decode["sum_of_ops"] > 0
+    from pdserve.kernels import decode_step
+
+    if decode_step.available():  # the C step's own phase times, and the rates they give
+        phases = analysis["decode_kernel_phases_ms"]
+        assert phases["steps"] >= 3 and set(phases["work"]) == set(decode_step.PHASES)
+        assert all(v >= 0 for v in phases["work"].values()) and phases["work"]["gate_up"] > 0
+        assert analysis["decode_kernel_matmul_GBps"] > 0
