@@ -8,6 +8,7 @@
 #include <omp.h>
 #include <sched.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -21,7 +22,7 @@ enum { P_LN, P_QKV, P_QKV_B, P_O, P_O_B, P_LN2, P_GATE_UP, P_GATE_UP_B, P_DOWN, 
 enum { PH_NORM, PH_QKV, PH_ATTENTION, PH_O, PH_POST_NORM, PH_GATE_UP, PH_SILU_MUL, PH_DOWN,
        PH_COUNT };
 
-#define SPINS_BEFORE_YIELD 20000
+#define SPINS_BEFORE_YIELD 2000 /* ~0.1 ms of pause instructions */
 
 typedef struct {
     int count, phase;
@@ -123,11 +124,19 @@ static void matmul_part(const float *x, int64_t M, int64_t K, const float *panel
     }
 }
 
-static void matmul(int t, int threads, const float *x, int64_t M, int64_t K,
+/* Threads take chunks of panel pairs from a shared counter, so one slowed by its
+ * neighbours on the memory bus does not hold the others at the barrier. Each output
+ * column is still computed whole by one thread, in the same order: results do not
+ * depend on who took which chunk. */
+static void matmul(int64_t *next, int threads, const float *x, int64_t M, int64_t K,
                    const float *panels, int64_t N, const float *bias, float *out, int add_to) {
-    int64_t pairs = (N + 31) / 32;
-    matmul_part(x, M, K, panels, N, bias, out, N, add_to, pairs * t / threads,
-                pairs * (t + 1) / threads);
+    int64_t pairs = (N + 31) / 32, chunk = pairs / (8 * threads) > 1 ? pairs / (8 * threads) : 1;
+    for (;;) {
+        int64_t p0 = __atomic_fetch_add(next, chunk, __ATOMIC_RELAXED);
+        if (p0 >= pairs) return;
+        matmul_part(x, M, K, panels, N, bias, out, N, add_to, p0,
+                    p0 + chunk < pairs ? p0 + chunk : pairs);
+    }
 }
 
 /* x * cos + rotate(x) * sin with sin's first half negated (RopeTable's signed sin). */
@@ -222,7 +231,8 @@ int64_t decode_step_workspace(const int64_t *dims, int64_t threads) {
  * row's flat slot in the paged blocks [*, Hk, D]; kv_slot, pos [n]: its slot in the
  * decode K/V [S, Hk, C, D] and the position it writes (it attends to [0, pos]).
  * layers: P_COUNT pointers per layer (biases may be 0). times: NULL, or 2 * PH_COUNT
- * doubles that thread 0's phase times are added to (see end_phase). Returns 0. */
+ * doubles that thread 0's phase times are added to (see end_phase). Returns 0, or -1
+ * when the work counters could not be allocated. */
 int decode_step(const int64_t *dims, const int64_t *layers, float *h, const float *cos,
                 const float *sin, const int64_t *cache_slot, const int64_t *kv_slot,
                 const int64_t *pos, const float *norm_w, float *out, float *work,
@@ -235,6 +245,9 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
     float *x = work, *qkv = x + n8 * H, *attn = qkv + n8 * W, *gu = attn + n8 * hq * D;
     float *act = gu + n8 * 2 * I, *thread_scratch = act + n8 * I;
     Barrier barrier = {0, 0};
+    /* Work counters: per layer, four matmuls and the attention tasks. */
+    int64_t *counters = (int64_t *)calloc((size_t)(5 * L), sizeof(int64_t));
+    if (!counters) return -1;
 
 #pragma omp parallel num_threads(threads)
     {
@@ -246,11 +259,13 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
         end_phase(&barrier, t, nt, times, PH_NORM, &mark);
         for (int64_t l = 0; l < L; l++) {
             const int64_t *p = layers + l * P_COUNT;
-            matmul(t, nt, x, n, H, (const float *)p[P_QKV], W, (const float *)p[P_QKV_B], qkv, 0);
+            int64_t *next = counters + 5 * l;
+            matmul(next, nt, x, n, H, (const float *)p[P_QKV], W, (const float *)p[P_QKV_B], qkv, 0);
             end_phase(&barrier, t, nt, times, PH_QKV, &mark);
             float *kb = (float *)p[P_K_BLOCKS], *vb = (float *)p[P_V_BLOCKS];
             float *ks = (float *)p[P_K_SLOTS], *vs = (float *)p[P_V_SLOTS];
-            for (int64_t task = t; task < n * hk; task += nt) {
+            /* (row, kv head) tasks from a counter: rows attend to different lengths. */
+            for (int64_t task; (task = __atomic_fetch_add(next + 4, 1, __ATOMIC_RELAXED)) < n * hk;) {
                 int64_t r = task / hk, j = task % hk;
                 const float *row = qkv + r * W, *c = cos + r * D, *s = sin + r * D;
                 float *k_slot = ks + ((kv_slot[r] * hk + j) * C) * D;
@@ -264,12 +279,12 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
                            attn + r * hq * D + j * g * D);
             }
             end_phase(&barrier, t, nt, times, PH_ATTENTION, &mark);
-            matmul(t, nt, attn, n, hq * D, (const float *)p[P_O], H, (const float *)p[P_O_B], h, 1);
+            matmul(next + 1, nt, attn, n, hq * D, (const float *)p[P_O], H, (const float *)p[P_O_B], h, 1);
             end_phase(&barrier, t, nt, times, PH_O, &mark);
             for (int64_t r = t; r < n; r += nt)
                 rms_norm_row(h + r * H, (const float *)p[P_LN2], H, eps, x + r * H);
             end_phase(&barrier, t, nt, times, PH_POST_NORM, &mark);
-            matmul(t, nt, x, n, H, (const float *)p[P_GATE_UP], 2 * I, (const float *)p[P_GATE_UP_B],
+            matmul(next + 2, nt, x, n, H, (const float *)p[P_GATE_UP], 2 * I, (const float *)p[P_GATE_UP_B],
                    gu, 0);
             end_phase(&barrier, t, nt, times, PH_GATE_UP, &mark);
             for (int64_t r = t; r < n; r += nt) {
@@ -284,7 +299,7 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
                 }
             }
             end_phase(&barrier, t, nt, times, PH_SILU_MUL, &mark);
-            matmul(t, nt, act, n, I, (const float *)p[P_DOWN], H, (const float *)p[P_DOWN_B], h, 1);
+            matmul(next + 3, nt, act, n, I, (const float *)p[P_DOWN], H, (const float *)p[P_DOWN_B], h, 1);
             end_phase(&barrier, t, nt, times, PH_DOWN, &mark);
             const float *next_w = l + 1 < L ? (const float *)layers[(l + 1) * P_COUNT + P_LN] : norm_w;
             for (int64_t r = t; r < n; r += nt)
@@ -292,5 +307,6 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
             end_phase(&barrier, t, nt, times, PH_NORM, &mark);
         }
     }
+    free(counters);
     return 0;
 }

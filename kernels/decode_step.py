@@ -161,10 +161,12 @@ class DecodeStep:
         index = [t.contiguous() for t in (cache_slots, kv_slots, positions)]
         if any(t.dtype != torch.int64 for t in index):
             raise ValueError("slots and positions must be int64")
-        lib.decode_step(dims.data_ptr(), self._layer_pointers(kv).data_ptr(), _ptr(h),
+        rc = lib.decode_step(dims.data_ptr(), self._layer_pointers(kv).data_ptr(), _ptr(h),
                         _ptr(cos), _ptr(sin), *(t.data_ptr() for t in index),
                         _ptr(self.final_norm), _ptr(out), self._work.data_ptr(), d.eps, d.scale,
                         threads, None if self._times is None else self._times.data_ptr())
+        if rc != 0:
+            raise MemoryError("decode_step could not allocate its work counters")
         if self._times is not None:
             self._profiled_steps += 1
         return out
