@@ -36,7 +36,10 @@ def build(model) -> KernelDecode | None:
         o_bias=o.bias, ln2=ly.post_attention_layernorm.weight, gate_up=gu.panels,
         gate_up_bias=gu.bias, down=down.panels, down_bias=down.bias)
         for ly, (qkv, o, gu, down) in zip(layers, mats, strict=True)]
-    return KernelDecode(model, decode_step.DecodeStep(dims, weights, model.model.norm.weight))
+    head = model.logits_proj  # its bias, if any, stays with the torch path
+    step = decode_step.DecodeStep(dims, weights, model.model.norm.weight,
+                                  head.panels if head.bias is None else None, head.out_features)
+    return KernelDecode(model, step)
 
 
 class KernelDecode:
@@ -50,9 +53,17 @@ class KernelDecode:
                 and len(meta.groups) == 1 and meta.groups[0].decode
                 and meta.groups[0].covers_all)
 
+    @property
+    def has_logits(self) -> bool:
+        """Can ``run`` end with the logits (the LM head has panels and no bias)?"""
+        return self.step.lm_head is not None
+
     @torch.inference_mode()
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-            meta: AttentionMetadata) -> torch.Tensor:
+            meta: AttentionMetadata,
+            with_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Final hidden states [n, hidden], and the logits when ``with_logits`` (only
+        where ``has_logits``), else None."""
         m = self.model
         h = m.model.embed_tokens(tokens)
         cos, sin = m.rope.cos_sin(positions, h.dtype, meta.max_position, signed=True)
@@ -62,4 +73,4 @@ class KernelDecode:
                 dkv._fill(plan, i, dkv.k[i], dkv.v[i])
         kv = (cache.k_blocks, cache.v_blocks, dkv.k, dkv.v)
         return self.step.run(h, cos, sin, meta.slot_mapping, plan.slots, plan.positions, kv,
-                             dkv.capacity)
+                             dkv.capacity, with_logits)

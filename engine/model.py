@@ -287,12 +287,21 @@ class CausalLM(nn.Module):
         eager."""
         k = getattr(self, "_kernel", None)
         if k is not None and k.supports(cache, meta):
-            return k.run(tokens, positions, cache, meta)
+            return k.run(tokens, positions, cache, meta)[0]
         c = getattr(self, "_compiled", None)
         if c is None or not c.supports(cache, meta):
             return self(tokens, positions, cache, meta)
         with torch.inference_mode():
             return c.run(tokens, positions, cache, meta)
+
+    def decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                      meta: AttentionMetadata) -> torch.Tensor:
+        """``compute_logits(forward_decode(...))``, with the LM head inside the C decode
+        step where it runs the step (one call instead of two)."""
+        k = getattr(self, "_kernel", None)
+        if k is not None and k.has_logits and k.supports(cache, meta):
+            return k.run(tokens, positions, cache, meta, with_logits=True)[1]
+        return self.compute_logits(self.forward_decode(tokens, positions, cache, meta))
 
     def matmul_weight_bytes(self) -> int:
         """Bytes of every matmul weight: what a decode step reads at least once."""

@@ -197,12 +197,11 @@ class ModelRunner:
         if not rows:
             return []
         want = [i for i, r in enumerate(rows) if r.sample]
+        out: list[int | None] = [None] * len(rows)
         with self._threads.step(rows):
-            hidden = self._forward(rows, want)
-            out: list[int | None] = [None] * len(rows)
+            logits = self._logits(rows, want)
             if not want:
                 return out
-            logits = self.model.compute_logits(hidden)
             tokens = self._sample(logits, [rows[i] for i in want]).tolist()
         for i, t in zip(want, tokens, strict=True):
             out[i] = int(t)
@@ -212,17 +211,18 @@ class ModelRunner:
         """Run the step (writing KV like ``execute``) and return fp32 logits [B, V] at
         each row's last query position, whatever its ``sample`` flag."""
         with self._threads.step(rows):
-            return self.model.compute_logits(self._forward(rows, range(len(rows))))
+            return self._logits(rows, range(len(rows)))
 
     # ---- internals -------------------------------------------------------------
-    def _forward(self, rows: list[RunnerRow], want) -> torch.Tensor:
-        """Final hidden states [len(want), hidden] at the last query token of each row
-        in ``want`` (the step still writes every row's K/V)."""
+    def _logits(self, rows: list[RunnerRow], want) -> torch.Tensor | None:
+        """fp32 logits [len(want), V] at the last query token of each row in ``want``
+        (the step still writes every row's K/V); None when ``want`` is empty."""
         tokens, positions, meta, last = self.prepare(rows)
         if len(want) == tokens.shape[0]:  # a decode step: every token is kept
-            return self.model.forward_decode(tokens, positions, self.kv_cache, meta)
+            return self.model.decode_logits(tokens, positions, self.kv_cache, meta)
         keep = last[list(want)] if len(want) else last[:1]  # no 0-row matmuls
-        return self.model(tokens, positions, self.kv_cache, meta, keep)
+        hidden = self.model(tokens, positions, self.kv_cache, meta, keep)
+        return self.model.compute_logits(hidden) if len(want) else None
 
     def _check(self, rows: list[RunnerRow]) -> None:
         bs, cache = self.block_size, self.kv_cache

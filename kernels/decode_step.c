@@ -20,7 +20,7 @@ enum { P_LN, P_QKV, P_QKV_B, P_O, P_O_B, P_LN2, P_GATE_UP, P_GATE_UP_B, P_DOWN, 
        P_K_BLOCKS, P_V_BLOCKS, P_K_SLOTS, P_V_SLOTS, P_COUNT };
 
 enum { PH_NORM, PH_QKV, PH_ATTENTION, PH_O, PH_POST_NORM, PH_GATE_UP, PH_SILU_MUL, PH_DOWN,
-       PH_COUNT };
+       PH_LM_HEAD, PH_COUNT };
 
 #define SPINS_BEFORE_YIELD 2000 /* ~0.1 ms of pause instructions */
 
@@ -230,13 +230,15 @@ int64_t decode_step_workspace(const int64_t *dims, int64_t threads) {
  * out [n, H]: after the final norm. cos/sin [n, D] (sin signed); cache_slot [n]: each
  * row's flat slot in the paged blocks [*, Hk, D]; kv_slot, pos [n]: its slot in the
  * decode K/V [S, Hk, C, D] and the position it writes (it attends to [0, pos]).
- * layers: P_COUNT pointers per layer (biases may be 0). times: NULL, or 2 * PH_COUNT
+ * layers: P_COUNT pointers per layer (biases may be 0). lm_head: NULL, or the LM head's
+ * panels for `vocab` outputs, whose logits [n, vocab] are then written to `logits`. times: NULL, or 2 * PH_COUNT
  * doubles that thread 0's phase times are added to (see end_phase). Returns 0, or -1
  * when the work counters could not be allocated. */
 int decode_step(const int64_t *dims, const int64_t *layers, float *h, const float *cos,
                 const float *sin, const int64_t *cache_slot, const int64_t *kv_slot,
-                const int64_t *pos, const float *norm_w, float *out, float *work,
-                double eps_d, double scale_d, int threads, double *times) {
+                const int64_t *pos, const float *norm_w, float *out, const float *lm_head,
+                int64_t vocab, float *logits, float *work, double eps_d, double scale_d,
+                int threads, double *times) {
     const int64_t n = dims[D_ROWS], H = dims[D_HIDDEN], hq = dims[D_Q_HEADS];
     const int64_t hk = dims[D_KV_HEADS], D = dims[D_HEAD_DIM], I = dims[D_INTER];
     const int64_t L = dims[D_LAYERS], C = dims[D_CAPACITY], g = hq / hk, n8 = round8(n);
@@ -245,8 +247,8 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
     float *x = work, *qkv = x + n8 * H, *attn = qkv + n8 * W, *gu = attn + n8 * hq * D;
     float *act = gu + n8 * 2 * I, *thread_scratch = act + n8 * I;
     Barrier barrier = {0, 0};
-    /* Work counters: per layer, four matmuls and the attention tasks. */
-    int64_t *counters = (int64_t *)calloc((size_t)(5 * L), sizeof(int64_t));
+    /* Work counters: per layer, four matmuls and the attention tasks; the LM head. */
+    int64_t *counters = (int64_t *)calloc((size_t)(5 * L + 1), sizeof(int64_t));
     if (!counters) return -1;
 
 #pragma omp parallel num_threads(threads)
@@ -302,9 +304,15 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
             matmul(next + 3, nt, act, n, I, (const float *)p[P_DOWN], H, (const float *)p[P_DOWN_B], h, 1);
             end_phase(&barrier, t, nt, times, PH_DOWN, &mark);
             const float *next_w = l + 1 < L ? (const float *)layers[(l + 1) * P_COUNT + P_LN] : norm_w;
-            for (int64_t r = t; r < n; r += nt)
-                rms_norm_row(h + r * H, next_w, H, eps, (l + 1 < L ? x : out) + r * H);
+            for (int64_t r = t; r < n; r += nt) {
+                rms_norm_row(h + r * H, next_w, H, eps, x + r * H);
+                if (l + 1 == L) memcpy(out + r * H, x + r * H, H * sizeof(float));
+            }
             end_phase(&barrier, t, nt, times, PH_NORM, &mark);
+        }
+        if (lm_head) {  /* x holds the final-normed rows (padded to n8) */
+            matmul(counters + 5 * L, nt, x, n, H, lm_head, vocab, NULL, logits, 0);
+            end_phase(&barrier, t, nt, times, PH_LM_HEAD, &mark);
         }
     }
     free(counters);

@@ -1,7 +1,8 @@
 """A whole decode step of a Llama-family model in one C call (AVX-512 CPUs, fp32).
 
-    step = DecodeStep(dims, layers, final_norm)       # once per model
-    hidden = step.run(h, cos, sin, cache_slots, kv_slots, positions, kv)   # per step
+    step = DecodeStep(dims, layers, final_norm, lm_head_panels, vocab)   # once per model
+    hidden, logits = step.run(h, cos, sin, cache_slots, kv_slots, positions, kv, capacity,
+                              with_logits=True)                           # per step
 
 Why: a decode step of the built-in models is ~100 small operations per layer; with
 torch each is a dispatch (a few µs to tens of µs of Python and ATen) and every
@@ -12,7 +13,7 @@ phases meet at a spinning barrier: rmsnorm; q|k|v matmul; per (row, kv head) rop
 K/V writes (paged cache and the contiguous decode copy, see ``DecodeKV``) and
 attention over the row's own keys ``[0, pos]`` (no mask: each row's length is its
 own); o matmul + residual; rmsnorm; gate|up matmul; SiLU * up; down matmul +
-residual; then the final norm. Matmuls are ``skinny_block.h`` on ``skinny_gemm``'s
+residual; then the final norm and, if asked, the LM head. Matmuls are ``skinny_block.h`` on ``skinny_gemm``'s
 column panels, split over threads by panels; attention reads each row's K/V once.
 
 Numerics follow transformers' fp32 Llama (same formulas, sums in a different order,
@@ -32,7 +33,8 @@ import torch
 from pdserve.kernels import cbuild, skinny_gemm
 
 # Phases of a layer, in decode_step.c's PH_* order ("norm" includes the final norm).
-PHASES = ("norm", "qkv", "attention", "o_proj", "post_norm", "gate_up", "silu_mul", "down")
+PHASES = ("norm", "qkv", "attention", "o_proj", "post_norm", "gate_up", "silu_mul", "down",
+          "lm_head")
 # Pointer order of one layer (decode_step.c's P_* enum).
 LAYER_FIELDS = ("ln", "qkv", "qkv_bias", "o", "o_bias", "ln2", "gate_up", "gate_up_bias",
                 "down", "down_bias", "k_blocks", "v_blocks", "k_slots", "v_slots")
@@ -47,8 +49,8 @@ def _library() -> ctypes.CDLL | None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.decode_step_workspace.argtypes = [p, i64]
         lib.decode_step_workspace.restype = i64
-        lib.decode_step.argtypes = [p, p, p, p, p, p, p, p, p, p, p, ctypes.c_double,
-                                    ctypes.c_double, ctypes.c_int, p]
+        lib.decode_step.argtypes = [p, p, p, p, p, p, p, p, p, p, p, i64, p, p,
+                                    ctypes.c_double, ctypes.c_double, ctypes.c_int, p]
         lib.decode_step.restype = ctypes.c_int
     return lib
 
@@ -100,12 +102,16 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 
 class DecodeStep:
-    def __init__(self, dims: StepDims, layers: list[LayerWeights], final_norm: torch.Tensor):
+    def __init__(self, dims: StepDims, layers: list[LayerWeights], final_norm: torch.Tensor,
+                 lm_head: torch.Tensor | None = None, vocab_size: int = 0):
+        """``lm_head``: the LM head's panels (``skinny_gemm.pack``) for ``vocab_size``
+        outputs, so that ``run(..., with_logits=True)`` ends with the logits."""
         if _library() is None:
             raise RuntimeError("decode_step is not available on this machine")
         if not dims.supported():
             raise ValueError(f"decode_step does not support {dims}")
         self.dims, self.layers, self.final_norm = dims, layers, final_norm
+        self.lm_head, self.vocab_size = lm_head, vocab_size
         self._weights = [[_ptr(getattr(w, f)) for f in LAYER_FIELDS[:10]] for w in layers]
         self._pointers_for = None  # the cache tensors' addresses the table was built for
         self._pointers = None
@@ -141,8 +147,10 @@ class DecodeStep:
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             cache_slots: torch.Tensor, kv_slots: torch.Tensor, positions: torch.Tensor,
-            kv: tuple[list, list, list, list], capacity: int) -> torch.Tensor:
-        """h [n, hidden] (embedded tokens; overwritten) -> final-normed hidden [n, hidden].
+            kv: tuple[list, list, list, list], capacity: int,
+            with_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """h [n, hidden] (embedded tokens; overwritten) -> final-normed hidden [n, hidden],
+        and with ``with_logits`` the logits [n, vocab] (fp32) too, else None.
 
         cos/sin [n, head_dim] (sin signed, ``RopeTable``); cache_slots [n]: each row's
         flat slot in the paged blocks; kv_slots, positions [n]: its slot in the decode
@@ -158,15 +166,20 @@ class DecodeStep:
         if self._work.numel() < need:
             self._work = torch.zeros(need)  # zeros: padding rows are read (results dropped)
         out = torch.empty_like(h)
+        if with_logits and self.lm_head is None:
+            raise ValueError("this DecodeStep was built without an LM head")
+        logits = h.new_empty(n, self.vocab_size) if with_logits else None
         index = [t.contiguous() for t in (cache_slots, kv_slots, positions)]
         if any(t.dtype != torch.int64 for t in index):
             raise ValueError("slots and positions must be int64")
-        rc = lib.decode_step(dims.data_ptr(), self._layer_pointers(kv).data_ptr(), _ptr(h),
-                        _ptr(cos), _ptr(sin), *(t.data_ptr() for t in index),
-                        _ptr(self.final_norm), _ptr(out), self._work.data_ptr(), d.eps, d.scale,
-                        threads, None if self._times is None else self._times.data_ptr())
+        rc = lib.decode_step(
+            dims.data_ptr(), self._layer_pointers(kv).data_ptr(), _ptr(h), _ptr(cos), _ptr(sin),
+            *(t.data_ptr() for t in index), _ptr(self.final_norm), _ptr(out),
+            _ptr(self.lm_head) if with_logits else None, self.vocab_size, _ptr(logits),
+            self._work.data_ptr(), d.eps, d.scale, threads,
+            None if self._times is None else self._times.data_ptr())
         if rc != 0:
             raise MemoryError("decode_step could not allocate its work counters")
         if self._times is not None:
             self._profiled_steps += 1
-        return out
+        return out, logits

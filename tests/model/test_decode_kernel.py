@@ -129,3 +129,21 @@ def test_decode_step_refuses_what_it_cannot_run():
     assert decode_step.StepDims(256, 4, 2, 64, 128, 1, 1e-6, 0.1).supported()
     with pytest.raises(ValueError, match="fp32"):
         decode_step._ptr(torch.zeros(4, dtype=torch.float64))
+
+
+@needs_kernel
+def test_decode_kernel_logits_equal_torch(tiny_dirs, h):
+    """With the LM head inside the C step (``decode_logits``): logits within 1e-4 of the
+    torch path's, and the same argmax."""
+    ref, ker = _pair(tiny_dirs["llama"])
+    assert ker.model._kernel.has_logits
+    prompts = h.prompts_of([4, 26, 13], seed=6)
+    tables = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
+    for r in (ref, ker):
+        r.execute([RunnerRow(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
+    rows = [RunnerRow([3 + i], len(p), t)
+            for i, (p, t) in enumerate(zip(prompts, tables, strict=True))]
+    a, b = ref.compute_logits(rows), ker.compute_logits(rows)
+    assert a.shape == b.shape == (3, ref.vocab_size) and b.dtype == torch.float32
+    assert (a - b).abs().max() < 1e-4
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
