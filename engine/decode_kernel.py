@@ -68,9 +68,7 @@ class KernelDecode:
         h = m.model.embed_tokens(tokens)
         cos, sin = m.rope.cos_sin(positions, h.dtype, meta.max_position, signed=True)
         plan, dkv = meta.decode_plan, meta.decode_kv
-        if plan.fill_slots is not None:  # rows decoding for the first time: copy their K/V
-            for i in range(len(m.model.layers)):
-                dkv._fill(plan, i, dkv.k[i], dkv.v[i])
+        dkv.fill_all_layers(plan)
         kv = (cache.k_blocks, cache.v_blocks, dkv.k, dkv.v)
         return self.step.run(h, cos, sin, meta.slot_mapping, plan.slots, plan.positions, kv,
                              dkv.capacity, with_logits)

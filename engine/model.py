@@ -2,8 +2,11 @@
 
 Module names match Hugging Face checkpoints (``model.layers.3.self_attn.q_proj``),
 so weights load by name; ``CausalLM.fuse`` then swaps each layer's projections for
-fused matmuls (q|k|v, gate|up) with decode-friendly weight layouts (see ``MatMul``). Input is a step's flat token list (rows back to back)
-with absolute positions; attention metadata says where each row's keys live.
+fused matmuls (q|k|v, gate|up) with decode-friendly weight layouts (see ``MatMul``).
+Decode-only steps may run elsewhere: as one C call (``engine/decode_kernel``) or through
+compiled blocks (``_CompiledDecode``); this file is the reference they are tested against.
+Input is a step's flat token list (rows back to back) with absolute positions;
+attention metadata says where each row's keys live.
 
     h = embed(tokens)
     for each layer:
@@ -459,9 +462,7 @@ class _CompiledDecode:
             for t in (*dkv.k, *dkv.v):
                 mark(t, 0), mark(t, 2)
             self._marked = dkv.k[0]
-        if plan.fill_slots is not None:
-            for i in range(len(layers)):
-                dkv._fill(plan, i, dkv.k[i], dkv.v[i])
+        dkv.fill_all_layers(plan)
         a0 = layers[0].self_attn
         h = self.step(h, cos, sin, self._weights, self.eps, layers[0].mlp.intermediate,
                       a0.num_heads, a0.num_kv_heads, a0.head_dim, a0.scale, cache.k_blocks,

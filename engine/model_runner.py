@@ -5,8 +5,10 @@
                                        state_slot=0, sampling=SamplingParams(...),
                                        sample=True, output_index=0), ...])
 
-``compile=True``: decode steps run each layer's dense work through ``torch.compile``
-(``CausalLM.enable_compile``); the first decode steps pay the compile (seconds).
+Decode steps run as one C call (``kernels/decode_step``) where the CPU and model allow
+(``decode_kernel=True``, the default; ``runner.decode_kernel`` says whether it is on).
+``compile=True``: decode steps the C call does not take run each layer's dense work
+through ``torch.compile`` (``CausalLM.enable_compile``); the first pay the compile.
 
 A row's ``token_ids`` are its ``q`` query tokens at positions
 ``start_pos .. start_pos + q - 1`` (``start_pos = seqlen_k - q``, spec S36); its

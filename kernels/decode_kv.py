@@ -153,6 +153,13 @@ class DecodeKV:
         vc[plan.slots, :, plan.positions] = v
         return _decode_attention(q, kc, vc, plan, scale)
 
+    def fill_all_layers(self, plan: DecodePlan) -> None:
+        """For callers that run every layer's attention themselves (the compiled and C
+        decode steps): copy the rows that decode for the first time into their slots."""
+        if plan.fill_slots is not None:
+            for i in self.cache.full_layers:
+                self._fill(plan, i, self.k[i], self.v[i])
+
     def _fill(self, plan: DecodePlan, layer: int, kc: torch.Tensor, vc: torch.Tensor) -> None:
         """Copy the new rows' blocks [F, nb * bs] into their slots (positions past a row's
         length are padding: masked now, overwritten by later appends)."""
