@@ -147,3 +147,37 @@ def test_decode_kernel_logits_equal_torch(tiny_dirs, h):
     assert a.shape == b.shape == (3, ref.vocab_size) and b.dtype == torch.float32
     assert (a - b).abs().max() < 1e-4
     assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def _reshaped_heads(src, dst, heads: int, kv_heads: int, head_dim: int):
+    """The tiny model's weights read as other head shapes (same q/k/v matrix sizes): a
+    valid model with another head size, for the kernel's other attention code paths."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    assert heads * head_dim == cfg["num_attention_heads"] * cfg["head_dim"]
+    assert kv_heads * head_dim == cfg["num_key_value_heads"] * cfg["head_dim"]
+    cfg.update(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(2, 1, 128), (8, 4, 32)])
+@pytest.mark.parametrize("rows", [1, 8, 9, 17])
+def test_decode_kernel_head_sizes_and_row_counts(tiny_dirs, h, tmp_path, heads, kv_heads,
+                                                 head_dim, rows):
+    """Head sizes 128 and 32 (the 64 of the built-in models has its own test above) and
+    row counts around the kernel's blocks of 8 rows: hidden states equal the torch path's."""
+    path = _reshaped_heads(tiny_dirs["llama"], tmp_path / "m", heads, kv_heads, head_dim)
+    ref, ker = _pair(path)
+    prompts = h.prompts_of([3 + 2 * i for i in range(rows)], seed=rows)
+    tables = [[1 + 3 * i, 2 + 3 * i, 3 + 3 * i] for i in range(rows)]
+    for r in (ref, ker):
+        r.execute([RunnerRow(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
+    decode = [RunnerRow([9], len(p), t) for p, t in zip(prompts, tables, strict=True)]
+    a, b = _decode_hidden(ref, decode), _decode_hidden(ker, decode)
+    assert a.shape == (rows, 256)
+    assert (a - b).abs().max() < 1e-4
