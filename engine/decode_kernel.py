@@ -71,4 +71,4 @@ class KernelDecode:
         dkv.fill_all_layers(plan)
         kv = (cache.k_blocks, cache.v_blocks, dkv.k, dkv.v)
         return self.step.run(h, cos, sin, meta.slot_mapping, plan.slots, plan.positions, kv,
-                             dkv.capacity, with_logits)
+                             with_logits)

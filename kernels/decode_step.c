@@ -15,7 +15,7 @@
 #include "skinny_block.h"
 
 enum { D_ROWS, D_HIDDEN, D_Q_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_LAYERS, D_CAPACITY,
-       D_COUNT };
+       D_CACHE_SLOTS, D_KV_SLOTS, D_COUNT };
 enum { P_LN, P_QKV, P_QKV_B, P_O, P_O_B, P_LN2, P_GATE_UP, P_GATE_UP_B, P_DOWN, P_DOWN_B,
        P_K_BLOCKS, P_V_BLOCKS, P_K_SLOTS, P_V_SLOTS, P_COUNT };
 
@@ -232,8 +232,9 @@ int64_t decode_step_workspace(const int64_t *dims, int64_t threads) {
  * decode K/V [S, Hk, C, D] and the position it writes (it attends to [0, pos]).
  * layers: P_COUNT pointers per layer (biases may be 0). lm_head: NULL, or the LM head's
  * panels for `vocab` outputs, whose logits [n, vocab] are then written to `logits`. times: NULL, or 2 * PH_COUNT
- * doubles that thread 0's phase times are added to (see end_phase). Returns 0, or -1
- * when the work counters could not be allocated. */
+ * doubles that thread 0's phase times are added to (see end_phase). Returns 0; -1 when
+ * the work counters could not be allocated; -2 - r when row r's cache slot, decode slot
+ * or position is outside dims' bounds (nothing is written then). */
 int decode_step(const int64_t *dims, const int64_t *layers, float *h, const float *cos,
                 const float *sin, const int64_t *cache_slot, const int64_t *kv_slot,
                 const int64_t *pos, const float *norm_w, float *out, const float *lm_head,
@@ -246,6 +247,11 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
     const float eps = (float)eps_d, scale = (float)scale_d;
     float *x = work, *qkv = x + n8 * H, *attn = qkv + n8 * W, *gu = attn + n8 * hq * D;
     float *act = gu + n8 * 2 * I, *thread_scratch = act + n8 * I;
+    /* A bad index would write outside the caches: refuse the step instead. */
+    for (int64_t r = 0; r < n; r++)
+        if (cache_slot[r] < 0 || cache_slot[r] >= dims[D_CACHE_SLOTS] || kv_slot[r] < 0 ||
+            kv_slot[r] >= dims[D_KV_SLOTS] || pos[r] < 0 || pos[r] >= C)
+            return -2 - (int)(r < 1000000 ? r : 1000000);
     Barrier barrier = {0, 0};
     /* Work counters: per layer, four matmuls and the attention tasks; the LM head. */
     int64_t *counters = (int64_t *)calloc((size_t)(5 * L + 1), sizeof(int64_t));

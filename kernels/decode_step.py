@@ -1,7 +1,7 @@
 """A whole decode step of a Llama-family model in one C call (AVX-512 CPUs, fp32).
 
     step = DecodeStep(dims, layers, final_norm, lm_head_panels, vocab)   # once per model
-    hidden, logits = step.run(h, cos, sin, cache_slots, kv_slots, positions, kv, capacity,
+    hidden, logits = step.run(h, cos, sin, cache_slots, kv_slots, positions, kv,
                               with_logits=True)                           # per step
 
 Why: a decode step of the built-in models is ~100 small operations per layer; with
@@ -147,7 +147,7 @@ class DecodeStep:
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             cache_slots: torch.Tensor, kv_slots: torch.Tensor, positions: torch.Tensor,
-            kv: tuple[list, list, list, list], capacity: int,
+            kv: tuple[list, list, list, list],
             with_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """h [n, hidden] (embedded tokens; overwritten) -> final-normed hidden [n, hidden],
         and with ``with_logits`` the logits [n, vocab] (fp32) too, else None.
@@ -159,8 +159,11 @@ class DecodeStep:
         d = self.dims
         n = h.shape[0]
         threads = torch.get_num_threads()
+        k_blocks, k_slots = kv[0][0], kv[2][0]
+        bounds = (k_blocks.shape[0] * k_blocks.shape[1], k_slots.shape[0])
+        capacity = k_slots.shape[2]
         dims = torch.tensor([n, d.hidden, d.q_heads, d.kv_heads, d.head_dim, d.intermediate,
-                             d.layers, capacity], dtype=torch.int64)
+                             d.layers, capacity, *bounds], dtype=torch.int64)
         lib = _library()
         need = lib.decode_step_workspace(dims.data_ptr(), threads)
         if self._work.numel() < need:
@@ -178,8 +181,14 @@ class DecodeStep:
             _ptr(self.lm_head) if with_logits else None, self.vocab_size, _ptr(logits),
             self._work.data_ptr(), d.eps, d.scale, threads,
             None if self._times is None else self._times.data_ptr())
-        if rc != 0:
+        if rc == -1:
             raise MemoryError("decode_step could not allocate its work counters")
+        if rc <= -2:
+            r = -2 - rc
+            raise IndexError(
+                f"decode_step: row {r} has cache slot {int(index[0][r])} (of {bounds[0]}), "
+                f"decode slot {int(index[1][r])} (of {bounds[1]}), position "
+                f"{int(index[2][r])} (capacity {capacity}); nothing was written")
         if self._times is not None:
             self._profiled_steps += 1
         return out, logits

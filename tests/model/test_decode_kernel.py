@@ -181,3 +181,32 @@ def test_decode_kernel_head_sizes_and_row_counts(tiny_dirs, h, tmp_path, heads, 
     a, b = _decode_hidden(ref, decode), _decode_hidden(ker, decode)
     assert a.shape == (rows, 256)
     assert (a - b).abs().max() < 1e-4
+
+
+@needs_kernel
+def test_decode_step_refuses_indices_outside_the_caches(tiny_dirs, h):
+    """A slot or position outside the caches (a planning bug) raises before anything is
+    written, instead of writing out of bounds; the runner still works afterwards."""
+    ker = ModelRunner(tiny_dirs["llama"], num_kv_blocks=64, num_state_slots=8)
+    (p,) = h.prompts_of([10], seed=1)
+    ker.execute([RunnerRow(p, 0, [1, 2])])
+    tokens, positions, meta, _ = ker.prepare([RunnerRow([4], 10, [1, 2])])
+    k, cache, dkv = ker.model._kernel, ker.kv_cache, meta.decode_kv
+    kv = (cache.k_blocks, cache.v_blocks, dkv.k, dkv.v)
+    h0 = ker.model.model.embed_tokens(tokens)
+    cos, sin = ker.model.rope.cos_sin(positions, h0.dtype, 10, signed=True)
+    dkv.fill_all_layers(meta.decode_plan)
+    good = (meta.slot_mapping, meta.decode_plan.slots, meta.decode_plan.positions)
+    bad_cases = {
+        "cache slot": (torch.tensor([64 * 16]), good[1], good[2]),
+        "decode slot": (good[0], torch.tensor([dkv.k[0].shape[0]]), good[2]),
+        "position": (good[0], good[1], torch.tensor([dkv.k[0].shape[2]])),
+        "negative": (torch.tensor([-1]), good[1], good[2]),
+    }
+    before = [t.clone() for t in (cache.k_blocks[0], dkv.k[0])]
+    for name, (cs, ks, ps) in bad_cases.items():
+        with pytest.raises(IndexError, match="row 0"):
+            k.step.run(h0.clone(), cos, sin, cs, ks, ps, kv)
+        assert torch.equal(cache.k_blocks[0], before[0]) and torch.equal(dkv.k[0], before[1]), name
+    hidden, _ = k.step.run(h0.clone(), cos, sin, *good, kv)
+    assert hidden.shape == (1, 256) and torch.isfinite(hidden).all()
