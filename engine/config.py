@@ -32,6 +32,9 @@ class EngineConfig:
     device: str = "cpu"
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's choice
     compile: bool = False  # torch.compile the decode step's dense blocks (ModelRunner)
+    # Decode steps as one C call where the CPU and model allow (kernels/decode_step);
+    # False keeps every step on torch (e.g. to compare numerics).
+    decode_kernel: bool = True
 
     def __post_init__(self) -> None:
         if self.engine_type not in _ENGINE_TYPES:

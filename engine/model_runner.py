@@ -136,7 +136,8 @@ class ModelRunner:
     @classmethod
     def from_engine_config(cls, config) -> ModelRunner:
         """Build from ``pdserve.engine.config.EngineConfig`` (duck-typed): model_dir, dtype,
-        device, block_size, num_kv_blocks, kv_cache_memory_mb, num_threads, max_num_seqs.
+        device, block_size, num_kv_blocks, kv_cache_memory_mb, num_threads, max_num_seqs,
+        compile, decode_kernel.
         State slots: ``2 * max_num_seqs + 1`` (the scheduler's pool, slot 0 included)."""
         threads = getattr(config, "num_threads", None)
         if threads:
@@ -154,6 +155,7 @@ class ModelRunner:
             ring_len=getattr(config, "ring_len", None),
             kv_cache_bytes=int(getattr(config, "kv_cache_memory_mb", 256)) << 20,
             compile=bool(getattr(config, "compile", False)),
+            decode_kernel=bool(getattr(config, "decode_kernel", True)),
         )
 
     # ---- identity ------------------------------------------------------------

@@ -109,8 +109,8 @@ def test_decode_kernel_results_do_not_depend_on_the_thread_count(tiny_dirs, h):
 
 
 def test_decode_kernel_off_where_it_does_not_apply(tiny_dirs, h):
-    """Sliding-window models keep the torch path; so does a runner asked not to use it.
-    Both still give transformers' greedy tokens."""
+    """Sliding-window models keep the torch path; so does a runner (or ``LLM``) asked
+    not to use it. Both still give transformers' greedy tokens."""
     swa = ModelRunner(tiny_dirs["mistral-swa"], num_kv_blocks=64, num_state_slots=8)
     assert not swa.decode_kernel
     off = ModelRunner(tiny_dirs["llama"], num_kv_blocks=64, num_state_slots=8,
@@ -118,6 +118,10 @@ def test_decode_kernel_off_where_it_does_not_apply(tiny_dirs, h):
     assert not off.decode_kernel
     (p,) = h.prompts_of([12], seed=2)
     assert h.drive(off, [p], 8) == [h.hf_greedy(tiny_dirs["llama"], p, 8)]
+    from pdserve import LLM
+
+    assert not LLM(str(tiny_dirs["llama"]), decode_kernel=False).engines[0].runner.decode_kernel
+    assert LLM(str(tiny_dirs["llama"])).engines[0].runner.decode_kernel == decode_step.available()
 
 
 def test_decode_step_refuses_what_it_cannot_run():
