@@ -214,3 +214,13 @@ def test_decode_step_refuses_indices_outside_the_caches(tiny_dirs, h):
         assert torch.equal(cache.k_blocks[0], before[0]) and torch.equal(dkv.k[0], before[1]), name
     hidden, _ = k.step.run(h0.clone(), cos, sin, *good, kv)
     assert hidden.shape == (1, 256) and torch.isfinite(hidden).all()
+
+
+@needs_kernel
+def test_decode_kernel_long_context_equals_transformers(tiny_dirs, h):
+    """Rows of ~1000-1900 positions (the decode K/V grows several times; attention runs
+    over long key ranges): greedy tokens equal transformers'."""
+    ker = ModelRunner(tiny_dirs["llama"], num_kv_blocks=300, num_state_slots=8)
+    prompts = h.prompts_of([1900, 1031], seed=12)
+    assert h.drive(ker, prompts, 6, mixed=False) == [
+        h.hf_greedy(tiny_dirs["llama"], p, 6) for p in prompts]
