@@ -26,6 +26,9 @@ class EngineConfig:
     stop_preempted_request: bool = True
     # Opt-in scheduler policy (spec section 9): see SchedulerConfig.partial_prompts_first.
     partial_prompts_first: bool = False
+    # Opt-in (spec section 9): prompt steps sized to at most this many seconds by a cost
+    # model fitted to measured steps (scheduler/chunk_sizer.py); None: token budget only.
+    chunk_time_budget_s: float | None = None
     prefill_attempt_interval: int = 70
     prefill_any_attempt_interval: int = 100
     dtype: str = "float32"
@@ -76,4 +79,5 @@ class EngineConfig:
             prefill_any_attempt_interval=self.prefill_any_attempt_interval,
             ring_len=ring_len,
             partial_prompts_first=self.partial_prompts_first,
+            chunk_time_budget_s=self.chunk_time_budget_s,
         )

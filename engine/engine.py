@@ -113,7 +113,10 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if sched_out.kind == StepKind.PROMPT and sched_out.scheduled:
             self._note_scheduled(sched_out)
+        run_started = time.perf_counter()
         sampled = self._execute(sched_out)
+        if sched_out.kind == StepKind.PROMPT and sched_out.scheduled:
+            self.scheduler.observe_prompt_step(sched_out, time.perf_counter() - run_started)
         result = self.scheduler.process_outputs(sched_out, sampled)
         outputs = self._collect_outputs(result)
         handoffs = [self._hand_off(seq) for seq in result.handed_off]

@@ -38,7 +38,8 @@ class LLM:
                  stop_preempted_request: bool = False, partial_prompts_first: bool = True,
                  dtype: str = "float32",
                  device: str = "cpu", max_model_len: int | None = None,
-                 compile: bool = False, decode_kernel: bool = True) -> None:
+                 compile: bool = False, decode_kernel: bool = True,
+                 chunk_time_budget_s: float | None = None) -> None:
         if mode not in ("normal", "disaggregated"):
             raise ValueError(f"mode must be 'normal' or 'disaggregated', got {mode!r}")
         self.mode = mode
@@ -50,7 +51,8 @@ class LLM:
                 chunked_prefill=chunked_prefill, max_num_seqs=max_num_seqs,
                 stop_preempted_request=stop_preempted, dtype=dtype, device=device,
                 partial_prompts_first=partial_prompts_first,
-                max_model_len=max_model_len, compile=compile, decode_kernel=decode_kernel)
+                max_model_len=max_model_len, compile=compile, decode_kernel=decode_kernel,
+                chunk_time_budget_s=chunk_time_budget_s)
 
         if mode == "normal":
             self.engines = [LLMEngine(config("normal", stop_preempted_request))]

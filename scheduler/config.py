@@ -38,6 +38,10 @@ class SchedulerConfig:
     # before a recompute-preempted request retakes the head, and past the watermark,
     # so the pool can never wedge with every free block held by unfinished prompts.
     partial_prompts_first: bool = False
+    # Time-budget chunk sizer (scheduler/chunk_sizer.py): prompt steps sized to take at
+    # most this many seconds by a cost model fitted to measured steps; None: off. Needs
+    # chunked_prefill (a prompt longer than the budget must be split).
+    chunk_time_budget_s: float | None = None
 
     def __post_init__(self) -> None:
         for name, low in (
@@ -61,6 +65,13 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"block_size ({self.block_size})"
             )
+        budget = self.chunk_time_budget_s
+        if budget is not None:
+            if isinstance(budget, bool) or not isinstance(budget, int | float) or budget <= 0:
+                raise ValueError(f"chunk_time_budget_s must be a number > 0 or None, got {budget!r}")
+            if not self.chunked_prefill:
+                raise ValueError("chunk_time_budget_s needs chunked_prefill=True: prompts "
+                                 "longer than a step's budget are split")
         if not 0.0 <= self.prefill_watermark <= 1.0:
             raise ValueError(f"prefill_watermark must be in [0, 1], got {self.prefill_watermark}")
         limit = self.prefill_max_sum_seqlen_k

@@ -8,6 +8,7 @@ import time
 from collections import deque
 
 from pdserve.scheduler.block_pool import AllocStatus, BlockPool
+from pdserve.scheduler.chunk_sizer import ChunkSizer
 from pdserve.scheduler.config import EngineType, SchedulerConfig
 from pdserve.scheduler.output import ScheduledSequence, SchedulerOutput, StepKind, StepResult
 from pdserve.scheduler.sequence import Sequence, SequenceStatus
@@ -61,6 +62,26 @@ class Scheduler:
         self._requeue_preempted = (
             self._requeue_behind_partial if config.partial_prompts_first else waiting.appendleft
         )
+        self.chunk_sizer = None if config.chunk_time_budget_s is None else ChunkSizer(
+            config.chunk_time_budget_s, floor=config.block_size)
+
+    def _prefill_budget(self) -> int:
+        """Positions a prompt step may take: the configured budget, or with the chunk
+        sizer, what fits its time quota after the head's cached prefix, the minimum over
+        the data-parallel group (every rank calls this at the same point, so the
+        collective matches; the slowest rank's step sets the group's pace)."""
+        cfg = self.config
+        if self.chunk_sizer is None:
+            return cfg.max_num_batched_tokens
+        cached = self.waiting[0].processed if self.waiting else 0
+        local = self.chunk_sizer.budget(cached) or cfg.max_num_batched_tokens
+        return self.comm.all_reduce_min(local)
+
+    def observe_prompt_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """The engine's measured time of a prompt step (model run), for the chunk sizer."""
+        if self.chunk_sizer is not None and out.kind == StepKind.PROMPT:
+            self.chunk_sizer.observe([(r.query_len, r.start_pos) for r in out.scheduled],
+                                     seconds)
 
     def _has_room_or_free_block(self, seq: Sequence) -> bool:
         return self.blocks.num_free > 0 or len(seq.block_table) >= self.blocks_needed(seq)
@@ -177,7 +198,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         if self.engine_type == EngineType.PROMPT:
-            out = self._schedule_prefill()
+            out = self._schedule_prefill(self._prefill_budget())
             self.decode_step = 0
             return out
         if self.engine_type == EngineType.COMPLETION:
@@ -192,7 +213,8 @@ class Scheduler:
         want = self._wants_prefill()
         if not self._vote_try(want, any_point):
             return self._schedule_decode()
-        result = self._schedule_prefill() if want else None
+        budget = self._prefill_budget()
+        result = self._schedule_prefill(budget) if want else None
         # Second vote: an empty prompt step everywhere would reset the counter and
         # starve running forever, so with no result anywhere the group decodes.
         if self.comm.all_reduce_min(0 if result is not None else 1) != 0:
@@ -215,7 +237,7 @@ class Scheduler:
 
     # ---- the prefill path (S12-S25) ----
 
-    def _schedule_prefill(self) -> SchedulerOutput | None:
+    def _schedule_prefill(self, budget: int) -> SchedulerOutput | None:
         cfg = self.config
         out = SchedulerOutput(StepKind.PROMPT)
         num_curr_seqs = len(self.running)
@@ -249,7 +271,7 @@ class Scheduler:
                 if sum_k_remain < len(seq):
                     break
                 sum_k_remain -= len(seq)
-            q, chunked = self._chunk_len(seq, budget_used)
+            q, chunked = self._chunk_len(seq, budget - budget_used)
             if q is None:  # S20-S22
                 break
             budget_used += -(-q // cfg.cp_align) * cfg.cp_align  # S23
@@ -270,11 +292,11 @@ class Scheduler:
             return AllocStatus.NEVER
         return self._can_allocate_with_state(self.blocks_needed(seq))
 
-    def _chunk_len(self, seq: Sequence, budget_used: int) -> tuple[int | None, bool]:
+    def _chunk_len(self, seq: Sequence, budget_left: int) -> tuple[int | None, bool]:
         cfg = self.config
         work = len(seq) - seq.processed  # S18
         align = cfg.cp_align
-        q = min(work, (cfg.max_num_batched_tokens - budget_used) // align * align)
+        q = min(work, budget_left // align * align)
         ckpts = seq.checkpoints  # S19
         while ckpts and ckpts[0] <= seq.processed:
             ckpts.pop(0)

@@ -48,3 +48,16 @@ def test_s31_preempted_and_recomputed_runs_equal_transformers(model_dirs, refere
               max_num_batched_tokens=32)
     assert run(llm, prompts) == reference[variant]
     assert llm.engines[0].scheduler.num_preemptions > 0
+
+
+def test_time_budget_chunk_sizer_measures_real_steps_and_keeps_the_tokens(model_dirs, reference,
+                                                                           prompts):
+    """Opt-in chunk sizer (spec section 9) on the real engine: it is fed the measured
+    prompt steps, fits a model, sizes chunks by it, and the greedy tokens stay
+    transformers'."""
+    llm = LLM(model_dirs["llama"], max_num_batched_tokens=24, max_num_seqs=8,
+              chunk_time_budget_s=0.004)
+    assert run(llm, prompts) == reference["llama"]
+    sizer = llm.engines[0].scheduler.chunk_sizer
+    assert sizer is not None and len(sizer._samples) >= sizer.min_samples
+    assert sizer.coefficients is not None and sizer.budget(0) >= 16

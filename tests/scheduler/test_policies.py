@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from pdserve.scheduler import SequenceStatus, StepKind
 
 
@@ -120,3 +121,104 @@ def test_partial_prompts_first_breaks_the_recompute_livelock(kit):
     assert default_steps is None and default_finished == {}  # the released rules wedge
     steps, finished = _drain_steps(kit, partial_prompts_first=True)
     assert steps is not None and finished == {"V": "length", "X": "length"}
+
+
+# ---- the time-budget chunk sizer ----
+
+def _true_cost(rows) -> float:
+    """A prompt step's cost in seconds on an imaginary machine: fixed + per position +
+    quadratic attention terms, the shape the sizer fits."""
+    return (0.002 + 2e-5 * sum(q for q, _ in rows) + 4e-9 * sum(q * q for q, _ in rows)
+            + 1e-8 * sum(q * c for q, c in rows))
+
+
+def test_chunk_sizer_fits_a_known_cost_and_answers_the_largest_chunk():
+    import random
+
+    from pdserve.scheduler.chunk_sizer import MAX_POSITIONS, ChunkSizer
+
+    sizer = ChunkSizer(quota_s=0.03, floor=16)
+    assert sizer.budget(0) is None  # nothing measured: the token budget applies
+    rng = random.Random(3)
+    for _ in range(12):
+        rows = [(rng.randint(64, 3000), rng.randint(0, 6000))]
+        sizer.observe(rows, _true_cost(rows) * rng.uniform(0.98, 1.02))
+    for cached in (0, 2000, 8000):
+        q = sizer.budget(cached)
+        assert _true_cost([(q, cached)]) <= 0.03 * 1.03  # within the quota (fit error)
+        assert _true_cost([(q + 64, cached)]) > 0.03 * 0.97  # and not far below it
+    assert sizer.budget(0) > sizer.budget(2000) > sizer.budget(8000)  # longer prefix, less q
+    tight = ChunkSizer(quota_s=1e-4, floor=16)  # nothing fits: one floor-sized chunk
+    loose = ChunkSizer(quota_s=1e6, floor=16)
+    flat = ChunkSizer(quota_s=0.03, floor=16)  # the time does not depend on q: all fits
+    for q in (100, 900, 2500, 4000, 50):
+        for s in (tight, loose):
+            s.observe([(q, 0)], _true_cost([(q, 0)]))
+        flat.observe([(q, 0)], 0.01)
+    assert tight.budget(0) == 16 and loose.budget(0) == MAX_POSITIONS
+    assert flat.budget(0) == MAX_POSITIONS
+    with pytest.raises(ValueError, match="quota_s"):
+        ChunkSizer(quota_s=0, floor=16)
+
+
+def _prompt_step_costs(kit, **policy):
+    """Six 1,500-position prompts through one NORMAL scheduler whose prompt steps are
+    'measured' with _true_cost; returns each prompt step's cost and the finished ids."""
+    s = kit.sched(block_size=16, num_blocks=1024, max_model_len=2048, max_num_seqs=8,
+                  max_num_batched_tokens=1024, prefill_attempt_interval=1, **policy)
+    for i in range(6):
+        s.add(kit.seq(f"p{i}", 1500, max_tokens=2))
+    costs, finished = [], set()
+    while s.has_unfinished():
+        out = s.schedule()
+        if out.kind is StepKind.PROMPT and out.scheduled:
+            cost = _true_cost([(r.query_len, r.start_pos) for r in out.scheduled])
+            costs.append(cost)
+            s.observe_prompt_step(out, cost)
+        res = s.process_outputs(out, [7 if r.sample else None for r in out.scheduled])
+        finished.update(q.request_id for q in res.finished)
+    s.assert_drained()
+    return costs, finished
+
+
+def test_time_budget_chunk_sizer_keeps_prompt_steps_under_the_quota(kit):
+    """Same trace: the default token budget (1,024 positions) makes prompt steps of
+    ~0.03-0.05 s; with a 0.02 s quota, once four steps are measured every prompt step
+    fits the quota, and every request still finishes."""
+    default, done_default = _prompt_step_costs(kit)
+    sized, done_sized = _prompt_step_costs(kit, chunk_time_budget_s=0.02)
+    assert done_default == done_sized == {f"p{i}" for i in range(6)}
+    assert max(default) > 0.02 * 1.4
+    assert all(c <= 0.02 * 1.03 for c in sized[4:])
+    assert len(sized) > len(default)  # smaller steps, more of them
+    assert sum(sized[4:]) / len(sized[4:]) > 0.02 * 0.8  # and not needlessly small
+
+
+def test_time_budget_chunk_sizer_takes_the_minimum_across_the_group(kit, thread_group):
+    """Two ranks whose measured steps differ (rank 1 twice as slow): both size their
+    prompt steps by the slower one's model."""
+    scheds = [kit.sched(block_size=16, num_blocks=1024, max_model_len=2048,
+                        max_num_batched_tokens=1024, prefill_attempt_interval=1,
+                        chunk_time_budget_s=0.02) for _ in range(2)]
+    for rank, s in enumerate(scheds):
+        for q in (200, 700, 1024, 400, 900):
+            s.chunk_sizer.observe([(q, 0)], _true_cost([(q, 0)]) * (1 + rank))
+        s.add(kit.seq(f"long{rank}", 2000, max_tokens=2))
+    group = thread_group(2)
+    for rank, s in enumerate(scheds):
+        s.comm = group.communicator(rank)
+    outs = group.run(lambda rank: scheds[rank].schedule())
+    slow = scheds[1].chunk_sizer.budget(0)
+    assert scheds[0].chunk_sizer.budget(0) > slow
+    assert [o.kind for o in outs] == [StepKind.PROMPT, StepKind.PROMPT]
+    assert slow < 2000  # a chunk, not the whole prompt
+    assert [o.scheduled[0].query_len for o in outs] == [slow, slow]
+    assert group.calls == [3, 3]  # the try vote, the budget, the result vote
+
+
+def test_time_budget_chunk_sizer_config_is_checked(kit):
+    with pytest.raises(ValueError, match="chunk_time_budget_s"):
+        kit.config(chunk_time_budget_s=-1.0)
+    with pytest.raises(ValueError, match="chunked_prefill"):
+        kit.config(chunk_time_budget_s=0.1, chunked_prefill=False)
+    assert kit.sched().chunk_sizer is None  # off by default: no extra collective

@@ -237,7 +237,7 @@ def test_s25_empty_result_normal_defers_to_vote_others_return(kit):
         return s
 
     normal = blocked(EngineType.NORMAL)
-    assert normal._schedule_prefill() is None
+    assert normal._schedule_prefill(normal._prefill_budget()) is None
     assert normal.schedule().kind is StepKind.DECODE
     out = blocked(PROMPT).schedule()
     assert out.kind is StepKind.PROMPT and out.scheduled == [] and out.ignored == []
