@@ -1,6 +1,7 @@
 /* A whole decode step of a Llama-family model on AVX-512 CPUs in one call: every layer's
  * norms, matmuls (skinny_block.h on column panels), rope, KV writes, attention over the
- * contiguous decode K/V, SiLU MLP and residuals, then the final norm. See decode_step.py
+ * contiguous decode K/V, SiLU MLP and residuals, the final norm and optionally the LM
+ * head. See decode_step.py
  * for why, the layouts and the limits. One OpenMP region for the step; phases meet at a
  * spinning barrier (an OpenMP barrier sleeps under OMP_WAIT_POLICY=PASSIVE and costs a
  * wake-up per phase). */
@@ -231,8 +232,9 @@ int64_t decode_step_workspace(const int64_t *dims, int64_t threads) {
  * row's flat slot in the paged blocks [*, Hk, D]; kv_slot, pos [n]: its slot in the
  * decode K/V [S, Hk, C, D] and the position it writes (it attends to [0, pos]).
  * layers: P_COUNT pointers per layer (biases may be 0). lm_head: NULL, or the LM head's
- * panels for `vocab` outputs, whose logits [n, vocab] are then written to `logits`. times: NULL, or 2 * PH_COUNT
- * doubles that thread 0's phase times are added to (see end_phase). Returns 0; -1 when
+ * panels for `vocab` outputs, whose logits [n, vocab] are then written to `logits`.
+ * times: NULL, or 2 * PH_COUNT doubles that thread 0's phase times are added to (see
+ * end_phase). Returns 0; -1 when
  * the work counters could not be allocated; -2 - r when row r's cache slot, decode slot
  * or position is outside dims' bounds (nothing is written then). */
 int decode_step(const int64_t *dims, const int64_t *layers, float *h, const float *cos,
