@@ -1,10 +1,9 @@
 /* A whole decode step of a Llama-family model on AVX-512 CPUs in one call: every layer's
  * norms, matmuls (skinny_block.h on column panels), rope, KV writes, attention over the
  * contiguous decode K/V, SiLU MLP and residuals, the final norm and optionally the LM
- * head. See decode_step.py
- * for why, the layouts and the limits. One OpenMP region for the step; phases meet at a
- * spinning barrier (an OpenMP barrier sleeps under OMP_WAIT_POLICY=PASSIVE and costs a
- * wake-up per phase). */
+ * head. See decode_step.py for why, the layouts and the limits. One OpenMP region for
+ * the step; phases meet at a spinning barrier (an OpenMP barrier sleeps under
+ * OMP_WAIT_POLICY=PASSIVE and costs a wake-up per phase). */
 #include <math.h>
 #include <omp.h>
 #include <sched.h>
