@@ -1,7 +1,7 @@
 """Decode steps of a ``CausalLM`` through ``kernels/decode_step`` (one C call per step).
 
-Used for decode-only steps whose rows all have a slot in the contiguous decode K/V
-(``DecodePlan``), when the model is fp32 on an AVX-512 CPU, every matmul has
+Used for decode-only steps (attention reads the paged cache through the rows' block
+tables; ``ModelRunner.prepare`` plans no contiguous copy for them), when the model is fp32 on an AVX-512 CPU, every matmul has
 ``skinny_gemm`` panels, and the layers are plain full-attention Llama layers (no
 sliding window, no q/k norm). Other steps take the torch path.
 """
@@ -49,9 +49,12 @@ class KernelDecode:
 
     @staticmethod
     def supports(cache: KVCache, meta: AttentionMetadata) -> bool:
-        return (not cache.ring_layers and meta.decode_plan is not None
-                and len(meta.groups) == 1 and meta.groups[0].decode
-                and meta.groups[0].covers_all)
+        """A decode-only step over full-attention layers whose rows come with their
+        block tables (``ModelRunner.prepare`` skips the contiguous copy for these)."""
+        if cache.ring_layers or len(meta.groups) != 1:
+            return False
+        g = meta.groups[0]
+        return g.decode and g.covers_all and g.block_tables is not None
 
     @property
     def has_logits(self) -> bool:
@@ -67,8 +70,6 @@ class KernelDecode:
         m = self.model
         h = m.model.embed_tokens(tokens)
         cos, sin = m.rope.cos_sin(positions, h.dtype, meta.max_position, signed=True)
-        plan, dkv = meta.decode_plan, meta.decode_kv
-        dkv.fill_all_layers(plan)
-        kv = (cache.k_blocks, cache.v_blocks, dkv.k, dkv.v)
-        return self.step.run(h, cos, sin, meta.slot_mapping, plan.slots, plan.positions, kv,
+        return self.step.run(h, cos, sin, meta.groups[0].block_tables, positions,
+                             meta.max_position + 1, (cache.k_blocks, cache.v_blocks),
                              with_logits)

@@ -250,11 +250,18 @@ class ModelRunner:
         """Flat tokens/positions and attention metadata for a step (on the device)."""
         self._check(rows)
         decode_rows = [i for i, r in enumerate(rows) if len(r.token_ids) == 1]
-        # Every step plans the contiguous decode K/V (a step without decode rows drops
-        # all slots: see DecodeKV's safety rules).
-        plan = self.decode_kv.plan([rows[i].block_table for i in decode_rows],
-                                   [rows[i].start_pos for i in decode_rows])
-        if len(decode_rows) == len(rows) and not self.kv_cache.ring_layers:
+        all_decode = len(decode_rows) == len(rows) and not self.kv_cache.ring_layers
+        if all_decode and self.decode_kernel:
+            # The C step reads the paged cache through the block tables: no contiguous
+            # copy to plan, and the copy's slots are stale from now on.
+            self.decode_kv.forget()
+            plan = None
+        else:
+            # Every other step plans the contiguous decode K/V (a step without decode
+            # rows drops all slots: see DecodeKV's safety rules).
+            plan = self.decode_kv.plan([rows[i].block_table for i in decode_rows],
+                                       [rows[i].start_pos for i in decode_rows])
+        if all_decode:
             tokens, positions, meta, last = self._prepare_decode(rows, plan)
         else:
             tokens, positions, meta, last = self._prepare_general(rows, plan)

@@ -153,9 +153,15 @@ class DecodeKV:
         vc[plan.slots, :, plan.positions] = v
         return _decode_attention(q, kc, vc, plan, scale)
 
+    def forget(self) -> None:
+        """Drop every slot: for a decode step that does not use the copy (the C step
+        reads the paged cache), after which no stored slot may be trusted (a finished
+        sequence's blocks may come back to a new sequence of the same length)."""
+        self.keys.clear()
+
     def fill_all_layers(self, plan: DecodePlan) -> None:
-        """For callers that run every layer's attention themselves (the compiled and C
-        decode steps): copy the rows that decode for the first time into their slots."""
+        """For callers that run every layer's attention themselves (the compiled decode
+        step): copy the rows that decode for the first time into their slots."""
         if plan.fill_slots is not None:
             for i in self.cache.full_layers:
                 self._fill(plan, i, self.k[i], self.v[i])

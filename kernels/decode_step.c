@@ -1,6 +1,6 @@
 /* A whole decode step of a Llama-family model on AVX-512 CPUs in one call: every layer's
  * norms, matmuls (skinny_block.h on column panels), rope, KV writes, attention over the
- * contiguous decode K/V, SiLU MLP and residuals, the final norm and optionally the LM
+ * paged KV cache, SiLU MLP and residuals, the final norm and optionally the LM
  * head. See decode_step.py for why, the layouts and the limits. One OpenMP region for
  * the step; phases meet at a spinning barrier (an OpenMP barrier sleeps under
  * OMP_WAIT_POLICY=PASSIVE and costs a wake-up per phase). */
@@ -14,10 +14,10 @@
 
 #include "skinny_block.h"
 
-enum { D_ROWS, D_HIDDEN, D_Q_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_LAYERS, D_CAPACITY,
-       D_CACHE_SLOTS, D_KV_SLOTS, D_COUNT };
+enum { D_ROWS, D_HIDDEN, D_Q_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_LAYERS, D_BLOCK_SIZE,
+       D_NUM_BLOCKS, D_TABLE_WIDTH, D_MAX_LEN, D_COUNT };
 enum { P_LN, P_QKV, P_QKV_B, P_O, P_O_B, P_LN2, P_GATE_UP, P_GATE_UP_B, P_DOWN, P_DOWN_B,
-       P_K_BLOCKS, P_V_BLOCKS, P_K_SLOTS, P_V_SLOTS, P_COUNT };
+       P_K_BLOCKS, P_V_BLOCKS, P_COUNT };
 
 enum { PH_NORM, PH_QKV, PH_ATTENTION, PH_O, PH_POST_NORM, PH_GATE_UP, PH_SILU_MUL, PH_DOWN,
        PH_LM_HEAD, PH_COUNT };
@@ -153,31 +153,48 @@ static inline void rope(const float *x, const float *cos, const float *sin, int6
     }
 }
 
-/* g query heads (q: g x D) against keys/values [0, len) (K, V: len x D): scores scaled,
- * softmax, weighted sum of values -> out (g x D). dc = D / 16, a constant at each call
- * site so that the loops over a row unroll into registers. */
+/* A row's keys and values in the paged cache: position t lives at
+ * k + (table[t / bs] * bs + t % bs) * hk * D, its kv heads side by side. */
+typedef struct {
+    const float *k, *v;
+    const int64_t *table;
+    int64_t bs, hk;
+} PagedRow;
+
+static inline const float *paged_at(const float *base, PagedRow pr, int64_t t, int64_t D) {
+    return base + (pr.table[t / pr.bs] * pr.bs + t % pr.bs) * pr.hk * D;
+}
+
+/* The row's hq query heads (q: hq x D; head h uses kv head h / g) against its positions
+ * [0, len): scores scaled, softmax, weighted sum of values -> out (hq x D). Positions
+ * are read whole (every kv head: contiguous memory, all of each cache line used; one
+ * task per head read a quarter of every line and ran ~1.5x slower); values are
+ * prefetched into L2 during the key pass for the per-head value passes. dc = D / 16, a
+ * constant at each call site so that the loops over a head unroll into registers. */
 static inline __attribute__((always_inline)) void attend(
-    const float *q, const float *K, const float *V, int64_t len, int64_t g, const int dc,
+    const float *q, PagedRow pr, int64_t len, int64_t hq, int64_t g, const int dc,
     float scale, float *scores, float *out) {
-    const int64_t D = dc * 16;
+    const int64_t D = dc * 16, hk = pr.hk, lines = hk * D / 16;
     for (int64_t t = 0; t < len; t++) {
-        __m512 kv[16];
-#pragma GCC unroll 16
-        for (int c = 0; c < dc; c++) {
-            /* Two streams in flight per thread (keys ahead, values for the third pass):
-             * the hardware prefetcher alone left attention at ~13 GB/s (small model). */
-            _mm_prefetch((const char *)(K + (t + 16) * D + c * 16), _MM_HINT_T0);
-            _mm_prefetch((const char *)(V + t * D + c * 16), _MM_HINT_T1);
-            kv[c] = _mm512_loadu_ps(K + t * D + c * 16);
+        const float *K = paged_at(pr.k, pr, t, D), *V = paged_at(pr.v, pr, t, D);
+        if (t + 4 < len) {
+            const float *ahead = paged_at(pr.k, pr, t + 4, D);
+            for (int64_t c = 0; c < lines; c++) _mm_prefetch((const char *)(ahead + c * 16), _MM_HINT_T0);
         }
-        for (int64_t h = 0; h < g; h++) {
-            __m512 s = _mm512_setzero_ps();
+        for (int64_t c = 0; c < lines; c++) _mm_prefetch((const char *)(V + c * 16), _MM_HINT_T1);
+        for (int64_t j = 0; j < hk; j++) {
+            __m512 kv[16];
 #pragma GCC unroll 16
-            for (int c = 0; c < dc; c++) s = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + c * 16), kv[c], s);
-            scores[h * len + t] = _mm512_reduce_add_ps(s) * scale;
+            for (int c = 0; c < dc; c++) kv[c] = _mm512_loadu_ps(K + j * D + c * 16);
+            for (int64_t h = j * g; h < (j + 1) * g; h++) {
+                __m512 s = _mm512_setzero_ps();
+#pragma GCC unroll 16
+                for (int c = 0; c < dc; c++) s = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + c * 16), kv[c], s);
+                scores[h * len + t] = _mm512_reduce_add_ps(s) * scale;
+            }
         }
     }
-    for (int64_t h = 0; h < g; h++) {
+    for (int64_t h = 0; h < hq; h++) {
         float *s = scores + h * len;
         __m512 mv = _mm512_set1_ps(-INFINITY);
         for (int64_t t = 0; t < len; t += 16)
@@ -197,22 +214,28 @@ static inline __attribute__((always_inline)) void attend(
         __m512 acc[16];
 #pragma GCC unroll 16
         for (int c = 0; c < dc; c++) acc[c] = _mm512_setzero_ps();
-        for (int64_t t = 0; t < len; t++) {
-            __m512 p = _mm512_set1_ps(s[t]);
+        const int64_t j = h / g;
+        for (int64_t b = 0, t0 = 0; t0 < len; b++, t0 += pr.bs) {
+            const int64_t rows = len - t0 < pr.bs ? len - t0 : pr.bs;
+            const float *V = pr.v + pr.table[b] * pr.bs * hk * D + j * D;
+            for (int64_t i = 0; i < rows; i++) {
+                __m512 p = _mm512_set1_ps(s[t0 + i]);
 #pragma GCC unroll 16
-            for (int c = 0; c < dc; c++) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(V + t * D + c * 16), acc[c]);
+                for (int c = 0; c < dc; c++)
+                    acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(V + i * hk * D + c * 16), acc[c]);
+            }
         }
 #pragma GCC unroll 16
         for (int c = 0; c < dc; c++) _mm512_storeu_ps(out + h * D + c * 16, acc[c]);
     }
 }
 
-static void attend_any(const float *q, const float *K, const float *V, int64_t len, int64_t g,
+static void attend_any(const float *q, PagedRow pr, int64_t len, int64_t hq, int64_t g,
                        int64_t D, float scale, float *scores, float *out) {
     switch (D) {
-    case 64: attend(q, K, V, len, g, 4, scale, scores, out); break;
-    case 128: attend(q, K, V, len, g, 8, scale, scores, out); break;
-    default: attend(q, K, V, len, g, (int)(D / 16), scale, scores, out); break;
+    case 64: attend(q, pr, len, hq, g, 4, scale, scores, out); break;
+    case 128: attend(q, pr, len, hq, g, 8, scale, scores, out); break;
+    default: attend(q, pr, len, hq, g, (int)(D / 16), scale, scores, out); break;
     }
 }
 
@@ -222,37 +245,39 @@ static inline int64_t round8(int64_t n) { return (n + 7) / 8 * 8; }
 int64_t decode_step_workspace(const int64_t *dims, int64_t threads) {
     int64_t n8 = round8(dims[D_ROWS]), H = dims[D_HIDDEN], D = dims[D_HEAD_DIM];
     int64_t hq = dims[D_Q_HEADS], hk = dims[D_KV_HEADS], I = dims[D_INTER];
-    int64_t g = hq / hk;
-    return n8 * (H + (hq + 2 * hk) * D + hq * D + 2 * I + I) + threads * g * (dims[D_CAPACITY] + D);
+    return n8 * (H + (hq + 2 * hk) * D + hq * D + 2 * I + I) + threads * hq * (dims[D_MAX_LEN] + D);
 }
 
 /* h [n, H]: the embedded tokens in, the last layer's output out (before the final norm);
- * out [n, H]: after the final norm. cos/sin [n, D] (sin signed); cache_slot [n]: each
- * row's flat slot in the paged blocks [*, Hk, D]; kv_slot, pos [n]: its slot in the
- * decode K/V [S, Hk, C, D] and the position it writes (it attends to [0, pos]).
+ * out [n, H]: after the final norm. cos/sin [n, D] (sin signed); tables [n, TABLE_WIDTH]:
+ * each row's block table in the paged cache (blocks [NUM_BLOCKS, BLOCK_SIZE, Hk, D] per
+ * layer); pos [n]: the position each row writes (it attends to [0, pos]; pos < MAX_LEN).
  * layers: P_COUNT pointers per layer (biases may be 0). lm_head: NULL, or the LM head's
  * panels for `vocab` outputs, whose logits [n, vocab] are then written to `logits`.
  * times: NULL, or 2 * PH_COUNT doubles that thread 0's phase times are added to (see
- * end_phase). Returns 0; -1 when
- * the work counters could not be allocated; -2 - r when row r's cache slot, decode slot
- * or position is outside dims' bounds (nothing is written then). */
+ * end_phase). Returns 0; -1 when the work counters could not be allocated; -2 - r when
+ * row r's position or a block id it reads is outside dims' bounds (nothing is written
+ * then). */
 int decode_step(const int64_t *dims, const int64_t *layers, float *h, const float *cos,
-                const float *sin, const int64_t *cache_slot, const int64_t *kv_slot,
-                const int64_t *pos, const float *norm_w, float *out, const float *lm_head,
-                int64_t vocab, float *logits, float *work, double eps_d, double scale_d,
-                int threads, double *times) {
+                const float *sin, const int64_t *tables, const int64_t *pos,
+                const float *norm_w, float *out, const float *lm_head, int64_t vocab,
+                float *logits, float *work, double eps_d, double scale_d, int threads,
+                double *times) {
     const int64_t n = dims[D_ROWS], H = dims[D_HIDDEN], hq = dims[D_Q_HEADS];
     const int64_t hk = dims[D_KV_HEADS], D = dims[D_HEAD_DIM], I = dims[D_INTER];
-    const int64_t L = dims[D_LAYERS], C = dims[D_CAPACITY], g = hq / hk, n8 = round8(n);
+    const int64_t L = dims[D_LAYERS], bs = dims[D_BLOCK_SIZE], tw = dims[D_TABLE_WIDTH];
+    const int64_t max_len = dims[D_MAX_LEN], g = hq / hk, n8 = round8(n);
     const int64_t W = (hq + 2 * hk) * D;
     const float eps = (float)eps_d, scale = (float)scale_d;
     float *x = work, *qkv = x + n8 * H, *attn = qkv + n8 * W, *gu = attn + n8 * hq * D;
     float *act = gu + n8 * 2 * I, *thread_scratch = act + n8 * I;
-    /* A bad index would write outside the caches: refuse the step instead. */
-    for (int64_t r = 0; r < n; r++)
-        if (cache_slot[r] < 0 || cache_slot[r] >= dims[D_CACHE_SLOTS] || kv_slot[r] < 0 ||
-            kv_slot[r] >= dims[D_KV_SLOTS] || pos[r] < 0 || pos[r] >= C)
-            return -2 - (int)(r < 1000000 ? r : 1000000);
+    /* A bad index would read or write outside the cache: refuse the step instead. */
+    for (int64_t r = 0; r < n; r++) {
+        int bad = pos[r] < 0 || pos[r] >= max_len || pos[r] / bs >= tw;
+        for (int64_t b = 0; !bad && b <= pos[r] / bs; b++)
+            bad = tables[r * tw + b] < 0 || tables[r * tw + b] >= dims[D_NUM_BLOCKS];
+        if (bad) return -2 - (int)(r < 1000000 ? r : 1000000);
+    }
     Barrier barrier = {0, 0};
     /* Work counters: per layer, four matmuls and the attention tasks; the LM head. */
     int64_t *counters = (int64_t *)calloc((size_t)(5 * L + 1), sizeof(int64_t));
@@ -261,7 +286,7 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        float *scores = thread_scratch + t * g * (C + D), *q = scores + g * C;
+        float *scores = thread_scratch + t * hq * (max_len + D), *q = scores + hq * max_len;
         double mark = times && t == 0 ? now_ns() : 0.0;
         for (int64_t r = t; r < n; r += nt)
             rms_norm_row(h + r * H, (const float *)layers[P_LN], H, eps, x + r * H);
@@ -272,20 +297,18 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
             matmul(next, nt, x, n, H, (const float *)p[P_QKV], W, (const float *)p[P_QKV_B], qkv, 0);
             end_phase(&barrier, t, nt, times, PH_QKV, &mark);
             float *kb = (float *)p[P_K_BLOCKS], *vb = (float *)p[P_V_BLOCKS];
-            float *ks = (float *)p[P_K_SLOTS], *vs = (float *)p[P_V_SLOTS];
-            /* (row, kv head) tasks from a counter: rows attend to different lengths. */
-            for (int64_t task; (task = __atomic_fetch_add(next + 4, 1, __ATOMIC_RELAXED)) < n * hk;) {
-                int64_t r = task / hk, j = task % hk;
+            /* One task per row, from a counter: rows attend to different lengths. */
+            for (int64_t r; (r = __atomic_fetch_add(next + 4, 1, __ATOMIC_RELAXED)) < n;) {
+                const int64_t *table = tables + r * tw;
                 const float *row = qkv + r * W, *c = cos + r * D, *s = sin + r * D;
-                float *k_slot = ks + ((kv_slot[r] * hk + j) * C) * D;
-                float *v_slot = vs + ((kv_slot[r] * hk + j) * C) * D;
-                rope(row + (hq + j) * D, c, s, D, k_slot + pos[r] * D);
-                memcpy(v_slot + pos[r] * D, row + (hq + hk + j) * D, D * sizeof(float));
-                memcpy(kb + (cache_slot[r] * hk + j) * D, k_slot + pos[r] * D, D * sizeof(float));
-                memcpy(vb + (cache_slot[r] * hk + j) * D, v_slot + pos[r] * D, D * sizeof(float));
-                for (int64_t i = 0; i < g; i++) rope(row + (j * g + i) * D, c, s, D, q + i * D);
-                attend_any(q, k_slot, v_slot, pos[r] + 1, g, D, scale, scores,
-                           attn + r * hq * D + j * g * D);
+                int64_t slot = table[pos[r] / bs] * bs + pos[r] % bs;
+                for (int64_t j = 0; j < hk; j++) {
+                    rope(row + (hq + j) * D, c, s, D, kb + (slot * hk + j) * D);
+                    memcpy(vb + (slot * hk + j) * D, row + (hq + hk + j) * D, D * sizeof(float));
+                }
+                for (int64_t i = 0; i < hq; i++) rope(row + i * D, c, s, D, q + i * D);
+                PagedRow pr = {kb, vb, table, bs, hk};
+                attend_any(q, pr, pos[r] + 1, hq, g, D, scale, scores, attn + r * hq * D);
             }
             end_phase(&barrier, t, nt, times, PH_ATTENTION, &mark);
             matmul(next + 1, nt, attn, n, hq * D, (const float *)p[P_O], H, (const float *)p[P_O_B], h, 1);

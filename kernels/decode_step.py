@@ -1,7 +1,7 @@
 """A whole decode step of a Llama-family model in one C call (AVX-512 CPUs, fp32).
 
     step = DecodeStep(dims, layers, final_norm, lm_head_panels, vocab)   # once per model
-    hidden, logits = step.run(h, cos, sin, cache_slots, kv_slots, positions, kv,
+    hidden, logits = step.run(h, cos, sin, block_tables, positions, max_len, kv,
                               with_logits=True)                           # per step
 
 Why: a decode step of the built-in models is ~100 small operations per layer; with
@@ -9,13 +9,12 @@ torch each is a dispatch (a few µs to tens of µs of Python and ATen) and every
 parallel matmul wakes the OpenMP team (tens of µs under ``OMP_WAIT_POLICY=PASSIVE``).
 For the tiny model those overheads were most of the step (compiled: 2.8 ms for
 ~25 MB of weights and K/V). Here every layer's work runs in one OpenMP region whose
-phases meet at a spinning barrier: rmsnorm; q|k|v matmul; per (row, kv head) rope, the
-K/V writes (paged cache and the contiguous decode copy, see ``DecodeKV``) and
-attention over the row's own keys ``[0, pos]`` (no mask: each row's length is its
-own); o matmul + residual; rmsnorm; gate|up matmul; SiLU * up; down matmul +
+phases meet at a spinning barrier: rmsnorm; q|k|v matmul; per row rope, the K/V write
+and attention over the row's own keys ``[0, pos]``, read from the paged cache through
+its block table (no mask, no gathered copy: each row's length is its own); o matmul + residual; rmsnorm; gate|up matmul; SiLU * up; down matmul +
 residual; then the final norm and, if asked, the LM head. Matmuls are
 ``skinny_block.h`` on ``skinny_gemm``'s column panels; threads take chunks of panels
-(and attention's (row, head) tasks) from shared counters, so each output is computed
+(and attention's rows) from shared counters, so each output is computed
 whole by one thread and results do not depend on the thread count; attention reads
 each row's K/V once. Small model, 16 rows, 2 threads: ~25 ms per step (torch eager
 ~41, compiled ~34), its matmuls at ~17 GB/s of weights (``bench/offline.py
@@ -42,7 +41,7 @@ PHASES = ("norm", "qkv", "attention", "o_proj", "post_norm", "gate_up", "silu_mu
           "lm_head")
 # Pointer order of one layer (decode_step.c's P_* enum).
 LAYER_FIELDS = ("ln", "qkv", "qkv_bias", "o", "o_bias", "ln2", "gate_up", "gate_up_bias",
-                "down", "down_bias", "k_blocks", "v_blocks", "k_slots", "v_slots")
+                "down", "down_bias", "k_blocks", "v_blocks")
 
 
 @functools.cache
@@ -54,7 +53,7 @@ def _library() -> ctypes.CDLL | None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.decode_step_workspace.argtypes = [p, i64]
         lib.decode_step_workspace.restype = i64
-        lib.decode_step.argtypes = [p, p, p, p, p, p, p, p, p, p, p, i64, p, p,
+        lib.decode_step.argtypes = [p, p, p, p, p, p, p, p, p, p, i64, p, p,
                                     ctypes.c_double, ctypes.c_double, ctypes.c_int, p]
         lib.decode_step.restype = ctypes.c_int
     return lib
@@ -139,36 +138,37 @@ class DecodeStep:
         return {kind: {ph: round(float(times[i, j]) / n / 1e6, 3) for j, ph in enumerate(PHASES)}
                 for i, kind in enumerate(("work", "wait"))} | {"steps": self._profiled_steps}
 
-    def _layer_pointers(self, kv: tuple[list, list, list, list]) -> torch.Tensor:
-        """[layers, 14] int64: weights, then the layer's paged blocks and decode K/V
-        (rebuilt only when those tensors were reallocated)."""
+    def _layer_pointers(self, kv: tuple[list, list]) -> torch.Tensor:
+        """[layers, 12] int64: weights, then the layer's paged K and V blocks (rebuilt
+        only when those tensors were reallocated)."""
         key = tuple(t.data_ptr() for group in kv for t in group)
         if key != self._pointers_for:
-            rows = [w + [_ptr(kb), _ptr(vb), _ptr(ks), _ptr(vs)]
-                    for w, kb, vb, ks, vs in zip(self._weights, *kv, strict=True)]
+            rows = [w + [_ptr(kb), _ptr(vb)] for w, kb, vb in zip(self._weights, *kv, strict=True)]
             self._pointers = torch.tensor(rows, dtype=torch.int64)
             self._pointers_for = key
         return self._pointers
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            cache_slots: torch.Tensor, kv_slots: torch.Tensor, positions: torch.Tensor,
-            kv: tuple[list, list, list, list],
+            block_tables: torch.Tensor, positions: torch.Tensor, max_len: int,
+            kv: tuple[list, list],
             with_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """h [n, hidden] (embedded tokens; overwritten) -> final-normed hidden [n, hidden],
         and with ``with_logits`` the logits [n, vocab] (fp32) too, else None.
 
-        cos/sin [n, head_dim] (sin signed, ``RopeTable``); cache_slots [n]: each row's
-        flat slot in the paged blocks; kv_slots, positions [n]: its slot in the decode
-        K/V and the position it writes. kv: per layer, the paged K and V blocks
-        [*, block, Hk, D] and the decode K/V [slots, Hk, capacity, D]."""
+        cos/sin [n, head_dim] (sin signed, ``RopeTable``); block_tables [n, width]: each
+        row's blocks covering ``[0, position]``; positions [n]: the position each row
+        writes (its keys are ``[0, position]``), all below ``max_len``. kv: per layer,
+        the paged K and V blocks [num_blocks, block_size, Hk, D]."""
         d = self.dims
         n = h.shape[0]
         threads = torch.get_num_threads()
-        k_blocks, k_slots = kv[0][0], kv[2][0]
-        bounds = (k_blocks.shape[0] * k_blocks.shape[1], k_slots.shape[0])
-        capacity = k_slots.shape[2]
+        k_blocks = kv[0][0]
+        tables, positions = block_tables.contiguous(), positions.contiguous()
+        if tables.dtype != torch.int64 or positions.dtype != torch.int64:
+            raise ValueError("block tables and positions must be int64")
         dims = torch.tensor([n, d.hidden, d.q_heads, d.kv_heads, d.head_dim, d.intermediate,
-                             d.layers, capacity, *bounds], dtype=torch.int64)
+                             d.layers, k_blocks.shape[1], k_blocks.shape[0], tables.shape[1],
+                             max_len], dtype=torch.int64)
         lib = _library()
         need = lib.decode_step_workspace(dims.data_ptr(), threads)
         if self._work.numel() < need:
@@ -177,12 +177,9 @@ class DecodeStep:
         if with_logits and self.lm_head is None:
             raise ValueError("this DecodeStep was built without an LM head")
         logits = h.new_empty(n, self.vocab_size) if with_logits else None
-        index = [t.contiguous() for t in (cache_slots, kv_slots, positions)]
-        if any(t.dtype != torch.int64 for t in index):
-            raise ValueError("slots and positions must be int64")
         rc = lib.decode_step(
             dims.data_ptr(), self._layer_pointers(kv).data_ptr(), _ptr(h), _ptr(cos), _ptr(sin),
-            *(t.data_ptr() for t in index), _ptr(self.final_norm), _ptr(out),
+            tables.data_ptr(), positions.data_ptr(), _ptr(self.final_norm), _ptr(out),
             _ptr(self.lm_head) if with_logits else None, self.vocab_size, _ptr(logits),
             self._work.data_ptr(), d.eps, d.scale, threads,
             None if self._times is None else self._times.data_ptr())
@@ -191,9 +188,10 @@ class DecodeStep:
         if rc <= -2:
             r = -2 - rc
             raise IndexError(
-                f"decode_step: row {r} has cache slot {int(index[0][r])} (of {bounds[0]}), "
-                f"decode slot {int(index[1][r])} (of {bounds[1]}), position "
-                f"{int(index[2][r])} (capacity {capacity}); nothing was written")
+                f"decode_step: row {r} at position {int(positions[r])} (max_len {max_len}) "
+                f"reads blocks outside the cache ({k_blocks.shape[0]} blocks of "
+                f"{k_blocks.shape[1]}) or its table (width {tables.shape[1]}): "
+                f"{tables[r].tolist()}; nothing was written")
         if self._times is not None:
             self._profiled_steps += 1
         return out, logits

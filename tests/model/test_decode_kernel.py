@@ -189,30 +189,32 @@ def test_decode_kernel_head_sizes_and_row_counts(tiny_dirs, h, tmp_path, heads, 
 
 @needs_kernel
 def test_decode_step_refuses_indices_outside_the_caches(tiny_dirs, h):
-    """A slot or position outside the caches (a planning bug) raises before anything is
-    written, instead of writing out of bounds; the runner still works afterwards."""
+    """A block id, table or position outside the cache (a planning bug) raises before
+    anything is written, instead of reading or writing out of bounds; the runner still
+    works afterwards."""
     ker = ModelRunner(tiny_dirs["llama"], num_kv_blocks=64, num_state_slots=8)
     (p,) = h.prompts_of([10], seed=1)
     ker.execute([RunnerRow(p, 0, [1, 2])])
     tokens, positions, meta, _ = ker.prepare([RunnerRow([4], 10, [1, 2])])
-    k, cache, dkv = ker.model._kernel, ker.kv_cache, meta.decode_kv
-    kv = (cache.k_blocks, cache.v_blocks, dkv.k, dkv.v)
+    k, cache = ker.model._kernel, ker.kv_cache
+    kv = (cache.k_blocks, cache.v_blocks)
     h0 = ker.model.model.embed_tokens(tokens)
     cos, sin = ker.model.rope.cos_sin(positions, h0.dtype, 10, signed=True)
-    dkv.fill_all_layers(meta.decode_plan)
-    good = (meta.slot_mapping, meta.decode_plan.slots, meta.decode_plan.positions)
+    table = meta.groups[0].block_tables
+    assert table.tolist() == [[1]]
     bad_cases = {
-        "cache slot": (torch.tensor([64 * 16]), good[1], good[2]),
-        "decode slot": (good[0], torch.tensor([dkv.k[0].shape[0]]), good[2]),
-        "position": (good[0], good[1], torch.tensor([dkv.k[0].shape[2]])),
-        "negative": (torch.tensor([-1]), good[1], good[2]),
+        "block id": (torch.tensor([[64]]), positions, 11),
+        "negative block": (torch.tensor([[-1]]), positions, 11),
+        "past the table": (table, torch.tensor([16]), 17),
+        "past max_len": (table, positions, 10),
+        "negative position": (table, torch.tensor([-1]), 11),
     }
-    before = [t.clone() for t in (cache.k_blocks[0], dkv.k[0])]
-    for name, (cs, ks, ps) in bad_cases.items():
+    before = [t.clone() for t in cache.k_blocks]
+    for name, (tb, pos, max_len) in bad_cases.items():
         with pytest.raises(IndexError, match="row 0"):
-            k.step.run(h0.clone(), cos, sin, cs, ks, ps, kv)
-        assert torch.equal(cache.k_blocks[0], before[0]) and torch.equal(dkv.k[0], before[1]), name
-    hidden, _ = k.step.run(h0.clone(), cos, sin, *good, kv)
+            k.step.run(h0.clone(), cos, sin, tb, pos, max_len, kv)
+        assert all(torch.equal(a, b) for a, b in zip(cache.k_blocks, before, strict=True)), name
+    hidden, _ = k.step.run(h0.clone(), cos, sin, table, positions, 11, kv)
     assert hidden.shape == (1, 256) and torch.isfinite(hidden).all()
 
 

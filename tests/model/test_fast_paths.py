@@ -91,10 +91,12 @@ def test_skinny_gemm_kernel_matches_linear_at_ragged_shapes():
         skinny_gemm.matmul(torch.randn(2, 8).bfloat16(), skinny_gemm.pack(torch.ones(32, 8)), 32)
 
 
-def _pair(path):
-    """A default runner and one whose decode K/V copy is disabled (always gathers)."""
-    fast = ModelRunner(path, num_kv_blocks=64, num_state_slots=8)
-    slow = ModelRunner(path, num_kv_blocks=64, num_state_slots=8)
+def _pair(path, kernel=False):
+    """A runner with the decode K/V copy (torch path), or with ``kernel`` the C decode
+    step (which reads the paged cache and skips the copy), against a torch runner whose
+    copy is disabled (always gathers)."""
+    fast = ModelRunner(path, num_kv_blocks=64, num_state_slots=8, decode_kernel=kernel)
+    slow = ModelRunner(path, num_kv_blocks=64, num_state_slots=8, decode_kernel=False)
     slow.decode_kv.max_bytes = 0
     return fast, slow
 
@@ -105,11 +107,17 @@ def _same(fast, slow, rows):
     return a
 
 
-def test_decode_copy_equals_gather_when_rows_come_and_go(tiny_dirs, h):
+@pytest.mark.parametrize("kernel", [False, True])
+def test_decode_copy_equals_gather_when_rows_come_and_go(tiny_dirs, h, kernel):
     """Rows reorder, skip a step, come back, join mid-run, share a step with a prefill
     chunk; forked siblings share every block of their slot key; a block copy (fork
-    copy-on-write) invalidates the copy."""
-    fast, slow = _pair(tiny_dirs["llama"])
+    copy-on-write) invalidates the copy. ``kernel``: the same through the C decode
+    step (paged reads) where it applies."""
+    from pdserve.kernels import decode_step
+
+    if kernel and not decode_step.available():
+        pytest.skip("the C decode step needs AVX-512 and a C compiler")
+    fast, slow = _pair(tiny_dirs["llama"], kernel)
     assert fast.decode_kv.max_bytes > 0
     p = h.prompts_of([20, 15, 33, 40], seed=11)
     t = {0: [1, 2], 1: [3, 4], 2: [5, 6, 7], 3: [8, 9, 10], 4: [3, 11]}  # 4: fork of 1
@@ -123,7 +131,8 @@ def test_decode_copy_equals_gather_when_rows_come_and_go(tiny_dirs, h):
 
     for order in ([0, 1, 2], [2, 0], [1, 0, 2], [0, 2, 1]):
         _same(fast, slow, [dec(i) for i in order])
-    assert len(fast.decode_kv.keys) == 3 and not slow.decode_kv.keys  # the copy is in use
+    # The copy is in use on the torch path; the C step keeps none.
+    assert len(fast.decode_kv.keys) == (0 if kernel else 3) and not slow.decode_kv.keys
     # Row 1 now has 15 + 3 = 18 positions; a prefill chunk shares a step with decodes.
     _same(fast, slow, [RunnerRow(p[3][:30], 0, t[3]), dec(0), dec(2)])
     _same(fast, slow, [RunnerRow(p[3][30:], 30, t[3]), dec(1), dec(0)])
