@@ -52,12 +52,21 @@ def test_s31_preempted_and_recomputed_runs_equal_transformers(model_dirs, refere
 
 def test_time_budget_chunk_sizer_measures_real_steps_and_keeps_the_tokens(model_dirs, reference,
                                                                            prompts):
-    """Opt-in chunk sizer (spec section 9) on the real engine: it is fed the measured
-    prompt steps, fits a model, sizes chunks by it, and the greedy tokens stay
-    transformers'."""
+    """Opt-in chunk sizer (spec section 9) on the real engine: it is fed every measured
+    prompt step and fits a model, and the greedy tokens stay transformers'. (Its answers
+    depend on this machine's timings: with steps this small, noise can leave no
+    coefficient that grows with q, and then the token budget applies; the sizing itself
+    is tested on a synthetic clock in tests/scheduler/test_policies.py.)"""
     llm = LLM(model_dirs["llama"], max_num_batched_tokens=24, max_num_seqs=8,
               chunk_time_budget_s=0.004)
+    engine = llm.engines[0]
+    observed = []
+    feed = engine.scheduler.chunk_sizer.observe
+    engine.scheduler.chunk_sizer.observe = lambda rows, s: (observed.append(rows), feed(rows, s))
     assert run(llm, prompts) == reference["llama"]
-    sizer = llm.engines[0].scheduler.chunk_sizer
-    assert sizer is not None and len(sizer._samples) >= sizer.min_samples
-    assert sizer.coefficients is not None and sizer.budget(0) >= 16
+    sizer = engine.scheduler.chunk_sizer
+    assert len(observed) == len(sizer._samples) >= sizer.min_samples
+    assert sum(q for rows in observed for q, _ in rows) == sum(map(len, prompts))
+    assert sizer.coefficients is not None
+    budget = sizer.budget(0)
+    assert budget is None or budget >= 16
