@@ -1,9 +1,10 @@
 """Decode steps of a ``CausalLM`` through ``kernels/decode_step`` (one C call per step).
 
 Used for decode-only steps (attention reads the paged cache through the rows' block
-tables; ``ModelRunner.prepare`` plans no contiguous copy for them), when the model is fp32 on an AVX-512 CPU, every matmul has
-``skinny_gemm`` panels, and the layers are plain full-attention Llama layers (no
-sliding window, no q/k norm). Other steps take the torch path.
+tables, and sliding-window layers their rings; ``ModelRunner.prepare`` plans no
+contiguous copy for them), when the model is fp32 on an AVX-512 CPU, every matmul has
+``skinny_gemm`` panels, and the layers are Llama/Mistral/Qwen2-style (no q/k norm).
+Other steps take the torch path.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ def build(model) -> KernelDecode | None:
     """A kernel bound to ``model``'s fused weights, or None where it does not apply."""
     cfg = model.cfg
     layers = model.model.layers
-    if (not decode_step.available() or cfg.qk_norm or cfg.has_sliding_window
+    if (not decode_step.available() or cfg.qk_norm
             or model.model.norm.weight.dtype != torch.float32):
         return None
     mats = [(ly.self_attn.qkv, ly.self_attn.o, ly.mlp.gate_up, ly.mlp.down) for ly in layers]
@@ -38,7 +39,8 @@ def build(model) -> KernelDecode | None:
         for ly, (qkv, o, gu, down) in zip(layers, mats, strict=True)]
     head = model.logits_proj  # its bias, if any, stays with the torch path
     step = decode_step.DecodeStep(dims, weights, model.model.norm.weight,
-                                  head.panels if head.bias is None else None, head.out_features)
+                                  head.panels if head.bias is None else None, head.out_features,
+                                  cfg.layer_windows)
     return KernelDecode(model, step)
 
 
@@ -49,12 +51,15 @@ class KernelDecode:
 
     @staticmethod
     def supports(cache: KVCache, meta: AttentionMetadata) -> bool:
-        """A decode-only step over full-attention layers whose rows come with their
-        block tables (``ModelRunner.prepare`` skips the contiguous copy for these)."""
-        if cache.ring_layers or len(meta.groups) != 1:
+        """A decode-only step whose rows come with their block tables (full-attention
+        layers) and state slots (sliding-window layers): what ``ModelRunner.prepare``
+        builds for decode steps when the kernel is on."""
+        if len(meta.groups) != 1:
             return False
         g = meta.groups[0]
-        return g.decode and g.covers_all and g.block_tables is not None
+        return (g.decode and g.covers_all
+                and (not cache.full_layers or g.block_tables is not None)
+                and (not cache.ring_layers or g.state_slots is not None))
 
     @property
     def has_logits(self) -> bool:
@@ -70,6 +75,9 @@ class KernelDecode:
         m = self.model
         h = m.model.embed_tokens(tokens)
         cos, sin = m.rope.cos_sin(positions, h.dtype, meta.max_position, signed=True)
-        return self.step.run(h, cos, sin, meta.groups[0].block_tables, positions,
-                             meta.max_position + 1, (cache.k_blocks, cache.v_blocks),
-                             with_logits)
+        g = meta.groups[0]
+        # Each layer's store: its paged blocks, or its rings (sliding window).
+        ks = [b if b is not None else r for b, r in zip(cache.k_blocks, cache.k_ring, strict=True)]
+        vs = [b if b is not None else r for b, r in zip(cache.v_blocks, cache.v_ring, strict=True)]
+        return self.step.run(h, cos, sin, positions, meta.max_position + 1, ks, vs,
+                             g.block_tables, g.state_slots, cache.ring_len, with_logits)

@@ -250,10 +250,12 @@ class ModelRunner:
         """Flat tokens/positions and attention metadata for a step (on the device)."""
         self._check(rows)
         decode_rows = [i for i, r in enumerate(rows) if len(r.token_ids) == 1]
-        all_decode = len(decode_rows) == len(rows) and not self.kv_cache.ring_layers
-        if all_decode and self.decode_kernel:
-            # The C step reads the paged cache through the block tables: no contiguous
-            # copy to plan, and the copy's slots are stale from now on.
+        all_decode = len(decode_rows) == len(rows)
+        kernel_step = all_decode and self.decode_kernel
+        if kernel_step:
+            # The C step reads the paged cache through the block tables (and the rings
+            # through the state slots): no contiguous copy to plan, and the copy's slots
+            # are stale from now on.
             self.decode_kv.forget()
             plan = None
         else:
@@ -261,7 +263,7 @@ class ModelRunner:
             # rows drops all slots: see DecodeKV's safety rules).
             plan = self.decode_kv.plan([rows[i].block_table for i in decode_rows],
                                        [rows[i].start_pos for i in decode_rows])
-        if all_decode:
+        if kernel_step or (all_decode and not self.kv_cache.ring_layers):
             tokens, positions, meta, last = self._prepare_decode(rows, plan)
         else:
             tokens, positions, meta, last = self._prepare_general(rows, plan)
@@ -270,23 +272,32 @@ class ModelRunner:
         return tokens, positions, meta, last
 
     def _prepare_decode(self, rows: list[RunnerRow], plan):
-        """All rows decode (q = 1) and every layer is full attention: the metadata is a
-        few per-row lists, built in Python without the general path's tensor algebra."""
-        dev, bs = self.device, self.block_size
+        """All rows decode (q = 1), and either every layer is full attention or the C
+        step runs (it needs no ring metadata, only each row's state slot): the metadata
+        is a few per-row lists, built in Python without the general path's tensor
+        algebra."""
+        dev, bs, cache = self.device, self.block_size, self.kv_cache
         b = len(rows)
         pos = [r.start_pos for r in rows]
-        slots = [r.block_table[p // bs] * bs + p % bs for r, p in zip(rows, pos, strict=True)]
         ar = torch.arange(b, device=dev)
         positions = torch.tensor(pos, device=dev)
-        bt = None
-        if plan is None:  # the gather path reads the block tables
-            nb = math.ceil((max(pos) + 1) / bs)
-            bt = torch.tensor([(r.block_table[:nb] + [0] * nb)[:nb] for r in rows], device=dev)
+        bt = slot_mapping = states = None
+        if cache.full_layers:
+            slot_mapping = torch.tensor(
+                [r.block_table[p // bs] * bs + p % bs for r, p in zip(rows, pos, strict=True)],
+                device=dev)
+            if plan is None:  # the gather path and the C step read the block tables
+                nb = math.ceil((max(pos) + 1) / bs)
+                bt = torch.tensor([(r.block_table[:nb] + [0] * nb)[:nb] for r in rows],
+                                  device=dev)
+        if cache.ring_layers:
+            states = torch.tensor([r.state_slot for r in rows], device=dev)
         group = AttentionGroup(
             token_index=ar[:, None], q_valid=torch.ones(b, 1, dtype=torch.bool, device=dev),
             q_pos=positions[:, None], block_tables=bt, ring_rows=None, ring_pos=None,
-            valid_tokens=ar, valid_flat=None, fresh=False, decode=True, covers_all=True)
-        meta = AttentionMetadata(groups=[group], slot_mapping=torch.tensor(slots, device=dev),
+            valid_tokens=ar, valid_flat=None, fresh=False, decode=True, covers_all=True,
+            state_slots=states)
+        meta = AttentionMetadata(groups=[group], slot_mapping=slot_mapping,
                                  ring_dest=None, ring_src=None, num_tokens=b)
         tokens = torch.tensor([r.token_ids[0] for r in rows], device=dev)
         return tokens, positions, meta, ar

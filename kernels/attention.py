@@ -44,6 +44,7 @@ class AttentionGroup:
     fresh: bool = False  # every row starts at position 0: keys are the step's own K/V
     decode: bool = False  # every row has one query (q = 1)
     covers_all: bool = False  # the step's only group, its tokens 0 .. T-1 in order
+    state_slots: torch.Tensor | None = None  # [B] long, for the C decode step's rings
 
 
 @dataclass

@@ -15,9 +15,11 @@
 #include "skinny_block.h"
 
 enum { D_ROWS, D_HIDDEN, D_Q_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_LAYERS, D_BLOCK_SIZE,
-       D_NUM_BLOCKS, D_TABLE_WIDTH, D_MAX_LEN, D_COUNT };
+       D_NUM_BLOCKS, D_TABLE_WIDTH, D_MAX_LEN, D_RING_LEN, D_STATE_SLOTS, D_COUNT };
+/* Per layer: weights, then its K/V store: paged blocks [NUM_BLOCKS, BLOCK_SIZE, Hk, D]
+ * when P_WINDOW is 0, else the sliding-window rings [STATE_SLOTS * RING_LEN, Hk, D]. */
 enum { P_LN, P_QKV, P_QKV_B, P_O, P_O_B, P_LN2, P_GATE_UP, P_GATE_UP_B, P_DOWN, P_DOWN_B,
-       P_K_BLOCKS, P_V_BLOCKS, P_COUNT };
+       P_K_STORE, P_V_STORE, P_WINDOW, P_COUNT };
 
 enum { PH_NORM, PH_QKV, PH_ATTENTION, PH_O, PH_POST_NORM, PH_GATE_UP, PH_SILU_MUL, PH_DOWN,
        PH_LM_HEAD, PH_COUNT };
@@ -153,44 +155,47 @@ static inline void rope(const float *x, const float *cos, const float *sin, int6
     }
 }
 
-/* A row's keys and values in the paged cache: position t lives at
- * k + (table[t / bs] * bs + t % bs) * hk * D, its kv heads side by side. */
+/* Where a row's keys and values live: runs of consecutive store rows (each row holds
+ * one position, every kv head side by side). A paged layer's runs are the row's blocks
+ * (positions [0, len)); a sliding-window layer's are at most two stretches of its ring
+ * (positions [len - window, len), wrapping at the ring's end). */
+typedef struct {
+    int64_t start, count;
+} Run;
+
 typedef struct {
     const float *k, *v;
-    const int64_t *table;
-    int64_t bs, hk;
-} PagedRow;
+    const Run *runs;
+    int64_t nruns, hk;
+} RowKV;
 
-static inline const float *paged_at(const float *base, PagedRow pr, int64_t t, int64_t D) {
-    return base + (pr.table[t / pr.bs] * pr.bs + t % pr.bs) * pr.hk * D;
-}
-
-/* The row's hq query heads (q: hq x D; head h uses kv head h / g) against its positions
- * [0, len): scores scaled, softmax, weighted sum of values -> out (hq x D). Positions
+/* The row's hq query heads (q: hq x D; head h uses kv head h / g) against its len
+ * positions: scores scaled, softmax, weighted sum of values -> out (hq x D). Positions
  * are read whole (every kv head: contiguous memory, all of each cache line used; one
  * task per head read a quarter of every line and ran ~1.5x slower); values are
  * prefetched into L2 during the key pass for the per-head value passes. dc = D / 16, a
  * constant at each call site so that the loops over a head unroll into registers. */
 static inline __attribute__((always_inline)) void attend(
-    const float *q, PagedRow pr, int64_t len, int64_t hq, int64_t g, const int dc,
-    float scale, float *scores, float *out) {
-    const int64_t D = dc * 16, hk = pr.hk, lines = hk * D / 16;
-    for (int64_t t = 0; t < len; t++) {
-        const float *K = paged_at(pr.k, pr, t, D), *V = paged_at(pr.v, pr, t, D);
-        if (t + 4 < len) {
-            const float *ahead = paged_at(pr.k, pr, t + 4, D);
-            for (int64_t c = 0; c < lines; c++) _mm_prefetch((const char *)(ahead + c * 16), _MM_HINT_T0);
-        }
-        for (int64_t c = 0; c < lines; c++) _mm_prefetch((const char *)(V + c * 16), _MM_HINT_T1);
-        for (int64_t j = 0; j < hk; j++) {
-            __m512 kv[16];
+    const float *q, RowKV kv, int64_t len, int64_t hq, int64_t g, const int dc, float scale,
+    float *scores, float *out) {
+    const int64_t D = dc * 16, hk = kv.hk, rs = hk * D, lines = rs / 16;
+    for (int64_t u = 0, t = 0; u < kv.nruns; u++) {
+        const float *K = kv.k + kv.runs[u].start * rs, *V = kv.v + kv.runs[u].start * rs;
+        const int64_t count = kv.runs[u].count;
+        for (int64_t i = 0; i < count; i++, t++) {
+            if (i + 4 < count)
+                for (int64_t c = 0; c < lines; c++) _mm_prefetch((const char *)(K + (i + 4) * rs + c * 16), _MM_HINT_T0);
+            for (int64_t c = 0; c < lines; c++) _mm_prefetch((const char *)(V + i * rs + c * 16), _MM_HINT_T1);
+            for (int64_t j = 0; j < hk; j++) {
+                __m512 kr[16];
 #pragma GCC unroll 16
-            for (int c = 0; c < dc; c++) kv[c] = _mm512_loadu_ps(K + j * D + c * 16);
-            for (int64_t h = j * g; h < (j + 1) * g; h++) {
-                __m512 s = _mm512_setzero_ps();
+                for (int c = 0; c < dc; c++) kr[c] = _mm512_loadu_ps(K + i * rs + j * D + c * 16);
+                for (int64_t h = j * g; h < (j + 1) * g; h++) {
+                    __m512 s = _mm512_setzero_ps();
 #pragma GCC unroll 16
-                for (int c = 0; c < dc; c++) s = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + c * 16), kv[c], s);
-                scores[h * len + t] = _mm512_reduce_add_ps(s) * scale;
+                    for (int c = 0; c < dc; c++) s = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + c * 16), kr[c], s);
+                    scores[h * len + t] = _mm512_reduce_add_ps(s) * scale;
+                }
             }
         }
     }
@@ -215,14 +220,13 @@ static inline __attribute__((always_inline)) void attend(
 #pragma GCC unroll 16
         for (int c = 0; c < dc; c++) acc[c] = _mm512_setzero_ps();
         const int64_t j = h / g;
-        for (int64_t b = 0, t0 = 0; t0 < len; b++, t0 += pr.bs) {
-            const int64_t rows = len - t0 < pr.bs ? len - t0 : pr.bs;
-            const float *V = pr.v + pr.table[b] * pr.bs * hk * D + j * D;
-            for (int64_t i = 0; i < rows; i++) {
-                __m512 p = _mm512_set1_ps(s[t0 + i]);
+        for (int64_t u = 0, t = 0; u < kv.nruns; u++) {
+            const float *V = kv.v + kv.runs[u].start * rs + j * D;
+            for (int64_t i = 0; i < kv.runs[u].count; i++, t++) {
+                __m512 p = _mm512_set1_ps(s[t]);
 #pragma GCC unroll 16
                 for (int c = 0; c < dc; c++)
-                    acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(V + i * hk * D + c * 16), acc[c]);
+                    acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(V + i * rs + c * 16), acc[c]);
             }
         }
 #pragma GCC unroll 16
@@ -230,28 +234,39 @@ static inline __attribute__((always_inline)) void attend(
     }
 }
 
-static void attend_any(const float *q, PagedRow pr, int64_t len, int64_t hq, int64_t g,
+static void attend_any(const float *q, RowKV kv, int64_t len, int64_t hq, int64_t g,
                        int64_t D, float scale, float *scores, float *out) {
     switch (D) {
-    case 64: attend(q, pr, len, hq, g, 4, scale, scores, out); break;
-    case 128: attend(q, pr, len, hq, g, 8, scale, scores, out); break;
-    default: attend(q, pr, len, hq, g, (int)(D / 16), scale, scores, out); break;
+    case 64: attend(q, kv, len, hq, g, 4, scale, scores, out); break;
+    case 128: attend(q, kv, len, hq, g, 8, scale, scores, out); break;
+    default: attend(q, kv, len, hq, g, (int)(D / 16), scale, scores, out); break;
     }
 }
 
 static inline int64_t round8(int64_t n) { return (n + 7) / 8 * 8; }
 
+/* One thread's scratch: its attention runs (Run, 4 floats each: table width + 2), then
+ * scores (hq x MAX_LEN) and roped queries (hq x D); a multiple of 16 floats (64 bytes),
+ * so every thread's block starts aligned and on its own cache line. */
+static int64_t thread_floats(const int64_t *dims) {
+    int64_t hq = dims[D_Q_HEADS];
+    int64_t f = 4 * (dims[D_TABLE_WIDTH] + 2) + hq * (dims[D_MAX_LEN] + dims[D_HEAD_DIM]);
+    return (f + 15) / 16 * 16;
+}
+
 /* Floats of scratch that decode_step needs for these dims and thread count. */
 int64_t decode_step_workspace(const int64_t *dims, int64_t threads) {
     int64_t n8 = round8(dims[D_ROWS]), H = dims[D_HIDDEN], D = dims[D_HEAD_DIM];
     int64_t hq = dims[D_Q_HEADS], hk = dims[D_KV_HEADS], I = dims[D_INTER];
-    return n8 * (H + (hq + 2 * hk) * D + hq * D + 2 * I + I) + threads * hq * (dims[D_MAX_LEN] + D);
+    return n8 * (H + (hq + 2 * hk) * D + hq * D + 2 * I + I) + threads * thread_floats(dims);
 }
 
 /* h [n, H]: the embedded tokens in, the last layer's output out (before the final norm);
  * out [n, H]: after the final norm. cos/sin [n, D] (sin signed); tables [n, TABLE_WIDTH]:
- * each row's block table in the paged cache (blocks [NUM_BLOCKS, BLOCK_SIZE, Hk, D] per
- * layer); pos [n]: the position each row writes (it attends to [0, pos]; pos < MAX_LEN).
+ * each row's block table (paged layers); states [n]: its state slot (ring layers); pos
+ * [n]: the position each row writes (pos < MAX_LEN; it attends to [0, pos], or to its
+ * last `window` positions in a sliding-window layer, whose ring row pos % RING_LEN it
+ * overwrites: the position window-or-more before, which no query needs again).
  * layers: P_COUNT pointers per layer (biases may be 0). lm_head: NULL, or the LM head's
  * panels for `vocab` outputs, whose logits [n, vocab] are then written to `logits`.
  * times: NULL, or 2 * PH_COUNT doubles that thread 0's phase times are added to (see
@@ -259,23 +274,30 @@ int64_t decode_step_workspace(const int64_t *dims, int64_t threads) {
  * row r's position or a block id it reads is outside dims' bounds (nothing is written
  * then). */
 int decode_step(const int64_t *dims, const int64_t *layers, float *h, const float *cos,
-                const float *sin, const int64_t *tables, const int64_t *pos,
+                const float *sin, const int64_t *tables, const int64_t *states,
+                const int64_t *pos,
                 const float *norm_w, float *out, const float *lm_head, int64_t vocab,
                 float *logits, float *work, double eps_d, double scale_d, int threads,
                 double *times) {
     const int64_t n = dims[D_ROWS], H = dims[D_HIDDEN], hq = dims[D_Q_HEADS];
     const int64_t hk = dims[D_KV_HEADS], D = dims[D_HEAD_DIM], I = dims[D_INTER];
     const int64_t L = dims[D_LAYERS], bs = dims[D_BLOCK_SIZE], tw = dims[D_TABLE_WIDTH];
-    const int64_t max_len = dims[D_MAX_LEN], g = hq / hk, n8 = round8(n);
+    const int64_t max_len = dims[D_MAX_LEN], g = hq / hk, n8 = round8(n), R = dims[D_RING_LEN];
     const int64_t W = (hq + 2 * hk) * D;
     const float eps = (float)eps_d, scale = (float)scale_d;
     float *x = work, *qkv = x + n8 * H, *attn = qkv + n8 * W, *gu = attn + n8 * hq * D;
     float *act = gu + n8 * 2 * I, *thread_scratch = act + n8 * I;
+    int paged = 0, ringed = 0;
+    for (int64_t l = 0; l < L; l++) {
+        if (layers[l * P_COUNT + P_WINDOW]) ringed = 1; else paged = 1;
+    }
     /* A bad index would read or write outside the cache: refuse the step instead. */
     for (int64_t r = 0; r < n; r++) {
-        int bad = pos[r] < 0 || pos[r] >= max_len || pos[r] / bs >= tw;
-        for (int64_t b = 0; !bad && b <= pos[r] / bs; b++)
+        int bad = pos[r] < 0 || pos[r] >= max_len;
+        if (paged) bad = bad || pos[r] / bs >= tw;
+        for (int64_t b = 0; paged && !bad && b <= pos[r] / bs; b++)
             bad = tables[r * tw + b] < 0 || tables[r * tw + b] >= dims[D_NUM_BLOCKS];
+        if (ringed) bad = bad || states[r] < 0 || states[r] >= dims[D_STATE_SLOTS];
         if (bad) return -2 - (int)(r < 1000000 ? r : 1000000);
     }
     Barrier barrier = {0, 0};
@@ -286,7 +308,9 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        float *scores = thread_scratch + t * hq * (max_len + D), *q = scores + hq * max_len;
+        float *mine = thread_scratch + t * thread_floats(dims);
+        Run *runs = (Run *)mine;
+        float *scores = mine + 4 * (tw + 2), *q = scores + hq * max_len;
         double mark = times && t == 0 ? now_ns() : 0.0;
         for (int64_t r = t; r < n; r += nt)
             rms_norm_row(h + r * H, (const float *)layers[P_LN], H, eps, x + r * H);
@@ -296,19 +320,34 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
             int64_t *next = counters + 5 * l;
             matmul(next, nt, x, n, H, (const float *)p[P_QKV], W, (const float *)p[P_QKV_B], qkv, 0);
             end_phase(&barrier, t, nt, times, PH_QKV, &mark);
-            float *kb = (float *)p[P_K_BLOCKS], *vb = (float *)p[P_V_BLOCKS];
+            float *ks = (float *)p[P_K_STORE], *vs = (float *)p[P_V_STORE];
+            const int64_t window = p[P_WINDOW];
             /* One task per row, from a counter: rows attend to different lengths. */
             for (int64_t r; (r = __atomic_fetch_add(next + 4, 1, __ATOMIC_RELAXED)) < n;) {
                 const int64_t *table = tables + r * tw;
                 const float *row = qkv + r * W, *c = cos + r * D, *s = sin + r * D;
-                int64_t slot = table[pos[r] / bs] * bs + pos[r] % bs;
+                int64_t nruns = 0, len;
+                int64_t dest;  /* the store row this step's K/V go to */
+                if (!window) {
+                    dest = table[pos[r] / bs] * bs + pos[r] % bs;
+                    len = pos[r] + 1;
+                    for (int64_t b = 0; b * bs < len; b++, nruns++)
+                        runs[nruns] = (Run){table[b] * bs, len - b * bs < bs ? len - b * bs : bs};
+                } else {
+                    const int64_t first = pos[r] + 1 > window ? pos[r] + 1 - window : 0;
+                    const int64_t base = states[r] * R, at = first % R;
+                    dest = base + pos[r] % R;
+                    len = pos[r] + 1 - first;
+                    runs[nruns++] = (Run){base + at, len < R - at ? len : R - at};
+                    if (len > R - at) runs[nruns++] = (Run){base, len - (R - at)};
+                }
                 for (int64_t j = 0; j < hk; j++) {
-                    rope(row + (hq + j) * D, c, s, D, kb + (slot * hk + j) * D);
-                    memcpy(vb + (slot * hk + j) * D, row + (hq + hk + j) * D, D * sizeof(float));
+                    rope(row + (hq + j) * D, c, s, D, ks + (dest * hk + j) * D);
+                    memcpy(vs + (dest * hk + j) * D, row + (hq + hk + j) * D, D * sizeof(float));
                 }
                 for (int64_t i = 0; i < hq; i++) rope(row + i * D, c, s, D, q + i * D);
-                PagedRow pr = {kb, vb, table, bs, hk};
-                attend_any(q, pr, pos[r] + 1, hq, g, D, scale, scores, attn + r * hq * D);
+                RowKV kv = {ks, vs, runs, nruns, hk};
+                attend_any(q, kv, len, hq, g, D, scale, scores, attn + r * hq * D);
             }
             end_phase(&barrier, t, nt, times, PH_ATTENTION, &mark);
             matmul(next + 1, nt, attn, n, hq * D, (const float *)p[P_O], H, (const float *)p[P_O_B], h, 1);

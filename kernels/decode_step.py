@@ -1,8 +1,8 @@
 """A whole decode step of a Llama-family model in one C call (AVX-512 CPUs, fp32).
 
     step = DecodeStep(dims, layers, final_norm, lm_head_panels, vocab)   # once per model
-    hidden, logits = step.run(h, cos, sin, block_tables, positions, max_len, kv,
-                              with_logits=True)                           # per step
+    hidden, logits = step.run(h, cos, sin, positions, max_len, k_stores, v_stores,
+                              block_tables, state_slots, ring_len, with_logits=True)
 
 Why: a decode step of the built-in models is ~100 small operations per layer; with
 torch each is a dispatch (a few µs to tens of µs of Python and ATen) and every
@@ -41,7 +41,7 @@ PHASES = ("norm", "qkv", "attention", "o_proj", "post_norm", "gate_up", "silu_mu
           "lm_head")
 # Pointer order of one layer (decode_step.c's P_* enum).
 LAYER_FIELDS = ("ln", "qkv", "qkv_bias", "o", "o_bias", "ln2", "gate_up", "gate_up_bias",
-                "down", "down_bias", "k_blocks", "v_blocks")
+                "down", "down_bias", "k_store", "v_store", "window")
 
 
 @functools.cache
@@ -53,7 +53,7 @@ def _library() -> ctypes.CDLL | None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.decode_step_workspace.argtypes = [p, i64]
         lib.decode_step_workspace.restype = i64
-        lib.decode_step.argtypes = [p, p, p, p, p, p, p, p, p, p, i64, p, p,
+        lib.decode_step.argtypes = [p, p, p, p, p, p, p, p, p, p, p, i64, p, p,
                                     ctypes.c_double, ctypes.c_double, ctypes.c_int, p]
         lib.decode_step.restype = ctypes.c_int
     return lib
@@ -107,14 +107,19 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 class DecodeStep:
     def __init__(self, dims: StepDims, layers: list[LayerWeights], final_norm: torch.Tensor,
-                 lm_head: torch.Tensor | None = None, vocab_size: int = 0):
+                 lm_head: torch.Tensor | None = None, vocab_size: int = 0,
+                 windows: tuple[int | None, ...] | None = None):
         """``lm_head``: the LM head's panels (``skinny_gemm.pack``) for ``vocab_size``
-        outputs, so that ``run(..., with_logits=True)`` ends with the logits."""
+        outputs, so that ``run(..., with_logits=True)`` ends with the logits.
+        ``windows``: each layer's sliding window (None: full attention, the default)."""
         if _library() is None:
             raise RuntimeError("decode_step is not available on this machine")
         if not dims.supported():
             raise ValueError(f"decode_step does not support {dims}")
         self.dims, self.layers, self.final_norm = dims, layers, final_norm
+        self.windows = tuple(windows) if windows is not None else (None,) * len(layers)
+        if len(self.windows) != len(layers) or any(w is not None and w < 1 for w in self.windows):
+            raise ValueError(f"windows must give a window >= 1 or None per layer, got {windows}")
         self.lm_head, self.vocab_size = lm_head, vocab_size
         self._weights = [[_ptr(getattr(w, f)) for f in LAYER_FIELDS[:10]] for w in layers]
         self._pointers_for = None  # the cache tensors' addresses the table was built for
@@ -138,37 +143,51 @@ class DecodeStep:
         return {kind: {ph: round(float(times[i, j]) / n / 1e6, 3) for j, ph in enumerate(PHASES)}
                 for i, kind in enumerate(("work", "wait"))} | {"steps": self._profiled_steps}
 
-    def _layer_pointers(self, kv: tuple[list, list]) -> torch.Tensor:
-        """[layers, 12] int64: weights, then the layer's paged K and V blocks (rebuilt
-        only when those tensors were reallocated)."""
-        key = tuple(t.data_ptr() for group in kv for t in group)
+    def _layer_pointers(self, k_stores: list, v_stores: list) -> torch.Tensor:
+        """[layers, 13] int64: weights, then the layer's K and V store (paged blocks, or
+        rings for a sliding-window layer) and its window (0: full); rebuilt only when the
+        stores were reallocated."""
+        key = tuple(t.data_ptr() for t in (*k_stores, *v_stores))
         if key != self._pointers_for:
-            rows = [w + [_ptr(kb), _ptr(vb)] for w, kb, vb in zip(self._weights, *kv, strict=True)]
+            rows = [w + [_ptr(k), _ptr(v), win or 0] for w, k, v, win in
+                    zip(self._weights, k_stores, v_stores, self.windows, strict=True)]
             self._pointers = torch.tensor(rows, dtype=torch.int64)
             self._pointers_for = key
         return self._pointers
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            block_tables: torch.Tensor, positions: torch.Tensor, max_len: int,
-            kv: tuple[list, list],
+            positions: torch.Tensor, max_len: int, k_stores: list, v_stores: list,
+            block_tables: torch.Tensor | None = None, state_slots: torch.Tensor | None = None,
+            ring_len: int = 0,
             with_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """h [n, hidden] (embedded tokens; overwritten) -> final-normed hidden [n, hidden],
         and with ``with_logits`` the logits [n, vocab] (fp32) too, else None.
 
-        cos/sin [n, head_dim] (sin signed, ``RopeTable``); block_tables [n, width]: each
-        row's blocks covering ``[0, position]``; positions [n]: the position each row
-        writes (its keys are ``[0, position]``), all below ``max_len``. kv: per layer,
-        the paged K and V blocks [num_blocks, block_size, Hk, D]."""
+        cos/sin [n, head_dim] (sin signed, ``RopeTable``); positions [n]: the position
+        each row writes, all below ``max_len``. Per layer, the K and V stores: paged
+        blocks [num_blocks, block_size, Hk, D] (full attention: keys ``[0, position]``
+        through ``block_tables`` [n, width], each row's blocks), or rings
+        [state_slots * ring_len, Hk, D] (sliding window: the last ``window`` positions,
+        in the ring of each row's ``state_slots`` entry)."""
         d = self.dims
         n = h.shape[0]
         threads = torch.get_num_threads()
-        k_blocks = kv[0][0]
-        tables, positions = block_tables.contiguous(), positions.contiguous()
-        if tables.dtype != torch.int64 or positions.dtype != torch.int64:
-            raise ValueError("block tables and positions must be int64")
+        paged = [k for k, w in zip(k_stores, self.windows, strict=True) if w is None]
+        ringed = [k for k, w in zip(k_stores, self.windows, strict=True) if w is not None]
+        positions = positions.contiguous()
+        tables = block_tables.contiguous() if paged else torch.zeros(n, 1, dtype=torch.int64)
+        states = state_slots.contiguous() if ringed else torch.zeros(n, dtype=torch.int64)
+        if any(t.dtype != torch.int64 for t in (tables, states, positions)):
+            raise ValueError("block tables, state slots and positions must be int64")
+        if ringed and (ring_len < max(w for w in self.windows if w is not None)
+                       or ringed[0].shape[0] % ring_len):
+            raise ValueError(f"ring_len {ring_len} does not fit the rings {ringed[0].shape} "
+                             f"and windows {self.windows}")
+        num_blocks, block_size = paged[0].shape[:2] if paged else (0, 1)
         dims = torch.tensor([n, d.hidden, d.q_heads, d.kv_heads, d.head_dim, d.intermediate,
-                             d.layers, k_blocks.shape[1], k_blocks.shape[0], tables.shape[1],
-                             max_len], dtype=torch.int64)
+                             d.layers, block_size, num_blocks, tables.shape[1], max_len,
+                             max(ring_len, 1), ringed[0].shape[0] // ring_len if ringed else 0],
+                            dtype=torch.int64)
         lib = _library()
         need = lib.decode_step_workspace(dims.data_ptr(), threads)
         if self._work.numel() < need:
@@ -178,8 +197,9 @@ class DecodeStep:
             raise ValueError("this DecodeStep was built without an LM head")
         logits = h.new_empty(n, self.vocab_size) if with_logits else None
         rc = lib.decode_step(
-            dims.data_ptr(), self._layer_pointers(kv).data_ptr(), _ptr(h), _ptr(cos), _ptr(sin),
-            tables.data_ptr(), positions.data_ptr(), _ptr(self.final_norm), _ptr(out),
+            dims.data_ptr(), self._layer_pointers(k_stores, v_stores).data_ptr(), _ptr(h),
+            _ptr(cos), _ptr(sin), tables.data_ptr(), states.data_ptr(), positions.data_ptr(),
+            _ptr(self.final_norm), _ptr(out),
             _ptr(self.lm_head) if with_logits else None, self.vocab_size, _ptr(logits),
             self._work.data_ptr(), d.eps, d.scale, threads,
             None if self._times is None else self._times.data_ptr())
@@ -189,9 +209,9 @@ class DecodeStep:
             r = -2 - rc
             raise IndexError(
                 f"decode_step: row {r} at position {int(positions[r])} (max_len {max_len}) "
-                f"reads blocks outside the cache ({k_blocks.shape[0]} blocks of "
-                f"{k_blocks.shape[1]}) or its table (width {tables.shape[1]}): "
-                f"{tables[r].tolist()}; nothing was written")
+                f"reads outside the cache: block table {tables[r].tolist()} ({num_blocks} "
+                f"blocks of {block_size}), state slot {int(states[r])} ({int(dims[12])} "
+                f"slots); nothing was written")
         if self._times is not None:
             self._profiled_steps += 1
         return out, logits

@@ -109,10 +109,11 @@ def test_decode_kernel_results_do_not_depend_on_the_thread_count(tiny_dirs, h):
 
 
 def test_decode_kernel_off_where_it_does_not_apply(tiny_dirs, h):
-    """Sliding-window models keep the torch path; so does a runner (or ``LLM``) asked
-    not to use it. Both still give transformers' greedy tokens."""
-    swa = ModelRunner(tiny_dirs["mistral-swa"], num_kv_blocks=64, num_state_slots=8)
-    assert not swa.decode_kernel
+    """bf16 models keep the torch path; so does a runner (or ``LLM``) asked not to use
+    it, which still gives transformers' greedy tokens."""
+    bf16 = ModelRunner(tiny_dirs["llama"], num_kv_blocks=64, num_state_slots=8,
+                       dtype="bfloat16")
+    assert not bf16.decode_kernel
     off = ModelRunner(tiny_dirs["llama"], num_kv_blocks=64, num_state_slots=8,
                       decode_kernel=False)
     assert not off.decode_kernel
@@ -197,7 +198,6 @@ def test_decode_step_refuses_indices_outside_the_caches(tiny_dirs, h):
     ker.execute([RunnerRow(p, 0, [1, 2])])
     tokens, positions, meta, _ = ker.prepare([RunnerRow([4], 10, [1, 2])])
     k, cache = ker.model._kernel, ker.kv_cache
-    kv = (cache.k_blocks, cache.v_blocks)
     h0 = ker.model.model.embed_tokens(tokens)
     cos, sin = ker.model.rope.cos_sin(positions, h0.dtype, 10, signed=True)
     table = meta.groups[0].block_tables
@@ -212,10 +212,19 @@ def test_decode_step_refuses_indices_outside_the_caches(tiny_dirs, h):
     before = [t.clone() for t in cache.k_blocks]
     for name, (tb, pos, max_len) in bad_cases.items():
         with pytest.raises(IndexError, match="row 0"):
-            k.step.run(h0.clone(), cos, sin, tb, pos, max_len, kv)
+            k.step.run(h0.clone(), cos, sin, pos, max_len, cache.k_blocks, cache.v_blocks, tb)
         assert all(torch.equal(a, b) for a, b in zip(cache.k_blocks, before, strict=True)), name
-    hidden, _ = k.step.run(h0.clone(), cos, sin, table, positions, 11, kv)
+    hidden, _ = k.step.run(h0.clone(), cos, sin, positions, 11, cache.k_blocks, cache.v_blocks,
+                           table)
     assert hidden.shape == (1, 256) and torch.isfinite(hidden).all()
+    # Sliding-window layers: a state slot outside the rings.
+    swa = ModelRunner(tiny_dirs["mistral-swa"], num_kv_blocks=64, num_state_slots=8)
+    ring = swa.kv_cache
+    before = [t.clone() for t in ring.k_ring]
+    with pytest.raises(IndexError, match="state slot 8"):
+        swa.model._kernel.step.run(h0.clone(), cos, sin, positions, 11, ring.k_ring, ring.v_ring,
+                                   None, torch.tensor([8]), ring.ring_len)
+    assert all(torch.equal(a, b) for a, b in zip(ring.k_ring, before, strict=True))
 
 
 @needs_kernel
@@ -226,3 +235,31 @@ def test_decode_kernel_long_context_equals_transformers(tiny_dirs, h):
     prompts = h.prompts_of([1900, 1031], seed=12)
     assert h.drive(ker, prompts, 6, mixed=False) == [
         h.hf_greedy(tiny_dirs["llama"], p, 6) for p in prompts]
+
+
+@needs_kernel
+def test_decode_kernel_sliding_window_equals_torch_and_transformers(tiny_dirs, h):
+    """Sliding-window layers (the tiny mistral-swa, window 32): rows decode well past
+    the window, so each reads the last 32 positions of its ring, wrapping at the ring's
+    end; hidden states equal the torch path's and greedy tokens transformers'."""
+    path = tiny_dirs["mistral-swa"]
+    ref, ker = _pair(path)
+    prompts = h.prompts_of([5, 30, 70], seed=31)
+    tables = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(3)]
+    for r in (ref, ker):
+        r.execute([RunnerRow(p, 0, t, state_slot=i + 1)
+                   for i, (p, t) in enumerate(zip(prompts, tables, strict=True))])
+    seqs = [list(p) for p in prompts]
+    for step in range(40):
+        rows = [RunnerRow([s[-1]], len(s) - 1, t, state_slot=i + 1)
+                for i, (s, t) in enumerate(zip(seqs, tables, strict=True))]
+        a, b = _decode_hidden(ref, rows), _decode_hidden(ker, rows)
+        assert (a - b).abs().max() < 1e-4, step
+        for s, tok in zip(seqs, ref.model.compute_logits(a).argmax(-1).tolist(), strict=True):
+            s.append(tok)
+    for layer in ref.kv_cache.ring_layers:  # the rings were written alike
+        assert (ref.kv_cache.k_ring[layer] - ker.kv_cache.k_ring[layer]).abs().max() < 1e-4
+    ker2 = ModelRunner(path, num_kv_blocks=64, num_state_slots=8)
+    assert ker2.decode_kernel
+    long = h.prompts_of([45, 12], seed=32)
+    assert h.drive(ker2, long, 30, mixed=False) == [h.hf_greedy(path, p, 30) for p in long]
