@@ -3,7 +3,7 @@
 Used for decode-only steps (attention reads the paged cache through the rows' block
 tables, and sliding-window layers their rings; ``ModelRunner.prepare`` plans no
 contiguous copy for them), when the model is fp32 on an AVX-512 CPU, every matmul has
-``skinny_gemm`` panels, and the layers are Llama/Mistral/Qwen2-style (no q/k norm).
+``skinny_gemm`` panels (Llama, Mistral, Qwen2, Qwen3).
 Other steps take the torch path.
 """
 
@@ -19,8 +19,7 @@ def build(model) -> KernelDecode | None:
     """A kernel bound to ``model``'s fused weights, or None where it does not apply."""
     cfg = model.cfg
     layers = model.model.layers
-    if (not decode_step.available() or cfg.qk_norm
-            or model.model.norm.weight.dtype != torch.float32):
+    if not decode_step.available() or model.model.norm.weight.dtype != torch.float32:
         return None
     mats = [(ly.self_attn.qkv, ly.self_attn.o, ly.mlp.gate_up, ly.mlp.down) for ly in layers]
     if any(m.panels is None for group in mats for m in group):
@@ -35,7 +34,9 @@ def build(model) -> KernelDecode | None:
     weights = [decode_step.LayerWeights(
         ln=ly.input_layernorm.weight, qkv=qkv.panels, qkv_bias=qkv.bias, o=o.panels,
         o_bias=o.bias, ln2=ly.post_attention_layernorm.weight, gate_up=gu.panels,
-        gate_up_bias=gu.bias, down=down.panels, down_bias=down.bias)
+        gate_up_bias=gu.bias, down=down.panels, down_bias=down.bias,
+        q_norm=ly.self_attn.q_norm.weight if cfg.qk_norm else None,
+        k_norm=ly.self_attn.k_norm.weight if cfg.qk_norm else None)
         for ly, (qkv, o, gu, down) in zip(layers, mats, strict=True)]
     head = model.logits_proj  # its bias, if any, stays with the torch path
     step = decode_step.DecodeStep(dims, weights, model.model.norm.weight,

@@ -19,7 +19,7 @@ enum { D_ROWS, D_HIDDEN, D_Q_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_LAYERS, D
 /* Per layer: weights, then its K/V store: paged blocks [NUM_BLOCKS, BLOCK_SIZE, Hk, D]
  * when P_WINDOW is 0, else the sliding-window rings [STATE_SLOTS * RING_LEN, Hk, D]. */
 enum { P_LN, P_QKV, P_QKV_B, P_O, P_O_B, P_LN2, P_GATE_UP, P_GATE_UP_B, P_DOWN, P_DOWN_B,
-       P_K_STORE, P_V_STORE, P_WINDOW, P_COUNT };
+       P_Q_NORM, P_K_NORM, P_K_STORE, P_V_STORE, P_WINDOW, P_COUNT };
 
 enum { PH_NORM, PH_QKV, PH_ATTENTION, PH_O, PH_POST_NORM, PH_GATE_UP, PH_SILU_MUL, PH_DOWN,
        PH_LM_HEAD, PH_COUNT };
@@ -341,11 +341,20 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
                     runs[nruns++] = (Run){base + at, len < R - at ? len : R - at};
                     if (len > R - at) runs[nruns++] = (Run){base, len - (R - at)};
                 }
+                /* Qwen3: each q and k head is RMS-normalised before the rotation. */
+                const float *q_norm = (const float *)p[P_Q_NORM], *k_norm = (const float *)p[P_K_NORM];
+                float normed[256];
                 for (int64_t j = 0; j < hk; j++) {
-                    rope(row + (hq + j) * D, c, s, D, ks + (dest * hk + j) * D);
+                    const float *kh = row + (hq + j) * D;
+                    if (k_norm) rms_norm_row(kh, k_norm, D, eps, normed);
+                    rope(k_norm ? normed : kh, c, s, D, ks + (dest * hk + j) * D);
                     memcpy(vs + (dest * hk + j) * D, row + (hq + hk + j) * D, D * sizeof(float));
                 }
-                for (int64_t i = 0; i < hq; i++) rope(row + i * D, c, s, D, q + i * D);
+                for (int64_t i = 0; i < hq; i++) {
+                    const float *qh = row + i * D;
+                    if (q_norm) rms_norm_row(qh, q_norm, D, eps, normed);
+                    rope(q_norm ? normed : qh, c, s, D, q + i * D);
+                }
                 RowKV kv = {ks, vs, runs, nruns, hk};
                 attend_any(q, kv, len, hq, g, D, scale, scores, attn + r * hq * D);
             }

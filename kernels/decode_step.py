@@ -41,7 +41,8 @@ PHASES = ("norm", "qkv", "attention", "o_proj", "post_norm", "gate_up", "silu_mu
           "lm_head")
 # Pointer order of one layer (decode_step.c's P_* enum).
 LAYER_FIELDS = ("ln", "qkv", "qkv_bias", "o", "o_bias", "ln2", "gate_up", "gate_up_bias",
-                "down", "down_bias", "k_store", "v_store", "window")
+                "down", "down_bias", "q_norm", "k_norm", "k_store", "v_store", "window")
+_WEIGHT_FIELDS = LAYER_FIELDS[:12]
 
 
 @functools.cache
@@ -94,6 +95,8 @@ class LayerWeights:
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor
     down_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None = None  # per-head RMSNorm weights (Qwen3), or None
+    k_norm: torch.Tensor | None = None
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -121,7 +124,7 @@ class DecodeStep:
         if len(self.windows) != len(layers) or any(w is not None and w < 1 for w in self.windows):
             raise ValueError(f"windows must give a window >= 1 or None per layer, got {windows}")
         self.lm_head, self.vocab_size = lm_head, vocab_size
-        self._weights = [[_ptr(getattr(w, f)) for f in LAYER_FIELDS[:10]] for w in layers]
+        self._weights = [[_ptr(getattr(w, f)) for f in _WEIGHT_FIELDS] for w in layers]
         self._pointers_for = None  # the cache tensors' addresses the table was built for
         self._pointers = None
         self._work = torch.empty(0)
@@ -144,7 +147,7 @@ class DecodeStep:
                 for i, kind in enumerate(("work", "wait"))} | {"steps": self._profiled_steps}
 
     def _layer_pointers(self, k_stores: list, v_stores: list) -> torch.Tensor:
-        """[layers, 13] int64: weights, then the layer's K and V store (paged blocks, or
+        """[layers, 15] int64: weights, then the layer's K and V store (paged blocks, or
         rings for a sliding-window layer) and its window (0: full); rebuilt only when the
         stores were reallocated."""
         key = tuple(t.data_ptr() for t in (*k_stores, *v_stores))

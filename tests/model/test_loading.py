@@ -198,6 +198,10 @@ def _hf_random(tmp_path, name, cfg_cls, **kw):
     ("qwen2-swa", "Qwen2Config", dict(use_sliding_window=True, sliding_window=8,
                                       max_window_layers=1)),
     ("qwen3", "Qwen3Config", dict(head_dim=32, attention_bias=True)),
+    # Head size 32, so that the C decode step takes the decode steps: mixed full and
+    # sliding-window layers through it.
+    ("qwen2-swa-hd32", "Qwen2Config", dict(hidden_size=128, use_sliding_window=True,
+                                           sliding_window=8, max_window_layers=1)),
     ("llama3-tied", "LlamaConfig", dict(tie_word_embeddings=True, rope_parameters={
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
@@ -216,3 +220,7 @@ def test_architecture_logits_match_transformers(tmp_path, name, cfg_cls, kw):
         pos += q
         worst = max(worst, (lg[0] - ref[pos - 1]).abs().max().item())
     assert worst < 1e-4, worst
+    from pdserve.kernels import decode_step
+
+    if name in ("qwen3", "qwen2-swa-hd32"):  # the single-token step ran in C
+        assert runner.decode_kernel == decode_step.available()
