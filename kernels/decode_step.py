@@ -9,18 +9,20 @@ torch each is a dispatch (a few µs to tens of µs of Python and ATen) and every
 parallel matmul wakes the OpenMP team (tens of µs under ``OMP_WAIT_POLICY=PASSIVE``).
 For the tiny model those overheads were most of the step (compiled: 2.8 ms for
 ~25 MB of weights and K/V). Here every layer's work runs in one OpenMP region whose
-phases meet at a spinning barrier: rmsnorm; q|k|v matmul; per row rope, the K/V write
-and attention over the row's own keys ``[0, pos]``, read from the paged cache through
-its block table (no mask, no gathered copy: each row's length is its own); o matmul + residual; rmsnorm; gate|up matmul; SiLU * up; down matmul +
-residual; then the final norm and, if asked, the LM head. Matmuls are
+phases meet at a spinning barrier: rmsnorm; q|k|v matmul; per row (Qwen3's q/k norm,)
+rope, the K/V write and attention over the row's keys, read in place (no mask, no
+gathered copy: each row's length is its own) from the paged cache through its block
+table (keys ``[0, pos]``), or from its ring in a sliding-window layer (the last
+``window`` positions); o matmul + residual; rmsnorm; gate|up matmul; SiLU * up; down
+matmul + residual; then the final norm and, if asked, the LM head. Matmuls are
 ``skinny_block.h`` on ``skinny_gemm``'s column panels; threads take chunks of panels
-(and attention's rows) from shared counters, so each output is computed
-whole by one thread and results do not depend on the thread count; attention reads
-each row's K/V once. Small model, 16 rows, 2 threads: ~25 ms per step (torch eager
-~41, compiled ~34), its matmuls at ~17 GB/s of weights (``bench/offline.py
---analyse`` times each phase).
+(and attention's rows) from shared counters, so each output is computed whole by one
+thread and results do not depend on the thread count; attention reads each row's K/V
+once. Small model, 16 rows, 2 threads: ~25 ms per step (torch eager ~41, compiled
+~34), its matmuls at ~17 GB/s of weights (``bench/offline.py --analyse`` times each
+phase).
 
-Numerics follow transformers' fp32 Llama (same formulas, sums in a different order,
+Numerics follow transformers' fp32 models (same formulas, sums in a different order,
 ``exp`` to ~1 ulp): hidden states agree with the torch path to ~1e-5 and greedy tokens
 equal transformers' (tests). Limits (checked by ``supported``): fp32 on the CPU,
 hidden size and head size multiples of 16 and 32, head size at most 256, query heads a
