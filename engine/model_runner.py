@@ -98,7 +98,7 @@ class ModelRunner:
         self.compile = compile
         # Decode steps: one C call where the CPU and model allow, else torch (compiled
         # dense blocks when asked), see CausalLM.forward_decode.
-        self.decode_kernel = self.model.use_decode_kernel(decode_kernel)
+        self.model.use_decode_kernel(decode_kernel)
         if compile:
             self.model.enable_compile()
         cfg = self.config
@@ -167,6 +167,12 @@ class ModelRunner:
 
             self._tokenizer = Tokenizer.from_dir(self.model_dir)
         return self._tokenizer
+
+    @property
+    def decode_kernel(self) -> bool:
+        """Do decode steps run as the C step? (Read from the model, so that ``prepare``
+        never disagrees with ``CausalLM.forward_decode`` about who takes a step.)"""
+        return getattr(self.model, "_kernel", None) is not None
 
     @property
     def max_model_len(self) -> int:
