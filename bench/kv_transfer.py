@@ -3,10 +3,10 @@
     pdserve bench kv-transfer                       # 1, 16, 64 MiB; ray and grpc
     pdserve bench kv-transfer --sizes 1,4,16,64,256 --repeats 5
 
-Runs the router's real transports (`pdserve.router.transports`) between two small
+Runs the real transports (`pdserve.kv_transfer`) between two small
 Ray actors of this module that stand in for a prefill rank and a decode rank: the
-source exports a payload exactly as an engine rank does (`ray.put` for `ray`; kept
-for its gRPC KV endpoint, `decode_worker.kv_service`, for `grpc`), this process plays
+source exports a payload exactly as an engine rank does (through the transport's
+own `RankEndpoint`: `ray.put` for `ray`, kept and served over gRPC for `grpc`), this process plays
 the router and calls `transport.deliver(ticket, src, dst)`, and the destination's
 `import_prefilled` checks the bytes arrived intact (length, request id, a strided
 checksum) without copying them again. The engine's own KV export/import (tensors to
@@ -29,7 +29,7 @@ import statistics
 import sys
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 MIB = 1 << 20
@@ -70,21 +70,19 @@ class PayloadRank:
     """Stands in for an engine rank on either end of a hand-off (a Ray actor)."""
 
     def __init__(self, kv_transport: str) -> None:
-        self._kv_store: dict[str, bytes] = {}
+        from pdserve.kv_transfer import make_endpoint
+
         self._payloads: dict[int, bytes] = {}
-        self._kv_server = None
-        self.kv_address = None
+        self.endpoint = make_endpoint(kv_transport, self, "127.0.0.1")
         self.imported = 0
-        if kv_transport == "grpc":
-            from pdserve.decode_worker.kv_service import start_kv_server
 
-            self._kv_server, self.kv_address = start_kv_server(self)
-
-    def info(self) -> dict:
-        return {"pid": os.getpid(), "kv_address": self.kv_address}
+    def info(self) -> Any:
+        return _Info(os.getpid(), self.endpoint.address)
 
     def export(self, request_id: str, nbytes: int, kv_transport: str) -> tuple[Any, float]:
         """(ticket, seconds the export took): what EngineRank._export does."""
+        from pdserve.rank.messages import HandoffTicket
+
         base = self._payloads.get(nbytes)
         if base is None:
             base = self._payloads[nbytes] = make_payload("x", nbytes)
@@ -92,33 +90,32 @@ class PayloadRank:
         rid = request_id.encode()[:40].ljust(40, b"\0")
         payload = base[:8] + rid + base[48:]
         start = time.perf_counter()
-        if kv_transport == "grpc":
-            self._kv_store[request_id] = payload
-            ticket: Any = {"address": self.kv_address, "request_id": request_id}
-        else:
-            import ray
-
-            ticket = ray.put(payload)
-        return ticket, time.perf_counter() - start
+        locator = self.endpoint.export(request_id, payload)
+        took = time.perf_counter() - start
+        return HandoffTicket(request_id, 0, 0, len(payload), locator), took
 
     # the engine-rank methods the transports call
-    def import_prefilled(self, payload) -> dict:
+    def import_prefilled(self, payload) -> Any:
+        from pdserve.rank.messages import ImportResult
+
         try:
             rid = check_payload(payload)
         except ValueError as exc:
-            return {"ok": False, "kind": "payload", "error": str(exc)}
+            return ImportResult(False, kind="payload", error=str(exc))
         self.imported += 1
-        return {"ok": True, "request_id": rid}
+        return ImportResult(True, attempt=rid)
 
-    def take_kv(self, request_id: str) -> bytes | None:
-        return self._kv_store.pop(request_id, None)
-
-    def discard_kv(self, request_id: str) -> None:
-        self._kv_store.pop(request_id, None)
+    def release_kv(self, request_id: str) -> None:
+        self.endpoint.release(request_id)
 
     def shutdown(self) -> None:
-        if self._kv_server is not None:
-            self._kv_server.stop(grace=None)
+        self.endpoint.close()
+
+
+@dataclass
+class _Info:
+    pid: int
+    kv_address: str | None
 
 
 @dataclass
@@ -126,7 +123,7 @@ class _Rank:
     """What a transport needs of a rank: the actor handle and its info."""
 
     actor: Any
-    info: dict = field(default_factory=dict)
+    info: Any = None
 
 
 def memcpy_seconds(nbytes: int, repeats: int) -> tuple[list[float], list[float]]:
@@ -150,7 +147,7 @@ def memcpy_seconds(nbytes: int, repeats: int) -> tuple[list[float], list[float]]
 
 async def _measure_transport(name: str, sizes_mib: list[float], repeats: int) -> dict:
     import ray
-    from pdserve.router.transports import make_transport
+    from pdserve.kv_transfer import make_transport
 
     actor_cls = ray.remote(num_cpus=0)(PayloadRank)
     src_a, dst_a = actor_cls.remote(name), actor_cls.remote(name)
@@ -173,8 +170,9 @@ async def _measure_transport(name: str, sizes_mib: list[float], repeats: int) ->
                                        f"{res.kind}: {res.error}")
                 if res.nbytes and res.nbytes != nbytes:  # grpc counts what it relayed
                     raise RuntimeError(f"{name}: relayed {res.nbytes} bytes of {nbytes}")
-                if res.request_id != rid:
-                    raise RuntimeError(f"{name}: delivered {res.request_id!r}, sent {rid!r}")
+                if res.attempt != rid:
+                    raise RuntimeError(f"{name}: delivered {res.attempt!r}, sent {rid!r}")
+                await transport.release(ticket, src)
                 del ticket
                 if i:
                     deliver.append(dt)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.decode_worker.engine_rank import EngineRank
+from pdserve.rank.engine_rank import EngineRank
 
 
 class DecodeRank(EngineRank):

@@ -58,6 +58,9 @@ class LLMEngine:
         self._aborted_imports: list[str] = []  # aborted before admission: reported next step
         self.num_steps = 0
         self.num_empty_steps = 0
+        self.num_failed_steps = 0
+        # request id -> why its step failed: reported once as finish "error".
+        self._failed: dict[str, str] = {}
 
     # -- admission -------------------------------------------------------------------
 
@@ -76,7 +79,8 @@ class LLMEngine:
         """Check a payload completely, then queue it until its blocks can be allocated."""
         if self.engine_type != EngineType.COMPLETION:
             raise TypeError("only a COMPLETION engine imports prefilled requests")
-        payload = data if isinstance(data, KVPayload) else KVPayload.from_bytes(data)
+        payload = data if isinstance(data, KVPayload) else KVPayload.from_bytes(
+            data, vocab_size=self.runner.vocab_size)
         payload.check_compatible(
             model_fingerprint=self.runner.model_fingerprint, dtype=dtype_name(self.runner.dtype),
             block_size=self.config.block_size, num_layers=self.runner.num_layers)
@@ -108,18 +112,33 @@ class LLMEngine:
     # -- the step --------------------------------------------------------------------
 
     def step(self) -> StepOutputs:
+        """schedule -> run -> process outputs, as a transaction: if the model run (or a
+        KV import or export) raises, every sequence it took ends with ``error`` naming
+        the cause (``step_failed``: the router may move it) and frees its blocks and
+        state slot; the exception does not escape. A failure in the scheduler itself
+        (a collective timing out, a broken invariant) does escape: the rank's group
+        must re-form."""
         started = time.perf_counter()
         self._admit_imports()
         sched_out = self.scheduler.schedule()
         if sched_out.kind == StepKind.PROMPT and sched_out.scheduled:
             self._note_scheduled(sched_out)
         run_started = time.perf_counter()
-        sampled = self._execute(sched_out)
-        if sched_out.kind == StepKind.PROMPT and sched_out.scheduled:
-            self.scheduler.observe_prompt_step(sched_out, time.perf_counter() - run_started)
+        try:
+            sampled = self._execute(sched_out)
+        except Exception as exc:
+            sampled = self._abandon(sched_out, exc)
+        else:
+            if sched_out.kind == StepKind.PROMPT and sched_out.scheduled:
+                self.scheduler.observe_prompt_step(sched_out, time.perf_counter() - run_started)
         result = self.scheduler.process_outputs(sched_out, sampled)
+        handoffs = []
+        for seq in result.handed_off:
+            try:
+                handoffs.append(self._hand_off(seq))
+            except Exception as exc:
+                self._fail_handoff(seq, exc, result)
         outputs = self._collect_outputs(result)
-        handoffs = [self._hand_off(seq) for seq in result.handed_off]
         self.num_steps += 1
         if sched_out.is_empty:
             self.num_empty_steps += 1
@@ -127,6 +146,25 @@ class LLMEngine:
                            num_scheduled_tokens=sched_out.num_tokens,
                            duration_s=time.perf_counter() - started,
                            num_rows=len(sched_out.scheduled))
+
+    def _abandon(self, sched_out: SchedulerOutput, exc: BaseException) -> list[int]:
+        """The model run failed: abort every scheduled sequence so that processing the
+        step retires them (frees blocks and slots, reports them once)."""
+        self.num_failed_steps += 1
+        cause = f"step failed on rank {self.rank}: {type(exc).__name__}: {exc}"
+        log.error("%s (%d rows)", cause, len(sched_out.scheduled))
+        for row in sched_out.scheduled:
+            self._failed[row.seq.request_id] = cause
+            self.scheduler.abort(row.seq.request_id)
+        return [0] * len(sched_out.scheduled)  # ignored: every row is finished now
+
+    def _fail_handoff(self, seq: Sequence, exc: BaseException, result: StepResult) -> None:
+        cause = f"KV export failed on rank {self.rank}: {type(exc).__name__}: {exc}"
+        log.error("%s (request %s)", cause, seq.request_id)
+        self.scheduler.release_handed_off(seq)
+        self._failed[seq.request_id] = cause
+        result.handed_off.remove(seq)
+        result.finished.append(seq)
 
     @staticmethod
     def _note_scheduled(sched_out: SchedulerOutput) -> None:
@@ -152,7 +190,9 @@ class LLMEngine:
                 state_slot=row.seq.state_slot,
                 sampling=row.seq.sampling,
                 sample=row.sample,
-                output_index=row.seq.output_len,
+                # The position of the token drawn: seeded draws stay the same when a
+                # request is recomputed elsewhere from its history.
+                output_index=len(row.seq.token_ids),
             )
             for row in sched_out.scheduled
         ]
@@ -163,13 +203,18 @@ class LLMEngine:
         # A handed-off request's first token travels in its HandOff, not here.
         handed_off = {seq.request_id for seq in result.handed_off}
         for seq in result.updated:
-            if seq.request_id in handed_off:
+            if seq.request_id in handed_off or seq.request_id in self._failed:
                 continue
             out = self._output_for(by_id, seq)
             out.new_token_ids.append(seq.token_ids[-1])
         for seq in result.finished:
             out = self._output_for(by_id, seq)
-            out.finish_reason = seq.finish_reason
+            cause = self._failed.pop(seq.request_id, None)
+            if cause is None:
+                out.finish_reason = seq.finish_reason
+            else:
+                out.finish_reason, out.error, out.step_failed = "error", cause, True
+                out.new_token_ids.clear()
             self._requests.pop(seq.request_id, None)
         for request_id in self._aborted_imports:
             by_id[request_id] = RequestOutput(request_id, [], finish_reason="abort")
@@ -220,8 +265,15 @@ class LLMEngine:
             seq.processed = payload.num_prompt_tokens
             seq.first_token_time = payload.first_token_time
             self.scheduler.add_prefilled(seq)
-            self.runner.kv_cache.import_sequence(seq.block_table, seq.state_slot, payload.tensors)
             self._requests[seq.request_id] = seq
+            try:
+                self.runner.kv_cache.import_sequence(seq.block_table, seq.state_slot,
+                                                     payload.tensors)
+            except Exception as exc:  # its blocks go back when the next pass sweeps it
+                self._failed[seq.request_id] = (
+                    f"KV import failed on rank {self.rank}: {type(exc).__name__}: {exc}")
+                log.error("%s (request %s)", self._failed[seq.request_id], seq.request_id)
+                self.scheduler.abort(seq.request_id)
 
     # -- checks and state ------------------------------------------------------------
 
@@ -264,7 +316,8 @@ class LLMEngine:
             num_prompted=len(sched.prompted),
             num_free_blocks=sched.num_free_blocks, num_total_blocks=self.runner.num_kv_blocks - 1,
             outstanding_prompt_tokens=outstanding, num_preemptions=sched.num_preemptions,
-            num_empty_steps=self.num_empty_steps, num_steps=self.num_steps)
+            num_empty_steps=self.num_empty_steps, num_steps=self.num_steps,
+            num_failed_steps=self.num_failed_steps)
 
 
 _KIND_NAMES = {StepKind.PROMPT: "prompt", StepKind.DECODE: "decode",

@@ -11,6 +11,7 @@ anything, and a truncated payload is caught by arithmetic rather than by a crash
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,14 @@ MAGIC = b"PDKV"
 VERSION = 1
 _PREFIX = struct.Struct("<4sHI")
 
+# Bounds that keep a corrupt or hostile payload from making the receiver allocate much
+# before it is refused; real payloads stay far below them.
+MAX_HEADER_BYTES = 64 << 20
+MAX_TOKEN_IDS = 1 << 22  # token_ids: prompt plus first token
+MAX_TENSORS = 1024
+MAX_TENSOR_DIMS = 8
+_MAX_MAP_LEN = 1024  # the header and its sampling dict hold a dozen keys each
+
 _DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -31,6 +40,134 @@ _DTYPES = {
 
 class KVPayloadError(ValueError):
     """A payload that cannot be imported; the message names what is wrong."""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _unpack_header(raw: memoryview) -> dict:
+    try:
+        # msgpack sizes a list or dict by the length its header claims; capping those (each
+        # element takes at least a byte, so never above the buffer) bounds what it allocates.
+        # One more than token_ids may hold, so that the field's own check names it.
+        max_array_len = min(MAX_TOKEN_IDS + 1, len(raw))
+        header = msgpack.unpackb(raw, raw=False, max_array_len=max_array_len,
+                                 max_map_len=min(_MAX_MAP_LEN, len(raw) // 2))
+    except Exception as exc:  # msgpack raises several types for garbage
+        raise KVPayloadError(f"KV payload header is not valid msgpack: {exc}") from exc
+    if not isinstance(header, dict):
+        raise KVPayloadError(f"KV payload header must be a map, got {type(header).__name__}")
+    return header
+
+
+class _HeaderFields:
+    """Typed access to the header's fields; each failure names the field."""
+
+    def __init__(self, header: dict) -> None:
+        self._header = header
+
+    def get(self, name: str) -> Any:
+        if name not in self._header:
+            raise KVPayloadError(f"KV payload header field {name!r} is missing")
+        return self._header[name]
+
+    def of_type(self, name: str, kind: type) -> Any:
+        value = self.get(name)
+        if not isinstance(value, kind):
+            raise KVPayloadError(f"KV payload header field {name!r} must be a "
+                                 f"{kind.__name__}, got {type(value).__name__}")
+        return value
+
+    def int_at_least(self, name: str, minimum: int) -> int:
+        value = self.get(name)
+        if not _is_int(value) or value < minimum:
+            raise KVPayloadError(f"KV payload header field {name!r} must be an int >= {minimum}, "
+                                 f"got {value!r}")
+        return value
+
+    def finite_number(self, name: str) -> float:
+        value = self.get(name)
+        if not (isinstance(value, float) or _is_int(value)) or not math.isfinite(value):
+            raise KVPayloadError(f"KV payload header field {name!r} must be a finite number, "
+                                 f"got {value!r}")
+        return float(value)
+
+
+def _check_token_ids(token_ids: list, vocab_size: int | None) -> list[int]:
+    if len(token_ids) > MAX_TOKEN_IDS:
+        raise KVPayloadError(f"KV payload header field 'token_ids' holds {len(token_ids)} ids, "
+                             f"more than {MAX_TOKEN_IDS}")
+    upper = vocab_size if vocab_size is not None else 1 << 63
+    # One pass in C over the common, valid case (msgpack yields exact ints; a bool is not one);
+    # the slow scan below only runs to name the first bad id.
+    if set(map(type, token_ids)) <= {int} and (
+            not token_ids or (min(token_ids) >= 0 and max(token_ids) < upper)):
+        return token_ids
+    within = f"in [0, {vocab_size})" if vocab_size is not None else ">= 0"
+    for i, token in enumerate(token_ids):
+        if not _is_int(token) or not 0 <= token < upper:
+            raise KVPayloadError(f"KV payload header field 'token_ids[{i}]' must be an int "
+                                 f"{within}, got {token!r}")
+    return token_ids
+
+
+@dataclass(frozen=True)
+class _TensorSpec:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def _check_tensor_specs(entries: list, tensor_bytes: int) -> list[_TensorSpec]:
+    """Every entry well formed, inside the tensor section, sized by its shape, and the
+    entries tiling the section exactly (no overlap, no gap, no duplicate name)."""
+    if len(entries) > MAX_TENSORS:
+        raise KVPayloadError(f"KV payload names {len(entries)} tensors, more than {MAX_TENSORS}")
+    specs: list[_TensorSpec] = []
+    names: set[str] = set()
+    for index, entry in enumerate(entries):
+        where = f"KV payload tensors[{index}]"
+        if not isinstance(entry, list) or len(entry) != 5:
+            raise KVPayloadError(f"{where} must be [name, dtype, shape, offset, nbytes], "
+                                 f"got {entry!r:.200}")
+        name, dtype, shape, offset, nbytes = entry
+        if not isinstance(name, str):
+            raise KVPayloadError(f"{where}: name must be a str, got {type(name).__name__}")
+        where = f"KV payload tensor {name!r}"
+        if name in names:
+            raise KVPayloadError(f"{where} appears twice")
+        names.add(name)
+        if not isinstance(dtype, str) or dtype not in _DTYPES:
+            raise KVPayloadError(f"{where}: unknown dtype {dtype!r}")
+        if (not isinstance(shape, list) or len(shape) > MAX_TENSOR_DIMS
+                or not all(_is_int(d) and d >= 0 for d in shape)):
+            raise KVPayloadError(f"{where}: shape must be a list of at most {MAX_TENSOR_DIMS} "
+                                 f"ints >= 0, got {shape!r:.200}")
+        for label, value in (("offset", offset), ("nbytes", nbytes)):
+            if not _is_int(value) or value < 0:
+                raise KVPayloadError(f"{where}: {label} must be an int >= 0, got {value!r}")
+        if offset + nbytes > tensor_bytes:
+            raise KVPayloadError(f"{where}: bytes [{offset}, {offset + nbytes}) lie outside "
+                                 f"the tensor section of {tensor_bytes} bytes")
+        expected = math.prod(shape) * _DTYPES[dtype].itemsize
+        if nbytes != expected:
+            raise KVPayloadError(f"{where}: nbytes {nbytes} does not match shape {shape} of "
+                                 f"{dtype} ({expected} bytes)")
+        specs.append(_TensorSpec(name, dtype, tuple(shape), offset, nbytes))
+    end = 0
+    for spec in sorted((s for s in specs if s.nbytes), key=lambda s: s.offset):
+        if spec.offset < end:
+            raise KVPayloadError(f"KV payload tensor {spec.name!r} overlaps the tensor before it "
+                                 f"(offset {spec.offset} < {end})")
+        end = spec.offset + spec.nbytes
+    covered = sum(spec.nbytes for spec in specs)
+    if covered != tensor_bytes:
+        raise KVPayloadError(f"KV payload header field 'tensor_bytes' is {tensor_bytes}, but its "
+                             f"tensors hold {covered} bytes")
+    return specs
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -93,8 +230,14 @@ class KVPayload:
         return b"".join([_PREFIX.pack(MAGIC, VERSION, len(packed)), packed, *chunks])
 
     @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview) -> KVPayload:
-        data = memoryview(data)
+    def from_bytes(cls, data: bytes | bytearray | memoryview, *,
+                   vocab_size: int | None = None) -> KVPayload:
+        """Decode a payload, checking all of its header before copying any tensor bytes.
+
+        With ``vocab_size``, every token id must lie in [0, vocab_size). Anything wrong
+        raises KVPayloadError naming the field or tensor.
+        """
+        data = memoryview(data).cast("B")
         if len(data) < _PREFIX.size:
             raise KVPayloadError(f"KV payload truncated: {len(data)} bytes, no header")
         magic, version, header_len = _PREFIX.unpack(data[: _PREFIX.size])
@@ -102,36 +245,58 @@ class KVPayload:
             raise KVPayloadError("not a KV payload: bad magic bytes")
         if version != VERSION:
             raise KVPayloadError(f"KV payload version {version} is not supported (expected {VERSION})")
+        if header_len > MAX_HEADER_BYTES:
+            raise KVPayloadError(
+                f"KV payload header length {header_len} exceeds {MAX_HEADER_BYTES} bytes")
         body = _PREFIX.size + header_len
         if len(data) < body:
             raise KVPayloadError(f"KV payload truncated inside its header ({len(data)} < {body} bytes)")
-        try:
-            header = msgpack.unpackb(data[_PREFIX.size : body], raw=False)
-        except Exception as exc:  # msgpack raises several types for garbage
-            raise KVPayloadError(f"KV payload header is not valid msgpack: {exc}") from exc
-        expected = body + header["tensor_bytes"]
+        header = _unpack_header(data[_PREFIX.size : body])
+        fields = _HeaderFields(header)
+        tensor_bytes = fields.int_at_least("tensor_bytes", 0)
+        expected = body + tensor_bytes
         if len(data) != expected:
             raise KVPayloadError(
                 f"KV payload truncated: {len(data)} bytes, header promises {expected}"
             )
+        request_id = fields.of_type("request_id", str)
+        model_fingerprint = fields.of_type("model_fingerprint", str)
+        dtype = fields.of_type("dtype", str)
+        fields.of_type("layout", str)  # informational, but part of the format
+        block_size = fields.int_at_least("block_size", 1)
+        num_layers = fields.int_at_least("num_layers", 1)
+        num_tokens = fields.int_at_least("num_tokens", 0)
+        token_ids = _check_token_ids(fields.of_type("token_ids", list), vocab_size)
+        sampling = fields.of_type("sampling", dict)
+        for key in sampling:
+            if not isinstance(key, str):
+                raise KVPayloadError(
+                    f"KV payload header field 'sampling' has a non-string key {key!r}")
+        arrival_time = fields.finite_number("arrival_time")
+        first_token_time = (None if fields.get("first_token_time") is None
+                            else fields.finite_number("first_token_time"))
+        specs = _check_tensor_specs(fields.of_type("tensors", list), tensor_bytes)
+
         tensors = {}
-        for name, dtype, shape, offset, nbytes in header["tensors"]:
-            if dtype not in _DTYPES:
-                raise KVPayloadError(f"tensor {name}: unknown dtype {dtype!r}")
-            start = body + offset
-            raw = torch.frombuffer(bytearray(data[start : start + nbytes]), dtype=torch.uint8)
-            tensors[name] = raw.view(_DTYPES[dtype]).reshape(shape)
+        for spec in specs:
+            torch_dtype = _DTYPES[spec.dtype]
+            if spec.nbytes == 0:  # torch.frombuffer refuses an empty buffer
+                tensors[spec.name] = torch.empty(spec.shape, dtype=torch_dtype)
+                continue
+            start = body + spec.offset
+            raw = torch.frombuffer(bytearray(data[start : start + spec.nbytes]), dtype=torch.uint8)
+            tensors[spec.name] = raw.view(torch_dtype).reshape(spec.shape)
         return cls(
-            request_id=header["request_id"],
-            model_fingerprint=header["model_fingerprint"],
-            dtype=header["dtype"],
-            block_size=header["block_size"],
-            num_layers=header["num_layers"],
-            token_ids=list(header["token_ids"]),
-            num_prompt_tokens=header["num_tokens"],
-            sampling=header["sampling"],
-            arrival_time=header["arrival_time"],
-            first_token_time=header["first_token_time"],
+            request_id=request_id,
+            model_fingerprint=model_fingerprint,
+            dtype=dtype,
+            block_size=block_size,
+            num_layers=num_layers,
+            token_ids=token_ids,
+            num_prompt_tokens=num_tokens,
+            sampling=sampling,
+            arrival_time=arrival_time,
+            first_token_time=first_token_time,
             tensors=tensors,
         )
 

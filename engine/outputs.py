@@ -19,6 +19,7 @@ class RequestOutput:
     first_token_time: float | None = None
     error: str | None = None
     first_scheduled_time: float | None = None  # engine clock: its first prompt chunk ran
+    step_failed: bool = False  # ended by an exception inside a step (see LLMEngine.step)
 
     @property
     def finished(self) -> bool:
@@ -63,6 +64,7 @@ class EngineStats:
     num_preemptions: int
     num_empty_steps: int
     num_steps: int
+    num_failed_steps: int = 0
 
     @property
     def kv_usage(self) -> float:

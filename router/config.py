@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 MODES = ("disaggregated", "normal")
-TRANSPORTS = ("ray", "grpc")
+TRANSPORTS = ("ray", "grpc")  # in_process (kv_transfer) serves ranks in one process only
 
 
 @dataclass
@@ -58,13 +58,31 @@ class RouterConfig:
     torch_threads: int | None = 1
     # A request is tried on at most this many ranks (rank deaths, refusals) before it
     # ends with an error; while a pool re-forms, dispatch waits up to rank_wait_s.
-    max_attempts: int = 3
+    # Moves (a rank died, left, or a step failed) count as attempts too.
+    max_attempts: int = 8
     rank_wait_s: float = 60.0
     # Bounds that keep the router from ever hanging on a wedged rank or transfer:
     # a KV hand-off that takes longer fails over to another decode rank; a rank that
     # answers no poll for rank_unresponsive_s is treated as dead.
     handoff_timeout_s: float = 60.0
     rank_unresponsive_s: float = 120.0
+    # Every other call to a rank (admission, abort, stats) gives up after this long.
+    rank_call_timeout_s: float = 30.0
+    # A rank start (actor placed, model loaded) that takes longer fails: the resize
+    # that asked for it rolls back (so a size the cluster cannot place fails in time).
+    rank_start_timeout_s: float = 180.0
+    # Joining a (re-formed) data-parallel group, and pausing for it.
+    group_timeout_s: float = 60.0
+    # Leaving ranks get this long to finish their requests; what is left then moves.
+    drain_timeout_s: float = 120.0
+    # Largest pool a ScalePool may ask for.
+    max_replicas: int = 16
+    # A rank whose engine loop failed more often than this in a row is replaced; one
+    # whose steps fail max_failed_steps times in a row gives up by itself.
+    max_group_heals: int = 2
+    max_failed_steps: int = 3
+    # Decode ranks tried for one hand-off before the request is re-prefilled.
+    max_handoff_tries: int = 4
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -77,6 +95,15 @@ class RouterConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        for name in ("poll_timeout_s", "rank_wait_s", "handoff_timeout_s", "rank_unresponsive_s",
+                     "rank_call_timeout_s", "rank_start_timeout_s", "group_timeout_s",
+                     "drain_timeout_s", "collective_timeout_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and 0 < value < float("inf")):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        for name in ("max_attempts", "max_replicas", "max_failed_steps", "max_handoff_tries"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for pool in self.pools():
             pool.validate()
 

@@ -133,22 +133,24 @@ class _RankCollector:
                 "worked).", labels=labels),
             "num_preemptions": CounterMetricFamily("pdserve_rank_preemptions",
                                                    "Sequences preempted.", labels=labels),
+            "num_failed_steps": CounterMetricFamily(
+                "pdserve_rank_failed_steps", "Steps whose model run raised (their requests "
+                "moved).", labels=labels),
         }
         svc = self.service
         for pool in list(svc.pools.values()):
             for r in list(pool.ranks):
                 if r.state == "dead":
                     continue
-                st = r.stats or {}
+                st = r.stats
                 lv = [pool.name, str(r.rank)]
-                gauges["queue_depth"].add_metric(
-                    lv, st.get("num_waiting", 0) + st.get("num_prompted", 0))
-                gauges["running"].add_metric(lv, st.get("num_running", 0))
-                gauges["kv_usage"].add_metric(lv, float(st.get("kv_usage", 0.0)))
-                gauges["free_blocks"].add_metric(lv, st.get("num_free_blocks", 0))
+                gauges["queue_depth"].add_metric(lv, st.num_waiting + st.num_prompted)
+                gauges["running"].add_metric(lv, st.num_running)
+                gauges["kv_usage"].add_metric(lv, float(st.kv_usage))
+                gauges["free_blocks"].add_metric(lv, st.num_free_blocks)
                 gauges["inflight"].add_metric(lv, len(r.inflight))
                 for key, family in counters.items():
-                    family.add_metric(lv, st.get(key, 0))
+                    family.add_metric(lv, getattr(st, key))
         yield from gauges.values()
         yield from counters.values()
         inflight = GaugeMetricFamily("pdserve_requests_in_flight",
@@ -158,3 +160,8 @@ class _RankCollector:
         failures = CounterMetricFamily("pdserve_rank_failures", "Ranks the router saw die.")
         failures.add_metric([], svc.num_rank_failures)
         yield failures
+        moves = CounterMetricFamily("pdserve_request_moves", "Attempts started again on "
+                                    "another rank from a request's history (rank died, left, "
+                                    "a step failed, a report was lost).")
+        moves.add_metric([], svc.num_moves)
+        yield moves

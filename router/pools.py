@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from pdserve.rank.messages import RankInfo, RankStats
 from pdserve.router.config import PoolConfig, RouterConfig
 
 log = logging.getLogger(__name__)
@@ -39,18 +40,23 @@ class RankHandle:
     uid: int
     state: str = STARTING
     rank: int = -1
-    info: dict = field(default_factory=dict)
-    stats: dict = field(default_factory=dict)
-    inflight: set = field(default_factory=set)
+    info: RankInfo | None = None
+    stats: RankStats = field(default_factory=RankStats)
+    inflight: set[str] = field(default_factory=set)  # attempt keys on this rank
+    exports: set[str] = field(default_factory=set)   # its payloads not yet delivered
     outstanding_tokens: int = 0   # prompt tokens sent here and not yet prefilled
     pending_imports: int = 0      # payloads on their way here
     assigned: int = 0             # requests ever sent here (breaks ties round-robin)
     poll_task: asyncio.Task | None = None
     error: str | None = None
+    num_loop_failures: int = 0    # engine-loop failures in a row (one per generation)
+    failed_generation: int = -1   # the group generation of the last one
 
     @property
     def free_blocks(self) -> int:
-        return int(self.stats.get("num_free_blocks", self.info.get("num_total_blocks", 0)))
+        if self.stats.num_total_blocks:
+            return int(self.stats.num_free_blocks)
+        return self.info.num_total_blocks if self.info else 0
 
     @property
     def name(self) -> str:
@@ -67,6 +73,7 @@ class Pool:
         self.target = config.replicas
         self._uids = 0
         self.lock = asyncio.Lock()  # one resize / re-form at a time
+        self.scaling: asyncio.Task | None = None  # the resize in progress, if any
         self.on_new_rank = None     # set by the router: starts the rank's poll loop
         self.on_rank_removed = None  # set by the router: recovers requests left on a rank
 
@@ -131,105 +138,162 @@ class Pool:
             engine_factory=self.rc.engine_factory, loop_factory=self.rc.loop_factory,
             communicator_factory=self.rc.communicator_factory,
             kv_transport=self.rc.kv_transport, collective_timeout_s=self.rc.collective_timeout_s,
-            num_threads=self.rc.torch_threads,
+            num_threads=self.rc.torch_threads, max_failed_steps=self.rc.max_failed_steps,
         )
         self._uids += 1
         return RankHandle(self.name, actor, self._uids)
 
     async def _start_actors(self, n: int) -> list[RankHandle]:
+        """Start `n` ranks, each within `rank_start_timeout_s` (an actor Ray cannot place
+        stays pending: that is a failure too); all of them or none."""
         handles = [self._new_actor() for _ in range(n)]
-        infos = await asyncio.gather(*(h.actor.info.remote() for h in handles),
-                                     return_exceptions=True)
-        started = []
+        infos = await asyncio.gather(
+            *(asyncio.wait_for(h.actor.info.remote(), self.rc.rank_start_timeout_s)
+              for h in handles), return_exceptions=True)
+        failed = [(h, info) for h, info in zip(handles, infos, strict=True)
+                  if isinstance(info, BaseException)]
         for h, info in zip(handles, infos, strict=True):
-            if isinstance(info, BaseException):
-                log.error("%s rank failed to start: %s", self.name, info)
-                ray.kill(h.actor, no_restart=True)
-                continue
-            h.info = info
-            started.append(h)
-        if len(started) < n:
-            raise RuntimeError(f"{n - len(started)} of {n} {self.name} ranks failed to start")
-        return started
+            if not isinstance(info, BaseException):
+                h.info = info
+        if failed:
+            for h in handles:
+                _kill(h)
+            h, why = failed[0]
+            if isinstance(why, asyncio.TimeoutError):
+                why = TimeoutError(f"not ready within {self.rc.rank_start_timeout_s:g}s "
+                                   "(the cluster could not place it, or it is loading slowly)")
+            log.error("%d of %d %s ranks failed to start: %s", len(failed), n, self.name, why)
+            raise RuntimeError(f"{len(failed)} of {n} new {self.name} ranks failed to start: "
+                               f"{type(why).__name__}: {why}")
+        return handles
 
     async def start(self) -> None:
         async with self.lock:
             new = await self._start_actors(self.target)
             await self._reform(new)
 
-    async def _reform(self, members: list[RankHandle]) -> None:
-        """Pause every member, then form a new group of exactly `members`."""
-        live = [r for r in members if r.state != DEAD]
-        if any(r.state != STARTING for r in live):
-            await asyncio.gather(*(r.actor.pause.remote() for r in live if r.state != STARTING),
-                                 return_exceptions=True)
-        self.generation += 1
-        if not live:
-            self.ranks = [r for r in self.ranks if r.state == DEAD and r.inflight]
-            return
-        address = None
-        if len(live) > 1:
-            address = await live[0].actor.open_group_store.remote()
-        peers_of = {r.uid: [p.actor for p in live if p.uid != r.uid] for r in live}
-        results = await asyncio.gather(
-            *(r.actor.join_group.remote(i, len(live), address, self.generation, peers_of[r.uid])
-              for i, r in enumerate(live)), return_exceptions=True)
-        failed = [res for res in results if isinstance(res, BaseException)]
-        if failed:
-            raise RuntimeError(f"{self.name} group re-form failed: {failed[0]}") from failed[0]
-        for i, r in enumerate(live):
-            r.rank = i
-            was_new = r.state == STARTING
-            if r.state != DRAINING:
-                r.state = READY
-            if was_new and self.on_new_rank is not None:
-                self.on_new_rank(self, r)
-        keep = {r.uid for r in live}
-        self.ranks = live + [r for r in self.ranks if r.uid not in keep and r.state == DEAD
-                             and r.inflight]
+    async def _reform(self, members: list[RankHandle], tries: int = 3) -> None:
+        """Pause every member, then form a new group of exactly the live ones.
 
-    async def scale(self, replicas: int, drain_timeout_s: float = 120.0) -> int:
-        """Grow or shrink to `replicas` ranks without failing in-flight requests."""
+        Bounded: pausing and joining each take at most `group_timeout_s`. A member that
+        fails to join is declared dead (its requests move) and the group is formed again
+        without it, at most `tries` times; survivors are never left without a loop."""
+        for _ in range(tries):
+            live = [r for r in members if r.state != DEAD]
+            if any(r.state != STARTING for r in live):
+                await asyncio.gather(
+                    *(asyncio.wait_for(r.actor.pause.remote(), self.rc.group_timeout_s)
+                      for r in live if r.state != STARTING), return_exceptions=True)
+            self.generation += 1
+            if not live:
+                self.ranks = [r for r in self.ranks if r.state == DEAD and r.inflight]
+                return
+            address = None
+            try:
+                if len(live) > 1:
+                    address = await asyncio.wait_for(live[0].actor.open_group_store.remote(),
+                                                      self.rc.group_timeout_s)
+            except Exception as exc:
+                self._declare_dead(live[0], f"it could not host the group store: {exc}")
+                continue
+            peers_of = {r.uid: [p.actor for p in live if p.uid != r.uid] for r in live}
+            results = await asyncio.gather(
+                *(asyncio.wait_for(r.actor.join_group.remote(i, len(live), address,
+                                                             self.generation, peers_of[r.uid]),
+                                   self.rc.group_timeout_s)
+                  for i, r in enumerate(live)), return_exceptions=True)
+            failed = [(r, res) for r, res in zip(live, results, strict=True)
+                      if isinstance(res, BaseException)]
+            if failed:
+                for r, res in failed:
+                    self._declare_dead(r, f"it failed to join the group: {type(res).__name__}: {res}")
+                continue
+            for i, r in enumerate(live):
+                r.rank = i
+                was_new = r.state == STARTING
+                if r.state != DRAINING:
+                    r.state = READY
+                if was_new and self.on_new_rank is not None:
+                    self.on_new_rank(self, r)
+            keep = {r.uid for r in live}
+            self.ranks = live + [r for r in self.ranks if r.uid not in keep and r.state == DEAD
+                                 and r.inflight]
+            return
+        raise RuntimeError(f"{self.name} group could not be formed in {tries} tries")
+
+    def _declare_dead(self, r: RankHandle, why: str) -> None:
+        log.error("%s: %s", r.name, why)
+        was_serving = r.state != STARTING
+        r.state = DEAD
+        r.error = why
+        _kill(r)
+        if r.poll_task is not None:
+            r.poll_task.cancel()
+        if was_serving and self.on_rank_removed is not None:
+            self.on_rank_removed(self, r, f"{r.name} died ({why[:200]})")
+
+    async def scale(self, replicas: int) -> int:
+        """Grow or shrink to `replicas` ranks without failing in-flight requests.
+
+        Runs as a pool operation (the router spawns it; a caller that leaves does not
+        stop it). Growing: every new rank starts in time or none joins, and the pool
+        stays at its previous size. Shrinking: the leaving ranks take no new work,
+        drain for up to `drain_timeout_s` (payloads they exported included), and what
+        is left on them then moves to the ranks that stay."""
         if replicas < 0:
             raise ValueError(f"replicas must be >= 0, got {replicas}")
         async with self.lock:
-            previous = len(self.ready())
-            self.target = replicas
             current = self.ready()
-            if replicas > len(current):
-                new = await self._start_actors(replicas - len(current))
-                await self._reform(current + new)
-            elif replicas < len(current):
-                leaving = current[replicas:]
-                for r in leaving:
-                    r.state = DRAINING  # no new admissions from now on
-                await self._drain(leaving, drain_timeout_s)
-                await self._reform(current[:replicas])
-                for r in leaving:
-                    r.state = DEAD
-                    if r.poll_task is not None:
-                        r.poll_task.cancel()
-                    if r.inflight and self.on_rank_removed is not None:
-                        # the drain timed out: its requests start again elsewhere
-                        self.on_rank_removed(self, r, f"{r.name} was scaled down")
-                    try:
-                        await r.actor.shutdown.remote()
-                    except Exception:
-                        pass
-                    ray.kill(r.actor, no_restart=True)
+            previous, previous_target = len(current), self.target
+            self.target = replicas
+            try:
+                if replicas > len(current):
+                    new = await self._start_actors(replicas - len(current))
+                    await self._reform(current + new)
+                elif replicas < len(current):
+                    await self._shrink(current, replicas)
+            except BaseException:
+                self.target = previous_target
+                raise
             return previous
+
+    async def _shrink(self, current: list[RankHandle], replicas: int) -> None:
+        leaving = current[replicas:]
+        for r in leaving:
+            r.state = DRAINING  # no new admissions from now on
+        try:
+            await self._drain(leaving, self.rc.drain_timeout_s)
+        finally:
+            # However the drain ended (or was cancelled), the leaving ranks go and what
+            # is left on them moves: never a rank left draining.
+            await asyncio.shield(self._retire(current[:replicas], leaving))
+
+    async def _retire(self, staying: list[RankHandle], leaving: list[RankHandle]) -> None:
+        for r in leaving:
+            r.state = DEAD
+            if r.poll_task is not None:
+                r.poll_task.cancel()
+            if (r.inflight or r.exports) and self.on_rank_removed is not None:
+                self.on_rank_removed(self, r, f"{r.name} was scaled down")
+        await asyncio.gather(*(asyncio.wait_for(r.actor.shutdown.remote(), 10.0)
+                               for r in leaving), return_exceptions=True)
+        for r in leaving:
+            _kill(r)
+        await self._reform(staying)
 
     async def _drain(self, leaving: list[RankHandle], timeout_s: float) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while loop.time() < deadline:
-            if all(not r.inflight and r.pending_imports == 0 for r in leaving):
-                idle = await asyncio.gather(*(r.actor.is_idle.remote() for r in leaving),
-                                            return_exceptions=True)
+            if all(not r.inflight and not r.exports and r.pending_imports == 0
+                   for r in leaving):
+                idle = await asyncio.gather(
+                    *(asyncio.wait_for(r.actor.is_idle.remote(), self.rc.rank_call_timeout_s)
+                      for r in leaving), return_exceptions=True)
                 if all(i is True for i in idle):
                     return
             await asyncio.sleep(0.05)
-        log.warning("%s: drain timed out; %d requests still on leaving ranks", self.name,
+        log.warning("%s: drain timed out; %d requests still on leaving ranks move", self.name,
                     sum(len(r.inflight) for r in leaving))
 
     async def remove_dead(self, dead: RankHandle) -> None:
@@ -237,17 +301,14 @@ class Pool:
         async with self.lock:
             dead.state = DEAD
             survivors = [r for r in self.ranks if r.state in (READY, DRAINING)]
-            for r in survivors:
-                r.state = STARTING if r.state == READY else r.state
             try:
-                # Survivors' loops stop at the pause vote or when their collective times out.
-                await asyncio.gather(*(r.actor.pause.remote() for r in survivors),
-                                     return_exceptions=True)
                 missing = self.target - len([r for r in survivors if r.state != DRAINING])
-                new = await self._start_actors(missing) if missing > 0 else []
-                for r in survivors:
-                    if r.state == STARTING:
-                        r.state = READY
+                new = []
+                if missing > 0:
+                    try:
+                        new = await self._start_actors(missing)
+                    except Exception as exc:  # serve on with the survivors
+                        log.error("%s: no replacement for %s: %s", self.name, dead.name, exc)
                 await self._reform(survivors + new)
             except Exception as exc:
                 log.error("%s: re-forming after a dead rank failed: %s", self.name, exc)
@@ -267,11 +328,15 @@ class Pool:
         for r in self.ranks:
             if r.poll_task is not None:
                 r.poll_task.cancel()
-        await asyncio.gather(*(r.actor.shutdown.remote() for r in self.ranks if r.state != DEAD),
-                             return_exceptions=True)
+        await asyncio.gather(*(asyncio.wait_for(r.actor.shutdown.remote(), 10.0)
+                               for r in self.ranks if r.state != DEAD), return_exceptions=True)
         for r in self.ranks:
-            try:
-                ray.kill(r.actor, no_restart=True)
-            except Exception:
-                pass
+            _kill(r)
         self.ranks = []
+
+
+def _kill(r: RankHandle) -> None:
+    try:
+        ray.kill(r.actor, no_restart=True)
+    except Exception:  # already gone
+        pass

@@ -1,15 +1,25 @@
-"""Requests the router has in flight: where each one is, and its event queue."""
+"""Requests the router has in flight: identity, where each one is, its event queue.
+
+Identity: every request gets an internal id (random, 96 bits) that no client can
+choose or predict, and every dispatch of it an attempt number; engines only ever see
+the attempt key (`rank.messages.AttemptKey`). The client's `request_id` is a label:
+unique among the requests in flight, echoed back, and free again the moment its
+request ended for the client. A report from an attempt that is no longer current is
+dropped.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import dataclasses
+import secrets
 import time
-import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from pdserve.rank.messages import AddRequest, AttemptKey
 from pdserve.router.validation import PreparedRequest, RequestError
 
 # Stages a request passes through; "done" once its finish event is queued.
@@ -27,53 +37,64 @@ class Event:
 @dataclass
 class RequestState:
     request: PreparedRequest
+    rid: str  # internal id
+    label: str  # the client's request_id, or the internal id when it gave none
+    label_chosen: bool = False
     stage: str = QUEUED
     prefill_rank: Any = None
     decode_rank: Any = None
-    tokens: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # streamed to the client, in order
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     aborted: bool = False
     finish_reason: str | None = None
     error: str | None = None
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
-    attempts: int = 0
-    # Tokens the current attempt produced; a retried attempt replays the ones already
-    # streamed (checked, not re-sent) before streaming new ones.
-    attempt_tokens: int = 0
+    attempt: int = 0  # the current attempt's number (0: none yet)
+    attempt_tokens: int = 0  # tokens the current attempt produced so far
+    num_moves: int = 0  # attempts started because a rank died, left or failed
+    outstanding: int = 0  # prompt tokens the current attempt asked its entry rank for
+    error_hint: str = ""  # why the last attempt ended early, for a final error
     # When it was first sent to a rank, and the durations (seconds, each on one host's
     # clock) the ranks and the router measured of it: GenerateResponse.timings.
     dispatched_at: float | None = None
     timings: dict = field(default_factory=dict)
+    on_finish: Callable[[RequestState], None] | None = None
 
     @property
-    def request_id(self) -> str:
-        return self.request.request_id
+    def attempt_key(self) -> str:
+        return str(AttemptKey(self.rid, self.attempt))
 
     @property
     def finished(self) -> bool:
         return self.stage == DONE
 
-    def _fresh(self, token_ids: list[int]) -> list[int] | None:
-        """The part of this attempt's tokens not streamed yet (None: a replay diverged)."""
-        fresh = []
-        for t in token_ids:
-            i = self.attempt_tokens
-            self.attempt_tokens += 1
-            if i < len(self.tokens):
-                if self.tokens[i] != t:
-                    return None
-            else:
-                fresh.append(int(t))
-        return fresh
+    @property
+    def tokens_left(self) -> int:
+        return self.request.sampling.max_tokens - len(self.tokens)
+
+    def begin_attempt(self) -> AddRequest:
+        """A new attempt that computes the whole history so far (prompt + streamed
+        tokens) and generates only what is left: the chapter's recompute, across ranks.
+        Seeded draws depend on (seed, position), so a moved seeded request continues
+        exactly as it would have."""
+        self.attempt += 1
+        self.attempt_tokens = 0
+        sampling = dataclasses.replace(self.request.sampling, max_tokens=self.tokens_left)
+        return AddRequest(self.attempt_key, self.request.prompt_token_ids + self.tokens,
+                          sampling)
+
+    def accept(self, token_ids: list[int], num_output_tokens: int) -> bool:
+        """Count the current attempt's tokens; False when a report went missing."""
+        if num_output_tokens != self.attempt_tokens + len(token_ids):
+            return False
+        self.attempt_tokens = num_output_tokens
+        return True
 
     def push(self, token_ids: list[int]) -> None:
         if self.finished or not token_ids:
             return
-        fresh = self._fresh(token_ids)
-        if fresh is None:
-            self.finish("error", "a re-prefilled attempt diverged from the tokens already streamed")
-            return
+        fresh = [int(t) for t in token_ids[: max(0, self.tokens_left)]]
         if not fresh:
             return
         if self.first_token_at is None:
@@ -81,89 +102,108 @@ class RequestState:
         self.tokens.extend(fresh)
         self.events.put_nowait(Event(fresh))
 
-    def finish(self, reason: str, error: str | None = None, token_ids: list[int] | None = None) -> bool:
+    def finish(self, reason: str, error: str | None = None,
+               token_ids: list[int] | None = None) -> bool:
         """Queue the last event; only the first call counts."""
         if self.finished:
             return False
         if reason not in FINISH_REASONS:
             error = error or reason
             reason = "error"
-        fresh = self._fresh(token_ids or []) if reason != "error" else []
-        if fresh is None:
-            reason, error, fresh = "error", "a re-prefilled attempt diverged from the tokens already streamed", []
+        fresh = [int(t) for t in (token_ids or [])[: max(0, self.tokens_left)]]
         self.tokens.extend(fresh)
+        if fresh and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
         self.stage = DONE
         self.finish_reason, self.error = reason, error
         self.events.put_nowait(Event(fresh, reason, error))
+        if self.on_finish is not None:
+            self.on_finish(self)
         return True
-
-    @property
-    def replayable(self) -> bool:
-        """Can a new attempt reproduce the streamed tokens (greedy, or seeded)?"""
-        s = self.request.sampling
-        return s.temperature == 0 or s.seed is not None
 
 
 class RequestTracker:
-    """In-flight requests by id, plus the ids aborted before their Generate arrived.
+    """Requests by internal id (until their stream is released), labels of the ones in
+    flight, and the labels aborted before their Generate arrived.
 
     A client that sends ``Abort`` right after starting ``Generate`` on another stream
-    can be ahead of it; the abort must not be lost. An unknown id is remembered for
-    ``early_abort_ttl_s`` (at most ``max_early_aborts`` ids, oldest dropped first), and
-    a request registered with a remembered id ends at once with "abort"."""
+    can be ahead of it; the abort must not be lost. An unknown label is remembered for
+    ``early_abort_ttl_s`` (at most ``max_early_aborts``, oldest dropped first), and only
+    a request that chose that label itself ends at once with "abort"."""
 
     def __init__(self, max_queue_depth: int, early_abort_ttl_s: float = 60.0,
                  max_early_aborts: int = 4096) -> None:
         self.max_queue_depth = max_queue_depth
         self.early_abort_ttl_s = early_abort_ttl_s
         self.max_early_aborts = max_early_aborts
-        self._early_aborts: dict[str, float] = {}  # id -> expiry (monotonic), oldest first
-        self._states: dict[str, RequestState] = {}
-        self._ids = itertools.count()
-        self._prefix = uuid.uuid4().hex[:8]
+        self._early_aborts: dict[str, float] = {}  # label -> expiry (monotonic), oldest first
+        self._states: dict[str, RequestState] = {}  # internal id -> state
+        self._labels: dict[str, RequestState] = {}  # in flight for the client
         self.num_finished = 0
 
     def __len__(self) -> int:
         return len(self._states)
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._states
+    def get(self, rid: str) -> RequestState | None:
+        return self._states.get(rid)
 
-    def get(self, request_id: str) -> RequestState | None:
-        return self._states.get(request_id)
+    def by_label(self, label: str) -> RequestState | None:
+        return self._labels.get(label)
+
+    def by_attempt(self, attempt_key: str) -> RequestState | None:
+        """The request whose *current* attempt this is (None: unknown or stale)."""
+        key = AttemptKey.parse(attempt_key)
+        if key is None:
+            return None
+        state = self._states.get(key.request)
+        if state is None or state.attempt != key.attempt:
+            return None
+        return state
 
     def states(self) -> list[RequestState]:
         return list(self._states.values())
 
+    def num_labels(self) -> int:
+        return len(self._labels)
+
     def register(self, request: PreparedRequest) -> RequestState:
-        if not request.request_id:
-            request.request_id = f"req-{self._prefix}-{next(self._ids)}"
-        elif request.request_id in self._states:
+        label = request.request_id
+        if label and label in self._labels:
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS,
-                               f"request_id {request.request_id!r} is already in flight")
+                               f"request_id {label!r} is already in flight")
         if len(self._states) >= self.max_queue_depth:
             raise RequestError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the router has {len(self._states)} requests in flight "
                 f"(max_queue_depth {self.max_queue_depth}); retry later")
-        state = RequestState(request)
-        self._states[request.request_id] = state
+        rid = secrets.token_hex(12)
+        while rid in self._states:  # 96 random bits: never in practice
+            rid = secrets.token_hex(12)
+        state = RequestState(request, rid, label or rid, label_chosen=bool(label),
+                             on_finish=self._ended_for_client)
+        self._states[rid] = state
+        self._labels[state.label] = state
         return state
 
-    def remember_early_abort(self, request_id: str) -> None:
-        if not request_id:
+    def _ended_for_client(self, state: RequestState) -> None:
+        if self._labels.get(state.label) is state:
+            del self._labels[state.label]
+
+    def remember_early_abort(self, label: str) -> None:
+        if not label:
             return
         now = time.monotonic()
-        self._early_aborts.pop(request_id, None)
-        self._early_aborts[request_id] = now + self.early_abort_ttl_s
+        self._early_aborts.pop(label, None)
+        self._early_aborts[label] = now + self.early_abort_ttl_s
         self._drop_expired(now)
         while len(self._early_aborts) > self.max_early_aborts:
             del self._early_aborts[next(iter(self._early_aborts))]
 
-    def take_early_abort(self, request_id: str) -> bool:
-        """Was ``request_id`` aborted before it arrived (and not long ago)? Forgets it."""
+    def take_early_abort(self, label: str) -> bool:
+        """Was ``label`` aborted before it arrived (and not long ago)? Forgets it. Ask
+        only for a label the client chose (a generated id never matches)."""
         self._drop_expired(time.monotonic())
-        return self._early_aborts.pop(request_id, None) is not None
+        return self._early_aborts.pop(label, None) is not None
 
     def _drop_expired(self, now: float) -> None:
         while self._early_aborts:
@@ -172,6 +212,8 @@ class RequestTracker:
                 return
             del self._early_aborts[oldest]
 
-    def release(self, request_id: str) -> None:
-        if self._states.pop(request_id, None) is not None:
+    def release(self, rid: str) -> None:
+        state = self._states.pop(rid, None)
+        if state is not None:
+            self._ended_for_client(state)
             self.num_finished += 1

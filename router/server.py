@@ -8,11 +8,12 @@ import logging
 import time
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pdserve.router.config import RouterConfig
 from pdserve.router.service import RouterService
-from pdserve.router.validation import RequestError, prepare
+from pdserve.router.validation import RequestError, check_request_id, prepare
 from pdserve.rpc import router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -33,13 +34,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         from pdserve.engine.tokenizer import IncrementalDetokenizer
 
         svc = self.svc
+        if isinstance(request, UndecodableRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            return
         try:
-            prepared = prepare(request, svc.tokenizer, svc.limits, svc.config.default_max_tokens)
+            # Tokenizing a long prompt takes a while; every other stream waits on this loop.
+            prepared = await asyncio.to_thread(prepare, request, svc.tokenizer, svc.limits,
+                                               svc.config.default_max_tokens)
             state = svc.admit(prepared)
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
             return
-        rid = state.request_id
+        label = state.label
         detok = IncrementalDetokenizer(svc.tokenizer, prepared.prompt_token_ids)
         last_chunk = None
         try:
@@ -52,12 +58,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     last_chunk = now
                 text = "".join(detok.push(t) for t in event.token_ids)
                 if event.finish_reason is None:
-                    yield router_pb2.GenerateResponse(request_id=rid, token_ids=event.token_ids,
-                                                      text=text)
+                    yield router_pb2.GenerateResponse(request_id=label,
+                                                      token_ids=event.token_ids, text=text)
                     continue
                 text += detok.flush()
                 yield router_pb2.GenerateResponse(
-                    request_id=rid, token_ids=event.token_ids, text=text,
+                    request_id=label, token_ids=event.token_ids, text=text,
                     finish_reason=event.finish_reason, error=event.error or "",
                     usage=router_pb2.Usage(prompt_tokens=len(prepared.prompt_token_ids),
                                            completion_tokens=len(state.tokens)),
@@ -65,11 +71,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 break
         finally:
             if not state.finished:  # client gone or deadline passed: abort wherever it is
-                await svc.abort(rid, "client disconnected or deadline exceeded")
+                await asyncio.shield(svc.end(state, "client disconnected or deadline exceeded"))
             svc.metrics.request_finished(state, time.monotonic())
-            svc.tracker.release(rid)
+            svc.tracker.release(state.rid)
 
     async def Abort(self, request, context):
+        if isinstance(request, UndecodableRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            return
+        try:
+            check_request_id(request.request_id)
+        except RequestError as exc:
+            await context.abort(exc.code, exc.message)
+            return
         found = await self.svc.abort(request.request_id)
         return router_pb2.AbortResponse(found=found)
 
@@ -136,12 +150,57 @@ class RouterServer:
         await self.server.stop(grace)
 
 
+class UndecodableRequest:
+    """Stands in for a request protobuf could not parse, so the method answers
+    INVALID_ARGUMENT instead of grpc's UNKNOWN for a deserializer that raised."""
+
+    def __init__(self, type_name: str, reason: str) -> None:
+        self.message = (f"the request is not a valid {type_name} (malformed protobuf, or "
+                        f"invalid UTF-8 in a string field): {reason}")
+
+
+def _tolerant_deserializer(message_type):
+    def deserialize(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except DecodeError as exc:
+            return UndecodableRequest(message_type.DESCRIPTOR.full_name, str(exc))
+
+    return deserialize
+
+
+def add_router_servicer(servicer: RouterServicer, server: grpc.aio.Server) -> None:
+    """router_pb2_grpc.add_RouterServicer_to_server, except that Generate and Abort get an
+    UndecodableRequest for bytes that do not parse (every other method is unchanged)."""
+    pb = router_pb2
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=_tolerant_deserializer(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "Abort": grpc.unary_unary_rpc_method_handler(
+            servicer.Abort, request_deserializer=_tolerant_deserializer(pb.AbortRequest),
+            response_serializer=pb.AbortResponse.SerializeToString),
+        "GetClusterState": grpc.unary_unary_rpc_method_handler(
+            servicer.GetClusterState, request_deserializer=pb.ClusterStateRequest.FromString,
+            response_serializer=pb.ClusterState.SerializeToString),
+        "ScalePool": grpc.unary_unary_rpc_method_handler(
+            servicer.ScalePool, request_deserializer=pb.ScalePoolRequest.FromString,
+            response_serializer=pb.ScalePoolResponse.SerializeToString),
+        "GetTimeline": grpc.unary_unary_rpc_method_handler(
+            servicer.GetTimeline, request_deserializer=pb.TimelineRequest.FromString,
+            response_serializer=pb.Timeline.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME,
+                                                                          handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 async def start_router(config: RouterConfig) -> RouterServer:
     """Start the pools (Ray must be initialised), then serve gRPC on config.host:port."""
     service = RouterService(config)
     await service.start()
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(service), server)
+    add_router_servicer(RouterServicer(service), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -16,11 +16,13 @@ from typing import Any
 
 import grpc
 import ray
+from pdserve.kv_transfer import make_transport
+from pdserve.kv_transfer.base import PAYLOAD, TRANSPORT
+from pdserve.rank.messages import HandoffTicket, RankStats, StepReport
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pools import DEAD, Pool, RankHandle
-from pdserve.router.requests import DECODE, HANDOFF, PREFILL, RequestState, RequestTracker
-from pdserve.router.transports import DeliveryResult, make_transport
+from pdserve.router.requests import DECODE, HANDOFF, PREFILL, QUEUED, RequestState, RequestTracker
 from pdserve.router.validation import ModelLimits, PreparedRequest, RequestError
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,8 @@ class RouterService:
         self.tokenizer: Any = None
         self.limits: ModelLimits | None = None
         self.num_rank_failures = 0
+        self.num_moves = 0
+        self.num_lost_reports = 0
         self.metrics = RouterMetrics(self)
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
@@ -59,9 +63,9 @@ class RouterService:
         self.tokenizer = Tokenizer.from_dir(self.config.model_dir)
         await asyncio.gather(*(p.start() for p in self.pools.values()))
         infos = [r.info for p in self.pools.values() for r in p.ranks]
-        max_len = min(i["max_model_len"] for i in infos)
-        vocab = min(i["vocab_size"] for i in infos)
-        block_sizes = {i["block_size"] for i in infos}
+        max_len = min(i.max_model_len for i in infos)
+        vocab = min(i.vocab_size for i in infos)
+        block_sizes = {i.block_size for i in infos}
         if len(block_sizes) != 1:
             raise RuntimeError(f"ranks disagree on block_size: {sorted(block_sizes)}")
         limit = self.config.max_tokens_limit or max_len - 1
@@ -86,9 +90,9 @@ class RouterService:
 
     def admit(self, request: PreparedRequest) -> RequestState:
         """Register a validated request (ALREADY_EXISTS / RESOURCE_EXHAUSTED) and send it;
-        one whose id an ``Abort`` named before it arrived ends at once with "abort"."""
+        one whose label an ``Abort`` named before it arrived ends at once with "abort"."""
         state = self.tracker.register(request)
-        if self.tracker.take_early_abort(state.request_id):
+        if state.label_chosen and self.tracker.take_early_abort(state.label):
             state.aborted = True
             self._finish(state, "abort", "aborted by the client before the request arrived")
             return state
@@ -96,67 +100,79 @@ class RouterService:
         return state
 
     async def _dispatch(self, state: RequestState) -> None:
+        """Start the request's next attempt on the least-loaded entry rank."""
         pool = self.entry_pool
-        rid = state.request_id
         while not (state.finished or state.aborted):
-            if state.attempts >= self.config.max_attempts:
-                self._finish(state, "error", f"no {pool.name} rank could take the request "
-                             f"after {state.attempts} attempts")
+            if state.tokens_left <= 0:  # every token arrived; only the finish was lost
+                self._finish(state, "length")
+                return
+            if state.attempt >= self.config.max_attempts:
+                self._finish(state, "error", f"no {pool.name} rank could finish the request "
+                             f"after {state.attempt} attempts"
+                             + (f" (last: {state.error_hint})" if state.error_hint else ""))
                 return
             rank = await pool.wait_for_rank(self.config.rank_wait_s)
+            if state.finished or state.aborted:
+                return
             if rank is None:
                 self._finish(state, "error", f"no {pool.name} rank is available")
                 return
-            if state.finished or state.aborted:
-                return
+            add = state.begin_attempt()
             state.stage = PREFILL if self.disaggregated else DECODE
             state.prefill_rank = rank if self.disaggregated else None
             state.decode_rank = None if self.disaggregated else rank
-            state.attempt_tokens = 0
-            rank.inflight.add(rid)
-            rank.outstanding_tokens += len(state.request.prompt_token_ids)
-            state.attempts += 1
+            rank.inflight.add(add.attempt)
+            rank.outstanding_tokens += len(add.prompt_token_ids)
+            state.outstanding = len(add.prompt_token_ids)
             if state.dispatched_at is None:
                 state.dispatched_at = time.monotonic()
                 state.timings["router_queue_s"] = state.dispatched_at - state.created
             try:
-                result = await rank.actor.add_request.remote(
-                    rid, state.request.prompt_token_ids, state.request.sampling_dict())
-            except Exception as exc:  # the rank died on the way: try another
-                if rid not in rank.inflight:
-                    return  # _rank_died got there first and has already re-dispatched it
+                result = await asyncio.wait_for(rank.actor.add_request.remote(add),
+                                                self.config.rank_call_timeout_s)
+            except Exception as exc:  # the rank died or hung on the way: try another
+                if state.attempt_key != add.attempt or add.attempt not in rank.inflight:
+                    return  # _rank_died got there first and has already moved it
                 self._leave(rank, state)
+                state.error_hint = f"add_request on {rank.name}: {type(exc).__name__}"
                 log.warning("add_request on %s failed: %s", rank.name, exc)
+                await self._abort_on(rank, add.attempt)
                 continue
-            if not result["ok"]:
+            if not result.ok:
                 self._leave(rank, state)
-                self._finish(state, "error", f"{pool.name} rank refused the request: {result['error']}")
+                self._finish(state, "error", f"{pool.name} rank refused the request: {result.error}")
                 return
-            if state.aborted:  # aborted while add_request was on its way
-                await self._abort_on(rank, rid)
+            if state.aborted or state.finished:  # ended while add_request was on its way
+                await self._abort_on(rank, add.attempt)
             return
 
-    def _recover(self, state: RequestState, why: str) -> None:
-        """Start the request again on a surviving rank, or end it naming the cause."""
-        if state.finished:
+    def _move(self, state: RequestState, why: str) -> None:
+        """Start the request again elsewhere from its history (prompt + tokens already
+        streamed), leaving its current attempt wherever it is (aborted if reachable)."""
+        if state.finished or state.aborted:
             return
+        old = state.attempt_key
+        for rank in _ranks_of(state):
+            if old in rank.inflight and rank.state != DEAD:
+                self._spawn(self._abort_on(rank, old))
         self._leave(state.prefill_rank, state)
         self._leave(state.decode_rank, state)
-        if not state.replayable:
-            self._finish(state, "error", f"{why}; the request is sampled without a seed, so "
-                         "it cannot be recomputed to the same tokens")
-            return
         state.prefill_rank = state.decode_rank = None
+        state.stage = QUEUED
+        state.num_moves += 1
+        state.error_hint = why
+        self.num_moves += 1
+        log.info("moving request %s (attempt %d): %s", state.label, state.attempt, why)
         self._spawn(self._dispatch(state))
 
     def _leave(self, rank: RankHandle | None, state: RequestState) -> None:
         if rank is None:
             return
-        if state.request_id in rank.inflight:
-            rank.inflight.discard(state.request_id)
+        key = state.attempt_key
+        if key in rank.inflight:
+            rank.inflight.discard(key)
             if rank.pool in ("prefill", "normal"):
-                rank.outstanding_tokens = max(
-                    0, rank.outstanding_tokens - len(state.request.prompt_token_ids))
+                rank.outstanding_tokens = max(0, rank.outstanding_tokens - state.outstanding)
 
     def _finish(self, state: RequestState, reason: str, error: str | None = None,
                 token_ids: list[int] | None = None) -> None:
@@ -164,29 +180,32 @@ class RouterService:
         self._leave(state.prefill_rank, state)
         self._leave(state.decode_rank, state)
 
-    async def _abort_on(self, rank: RankHandle, rid: str) -> None:
+    async def _abort_on(self, rank: RankHandle, attempt: str) -> None:
         try:
-            await rank.actor.abort.remote(rid)
-        except Exception:  # a dead rank holds nothing
+            await asyncio.wait_for(rank.actor.abort.remote(attempt),
+                                   self.config.rank_call_timeout_s)
+        except Exception:  # a dead rank holds nothing; a hung one is the poller's business
             pass
 
-    async def abort(self, request_id: str, reason: str = "aborted by the client") -> bool:
-        state = self.tracker.get(request_id)
-        if state is None:  # not here (yet): a Generate with this id may be on its way
-            self.tracker.remember_early_abort(request_id)
+    async def abort(self, label: str, reason: str = "aborted by the client") -> bool:
+        """End the request in flight under ``label`` (only that one) with "abort"."""
+        state = self.tracker.by_label(label)
+        if state is None:  # not here (yet): a Generate with this label may be on its way
+            self.tracker.remember_early_abort(label)
             return False
-        if state.finished:
-            return True
-        state.aborted = True
-        stage = state.stage
-        prefill_rank, decode_rank = state.prefill_rank, state.decode_rank
-        self._finish(state, "abort", reason)
-        if stage == PREFILL and prefill_rank is not None:
-            await self._abort_on(prefill_rank, request_id)
-        elif stage == DECODE and decode_rank is not None:
-            await self._abort_on(decode_rank, request_id)
-        # HANDOFF: the delivery task sees `aborted` and cleans up after itself.
+        await self.end(state, reason)
         return True
+
+    async def end(self, state: RequestState, reason: str) -> None:
+        """End a request with "abort" wherever it is (client gone, deadline, Abort)."""
+        if state.finished:
+            return
+        state.aborted = True
+        attempt = state.attempt_key
+        ranks = _ranks_of(state)
+        self._finish(state, "abort", reason)
+        # HANDOFF: the delivery task sees `aborted` and cleans up after itself.
+        await asyncio.gather(*(self._abort_on(r, attempt) for r in ranks if r.state != DEAD))
 
     # -- rank reports ----------------------------------------------------------------
 
@@ -207,107 +226,163 @@ class RouterService:
                 if rank.state != DEAD:
                     await self._rank_died(pool, rank, f"{type(exc).__name__}: {exc}")
                 return
-            rank.stats = reply["stats"]
-            for step in reply["steps"]:
+            rank.stats = reply.stats
+            for step in reply.steps:
                 self._on_step(pool, rank, step)
-            if reply["loop_error"] and reply["generation"] == pool.generation:
-                rank.error = reply["loop_error"]
-                if not pool.lock.locked():
-                    log.warning("%s: engine loop failed (%s); re-forming the group",
-                                rank.name, reply["loop_error"])
-                    self._spawn(pool.heal(reply["generation"]))
+            if reply.fatal:
+                await self._rank_died(pool, rank, f"it gave up: {reply.loop_error}")
+                return
+            if reply.loop_error and reply.generation == pool.generation \
+                    and not pool.lock.locked() and rank.failed_generation != reply.generation:
+                # Counted once per group generation: a loop that failed reports it on
+                # every poll until the group re-forms.
+                rank.error = reply.loop_error
+                rank.failed_generation = reply.generation
+                rank.num_loop_failures += 1
+                if rank.num_loop_failures > self.config.max_group_heals:
+                    await self._rank_died(pool, rank, f"its engine loop failed "
+                                          f"{rank.num_loop_failures} times; last: {reply.loop_error}")
+                    return
+                log.warning("%s: engine loop failed (%s); re-forming the group",
+                            rank.name, reply.loop_error)
+                self._spawn(pool.heal(reply.generation))
+            elif reply.steps and not reply.loop_error:
+                rank.num_loop_failures = 0
 
     def _requests_left_on(self, pool: Pool, rank: RankHandle, why: str) -> None:
-        for rid in list(rank.inflight):
-            rank.inflight.discard(rid)
-            state = self.tracker.get(rid)
+        for key in list(rank.inflight):
+            rank.inflight.discard(key)
+            state = self.tracker.by_attempt(key)
             if state is not None and not state.finished and state.stage != HANDOFF:
-                self._recover(state, why)
+                self._move(state, why)
 
-    def _on_step(self, pool: Pool, rank: RankHandle, step: dict) -> None:
+    def _on_step(self, pool: Pool, rank: RankHandle, step: StepReport) -> None:
         try:
             self._route_step(rank, step)
         except Exception:  # a bug here must not stop the rank's reports
             log.exception("handling a step report of %s failed", rank.name)
 
-    def _route_step(self, rank: RankHandle, step: dict) -> None:
-        for out in step["outputs"]:
-            state = self.tracker.get(out["request_id"])
+    def _route_step(self, rank: RankHandle, step: StepReport) -> None:
+        for out in step.outputs:
+            state = self.tracker.by_attempt(out.attempt)
             if state is None or state.finished:
+                if out.finish_reason is None:  # an orphan still running: stop it
+                    self._spawn(self._abort_on(rank, out.attempt))
                 continue
-            if "timings" in out:
-                state.timings.update(out["timings"])
-            if out["finish_reason"] is not None:
-                self._finish(state, out["finish_reason"], out.get("error"), out["token_ids"])
+            if out.timings is not None:
+                state.timings.update(out.timings.items())
+            if out.step_failed:
+                rank.inflight.discard(out.attempt)
+                self._move(state, out.error or "a step failed")
+                continue
+            if out.token_ids and not state.accept(out.token_ids, out.num_output_tokens):
+                self.num_lost_reports += 1
+                self._move(state, f"a step report of {rank.name} was lost (expected token "
+                           f"{state.attempt_tokens + 1}, got {out.num_output_tokens})")
+                continue
+            if out.finish_reason is not None:
+                self._finish(state, out.finish_reason, out.error, out.token_ids)
             else:
-                state.push(out["token_ids"])
-        for handoff in step.get("handoffs", ()):
-            state = self.tracker.get(handoff["request_id"])
+                state.push(out.token_ids)
+        for ticket in step.handoffs:
+            state = self.tracker.by_attempt(ticket.attempt)
             if state is None or state.finished or state.aborted:
-                self._spawn(self.transport.discard(handoff["ticket"], rank))
+                self._spawn(self.transport.discard(ticket, rank))
                 continue
-            state.timings.update(handoff.get("timings") or {})
-            state.timings["kv_bytes"] = handoff["nbytes"]
-            if state.attempt_tokens == 0:
-                state.push([handoff["first_token_id"]])  # streamed before any KV moves
+            if ticket.timings is not None:
+                state.timings.update(ticket.timings.items())
+            state.timings["kv_bytes"] = ticket.nbytes
+            if not state.accept([ticket.first_token_id], 1):
+                self._spawn(self.transport.discard(ticket, rank))
+                self._move(state, f"a hand-off of {rank.name} came out of order")
+                continue
+            state.push([ticket.first_token_id])  # streamed before any KV moves
             self._leave(rank, state)
+            if state.tokens_left <= 0:
+                self._spawn(self.transport.discard(ticket, rank))
+                self._finish(state, "length")
+                continue
             state.stage = HANDOFF
-            self._spawn(self._hand_off(state, rank, handoff))
+            rank.exports.add(ticket.attempt)
+            self._spawn(self._hand_off(state, rank, ticket))
 
-    async def _hand_off(self, state: RequestState, src: RankHandle, handoff: dict) -> None:
-        rid = state.request_id
+    async def _hand_off(self, state: RequestState, src: RankHandle, ticket: HandoffTicket) -> None:
+        """Deliver the payload to a decode rank; released only once the import is
+        confirmed. Never ends without the request moving on: decoding, moved, or ended."""
+        try:
+            await self._deliver(state, src, ticket)
+        except asyncio.CancelledError:
+            if not self._stopping:
+                self._move(state, "the KV hand-off was cancelled")
+            raise
+        except Exception as exc:  # a bug must not leave the request without a finish
+            log.exception("hand-off of %s failed", state.label)
+            self._move(state, f"the KV hand-off failed: {type(exc).__name__}: {exc}")
+        finally:
+            src.exports.discard(ticket.attempt)
+            if state.attempt_key != ticket.attempt or state.stage != DECODE:
+                await self.transport.discard(ticket, src)
+
+    async def _deliver(self, state: RequestState, src: RankHandle, ticket: HandoffTicket) -> None:
+        attempt = ticket.attempt
         tried: set[int] = set()
         last_error = ""
         pool = self.pools["decode"]
         started = time.monotonic()
-        while True:
+        for _ in range(self.config.max_handoff_tries):
             dst = await pool.wait_for_decode(tried, self.config.rank_wait_s)
-            if state.finished or state.aborted:
-                await self.transport.discard(handoff["ticket"], src)
+            if state.finished or state.aborted or state.attempt_key != attempt:
                 return
             if dst is None:
-                self._finish(state, "error", "no decode rank could take the prefilled request"
-                             + (f" (last: {last_error})" if last_error else ""))
-                await self.transport.discard(handoff["ticket"], src)
-                return
+                break
             tried.add(dst.uid)
             state.decode_rank = dst
-            dst.inflight.add(rid)
+            dst.inflight.add(attempt)
             dst.pending_imports += 1
             try:
                 try:
-                    result = await asyncio.wait_for(
-                        self.transport.deliver(handoff["ticket"], src, dst),
-                        self.config.handoff_timeout_s)
+                    result = await asyncio.wait_for(self.transport.deliver(ticket, src, dst),
+                                                    self.config.handoff_timeout_s)
                 except asyncio.TimeoutError:
-                    result = DeliveryResult(False, kind="transport", error=(
-                        f"KV hand-off to {dst.name} timed out after "
-                        f"{self.config.handoff_timeout_s:g}s"))
-                    await self._abort_on(dst, rid)  # in case the import lands late
+                    # The import may still land: the attempt moves, so a late one is stale.
+                    self._spawn(self._abort_on(dst, attempt))
+                    self._move(state, f"the KV hand-off to {dst.name} timed out after "
+                               f"{self.config.handoff_timeout_s:g}s")
+                    return
             finally:
                 dst.pending_imports -= 1
             if result.ok:
                 state.timings["kv_handoff_s"] = took = time.monotonic() - started
-                self.metrics.handed_off(handoff["nbytes"], took)
-                if state.aborted or state.finished:
-                    await self._abort_on(dst, rid)
-                    dst.inflight.discard(rid)
-                elif state.stage == HANDOFF:
+                self.metrics.handed_off(ticket.nbytes, took)
+                self._spawn(self.transport.release(ticket, src))
+                if state.finished or state.aborted or state.attempt_key != attempt:
+                    dst.inflight.discard(attempt)
+                    await self._abort_on(dst, attempt)
+                elif dst.state == DEAD:  # it died while importing: its poller missed this one
+                    self._move(state, f"{dst.name} died during the hand-off")
+                else:
                     state.stage = DECODE
                 return
-            dst.inflight.discard(rid)
+            dst.inflight.discard(attempt)
             last_error = result.error
-            if state.finished:
+            if state.finished or state.attempt_key != attempt:
                 return
-            if result.kind == "payload":
+            if result.kind == PAYLOAD:
                 self._finish(state, "error", f"KV payload rejected by {dst.name}: {result.error}")
                 return
-            if result.kind == "transport" and src.state == DEAD:
-                self._recover(state, f"KV payload lost: {src.name} died")
-                return
-            # capacity or a decode rank gone: try the next one
+            if result.kind == TRANSPORT:
+                await self._abort_on(dst, attempt)  # in case half of it arrived
+                if src.state == DEAD:
+                    self._move(state, f"KV payload lost: {src.name} died")
+                    return
+            # capacity, a decode rank gone, or a failed relay: try the next one
+        if not (state.finished or state.aborted or state.attempt_key != attempt):
+            self._move(state, "no decode rank could take the prefilled request"
+                       + (f" (last: {last_error})" if last_error else ""))
 
     async def _rank_died(self, pool: Pool, rank: RankHandle, why: str) -> None:
+        if rank.state == DEAD:
+            return  # already handled (scaled down, or declared dead by its pool)
         self.num_rank_failures += 1
         log.error("%s died: %s", rank.name, why)
         rank.state = DEAD
@@ -317,14 +392,14 @@ class RouterService:
         except Exception:
             pass
         cause = f"{rank.name} died ({why.splitlines()[0][:200]})"
-        for rid in list(rank.inflight):
-            state = self.tracker.get(rid)
-            rank.inflight.discard(rid)
+        for key in list(rank.inflight):
+            state = self.tracker.by_attempt(key)
+            rank.inflight.discard(key)
             if state is None or state.finished:
                 continue
             if state.stage == HANDOFF:
-                continue  # the delivery task sees the failure and recovers itself
-            self._recover(state, cause)
+                continue  # the delivery task sees the failure and moves it itself
+            self._move(state, cause)
         await pool.remove_dead(rank)
 
     # -- state -----------------------------------------------------------------------
@@ -334,18 +409,18 @@ class RouterService:
         for pool in self.pools.values():
             ranks = []
             for r in pool.ranks:
-                st = r.stats or {}
+                st = r.stats
                 ranks.append({
                     "rank": r.rank, "actor_id": r.actor._actor_id.hex() if r.actor else "",
-                    "node_id": r.info.get("node_id", ""), "state": r.state,
-                    "num_waiting": st.get("num_waiting", 0), "num_running": st.get("num_running", 0),
-                    "num_prompted": st.get("num_prompted", 0),
-                    "num_free_blocks": st.get("num_free_blocks", 0),
-                    "num_total_blocks": st.get("num_total_blocks", r.info.get("num_total_blocks", 0)),
-                    "kv_usage": float(st.get("kv_usage", 0.0)),
-                    "outstanding_prompt_tokens": st.get("outstanding_prompt_tokens", 0),
-                    "num_steps": st.get("num_steps", 0), "num_empty_steps": st.get("num_empty_steps", 0),
-                    "num_preemptions": st.get("num_preemptions", 0), "num_inflight": len(r.inflight),
+                    "node_id": r.info.node_id if r.info else "", "state": r.state,
+                    "num_waiting": st.num_waiting, "num_running": st.num_running,
+                    "num_prompted": st.num_prompted, "num_free_blocks": st.num_free_blocks,
+                    "num_total_blocks": st.num_total_blocks or (
+                        r.info.num_total_blocks if r.info else 0),
+                    "kv_usage": float(st.kv_usage),
+                    "outstanding_prompt_tokens": st.outstanding_prompt_tokens,
+                    "num_steps": st.num_steps, "num_empty_steps": st.num_empty_steps,
+                    "num_preemptions": st.num_preemptions, "num_inflight": len(r.inflight),
                 })
             pools.append({"name": pool.name, "target_replicas": pool.target, "ranks": ranks,
                           "group_generation": pool.generation})
@@ -356,26 +431,45 @@ class RouterService:
     async def timeline(self, since: float = 0.0) -> list[dict]:
         """Every live rank's step records that ended after unix time `since`."""
         ranks = [r for p in self.pools.values() for r in p.ranks if r.state != DEAD]
-        results = await asyncio.gather(*(r.actor.timeline_records.remote(since) for r in ranks),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(asyncio.wait_for(r.actor.timeline_records.remote(since),
+                               self.config.rank_call_timeout_s) for r in ranks),
+            return_exceptions=True)
         return [rec for res in results if isinstance(res, list) for rec in res]
 
     async def refresh_stats(self) -> None:
+        """Fresh stats from every live rank; a rank that does not answer within
+        `rank_call_timeout_s` keeps the stats of its last poll."""
         ranks = [r for p in self.pools.values() for r in p.ranks if r.state != DEAD]
-        results = await asyncio.gather(*(r.actor.stats.remote() for r in ranks),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(asyncio.wait_for(r.actor.stats.remote(), self.config.rank_call_timeout_s)
+              for r in ranks), return_exceptions=True)
         for r, st in zip(ranks, results, strict=True):
-            if isinstance(st, dict):
+            if isinstance(st, RankStats):
                 r.stats = st
 
     async def scale(self, pool_name: str, replicas: int) -> int:
+        """Resize a pool: a pool operation that completes or rolls back on its own,
+        whatever the caller does (the caller only waits for it). A second one while one
+        runs is refused (FAILED_PRECONDITION)."""
         pool = self.pools.get(pool_name)
         if pool is None:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"pool must be one of {sorted(self.pools)}, got {pool_name!r}")
-        if replicas < 1:
+        limit = self.config.max_replicas
+        if not 1 <= replicas <= limit:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"replicas must be >= 1, got {replicas}")
-        return await pool.scale(replicas)
+                               f"replicas must be in [1, {limit}] (max_replicas), got {replicas}")
+        if pool.scaling is not None and not pool.scaling.done():
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"the {pool_name} pool is already being resized to "
+                               f"{pool.target} ranks; retry when it is done")
+        pool.scaling = self._spawn(pool.scale(replicas))
+        return await asyncio.shield(pool.scaling)
 
+
+def _ranks_of(state: RequestState) -> list[RankHandle]:
+    """The distinct ranks a request's current attempt is on."""
+    ranks = [r for r in (state.prefill_rank, state.decode_rank) if r is not None]
+    return ranks[:1] if len(ranks) == 2 and ranks[0] is ranks[1] else ranks

@@ -1,13 +1,26 @@
-"""Checks a GenerateRequest before anything is allocated; each failure names its field."""
+"""Checks a GenerateRequest before anything is allocated; each failure names its field.
+
+Cheap checks (sizes, counts, numbers) come before any per-element work, and the prompt
+is tokenized last, so an oversized or malformed request costs the router almost nothing.
+Every limit here is listed in the "Limits" section of router/README.md.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import grpc
 from pdserve.scheduler.sampling_params import SamplingParams
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+
+# request_id is a client label that ends up in logs, metrics and error messages.
+MAX_REQUEST_ID_CHARS = 256
+# A text prompt is tokenized on a worker thread; this bounds that work (and its memory)
+# before the tokenizer sees it. 1 MiB of text is far beyond any max_model_len we serve.
+MAX_PROMPT_BYTES = 1 << 20
+MAX_STOP_TOKEN_IDS = 64
 
 
 class RequestError(Exception):
@@ -50,26 +63,54 @@ def _check_ids(name: str, ids, vocab_size: int) -> list[int]:
     return out
 
 
-def prepare(request, tokenizer, limits: ModelLimits, default_max_tokens: int = 16) -> PreparedRequest:
-    """GenerateRequest -> PreparedRequest (request_id left as given; may be empty)."""
-    kind = request.WhichOneof("prompt")
-    if kind == "text":
-        if not request.text:
-            raise invalid("prompt must not be empty (field: text)")
-        ids = tokenizer.encode(request.text)
-        if not ids:
-            raise invalid("prompt must not be empty (field: text encodes to no tokens)")
-    elif kind == "token_ids":
-        if not request.token_ids.ids:
-            raise invalid("prompt must not be empty (field: token_ids)")
-        ids = _check_ids("token_ids", request.token_ids.ids, limits.vocab_size)
-    else:
-        raise invalid("prompt must not be empty: set text or token_ids")
-    if len(ids) >= limits.max_model_len:
+def check_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise invalid(f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, "
+                      f"got {len(request_id)}")
+    if not request_id.isprintable():
+        bad = next(c for c in request_id if not c.isprintable())
+        raise invalid(f"request_id must be printable text, got the control or separator "
+                      f"character {bad!r}")
+
+
+def _check_prompt_too_long(num_tokens: int, field: str, limits: ModelLimits) -> None:
+    # The prompt must leave room for at least one generated token.
+    if num_tokens >= limits.max_model_len:
         raise invalid(
-            f"prompt has {len(ids)} tokens; the model allows at most "
+            f"prompt (field: {field}) has {num_tokens} tokens; the model allows at most "
             f"{limits.max_model_len - 1} (max_model_len {limits.max_model_len})")
 
+
+def _text_exceeds_byte_limit(text: str) -> bool:
+    # Every character is at least one UTF-8 byte, so a long str is over the limit without
+    # encoding it; a short one is encoded (at most 4 * MAX_PROMPT_BYTES) to count exactly.
+    return len(text) > MAX_PROMPT_BYTES or len(text.encode("utf-8")) > MAX_PROMPT_BYTES
+
+
+def _prompt_token_ids(request, tokenizer, limits: ModelLimits) -> list[int]:
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        text = request.text
+        if not text:
+            raise invalid("prompt must not be empty (field: text)")
+        if _text_exceeds_byte_limit(text):
+            raise invalid(f"prompt text must be at most {MAX_PROMPT_BYTES} bytes of UTF-8 "
+                          f"(field: text)")
+        ids = tokenizer.encode(text)
+        if not ids:
+            raise invalid("prompt must not be empty (field: text encodes to no tokens)")
+        _check_prompt_too_long(len(ids), "text", limits)
+        return ids
+    if kind == "token_ids":
+        raw_ids = request.token_ids.ids
+        if not raw_ids:
+            raise invalid("prompt must not be empty (field: token_ids)")
+        _check_prompt_too_long(len(raw_ids), "token_ids", limits)  # before converting them
+        return _check_ids("token_ids", raw_ids, limits.vocab_size)
+    raise invalid("prompt must not be empty: set text or token_ids")
+
+
+def _sampling_values(request, limits: ModelLimits, default_max_tokens: int) -> dict:
     values = {name: getattr(request, name) for name in _SAMPLING_FIELDS if request.HasField(name)}
     values.setdefault("max_tokens", default_max_tokens)
     max_tokens = values["max_tokens"]
@@ -78,9 +119,30 @@ def prepare(request, tokenizer, limits: ModelLimits, default_max_tokens: int = 1
     if max_tokens > limits.max_tokens_limit:
         raise invalid(f"max_tokens must be <= {limits.max_tokens_limit}, got {max_tokens}")
     temperature = values.get("temperature", 1.0)
-    if temperature != temperature:  # NaN
-        raise invalid("temperature must be a number >= 0, got nan")
+    # inf would turn logits / temperature into NaNs; nan compares false with everything.
+    if not math.isfinite(temperature) or temperature < 0:
+        raise invalid(f"temperature must be a finite number >= 0, got {temperature}")
+    top_p = values.get("top_p", 1.0)
+    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise invalid(f"top_p must be a finite number in (0, 1], got {top_p}")
+    return values
+
+
+def prepare(request, tokenizer, limits: ModelLimits,
+            default_max_tokens: int = 16) -> PreparedRequest:
+    """GenerateRequest -> PreparedRequest (request_id left as given; may be empty).
+
+    Raises RequestError(INVALID_ARGUMENT) naming the field. Safe to call off the event
+    loop: it touches nothing but its arguments.
+    """
+    check_request_id(request.request_id)
+    values = _sampling_values(request, limits, default_max_tokens)
+    num_stop_ids = len(request.stop_token_ids)
+    if num_stop_ids > MAX_STOP_TOKEN_IDS:  # before converting them one by one
+        raise invalid(f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids, "
+                      f"got {num_stop_ids}")
     stop_ids = _check_ids("stop_token_ids", request.stop_token_ids, limits.vocab_size)
+    ids = _prompt_token_ids(request, tokenizer, limits)
     try:
         sampling = SamplingParams(stop_token_ids=tuple(stop_ids), ignore_eos=request.ignore_eos,
                                   **values)

@@ -32,9 +32,9 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if max_tokens_limit is not None and self.max_tokens > max_tokens_limit:
             raise ValueError(f"max_tokens must be <= {max_tokens_limit}, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not 0 <= self.temperature < float("inf"):  # also refuses NaN
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:  # also refuses NaN
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or >= 0, got {self.top_k}")

@@ -78,7 +78,7 @@ def test_timeline_picture_from_hand_made_steps(tmp_path):
 def test_step_ring_is_bounded_and_names_empty_steps():
     from types import SimpleNamespace
 
-    from pdserve.decode_worker.step_timeline import StepTimeline
+    from pdserve.rank.step_timeline import StepTimeline
 
     ring = StepTimeline(maxlen=4)
     for i, (kind, n) in enumerate([("prompt", 9), ("decode", 3), ("decode", 0),

@@ -7,10 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 from pdserve.engine.model_runner import ModelRunner, RunnerRow
-from pdserve.kernels import decode_step
+from pdserve.kernels import cbuild, decode_step
 
-needs_kernel = pytest.mark.skipif(not decode_step.available(),
-                                  reason="the C decode step needs AVX-512 and a C compiler")
+# The C step is built only on an AVX-512 CPU with a C compiler; the reason names the missing one.
+needs_kernel = pytest.mark.skipif(
+    not decode_step.available(),
+    reason=("the C decode step needs an AVX-512 CPU (avx512f); this CPU has none"
+            if not cbuild.cpu_has_avx512() else
+            "the C decode step needs a C compiler (cc, gcc or $CC) to build it; none built it here"))
 
 
 def _pair(path, **kw):

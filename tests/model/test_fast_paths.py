@@ -30,24 +30,53 @@ def test_fused_matmul_equals_separate_linears():
     assert nobias.bias is None
 
 
-def test_matmul_decode_layouts_by_rule_all_equal_linear():
+def _kernel_off_reason(name: str) -> str:
+    """Why the C kernel ``name`` is off on this machine, naming the missing feature."""
+    from pdserve.kernels import cbuild
+
+    if not cbuild.cpu_has_avx512():
+        return f"{name} needs an AVX-512 CPU (avx512f); this CPU has none"
+    return f"{name} needs a C compiler (cc, gcc or $CC) to build it; none built it here"
+
+
+# Weight shape [out, in] -> the decode layout MatMul picks, per CPU feature set:
+# (with skinny_gemm: an AVX-512 CPU and a C compiler, without skinny_gemm: no AVX-512).
+# TRANSPOSED_MAX_NUMEL is 1.5M elements; 1600 * 1024 and 1601 * 1024 are above it.
+LAYOUTS_BY_FEATURES = {
+    (1600, 1024): ("panels", "packed"),      # out % 32 == 0; else too large for W.T
+    (1024, 1024): ("panels", "transposed"),  # out % 32 == 0; else small enough for W.T
+    (40, 32): ("transposed", "transposed"),  # out not a multiple of 32, small
+    (1601, 1024): ("packed", "packed"),      # out not a multiple of 32, large
+}
+
+
+@pytest.mark.parametrize("features", ["avx512 (skinny_gemm)", "no avx512 (torch layouts)"])
+def test_matmul_decode_layouts_by_rule_all_equal_linear(features, monkeypatch):
     """Panels (skinny_gemm) when out is a multiple of 32 and the kernel is built; else
     W.T up to TRANSPOSED_MAX_NUMEL elements, oneDNN-packed above (switched to W.T for
-    compiled graphs). Every layout equals F.linear at decode and prefill row counts."""
-    from pdserve.engine.model import linear
+    compiled graphs). Every layout equals F.linear at decode and prefill row counts.
+
+    Both feature sets are checked where the machine allows: "avx512" needs the kernel
+    (skipped, naming the missing feature, without it); "no avx512" turns the kernel off
+    (``skinny_gemm.available``, the check MatMul makes, answers False as it does on a
+    CPU without AVX-512), so an AVX-512 machine also checks the other rule."""
+    from pdserve.engine.model import _onednn_packing_available, linear
     from pdserve.kernels import skinny_gemm
 
+    with_kernel = features.startswith("avx512")
+    if with_kernel and not skinny_gemm.available():
+        pytest.skip(_kernel_off_reason("skinny_gemm"))
+    if not with_kernel:
+        monkeypatch.setattr(skinny_gemm, "available", lambda: False)
     torch.manual_seed(0)
-    cases = {"panels": (1600, 1024), "transposed": (40, 32), "packed": (1601, 1024)}
-    for kind, (n, k) in cases.items():
+    for (n, k), (on_avx512, without_avx512) in LAYOUTS_BY_FEATURES.items():
+        kind = on_avx512 if with_kernel else without_avx512
+        if kind == "packed" and not _onednn_packing_available():
+            kind = "transposed"  # no oneDNN packing in this torch build: W.T serves
         w, b = torch.randn(n, k) / 32, torch.randn(n)
         mm = MatMul(w, b)
         layout = {"panels": mm.panels, "transposed": mm.transposed, "packed": mm.packed}
-        if kind == "panels" and not skinny_gemm.available():
-            kind = "transposed"  # no AVX-512 or no compiler: the torch layouts serve
-        if kind == "packed" and not torch.backends.mkldnn.is_available():
-            kind = "transposed"
-        assert [key for key, v in layout.items() if v is not None] == [kind]
+        assert [key for key, v in layout.items() if v is not None] == [kind], (n, k, features)
         for rows in (1, 5, 16, 200):
             x = torch.randn(rows, k)
             assert (mm(x) - F.linear(x, w, b)).abs().max() < 1e-4, (kind, rows)
@@ -62,7 +91,7 @@ def test_skinny_gemm_kernel_matches_linear_at_ragged_shapes():
     from pdserve.kernels import skinny_gemm
 
     if not skinny_gemm.available():
-        pytest.skip("skinny_gemm needs an AVX-512 CPU and a C compiler")
+        pytest.skip(_kernel_off_reason("skinny_gemm"))
     g = torch.Generator().manual_seed(1)
     for m, n, k in [(1, 32, 1), (7, 48, 33), (8, 96, 64), (9, 200, 70), (33, 4096, 256)]:
         w, x, b = (torch.randn(n, k, generator=g), torch.randn(m, k, generator=g),
@@ -116,7 +145,7 @@ def test_decode_copy_equals_gather_when_rows_come_and_go(tiny_dirs, h, kernel):
     from pdserve.kernels import decode_step
 
     if kernel and not decode_step.available():
-        pytest.skip("the C decode step needs AVX-512 and a C compiler")
+        pytest.skip(_kernel_off_reason("the C decode step"))
     fast, slow = _pair(tiny_dirs["llama"], kernel)
     assert fast.decode_kv.max_bytes > 0
     p = h.prompts_of([20, 15, 33, 40], seed=11)

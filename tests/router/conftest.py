@@ -2,66 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
-import threading
-
 import pytest
-
-
-class RouterHarness:
-    """A router (pools + gRPC server) running on an event loop of its own thread."""
-
-    def __init__(self, config) -> None:
-        from pdserve.router.server import start_router
-
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.server = self.call(start_router(config), timeout=180)
-        self.service = self.server.service
-        self.address = f"127.0.0.1:{self.server.port}"
-
-    def call(self, coro, timeout: float = 60):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stats(self) -> dict[str, list[dict]]:
-        """Fresh engine stats of every live rank, by pool."""
-        self.call(self.service.refresh_stats())
-        return {name: [dict(r.stats, state=r.state) for r in pool.ranks]
-                for name, pool in self.service.pools.items()}
-
-    def wait_drained(self, timeout: float = 30.0) -> dict[str, list[dict]]:
-        """Wait until no request is in flight and every rank's blocks are all free."""
-        import time
-
-        deadline = time.monotonic() + timeout
-        while True:
-            stats = self.stats()
-            ranks = [r for rs in stats.values() for r in rs if r["state"] != "dead"]
-            idle = len(self.service.tracker) == 0 and all(
-                r["num_free_blocks"] == r["num_total_blocks"] and r["num_waiting"] == 0
-                and r["num_prompted"] == 0 for r in ranks)
-            if idle or time.monotonic() > deadline:
-                return stats
-            time.sleep(0.1)
-
-    def drained_errors(self) -> list[str]:
-        """The engines' own block-leak invariant on every live rank (empty: no leak)."""
-        async def check():
-            ranks = [r for p in self.service.pools.values() for r in p.ranks
-                     if r.state != "dead"]
-            return await asyncio.gather(*(r.actor.check_drained.remote() for r in ranks))
-
-        return [e for e in self.call(check()) if e]
-
-    def close(self) -> None:
-        if not self.thread.is_alive():
-            return
-        try:
-            self.call(self.server.stop(grace=0.5), timeout=60)
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
+from pdserve.bench.harness import RouterHarness
 
 
 def router_config(model_dir: str, **overrides):

@@ -1,13 +1,23 @@
 """The body every engine-rank actor shares (prefill, decode and normal workers).
 
 One rank = one engine + one `EngineLoop` thread + (for world size > 1) a
-`TorchDistCommunicator` to its pool peers. The actor is a thin shell:
+`TorchDistCommunicator` to its pool peers, behind a `GroupCommunicator` the engine is
+given when it is built. A request's life on a rank:
 
-- admission (`add_request`, `import_prefilled`, `abort`) runs under the loop's lock
-  between steps, then wakes this rank and its pool peers (lockstep: peers must take
-  empty steps while this rank works);
-- every step's outputs are queued as plain dicts; the router long-polls them
-  (`poll`), so one Ray reply carries whole steps, never single tokens;
+1. The router starts an attempt: `add_request(AddRequest)` (NORMAL / PROMPT) or
+   `import_prefilled(payload)` (COMPLETION, through the KV transport's receive side).
+   Admission runs under the engine lock between steps, then wakes this rank and its
+   pool peers (lockstep: peers take empty steps while this rank works).
+2. Each step's outputs become one typed `StepReport` (`rank/messages.py`); the router
+   long-polls them (`poll`), so one Ray reply carries whole steps, never single tokens.
+3. A PROMPT rank exports a finished prompt's KV through its transport endpoint and
+   reports a `HandoffTicket`; the payload stays until the router releases it
+   (`release_kv`), after the decode rank confirmed the import.
+4. The attempt ends on the rank with a finish reason (or `abort` from the router); a
+   step that raised ends its attempts with `error` (`step_failed`), and after
+   `max_failed_steps` failed steps in a row the rank reports itself `fatal`.
+
+Also:
 - the data-parallel group is formed by `join_group` with an address the pool
   controller got from rank 0's `open_group_store` (rendezvous through Ray, no fixed
   port), and re-formed the same way after a resize or a dead peer: `pause` stops
@@ -28,7 +38,20 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from pdserve.decode_worker.step_timeline import StepTimeline
+from pdserve.rank.messages import (
+    AddRequest,
+    AdmitResult,
+    GroupJoined,
+    HandoffTicket,
+    ImportResult,
+    PollReply,
+    RankInfo,
+    RankStats,
+    RankTimings,
+    StepReport,
+    TokenReport,
+)
+from pdserve.rank.step_timeline import StepTimeline
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +81,27 @@ class _PausingCommunicator:
             self.paused.set()
             return 1
         return result
+
+
+class GroupCommunicator:
+    """The engine's communicator for its whole life: the data-parallel group behind it
+    is replaced whenever the pool re-forms (the engine never sees the swap)."""
+
+    def __init__(self) -> None:
+        from pdserve.scheduler.votes import SingleRankCommunicator
+
+        self.group: Any = SingleRankCommunicator()
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.group.world_size
+
+    def all_reduce_min(self, value: int) -> int:
+        return self.group.all_reduce_min(value)
 
 
 def default_engine_factory(config: dict, communicator: Any) -> Any:
@@ -99,7 +143,9 @@ class EngineRank:
                  loop_factory: Callable | None = None,
                  communicator_factory: Callable | None = None,
                  kv_transport: str = "ray", collective_timeout_s: float = 10.0,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None, max_failed_steps: int = 3) -> None:
+        from pdserve.kv_transfer import make_endpoint
+
         config = dict(engine_config)
         config["engine_type"] = self.engine_type
         self.engine_config = config
@@ -108,12 +154,14 @@ class EngineRank:
         self._comm_factory = communicator_factory or default_communicator_factory
         self.kv_transport = kv_transport
         self.collective_timeout_s = collective_timeout_s
+        self.max_failed_steps = max_failed_steps
         if num_threads:
             # Ray sets OMP_NUM_THREADS=1 in actors; choose torch's threads on purpose.
             import torch
 
             torch.set_num_threads(num_threads)
-        self.engine = self._engine_factory(config, None)
+        self.group = GroupCommunicator()
+        self.engine = self._engine_factory(config, self.group)
         self.rank = 0
         self.world_size = 1
         self.generation = -1
@@ -123,26 +171,23 @@ class EngineRank:
         self._group_store: Any = None  # the store of the current group, if hosted here
         self._vote: _PausingCommunicator | None = None
         self._peers: list[Any] = []
-        self._reports: list[dict] = []
+        self._reports: list[StepReport] = []
         self._cond = threading.Condition()
         # One lock for the engine across every loop this rank runs: admission between
         # steps, and also while the group re-forms (no loop then; the next one sees it).
         self._engine_lock = threading.Lock()
         self._loop_error: str | None = None
-        self._kv_store: dict[str, bytes] = {}
-        self._kv_server: Any = None
+        self._failed_in_a_row = 0
+        self._fatal: str | None = None
         self.timeline = StepTimeline()
-        self._last_stats: dict | None = None
-        self._imported_at: dict[str, float] = {}  # request id -> monotonic time taken
-        self.kv_address: str | None = None
-        if kv_transport == "grpc":
-            from pdserve.decode_worker.kv_service import start_kv_server
-
-            self._kv_server, self.kv_address = start_kv_server(self)
+        self._last_stats: RankStats | None = None
+        self._imported_at: dict[str, float] = {}  # attempt -> monotonic time taken
+        self.endpoint = make_endpoint(kv_transport, self, _node_ip())
+        self.kv_address: str | None = self.endpoint.address
 
     # -- identity and rendezvous -----------------------------------------------------
 
-    def info(self) -> dict:
+    def info(self) -> RankInfo:
         eng = self.engine
         tok = eng.tokenizer
         stats = self.stats()
@@ -153,14 +198,13 @@ class EngineRank:
             node_id = ray.get_runtime_context().get_node_id()
         except Exception:  # not inside Ray (unit tests)
             pass
-        return {
-            "pool": self.pool_name, "engine_type": self.engine_type, "pid": os.getpid(),
-            "node_id": node_id, "host": _node_ip(), "max_model_len": int(eng.max_model_len),
-            "vocab_size": int(getattr(getattr(eng, "runner", None), "vocab_size", None)
-                              or tok.vocab_size),
-            "eos_token_id": tok.eos_token_id, "block_size": self.engine_config.get("block_size", 16),
-            "num_total_blocks": stats["num_total_blocks"], "kv_address": self.kv_address,
-        }
+        return RankInfo(
+            pool=self.pool_name, engine_type=self.engine_type, pid=os.getpid(), node_id=node_id,
+            host=_node_ip(), max_model_len=int(eng.max_model_len),
+            vocab_size=int(getattr(getattr(eng, "runner", None), "vocab_size", None)
+                           or tok.vocab_size),
+            eos_token_id=tok.eos_token_id, block_size=int(self.engine_config.get("block_size", 16)),
+            num_total_blocks=stats.num_total_blocks, kv_address=self.kv_address)
 
     def open_group_store(self) -> str:
         """Host the next group's rendezvous store (this rank becomes its rank 0) and
@@ -180,8 +224,11 @@ class EngineRank:
         return f"tcp://{host}:{self._hosted_store.port}"
 
     def join_group(self, rank: int, world_size: int, address: str | None, generation: int,
-                   peers: list[Any]) -> dict:
-        """Form (or re-form) this rank's data-parallel group and (re)start its loop."""
+                   peers: list[Any]) -> GroupJoined:
+        """Form (or re-form) this rank's data-parallel group and (re)start its loop.
+
+        Bounded: the rendezvous gives up after `collective_timeout_s` (the caller also
+        bounds the call)."""
         self.pause()
         if self._comm is not None and hasattr(self._comm, "close"):
             try:
@@ -201,21 +248,21 @@ class EngineRank:
                                   f"pdserve/{self.pool_name}/g{generation}", device=device)
         self._group_store = hosted  # kept alive for as long as the group lives
         self._comm = comm
+        self.group.group = comm
         self.rank, self.world_size, self.generation = rank, world_size, generation
         self._peers = list(peers)
         self.engine.rank = rank
-        scheduler = getattr(self.engine, "scheduler", None)
-        if scheduler is not None and hasattr(scheduler, "comm"):
-            scheduler.comm = comm
         self._vote = _PausingCommunicator(comm)
         self._loop_error = None
-        loop = self._loop_factory(self.engine, self._on_step, self._vote, self._on_error)
-        loop.lock = self._engine_lock
-        self.loop = loop.start() or loop
-        return {"rank": rank, "world_size": world_size, "generation": generation}
+        if self._fatal is None:
+            loop = self._loop_factory(self.engine, self._on_step, self._vote, self._on_error)
+            loop.lock = self._engine_lock
+            self.loop = loop.start() or loop
+        return GroupJoined(rank, world_size, generation)
 
     def pause(self, timeout_s: float = 30.0) -> bool:
-        """Stop this rank's loop at a step boundary shared with its peers.
+        """Stop this rank's loop at a step boundary shared with its peers (at most
+        `timeout_s`; then the thread is stopped where it is, between two steps).
 
         The pause vote reaches every rank in the same round; the controller calls
         `pause` on every rank (in parallel) so each one also stops its own thread.
@@ -255,61 +302,65 @@ class EngineRank:
         self._wake_pool()
         return result
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    sampling: dict) -> dict:
-        from pdserve.scheduler.sampling_params import SamplingParams
-
+    def add_request(self, request: AddRequest) -> AdmitResult:
         arrival = time.monotonic()  # before waiting for the step in progress to end
         try:
-            params = SamplingParams(**sampling)
-            self._call(lambda eng: eng.add_request(request_id, list(prompt_token_ids), params,
-                                                   arrival_time=arrival))
+            self._call(lambda eng: eng.add_request(request.attempt, list(request.prompt_token_ids),
+                                                   request.sampling, arrival_time=arrival))
         except (ValueError, TypeError, RuntimeError) as exc:
-            return {"ok": False, "error": _error_text(exc)}
-        return {"ok": True}
+            return AdmitResult(False, _error_text(exc))
+        return AdmitResult(True)
 
-    def import_prefilled(self, payload: bytes) -> dict:
+    def import_prefilled(self, payload: bytes) -> ImportResult:
+        """The receive side of every transport: check the payload whole, then queue it."""
         start = time.time()
         try:
-            rid = self._call(lambda eng: eng.import_prefilled(payload))
+            attempt = self._call(lambda eng: eng.import_prefilled(payload))
         except Exception as exc:
             kind = "capacity" if "Capacity" in type(exc).__name__ else "payload"
-            return {"ok": False, "kind": kind, "error": _error_text(exc)}
-        self._imported_at[rid] = time.monotonic()
+            return ImportResult(False, kind=kind, error=_error_text(exc))
+        self._imported_at[attempt] = time.monotonic()
         self.timeline.imported(self.pool_name, self.rank, start, time.time())
-        return {"ok": True, "request_id": rid}
+        return ImportResult(True, attempt=attempt)
 
-    def abort(self, request_id: str) -> bool:
-        self._kv_store.pop(request_id, None)
-        self._imported_at.pop(request_id, None)
-        return bool(self._call(lambda eng: eng.abort(request_id)))
+    def abort(self, attempt: str) -> bool:
+        self.endpoint.release(attempt)
+        self._imported_at.pop(attempt, None)
+        return bool(self._call(lambda eng: eng.abort(attempt)))
 
     # -- reporting -------------------------------------------------------------------
 
     def _on_step(self, out: Any) -> None:
         end = time.time()
+        self._count_failures(out)
         if not out.outputs and not out.handoffs:
             self.timeline.step(self.pool_name, self.rank, out, end)
             return
-        report = {
-            "kind": out.kind,
-            "outputs": [
-                {"request_id": o.request_id, "token_ids": list(o.new_token_ids),
-                 "finish_reason": o.finish_reason, "num_prompt_tokens": o.num_prompt_tokens,
-                 "num_output_tokens": o.num_output_tokens, "error": o.error}
-                for o in out.outputs
-            ],
-        }
+        outputs = [TokenReport(o.request_id, list(o.new_token_ids), o.num_output_tokens,
+                               o.finish_reason, o.error, o.step_failed) for o in out.outputs]
         hs = time.time() if out.handoffs else 0.0
-        report["handoffs"] = [self._export(h) for h in out.handoffs]
+        handoffs = [self._export(h) for h in out.handoffs]
         self.timeline.step(self.pool_name, self.rank, out, end, hs, time.time() if hs else 0.0)
         if self.engine_type == "normal" or self._imported_at:
-            self._add_timings(out, report["outputs"])
+            self._add_timings(out, outputs)
         with self._cond:
-            self._reports.append(report)
+            self._reports.append(StepReport(out.kind, outputs, handoffs))
             self._cond.notify_all()
 
-    def _add_timings(self, out: Any, entries: list[dict]) -> None:
+    def _count_failures(self, out: Any) -> None:
+        """A rank whose steps keep failing gives up: it stops stepping and says so."""
+        if any(o.step_failed for o in out.outputs):
+            self._failed_in_a_row += 1
+            if self._failed_in_a_row >= self.max_failed_steps and self._fatal is None:
+                self._fatal = (f"{self._failed_in_a_row} steps in a row failed; last: "
+                               f"{next(o.error for o in out.outputs if o.step_failed)}")
+                log.error("%s rank %d gives up: %s", self.pool_name, self.rank, self._fatal)
+                if self.loop is not None:
+                    self.loop.stop(timeout=0)
+        elif out.num_rows:
+            self._failed_in_a_row = 0
+
+    def _add_timings(self, out: Any, entries: list[TokenReport]) -> None:
         """Durations on this rank's clock for the router's TTFT breakdown: a decode
         rank's wait from taking a payload to its first decode step; a normal rank's
         prefill queue and prefill, on the output that carries the first token."""
@@ -317,45 +368,34 @@ class EngineRank:
         for o, entry in zip(out.outputs, entries, strict=True):
             taken = self._imported_at.pop(o.request_id, None) if self._imported_at else None
             if taken is not None:
-                entry["timings"] = {"decode_queue_s": max(0.0, step_start - taken)}
+                entry.timings = RankTimings(decode_queue_s=max(0.0, step_start - taken))
             elif o.new_token_ids and o.num_output_tokens == len(o.new_token_ids):
-                t = _prefill_timings(o)
-                if t:
-                    entry["timings"] = t
+                entry.timings = _prefill_timings(o)
 
-    def _export(self, handoff: Any) -> dict:
-        entry = {"request_id": handoff.request_id, "first_token_id": int(handoff.first_token_id),
-                 "num_prompt_tokens": int(handoff.num_prompt_tokens),
-                 "nbytes": len(handoff.payload)}
-        if self.kv_transport == "grpc":
-            self._kv_store[handoff.request_id] = handoff.payload
-            entry["ticket"] = {"address": self.kv_address, "request_id": handoff.request_id}
-        else:
-            import ray
-
-            # The object lives in this node's store; the decode rank resolves the ref.
-            entry["ticket"] = ray.put(handoff.payload)
-        t = _prefill_timings(handoff)
-        if t:
-            t["kv_export_s"] = max(0.0, time.monotonic() - handoff.first_token_time)
-            entry["timings"] = t
-        return entry
+    def _export(self, handoff: Any) -> HandoffTicket:
+        locator = self.endpoint.export(handoff.request_id, handoff.payload)
+        timings = _prefill_timings(handoff)
+        if timings is not None:
+            timings.kv_export_s = max(0.0, time.monotonic() - handoff.first_token_time)
+        return HandoffTicket(handoff.request_id, int(handoff.first_token_id),
+                             int(handoff.num_prompt_tokens), len(handoff.payload), locator,
+                             timings)
 
     def _on_error(self, exc: BaseException) -> None:
         self._loop_error = _error_text(exc)
         with self._cond:
             self._cond.notify_all()
 
-    def poll(self, timeout_s: float = 0.5) -> dict:
+    def poll(self, timeout_s: float = 0.5) -> PollReply:
         """Every step report since the last poll (waits up to `timeout_s` for one)."""
         with self._cond:
-            if not self._reports:  # a failed loop reports once, then at the poll pace
+            if not self._reports and self._fatal is None:
                 self._cond.wait(timeout_s)
             reports, self._reports = self._reports, []
-        return {"steps": reports, "stats": self._poll_stats(), "loop_error": self._loop_error,
-                "generation": self.generation}
+        return PollReply(reports, self._poll_stats(), self.generation,
+                         loop_error=self._loop_error or self._fatal, fatal=self._fatal is not None)
 
-    def _poll_stats(self) -> dict:
+    def _poll_stats(self) -> RankStats:
         """Fresh stats when the engine is between steps, else the latest ones: a poll
         must not wait for a running step, or the reports it carries (first tokens among
         them) wait with it."""
@@ -367,19 +407,20 @@ class EngineRank:
             st = self.engine.stats()
         finally:
             self._engine_lock.release()
-        return self._stats_dict(st)
+        return self._stats(st)
 
-    def stats(self) -> dict:
+    def stats(self) -> RankStats:
         with self._engine_lock:
             st = self.engine.stats()
-        return self._stats_dict(st)
+        return self._stats(st)
 
-    def _stats_dict(self, st: Any) -> dict:
+    def _stats(self, st: Any) -> RankStats:
         d = asdict(st)
-        d["kv_usage"] = st.kv_usage
         d["rank"] = self.rank
-        self._last_stats = d
-        return d
+        stats = RankStats(**{k: v for k, v in d.items() if k in _STATS_FIELDS},
+                          kv_usage=float(st.kv_usage))
+        self._last_stats = stats
+        return stats
 
     def timeline_records(self, since: float = 0.0, since_seq: int = 0) -> list[dict]:
         """This rank's recent steps (a bounded ring; see step_timeline.py)."""
@@ -387,11 +428,14 @@ class EngineRank:
 
     def is_idle(self) -> bool:
         with self._engine_lock:
-            return not self.engine.has_work()
+            return not self.engine.has_work() and len(self.endpoint) == 0
 
     def check_drained(self) -> str | None:
-        """None when the engine holds nothing (the engine's block-leak invariant)."""
+        """None when the engine holds nothing (the engine's block-leak invariant) and no
+        exported payload waits for release."""
         with self._engine_lock:
+            if len(self.endpoint):
+                return f"{self.pool_name} rank {self.rank}: {len(self.endpoint)} KV payloads held"
             if not hasattr(self.engine, "assert_drained"):
                 return None
             try:
@@ -400,18 +444,14 @@ class EngineRank:
                 return f"{self.pool_name} rank {self.rank}: {exc}"
         return None
 
-    # -- grpc KV transport -----------------------------------------------------------
+    # -- KV transport endpoint ---------------------------------------------------------
 
-    def take_kv(self, request_id: str) -> bytes | None:
-        return self._kv_store.pop(request_id, None)
-
-    def discard_kv(self, request_id: str) -> None:
-        self._kv_store.pop(request_id, None)
+    def release_kv(self, attempt: str) -> None:
+        self.endpoint.release(attempt)
 
     def shutdown(self) -> None:
         self.pause(timeout_s=2.0)
-        if self._kv_server is not None:
-            self._kv_server.stop(grace=None)
+        self.endpoint.close()
         if self._comm is not None and hasattr(self._comm, "close"):
             try:
                 self._comm.close()
@@ -419,7 +459,10 @@ class EngineRank:
                 pass
 
 
-def _prefill_timings(x: Any) -> dict | None:
+_STATS_FIELDS = set(RankStats.__dataclass_fields__) - {"kv_usage"}
+
+
+def _prefill_timings(x: Any) -> RankTimings | None:
     """Prefill queue and compute, in seconds, from a RequestOutput's or HandOff's
     engine-clock times (None when the engine did not record them)."""
     scheduled = getattr(x, "first_scheduled_time", None)
@@ -427,8 +470,8 @@ def _prefill_timings(x: Any) -> dict | None:
     arrival = getattr(x, "arrival_time", None)
     if scheduled is None or first is None or arrival is None:
         return None
-    return {"prefill_queue_s": max(0.0, scheduled - arrival),
-            "prefill_s": max(0.0, first - scheduled)}
+    return RankTimings(prefill_queue_s=max(0.0, scheduled - arrival),
+                       prefill_s=max(0.0, first - scheduled))
 
 
 def _node_ip() -> str:

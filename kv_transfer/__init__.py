@@ -1,0 +1,50 @@
+"""KV transports: how a prefilled payload gets from a prefill rank to a decode rank.
+
+One module per backend, each holding all its sides (see base.py): ``ray`` (object
+store, default), ``grpc`` (bytes through the router, chunked) and ``in_process``
+(ranks in one process: tests).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.kv_transfer.base import DeliveryResult, KVTransport, RankEndpoint
+
+TRANSPORTS = ("ray", "grpc", "in_process")
+
+
+def make_transport(name: str) -> KVTransport:
+    """The router's side of transport ``name``."""
+    if name == "ray":
+        from pdserve.kv_transfer.ray_store import RayObjectStoreTransport
+
+        return RayObjectStoreTransport()
+    if name == "grpc":
+        from pdserve.kv_transfer.grpc_bytes import GrpcBytesTransport
+
+        return GrpcBytesTransport()
+    if name == "in_process":
+        from pdserve.kv_transfer.in_process import InProcessTransport
+
+        return InProcessTransport()
+    raise ValueError(f"kv_transport must be one of {TRANSPORTS}, got {name!r}")
+
+
+def make_endpoint(name: str, importer: Any, host: str) -> RankEndpoint:
+    """A rank's side of transport ``name``; ``importer.import_prefilled`` receives."""
+    if name == "ray":
+        from pdserve.kv_transfer.ray_store import RayEndpoint
+
+        return RayEndpoint()
+    if name == "grpc":
+        from pdserve.kv_transfer.grpc_bytes import GrpcEndpoint
+
+        return GrpcEndpoint(importer, host)
+    if name == "in_process":
+        return RankEndpoint()
+    raise ValueError(f"kv_transport must be one of {TRANSPORTS}, got {name!r}")
+
+
+__all__ = ["DeliveryResult", "KVTransport", "RankEndpoint", "TRANSPORTS", "make_endpoint",
+           "make_transport"]

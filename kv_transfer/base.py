@@ -1,0 +1,99 @@
+"""The one interface every KV transport implements, with all its sides.
+
+A transport moves a prefilled attempt's KV payload from a PROMPT rank to a
+COMPLETION rank. Each backend is one module holding every side of it:
+
+1. Export (on the prefill rank): ``RankEndpoint.export(attempt, payload)`` keeps the
+   payload where the transport can reach it and returns a picklable *locator*, which
+   travels to the router inside a ``HandoffTicket``.
+2. Deliver (in the router): ``KVTransport.deliver(ticket, src, dst)`` makes the decode
+   rank ``dst`` import the payload; its ``DeliveryResult`` says whether the decode rank
+   confirmed the import, or why not (``payload``: refused, never retry; ``capacity``:
+   try another rank; ``transport``: the bytes did not arrive, retry or re-prefill).
+3. Receive (on the decode rank): the payload reaches ``EngineRank.import_prefilled``
+   (as a resolved Ray argument, or pushed over gRPC chunks, ...).
+4. Release / discard (router -> prefill rank): the payload is released only after the
+   decode rank confirmed its import (``release``), or when its request ended on the way
+   (``discard``). An endpoint also forgets payloads nobody asked for within
+   ``max_age_s``, so a router that vanished cannot leak them.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+PAYLOAD, CAPACITY, TRANSPORT = "payload", "capacity", "transport"
+
+
+@dataclass
+class DeliveryResult:
+    ok: bool
+    attempt: str = ""
+    kind: str = ""  # on failure: PAYLOAD | CAPACITY | TRANSPORT
+    error: str = ""
+    nbytes: int = 0
+
+
+class KVTransport(ABC):
+    """The router's side: deliver, release, discard."""
+
+    name: str = ""
+
+    def __init__(self) -> None:
+        self.bytes_moved = 0
+        self.num_deliveries = 0
+
+    @abstractmethod
+    async def deliver(self, ticket: Any, src: Any, dst: Any) -> DeliveryResult:
+        """Import the payload behind ``ticket`` (exported by rank ``src``) on ``dst``."""
+
+    async def release(self, ticket: Any, src: Any) -> None:
+        """The decode rank confirmed the import: the source may free the payload."""
+        await self.discard(ticket, src)
+
+    @abstractmethod
+    async def discard(self, ticket: Any, src: Any) -> None:
+        """Free the payload behind ``ticket`` without importing it anywhere."""
+
+    async def close(self) -> None:
+        return None
+
+    def _delivered(self, nbytes: int) -> None:
+        self.bytes_moved += nbytes
+        self.num_deliveries += 1
+
+
+class RankEndpoint:
+    """A rank's side: holds exported payloads until released (kept in this process)."""
+
+    address: str | None = None  # where other processes reach this endpoint, if anywhere
+
+    def __init__(self, max_age_s: float = 600.0) -> None:
+        self.max_age_s = max_age_s
+        self._payloads: dict[str, tuple[float, Any]] = {}
+
+    def export(self, attempt: str, payload: bytes) -> Any:
+        self._expire()
+        self._payloads[attempt] = (time.monotonic(), payload)
+        return attempt
+
+    def get(self, attempt: str) -> Any | None:
+        entry = self._payloads.get(attempt)
+        return None if entry is None else entry[1]
+
+    def release(self, attempt: str) -> None:
+        self._payloads.pop(attempt, None)
+
+    def __len__(self) -> int:
+        return len(self._payloads)
+
+    def close(self) -> None:
+        self._payloads.clear()
+
+    def _expire(self) -> None:
+        cutoff = time.monotonic() - self.max_age_s
+        for attempt in [a for a, (t, _) in self._payloads.items() if t < cutoff]:
+            del self._payloads[attempt]

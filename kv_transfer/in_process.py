@@ -1,0 +1,35 @@
+"""KV handed between engine ranks that live in one process (tests, offline use).
+
+1. Export: the payload stays in the source's ``RankEndpoint``; the locator is the
+   attempt key.
+2. Deliver: the router side calls ``dst.import_prefilled(bytes)`` directly (``src`` and
+   ``dst`` are objects with an ``endpoint`` and an ``import_prefilled`` method).
+3. Release / discard: drop the bytes from the source's endpoint.
+The payload still goes through its bytes form, so what is tested is what crosses a
+process boundary on the other transports.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.kv_transfer.base import CAPACITY, PAYLOAD, TRANSPORT, DeliveryResult, KVTransport
+
+
+class InProcessTransport(KVTransport):
+    name = "in_process"
+
+    async def deliver(self, ticket: Any, src: Any, dst: Any) -> DeliveryResult:
+        data = src.endpoint.get(ticket.locator)
+        if data is None:
+            return DeliveryResult(False, kind=TRANSPORT,
+                                  error=f"no KV payload for attempt {ticket.attempt!r}")
+        result = dst.import_prefilled(data)
+        if not result.ok:
+            return DeliveryResult(False, kind=CAPACITY if result.kind == CAPACITY else PAYLOAD,
+                                  error=result.error)
+        self._delivered(len(data))
+        return DeliveryResult(True, attempt=result.attempt, nbytes=len(data))
+
+    async def discard(self, ticket: Any, src: Any) -> None:
+        src.endpoint.release(ticket.locator)

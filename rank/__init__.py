@@ -1,0 +1,2 @@
+"""The rank body every worker shares: engine + loop + group + KV endpoint, and the
+typed router <-> rank messages (messages.py)."""

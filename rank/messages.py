@@ -1,0 +1,166 @@
+"""Everything that crosses Ray between the router and an engine rank, as typed data.
+
+This is the one file to read to know the router <-> rank contract. Plain dataclasses,
+no torch (the router imports this module), picklable by Ray as they are.
+
+Identity: engines, payloads, transports and reports know a request only by its
+*attempt key* (``AttemptKey``): the router's internal request id, which no client can
+choose or predict, plus the number of this dispatch of it. A client's ``request_id``
+is a label that never leaves the router.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.scheduler.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class AttemptKey:
+    """One dispatch of one request; ``str(key)`` is the engine's request id."""
+
+    request: str  # the router's internal id (random, never the client's label)
+    attempt: int  # 1 for the first dispatch, +1 for each retry or move
+
+    def __str__(self) -> str:
+        return f"{self.request}.{self.attempt}"
+
+    @classmethod
+    def parse(cls, text: str) -> AttemptKey | None:
+        request, dot, attempt = text.rpartition(".")
+        if not dot or not request or not attempt.isdigit():
+            return None
+        return cls(request, int(attempt))
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """What a rank says of itself when it starts."""
+
+    pool: str
+    engine_type: str
+    pid: int
+    node_id: str
+    host: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None
+    block_size: int
+    num_total_blocks: int
+    kv_address: str | None = None  # the gRPC KV endpoint, for the grpc transport
+
+
+@dataclass
+class RankStats:
+    """An engine's queues and KV use, sent with every poll reply."""
+
+    engine_type: str = ""
+    rank: int = 0
+    num_waiting: int = 0
+    num_running: int = 0
+    num_prompted: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    outstanding_prompt_tokens: int = 0
+    num_preemptions: int = 0
+    num_empty_steps: int = 0
+    num_steps: int = 0
+    num_failed_steps: int = 0
+    kv_usage: float = 0.0
+
+
+@dataclass
+class RankTimings:
+    """Durations in seconds on the rank's own clock, for the router's TTFT breakdown."""
+
+    prefill_queue_s: float | None = None
+    prefill_s: float | None = None
+    kv_export_s: float | None = None
+    decode_queue_s: float | None = None
+
+    def items(self) -> list[tuple[str, float]]:
+        return [(k, v) for k, v in vars(self).items() if v is not None]
+
+
+@dataclass
+class AddRequest:
+    """Start an attempt on a NORMAL or PROMPT rank: ``prompt_token_ids`` is the whole
+    history to compute (a moved request's prompt plus the tokens already streamed)."""
+
+    attempt: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+
+
+@dataclass
+class AdmitResult:
+    ok: bool
+    error: str = ""
+
+
+@dataclass
+class ImportResult:
+    ok: bool
+    attempt: str = ""
+    kind: str = ""  # on failure: "payload" | "capacity"
+    error: str = ""
+
+
+@dataclass
+class TokenReport:
+    """One attempt's new tokens from one step; ``finish_reason`` is set once, last.
+
+    ``num_output_tokens`` counts every token this attempt has produced so far, so the
+    router can tell a lost report (a gap) from a late one. ``step_failed`` marks an
+    attempt ended by an exception inside a step (the request may move)."""
+
+    attempt: str
+    token_ids: list[int]
+    num_output_tokens: int
+    finish_reason: str | None = None
+    error: str | None = None
+    step_failed: bool = False
+    timings: RankTimings | None = None
+
+
+@dataclass
+class HandoffTicket:
+    """A prefilled attempt leaving a PROMPT rank: its first token and where its KV
+    payload waits (``locator`` belongs to the transport that made it)."""
+
+    attempt: str
+    first_token_id: int
+    num_prompt_tokens: int
+    nbytes: int
+    locator: Any
+    timings: RankTimings | None = None
+
+
+@dataclass
+class StepReport:
+    kind: str
+    outputs: list[TokenReport] = field(default_factory=list)
+    handoffs: list[HandoffTicket] = field(default_factory=list)
+
+
+@dataclass
+class PollReply:
+    """Every step report since the last poll, and the rank's health.
+
+    ``loop_error``: the engine loop stopped (its group must re-form); ``fatal``: the
+    rank gave up (steps kept failing) and must be replaced."""
+
+    steps: list[StepReport]
+    stats: RankStats
+    generation: int
+    loop_error: str | None = None
+    fatal: bool = False
+
+
+@dataclass
+class GroupJoined:
+    rank: int
+    world_size: int
+    generation: int

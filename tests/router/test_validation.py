@@ -1,0 +1,299 @@
+"""prepare(): every input limit, a property test against an independent statement of the
+rules, the real tokenizer, and malformed protobuf bytes over a real gRPC channel."""
+
+from __future__ import annotations
+
+import json
+import math
+import string
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pdserve.router.validation import (
+    MAX_PROMPT_BYTES,
+    MAX_REQUEST_ID_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    ModelLimits,
+    PreparedRequest,
+    RequestError,
+    prepare,
+)
+from pdserve.rpc import router_pb2
+
+LIMITS = ModelLimits(vocab_size=100, max_model_len=64, max_tokens_limit=63)
+INT32 = st.integers(-(2**31), 2**31 - 1)
+INT64 = st.integers(-(2**63), 2**63 - 1)
+FAST = settings(max_examples=200, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte (ids 3..98): enough to test the limits around tokenizing."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def encode(self, text: str) -> list[int]:
+        self.calls += 1
+        return [3 + b % 96 for b in text.encode("utf-8")]
+
+
+def request(prompt="hello", **fields) -> router_pb2.GenerateRequest:
+    req = router_pb2.GenerateRequest(**fields)
+    if isinstance(prompt, str):
+        req.text = prompt
+    elif prompt is not None:
+        req.token_ids.SetInParent()  # set the oneof even for an empty list
+        req.token_ids.ids.extend(prompt)
+    return req
+
+
+def rejected(req, tokenizer=None, limits=LIMITS) -> str:
+    with pytest.raises(RequestError) as err:
+        prepare(req, tokenizer or ByteTokenizer(), limits)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    return err.value.message
+
+
+def test_valid_request_is_prepared():
+    out = prepare(request("hi", request_id="client-7 a/b", max_tokens=5, temperature=0.5,
+                          top_p=0.75, top_k=3, seed=-4, stop_token_ids=[3, 4], ignore_eos=True),
+                  ByteTokenizer(), LIMITS)
+    assert out.request_id == "client-7 a/b"
+    assert out.prompt_token_ids == [3 + ord("h") % 96, 3 + ord("i") % 96]
+    s = out.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed) == (5, 0.5, 0.75, 3, -4)
+    assert s.stop_token_ids == (3, 4) and s.ignore_eos
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan, -0.5])
+def test_temperature_must_be_finite_and_not_negative(value):
+    assert "temperature" in rejected(request(temperature=value))
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan, 0.0, -0.1, 1.5])
+def test_top_p_must_be_finite_in_0_1(value):
+    assert "top_p" in rejected(request(top_p=value))
+
+
+def test_request_id_of_one_mib_is_rejected():
+    message = rejected(request(request_id="a" * (1 << 20)))
+    assert "request_id" in message and str(MAX_REQUEST_ID_CHARS) in message
+    prepare(request(request_id="a" * MAX_REQUEST_ID_CHARS), ByteTokenizer(), LIMITS)
+
+
+@pytest.mark.parametrize("request_id", ["a\nb", "\x00", "tab\there", "\x1b[31mred", "a\u2028"])
+def test_request_id_must_be_printable(request_id):
+    assert "request_id" in rejected(request(request_id=request_id))
+
+
+def test_200000_stop_token_ids_are_rejected_fast():
+    req = request(stop_token_ids=range(200_000))
+    tokenizer = ByteTokenizer()
+    started = time.perf_counter()
+    message = rejected(req, tokenizer)
+    elapsed = time.perf_counter() - started
+    assert "stop_token_ids" in message and str(MAX_STOP_TOKEN_IDS) in message
+    assert elapsed < 0.05, f"took {elapsed * 1e3:.1f} ms"
+    assert tokenizer.calls == 0
+    prepare(request(stop_token_ids=[5] * MAX_STOP_TOKEN_IDS), ByteTokenizer(), LIMITS)
+
+
+def test_prompt_text_over_the_byte_limit_is_never_tokenized():
+    tokenizer = ByteTokenizer()
+    assert "text" in rejected(request("x" * (MAX_PROMPT_BYTES + 1)), tokenizer)
+    # fewer characters than the limit, more bytes: "é" is two bytes of UTF-8
+    assert "text" in rejected(request("é" * (MAX_PROMPT_BYTES // 2 + 1)), tokenizer)
+    assert tokenizer.calls == 0
+    # exactly at the limit it is tokenized, then refused for its token count instead
+    message = rejected(request("x" * MAX_PROMPT_BYTES), tokenizer)
+    assert tokenizer.calls == 1 and "prompt" in message and "tokens" in message
+
+
+def test_token_id_count_is_checked_before_the_ids():
+    # a million out-of-vocabulary ids: the count alone refuses them
+    message = rejected(request([10**6] * 1_000_000))
+    assert "prompt" in message and "token_ids" in message and "at most 63" in message
+    assert "token_ids[0]" in rejected(request([LIMITS.vocab_size]))
+
+
+# --- property: prepare() accepts exactly the requests the rules allow ------------------
+
+
+def expected_violations(req: router_pb2.GenerateRequest, limits: ModelLimits) -> set[str]:
+    """The rules of router/README.md's Limits section, written out independently of
+    validation.py; each violated rule contributes the words its error may name."""
+    bad: set[str] = set()
+    rid = req.request_id
+    if len(rid) > MAX_REQUEST_ID_CHARS or not rid.isprintable():
+        bad.add("request_id")
+    kind = req.WhichOneof("prompt")
+    if kind == "text":
+        size = len(req.text.encode("utf-8"))
+        if size == 0 or size > MAX_PROMPT_BYTES or size >= limits.max_model_len:
+            bad.update(("prompt", "text"))  # ByteTokenizer: one token per byte
+    elif kind == "token_ids":
+        ids = list(req.token_ids.ids)
+        if not ids or len(ids) >= limits.max_model_len:
+            bad.update(("prompt", "token_ids"))
+        elif not all(0 <= t < limits.vocab_size for t in ids):
+            bad.add("token_ids")
+    else:
+        bad.add("prompt")
+    max_tokens = req.max_tokens if req.HasField("max_tokens") else 16
+    if not 1 <= max_tokens <= limits.max_tokens_limit:
+        bad.add("max_tokens")
+    if req.HasField("temperature") and not (math.isfinite(req.temperature)
+                                            and req.temperature >= 0):
+        bad.add("temperature")
+    if req.HasField("top_p") and not (math.isfinite(req.top_p) and 0 < req.top_p <= 1):
+        bad.add("top_p")
+    if req.HasField("top_k") and req.top_k < -1:
+        bad.add("top_k")
+    stop = list(req.stop_token_ids)
+    if len(stop) > MAX_STOP_TOKEN_IDS or not all(0 <= t < limits.vocab_size for t in stop):
+        bad.add("stop_token_ids")
+    return bad
+
+
+def optional(strategy):
+    return st.one_of(st.none(), strategy)
+
+
+def mostly(valid, anything):
+    """Three draws in four from ``valid``, so accepted requests are common too."""
+    return st.one_of(valid, valid, valid, anything)
+
+
+any_text = st.text(alphabet=st.characters(codec="utf-8"), max_size=80)
+label_text = st.text(alphabet=string.ascii_letters + string.digits + " -_./:", max_size=30)
+any_token_id = st.one_of(st.integers(-3, 110), INT32)
+vocab_id = st.integers(0, LIMITS.vocab_size - 1)
+generate_requests = st.builds(
+    lambda request_id, prompt, fields, stop, ignore_eos: request(
+        prompt, request_id=request_id, stop_token_ids=stop, ignore_eos=ignore_eos,
+        **{k: v for k, v in fields.items() if v is not None}),
+    request_id=mostly(label_text, st.one_of(
+        st.text(alphabet=st.characters(codec="utf-8"), max_size=20),
+        st.text(alphabet="ab\n", min_size=250, max_size=260))),
+    prompt=mostly(st.one_of(label_text.filter(bool), st.lists(vocab_id, min_size=1, max_size=40)),
+                  st.one_of(st.none(), any_text, st.lists(any_token_id, max_size=80))),
+    fields=st.fixed_dictionaries({
+        "max_tokens": mostly(optional(st.integers(1, LIMITS.max_tokens_limit)), INT32),
+        "temperature": mostly(optional(st.floats(0, 4, width=32)), st.floats(width=32)),
+        "top_p": mostly(optional(st.floats(0, 1, exclude_min=True, width=32)),
+                        st.floats(width=32)),
+        "top_k": mostly(optional(st.integers(-1, 50)), INT32),
+        "seed": optional(INT64),
+    }),
+    stop=mostly(st.lists(vocab_id, max_size=MAX_STOP_TOKEN_IDS),
+                st.lists(any_token_id, max_size=70)),
+    ignore_eos=st.booleans(),
+)
+
+
+def assert_within_limits(out: PreparedRequest, req, limits: ModelLimits) -> None:
+    assert out.request_id == req.request_id
+    assert len(out.request_id) <= MAX_REQUEST_ID_CHARS and out.request_id.isprintable()
+    assert 1 <= len(out.prompt_token_ids) < limits.max_model_len
+    assert all(type(t) is int for t in out.prompt_token_ids)
+    s = out.sampling
+    assert 1 <= s.max_tokens <= limits.max_tokens_limit
+    assert math.isfinite(s.temperature) and s.temperature >= 0
+    assert math.isfinite(s.top_p) and 0 < s.top_p <= 1
+    assert s.top_k >= -1
+    assert len(s.stop_token_ids) <= MAX_STOP_TOKEN_IDS
+    assert all(0 <= t < limits.vocab_size for t in s.stop_token_ids)
+    if req.WhichOneof("prompt") == "token_ids":
+        assert out.prompt_token_ids == list(req.token_ids.ids)
+
+
+@FAST
+@given(generate_requests)
+def test_prepare_accepts_exactly_what_the_rules_allow(req):
+    bad = expected_violations(req, LIMITS)
+    try:
+        out = prepare(req, ByteTokenizer(), LIMITS)
+    except RequestError as exc:
+        assert exc.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert bad, f"refused a valid request: {exc.message}"
+        assert any(word in exc.message for word in bad), (exc.message, bad)
+        return
+    assert not bad, f"accepted a request that breaks {bad}"
+    assert_within_limits(out, req, LIMITS)
+
+
+# --- the built-in tiny model's real tokenizer -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer_and_limits(tiny_model_dir):
+    from pdserve.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(tiny_model_dir)
+    config = json.loads((Path(tiny_model_dir) / "config.json").read_text())
+    max_len = config["max_position_embeddings"]
+    return tokenizer, ModelLimits(vocab_size=tokenizer.vocab_size, max_model_len=max_len,
+                                  max_tokens_limit=max_len - 1)
+
+
+@FAST
+@given(text=st.one_of(st.text(alphabet=st.characters(codec="utf-8"), max_size=200),
+                      # long prompts, some over the tiny model's 2048 positions
+                      st.builds(lambda piece, times: piece * times,
+                                st.text(alphabet=st.characters(codec="utf-8"), min_size=1,
+                                        max_size=12),
+                                st.integers(100, 1000))),
+       temperature=st.floats(width=32))
+def test_real_tokenizer_gives_a_valid_request_or_invalid_argument(tiny_tokenizer_and_limits,
+                                                                  text, temperature):
+    tokenizer, limits = tiny_tokenizer_and_limits
+    req = request(text, temperature=temperature)
+    try:
+        out = prepare(req, tokenizer, limits)
+    except RequestError as exc:
+        assert exc.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert any(word in exc.message for word in ("prompt", "text", "temperature"))
+        return
+    assert_within_limits(out, req, limits)
+    assert all(0 <= t < limits.vocab_size for t in out.prompt_token_ids)
+
+
+def test_real_tokenizer_is_not_run_on_an_oversized_prompt(tiny_tokenizer_and_limits):
+    tokenizer, limits = tiny_tokenizer_and_limits
+    started = time.perf_counter()
+    message = rejected(request("word " * (MAX_PROMPT_BYTES // 5 + 1)), tokenizer, limits)
+    assert "text" in message and time.perf_counter() - started < 0.5
+
+
+# --- malformed bytes over a real gRPC channel -------------------------------------------
+
+
+def test_invalid_utf8_is_invalid_argument_end_to_end(shared_router):
+    def field(number: int, payload: bytes) -> bytes:  # a length-delimited protobuf field
+        return bytes([number << 3 | 2, len(payload)]) + payload
+
+    bad_text = field(1, b"r-utf8") + field(2, b"caf\xc3")  # "café" cut inside the "é"
+    bad_abort = field(1, b"\xff\xfe")
+    with grpc.insecure_channel(shared_router.address) as channel:
+        generate = channel.unary_stream(
+            "/pdserve.rpc.Router/Generate", request_serializer=lambda b: b,
+            response_deserializer=router_pb2.GenerateResponse.FromString)
+        abort = channel.unary_unary("/pdserve.rpc.Router/Abort", request_serializer=lambda b: b,
+                                    response_deserializer=router_pb2.AbortResponse.FromString)
+        with pytest.raises(grpc.RpcError) as err:
+            list(generate(bad_text, timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid pdserve.rpc.GenerateRequest" in err.value.details()
+        assert "UTF-8" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            abort(bad_abort, timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # the same bytes with the "é" complete are served as usual
+        good = field(1, b"r-utf8") + field(2, "café".encode()) + bytes([4 << 3, 2])  # max_tokens 2
+        msgs = list(generate(good, timeout=60))
+        assert msgs[-1].finish_reason in ("length", "stop") and msgs[-1].request_id == "r-utf8"
