@@ -99,9 +99,9 @@ def test_reusing_a_label_right_after_cancelling_its_stream(router, reference):
 
 def test_a_client_cannot_reach_another_clients_request_by_guessing_its_id(router, reference):
     prompt = "guess: once upon a time"
-    want = reference([prompt], 40)[0]
+    want = reference([prompt], 300)[0]
     with Client(router.address, timeout=60) as a, Client(router.address, timeout=60) as b:
-        call = a._stub.Generate(build_request(prompt, max_tokens=40, temperature=0,
+        call = a._stub.Generate(build_request(prompt, max_tokens=300, temperature=0,
                                               ignore_eos=True), timeout=60)
         first = next(call)
         generated = first.request_id
