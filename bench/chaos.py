@@ -113,6 +113,9 @@ class ScenarioResult:
     hung: int = 0          # a complete request that did not end within its deadline
     errors: int = 0        # finished with "error"
     leaked: int = 0        # ranks holding blocks, slots, payloads; router state left
+    moves: int = 0         # attempts the router restarted elsewhere (what the chaos caused)
+    rank_failures: int = 0
+    label_retries: int = 0  # ALREADY_EXISTS before a just-cancelled label was free
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -188,7 +191,7 @@ async def _read(client, call, plan: RequestPlan, outcome: RequestOutcome) -> Non
             return  # the caller cancels the call
 
 
-async def _event(harness: Any, plan: ScenarioPlan, log: list[str]) -> None:
+async def _event(harness: Any, plan: ScenarioPlan, log: list[str], victims: list) -> None:
     import grpc
     from pdserve.router.client import AsyncClient
 
@@ -203,6 +206,7 @@ async def _event(harness: Any, plan: ScenarioPlan, log: list[str]) -> None:
             return
         victim = random.Random(plan.seed).choice(ready)
         log.append(f"SIGKILL {victim.name} (pid {victim.info.pid})")
+        victims.append(victim)
         try:
             os.kill(victim.info.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -222,6 +226,8 @@ async def run_scenario(harness: Any, reference: Reference, plan: ScenarioPlan,
     from pdserve.router.client import AsyncClient
 
     started = time.monotonic()
+    svc = harness.service
+    moves, failures = svc.num_moves, svc.num_rank_failures
     outcomes = [RequestOutcome(p.index, p.action) for p in plan.requests]
     cancelled: dict[int, asyncio.Event] = {}
     previous_cancel = None
@@ -233,6 +239,7 @@ async def run_scenario(harness: Any, reference: Reference, plan: ScenarioPlan,
         elif p.action == "reuse" and previous_cancel is not None:
             waits_for[p.index] = previous_cancel
     log: list[str] = []
+    victims: list = []
 
     async with AsyncClient(harness.address, timeout=60) as client:
         async def one(p: RequestPlan) -> None:
@@ -242,15 +249,18 @@ async def run_scenario(harness: Any, reference: Reference, plan: ScenarioPlan,
                 await asyncio.sleep(p.start_s)
             await _run_request(client, p, outcomes[p.index], cancelled)
 
-        event = asyncio.ensure_future(_event(harness, plan, log))
+        event = asyncio.ensure_future(_event(harness, plan, log, victims))
         await asyncio.gather(*(one(p) for p in plan.requests))
         await event
     result = ScenarioResult(plan.seed, transport, plan.event, len(plan.requests),
                             time.monotonic() - started)
     _check_outcomes(plan, outcomes, reference, result)
-    await asyncio.to_thread(restore_and_check, harness, sizes, result, drain_timeout_s)
+    await asyncio.to_thread(restore_and_check, harness, sizes, result, drain_timeout_s, victims)
     result.problems[:0] = log if not result.ok else []
     result.seconds = time.monotonic() - started
+    result.moves = svc.num_moves - moves
+    result.rank_failures = svc.num_rank_failures - failures
+    result.label_retries = sum(o.retries for o in outcomes)
     return result
 
 
@@ -288,13 +298,15 @@ def _check_outcomes(plan: ScenarioPlan, outcomes: list[RequestOutcome], referenc
 
 
 def restore_and_check(harness: Any, sizes: dict[str, int], result: ScenarioResult,
-                      timeout_s: float) -> None:
-    """Wait for every pool operation to end, bring the pools back to `sizes`, then check
-    that nothing is left anywhere."""
+                      timeout_s: float, victims: list = ()) -> None:
+    """Wait for every pool operation to end (a killed rank seen dead and replaced),
+    bring the pools back to `sizes`, then check that nothing is left anywhere."""
     svc = harness.service
     deadline = time.monotonic() + timeout_s
 
     async def settle() -> None:
+        while any(v.state != "dead" for v in victims) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         for name, pool in svc.pools.items():
             if pool.scaling is not None:
                 await asyncio.wait([pool.scaling], timeout=max(1.0, deadline - time.monotonic()))
@@ -362,7 +374,8 @@ def summarize(results: list[ScenarioResult]) -> dict:
     out: dict[str, Any] = {"scenarios": len(results),
                            "requests": sum(r.num_requests for r in results),
                            "failed_scenarios": sum(not r.ok for r in results)}
-    out.update({k: sum(getattr(r, k) for r in results) for k in keys})
+    out.update({k: sum(getattr(r, k) for r in results)
+                for k in (*keys, "moves", "rank_failures", "label_retries")})
     by_event: dict[str, int] = {}
     for r in results:
         by_event[r.event] = by_event.get(r.event, 0) + 1
@@ -407,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(r)
                 status = "ok" if r.ok else "FAILED: " + "; ".join(r.problems[:3])
                 print(f"[{transport} {i + 1}/{args.scenarios}] seed {plan.seed} "
-                      f"{plan.event:13s} {r.num_requests:2d} requests {r.seconds:5.1f}s {status}",
+                      f"{plan.event:13s} {r.num_requests:2d} requests {r.moves:2d} moves "
+                      f"{r.seconds:5.1f}s {status}",
                       flush=True)
         finally:
             harness.close()
