@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from concurrent import futures
 from typing import Any
 
@@ -131,6 +132,12 @@ class GrpcBytesTransport(KVTransport):
             kind = {grpc.StatusCode.RESOURCE_EXHAUSTED: CAPACITY,
                     grpc.StatusCode.INVALID_ARGUMENT: PAYLOAD}.get(exc.code(), TRANSPORT)
             return DeliveryResult(False, kind=kind, error=exc.details() or str(exc.code()))
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the router cancelled the hand-off itself
+            # a relay whose Fetch side was cancelled surfaces as CancelledError here
+            return DeliveryResult(False, kind=TRANSPORT, error="the KV relay was cancelled")
         except Exception as exc:  # a failed relay surfaces here too (never escapes)
             return DeliveryResult(False, kind=TRANSPORT, error=f"{type(exc).__name__}: {exc}")
         self._delivered(moved)

@@ -156,9 +156,12 @@ class AsyncClient:
         return await self._stub.GetClusterState(router_pb2.ClusterStateRequest(),
                                                 timeout=self.timeout)
 
-    async def scale(self, pool: str, replicas: int) -> router_pb2.ScalePoolResponse:
+    async def scale(self, pool: str, replicas: int,
+                    timeout: float | None = None) -> router_pb2.ScalePoolResponse:
+        """Resize a pool. The resize is the router's: if this call's deadline passes, it
+        completes (or rolls back) all the same."""
         return await self._stub.ScalePool(router_pb2.ScalePoolRequest(pool=pool, replicas=replicas),
-                                          timeout=self.timeout)
+                                          timeout=timeout or self.timeout)
 
     async def timeline(self, since: float = 0.0) -> list[dict]:
         """Engine steps of every live rank that ended after unix time `since`."""

@@ -17,7 +17,8 @@ def ray_session():
 
     if not ray.is_initialized():
         ray.init(address="local", include_dashboard=False, num_cpus=8,
-                 resources={"prefill": 8, "decode": 8},
+                 # "scarce": a resource too small for every rank asked of it (scaling tests)
+                 resources={"prefill": 8, "decode": 8, "scarce": 2},
                  # short (socket paths) and our own: other suites may run a Ray beside us
                  _temp_dir=f"/tmp/pdr{os.getpid() % 100000}",
                  log_to_driver=False)

@@ -1,0 +1,121 @@
+"""ScalePool is a pool operation with bounds: it completes (or rolls back) whatever its
+caller does, a second one while one runs is refused, a size the cluster cannot place
+fails in bounded time and leaves the pool as it was, and a scale-down never fails an
+in-flight request (what the leaving ranks still hold moves when their drain ends)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from pdserve.router.client import AsyncClient, Client
+
+
+def _settled(h, pool: str, n: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    p = h.service.pools[pool]
+    while time.monotonic() < deadline:
+        if (p.scaling is None or p.scaling.done()) and len(p.ready()) == n \
+                and not any(r.state == "draining" for r in p.ranks):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{pool}: {[(r.name, r.state) for r in p.ranks]}")
+
+
+def _drained(h):
+    stats = h.wait_drained()
+    for ranks in stats.values():
+        for r in ranks:
+            if r["state"] != "dead":
+                assert r["num_free_blocks"] == r["num_total_blocks"], r
+    assert len(h.service.tracker) == 0
+    assert h.drained_errors() == []
+
+
+@pytest.fixture(scope="module")
+def router(make_router):
+    return make_router(prefill=1, decode=2, drain_timeout_s=2.0, max_replicas=8)
+
+
+def _greedy_ignore_eos(model_dir: str, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    from pdserve.engine.llm import LLM
+    from pdserve.scheduler.sampling_params import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in LLM(model_dir).generate(prompts, sp, use_tqdm=False)]
+
+
+def test_a_scale_down_whose_caller_leaves_mid_drain_still_completes(router, tiny_model_dir):
+    """ScalePool(decode, 1) with a 0.5 s client deadline while long requests decode: the
+    call times out, the pool operation goes on, the drain ends after drain_timeout_s and
+    the requests left on the leaving rank move and finish with the same tokens."""
+    prompts = [f"drain {i}: the quick brown fox" for i in range(6)]
+    want = _greedy_ignore_eos(tiny_model_dir, prompts, 160)
+
+    async def run():
+        async with AsyncClient(router.address, timeout=120) as client:
+            tasks = [asyncio.create_task(client.generate(p, max_tokens=160, temperature=0,
+                                                         ignore_eos=True)) for p in prompts]
+            await asyncio.sleep(0.8)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await client.scale("decode", 1, timeout=0.5)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            # while it runs, another resize of that pool is refused with a clear status
+            with pytest.raises(grpc.aio.AioRpcError) as busy:
+                await client.scale("decode", 2, timeout=5)
+            assert busy.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "already being resized" in busy.value.details()
+            return await asyncio.gather(*tasks)
+
+    outs = asyncio.run(run())
+    for i, out in enumerate(outs):
+        assert out.finish_reason == "length" and out.token_ids == want[i], (i, out.error)
+    _settled(router, "decode", 1)
+    with Client(router.address, timeout=120) as client:
+        assert client.scale("decode", 2).previous_replicas == 1
+    _settled(router, "decode", 2)
+    _drained(router)
+
+
+def test_a_size_past_the_limit_is_refused_and_scaling_still_works(router):
+    with Client(router.address, timeout=120) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.scale("decode", 64)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "max_replicas" in err.value.details()
+        started = time.monotonic()
+        assert client.scale("decode", 2).previous_replicas == 2  # nothing wedged
+        assert time.monotonic() - started < 5
+
+
+def test_a_size_the_cluster_cannot_place_fails_in_bounded_time(make_router, reference):
+    """The session's Ray has 2 units of `scarce`; each decode rank of this router asks
+    for one. Asking for 3 decode ranks leaves one actor pending: the resize fails within
+    rank_start_timeout_s, the new ranks are gone, the pool serves at its old size, and
+    a size that fits works afterwards."""
+    from pdserve.router.config import PoolConfig
+
+    h = make_router(prefill=1, decode=1, rank_start_timeout_s=12.0)
+    pool = h.service.pools["decode"]
+    # swap the decode pool's resources for the scarce one (a fresh rank per resize)
+    pool.config = PoolConfig("decode", replicas=1, num_cpus=0.25, resources={"scarce": 1},
+                             engine=pool.config.engine)
+    with Client(h.address, timeout=120) as client:
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            client.scale("decode", 4)  # needs 3 more: 2 placeable, 1 pending forever
+        took = time.monotonic() - started
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "failed to start" in err.value.details() and "not ready within" in err.value.details()
+        assert took < 12.0 + 20.0
+        assert len(pool.ready()) == 1 and pool.target == 1
+        want = reference(["scarce: hello world"], 8)[0]
+        assert client.generate("scarce: hello world", max_tokens=8,
+                               temperature=0).token_ids == want
+        assert client.scale("decode", 2).previous_replicas == 1  # the scarce units are free
+        assert len(pool.ready()) == 2
+        assert client.scale("decode", 1).previous_replicas == 2
+    _drained(h)
+    h.close()
