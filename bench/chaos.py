@@ -1,6 +1,6 @@
 """Seeded chaos scenarios against a live router, and the invariants every one must keep.
 
-    python bench/chaos.py --scenarios 300                 # both transports, counts as JSON
+    python bench/chaos.py --scenarios 300                 # 150 per transport, counts as JSON
     python bench/chaos.py --scenarios 50 --transports grpc --seed 7
 
 A scenario (`make_scenario(seed)`) mixes greedy requests that run to the end, cancel
@@ -385,7 +385,8 @@ def summarize(results: list[ScenarioResult]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--scenarios", type=int, default=50, help="per transport")
+    p.add_argument("--scenarios", type=int, default=50,
+                   help="scenarios in all, split evenly across the transports")
     p.add_argument("--transports", default="ray,grpc")
     p.add_argument("--seed", type=int, default=1000, help="first scenario seed")
     p.add_argument("--fault-rate", type=float, default=0.01,
@@ -408,18 +409,20 @@ def main(argv: list[str] | None = None) -> int:
              _temp_dir=os.environ.get("PDSERVE_RAY_TMP", "/tmp/pdserve-ray"))
     reference = Reference(model)
     results: list[ScenarioResult] = []
-    for transport in args.transports.split(","):
+    transports = args.transports.split(",")
+    for t, transport in enumerate(transports):
         harness = RouterHarness(chaos_router_config(model, transport,
                                                     fault_rate=args.fault_rate))
         sizes = {name: pool.target for name, pool in harness.service.pools.items()}
+        count = args.scenarios // len(transports) + (t < args.scenarios % len(transports))
         try:
-            for i in range(args.scenarios):
+            for i in range(count):
                 plan = make_scenario(args.seed + i)
                 r = harness.call(run_scenario(harness, reference, plan, transport, sizes),
                                  timeout=300)
                 results.append(r)
                 status = "ok" if r.ok else "FAILED: " + "; ".join(r.problems[:3])
-                print(f"[{transport} {i + 1}/{args.scenarios}] seed {plan.seed} "
+                print(f"[{transport} {i + 1}/{count}] seed {plan.seed} "
                       f"{plan.event:13s} {r.num_requests:2d} requests {r.moves:2d} moves "
                       f"{r.seconds:5.1f}s {status}",
                       flush=True)

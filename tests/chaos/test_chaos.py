@@ -12,22 +12,6 @@ SCENARIOS_PER_TRANSPORT = 16
 SEEDS = list(range(100, 100 + SCENARIOS_PER_TRANSPORT))
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    return chaos.Reference(tiny_model_dir)
-
-
-@pytest.fixture(scope="module", params=["ray", "grpc"])
-def chaos_router(request, ray_session, tiny_model_dir):
-    from pdserve.bench.harness import RouterHarness
-
-    harness = RouterHarness(chaos.chaos_router_config(tiny_model_dir, request.param))
-    harness.transport = request.param
-    harness.sizes = {name: pool.target for name, pool in harness.service.pools.items()}
-    yield harness
-    harness.close()
-
-
 def test_the_seeds_cover_every_event():
     events = [chaos.make_scenario(s).event for s in SEEDS]
     for event in chaos.EVENTS:
