@@ -44,9 +44,10 @@ COMPARED = ("p99_itl_ms", "median_itl_ms", "p99_ttft_ms", "median_ttft_ms", "p99
 @contextlib.contextmanager
 def subprocess_router(spec: dict, *, model: str | None = None, num_kv_blocks: int | None = None,
                       max_num_seqs: int | None = None, kv_transport: str = "ray",
-                      start_timeout: float = 300.0):
-    """`pdserve serve` for one deployment on a free port; yields its address."""
-    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--port", "0", "--no-self-check",
+                      start_timeout: float = 300.0, python: str | None = None):
+    """`pdserve serve` for one deployment on a free port; yields its address.
+    `python`: the interpreter (and so the pdserve build) that serves; default this one."""
+    cmd = [python or sys.executable, "-m", "pdserve.cli", "serve", "--port", "0", "--no-self-check",
            "--mode", spec["mode"], "--kv-transport", kv_transport]
     for pool in ("prefill", "decode", "normal"):
         if pool in spec:

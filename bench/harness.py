@@ -8,6 +8,7 @@ Ray must be initialised.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from dataclasses import asdict
@@ -65,3 +66,27 @@ class RouterHarness:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
+
+    def assert_nothing_left(self, timeout: float = 30.0) -> None:
+        """No request in the router; every live rank's blocks, slots and payloads free."""
+        stats = self.wait_drained(timeout)
+        for ranks in stats.values():
+            for r in ranks:
+                if r["state"] != "dead":
+                    assert r["num_free_blocks"] == r["num_total_blocks"], r
+        assert len(self.service.tracker) == 0
+        assert self.drained_errors() == []
+
+
+def start_embedded_ray(model: str | None) -> str:
+    """Start a local Ray for an in-process benchmark (loopback, no dashboard, pool
+    resources for ranks) and return the model folder (the built-in one by default)."""
+    import ray
+    from pdserve.router.cli_commands import ensure_model
+
+    model = ensure_model(model)
+    ray.init(address="local", include_dashboard=False, num_cpus=8,
+             resources={"prefill": 8, "decode": 8}, log_to_driver=False,
+             _node_ip_address="127.0.0.1",
+             _temp_dir=os.environ.get("PDSERVE_RAY_TMP", "/tmp/pdserve-ray"))
+    return model

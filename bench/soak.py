@@ -177,17 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import ray
-    from pdserve.bench.harness import RouterHarness
+    from pdserve.bench.harness import RouterHarness, start_embedded_ray
 
-    model = args.model
-    if model is None:
-        from pdserve.engine.tiny_model import make_tiny_model
-
-        model = str(make_tiny_model(Path(os.environ.get("PDSERVE_CACHE", "/tmp/pdserve-cache"))
-                                    / "tiny-llama"))
-    ray.init(address="local", include_dashboard=False, num_cpus=8,
-             resources={"prefill": 8, "decode": 8}, log_to_driver=False,
-             _temp_dir=os.environ.get("PDSERVE_RAY_TMP", "/tmp/pdserve-ray"))
+    model = start_embedded_ray(args.model)
     reference = Reference(model)
     harness = RouterHarness(chaos_router_config(model, args.transport,
                                                 fault_rate=args.fault_rate))

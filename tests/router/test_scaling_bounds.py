@@ -24,16 +24,6 @@ def _settled(h, pool: str, n: int, timeout: float = 60.0) -> None:
     raise AssertionError(f"{pool}: {[(r.name, r.state) for r in p.ranks]}")
 
 
-def _drained(h):
-    stats = h.wait_drained()
-    for ranks in stats.values():
-        for r in ranks:
-            if r["state"] != "dead":
-                assert r["num_free_blocks"] == r["num_total_blocks"], r
-    assert len(h.service.tracker) == 0
-    assert h.drained_errors() == []
-
-
 @pytest.fixture(scope="module")
 def router(make_router):
     return make_router(prefill=1, decode=2, drain_timeout_s=2.0, max_replicas=8)
@@ -76,7 +66,7 @@ def test_a_scale_down_whose_caller_leaves_mid_drain_still_completes(router, tiny
     with Client(router.address, timeout=120) as client:
         assert client.scale("decode", 2).previous_replicas == 1
     _settled(router, "decode", 2)
-    _drained(router)
+    router.assert_nothing_left()
 
 
 def test_a_size_past_the_limit_is_refused_and_scaling_still_works(router):
@@ -117,5 +107,5 @@ def test_a_size_the_cluster_cannot_place_fails_in_bounded_time(make_router, refe
         assert client.scale("decode", 2).previous_replicas == 1  # the scarce units are free
         assert len(pool.ready()) == 2
         assert client.scale("decode", 1).previous_replicas == 2
-    _drained(h)
+    h.assert_nothing_left()
     h.close()
