@@ -3,7 +3,8 @@
 Passed as ``RouterConfig.engine_factory`` (it is shipped to the rank actors), so tests
 inject faults into real ranks without an environment variable or a code path of
 the production engine. A run is a step that computes something (empty steps never
-fail); ``fail_runs`` counts them per rank from 1.
+fail); ``fail_runs`` counts them per rank from 1. ``lose_reports_of_runs`` makes a run
+succeed but drop its outputs, as if its step report were lost.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class FaultyEngineFactory:
     rate: float = 0.0             # ... or each run with this probability (seeded per process)
     seed: int = 0
     engine_types: tuple[str, ...] = ("prompt", "completion", "normal")
+    lose_reports_of_runs: frozenset[int] = field(default_factory=frozenset)
 
     def __call__(self, config: dict, communicator: Any) -> Any:
         from pdserve.rank.engine_rank import default_engine_factory
@@ -44,4 +46,15 @@ class FaultyEngineFactory:
             return execute(sched_out)
 
         engine._execute = faulty_execute
+        if self.lose_reports_of_runs:
+            step = engine.step
+
+            def lossy_step():
+                before = runs
+                out = step()
+                if runs != before and runs in self.lose_reports_of_runs:
+                    out.outputs = []
+                return out
+
+            engine.step = lossy_step
         return engine

@@ -66,6 +66,9 @@ class RouterConfig:
     # answers no poll for rank_unresponsive_s is treated as dead.
     handoff_timeout_s: float = 60.0
     rank_unresponsive_s: float = 120.0
+    # An attempt that produced no token for this long (its rank alive, its reports
+    # lost, or stuck in a queue) moves to another rank.
+    request_stall_timeout_s: float = 300.0
     # Every other call to a rank (admission, abort, stats) gives up after this long.
     rank_call_timeout_s: float = 30.0
     # A rank start (actor placed, model loaded) that takes longer fails: the resize
@@ -97,7 +100,7 @@ class RouterConfig:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         for name in ("poll_timeout_s", "rank_wait_s", "handoff_timeout_s", "rank_unresponsive_s",
                      "rank_call_timeout_s", "rank_start_timeout_s", "group_timeout_s",
-                     "drain_timeout_s", "collective_timeout_s"):
+                     "drain_timeout_s", "collective_timeout_s", "request_stall_timeout_s"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and 0 < value < float("inf")):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")

@@ -54,6 +54,7 @@ class RequestState:
     attempt_tokens: int = 0  # tokens the current attempt produced so far
     num_moves: int = 0  # attempts started because a rank died, left or failed
     outstanding: int = 0  # prompt tokens the current attempt asked its entry rank for
+    progress_at: float = field(default_factory=time.monotonic)  # attempt began / last token
     error_hint: str = ""  # why the last attempt ended early, for a final error
     # When it was first sent to a rank, and the durations (seconds, each on one host's
     # clock) the ranks and the router measured of it: GenerateResponse.timings.
@@ -80,6 +81,7 @@ class RequestState:
         exactly as it would have."""
         self.attempt += 1
         self.attempt_tokens = 0
+        self.progress_at = time.monotonic()
         sampling = dataclasses.replace(self.request.sampling, max_tokens=self.tokens_left)
         return AddRequest(self.attempt_key, self.request.prompt_token_ids + self.tokens,
                           sampling)
@@ -89,6 +91,7 @@ class RequestState:
         if num_output_tokens != self.attempt_tokens + len(token_ids):
             return False
         self.attempt_tokens = num_output_tokens
+        self.progress_at = time.monotonic()
         return True
 
     def push(self, token_ids: list[int]) -> None:

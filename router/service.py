@@ -70,6 +70,7 @@ class RouterService:
             raise RuntimeError(f"ranks disagree on block_size: {sorted(block_sizes)}")
         limit = self.config.max_tokens_limit or max_len - 1
         self.limits = ModelLimits(vocab_size=vocab, max_model_len=max_len, max_tokens_limit=limit)
+        self._spawn(self._watch_stalls())
 
     async def stop(self) -> None:
         self._stopping = True
@@ -206,6 +207,18 @@ class RouterService:
         self._finish(state, "abort", reason)
         # HANDOFF: the delivery task sees `aborted` and cleans up after itself.
         await asyncio.gather(*(self._abort_on(r, attempt) for r in ranks if r.state != DEAD))
+
+    async def _watch_stalls(self) -> None:
+        """Move attempts that made no progress for request_stall_timeout_s: the last
+        bound, for a report lost with nothing after it to reveal the gap."""
+        limit = self.config.request_stall_timeout_s
+        while not self._stopping:
+            await asyncio.sleep(min(1.0, limit / 10))
+            now = time.monotonic()
+            for state in self.tracker.states():
+                if state.stage in (PREFILL, DECODE) and not state.aborted \
+                        and now - state.progress_at > limit:
+                    self._move(state, f"no progress for {limit:g}s")
 
     # -- rank reports ----------------------------------------------------------------
 
