@@ -152,7 +152,7 @@ async def _run_request(client, plan: RequestPlan, outcome: RequestOutcome,
     request = build_request(plan.prompt, max_tokens=plan.max_tokens, temperature=0.0,
                             ignore_eos=True, request_id=plan.label)
     try:
-        for _ in range(50):  # a reused label is free once the router saw the cancel
+        for _ in range(250):  # a reused label is free once the router saw the cancel
             call = client._stub.Generate(request, timeout=plan.deadline_s)
             try:
                 await _read(client, call, plan, outcome)

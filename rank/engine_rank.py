@@ -206,6 +206,10 @@ class EngineRank:
             eos_token_id=tok.eos_token_id, block_size=int(self.engine_config.get("block_size", 16)),
             num_total_blocks=stats.num_total_blocks, kv_address=self.kv_address)
 
+    def ping(self) -> int:
+        """Answers at once (no engine lock): the controller's liveness check."""
+        return os.getpid()
+
     def open_group_store(self) -> str:
         """Host the next group's rendezvous store (this rank becomes its rank 0) and
         return its tcp:// address.

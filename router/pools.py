@@ -172,14 +172,21 @@ class Pool:
             new = await self._start_actors(self.target)
             await self._reform(new)
 
-    async def _reform(self, members: list[RankHandle], tries: int = 3) -> None:
+    async def _reform(self, members: list[RankHandle], tries: int = 4) -> None:
         """Pause every member, then form a new group of exactly the live ones.
 
-        Bounded: pausing and joining each take at most `group_timeout_s`. A member that
-        fails to join is declared dead (its requests move) and the group is formed again
-        without it, at most `tries` times; survivors are never left without a loop."""
-        for _ in range(tries):
+        Bounded: pausing and joining each take at most `group_timeout_s`. If the group
+        does not form, members that no longer answer are declared dead (their requests
+        move) and it is formed again, at most `tries` times; survivors are never left
+        without a loop."""
+        for attempt in range(tries):
             live = [r for r in members if r.state != DEAD]
+            if attempt == tries - 1 and len(live) > 1:
+                # Last resort: a group of one forms without a rendezvous, so the pool
+                # keeps a loop; the others' requests move to it.
+                for r in live[1:]:
+                    self._declare_dead(r, f"the group did not form in {tries - 1} tries")
+                live = live[:1]
             if any(r.state != STARTING for r in live):
                 await asyncio.gather(
                     *(asyncio.wait_for(r.actor.pause.remote(), self.rc.group_timeout_s)
@@ -205,8 +212,17 @@ class Pool:
             failed = [(r, res) for r, res in zip(live, results, strict=True)
                       if isinstance(res, BaseException)]
             if failed:
-                for r, res in failed:
-                    self._declare_dead(r, f"it failed to join the group: {type(res).__name__}: {res}")
+                # A rank that timed out waiting for a slow peer is not to blame: only the
+                # ones that no longer answer are dropped; the rest try again.
+                log.warning("%s: forming group %d failed (%s: %s); retrying", self.name,
+                            self.generation, type(failed[0][1]).__name__, failed[0][1])
+                answers = await asyncio.gather(
+                    *(asyncio.wait_for(r.actor.ping.remote(), self.rc.rank_call_timeout_s)
+                      for r in live), return_exceptions=True)
+                for r, answer in zip(live, answers, strict=True):
+                    if isinstance(answer, BaseException):
+                        self._declare_dead(r, "it failed to join the group and does not "
+                                           f"answer: {type(answer).__name__}: {answer}")
                 continue
             for i, r in enumerate(live):
                 r.rank = i

@@ -104,7 +104,10 @@ class RouterService:
         """Start the request's next attempt on the least-loaded entry rank."""
         pool = self.entry_pool
         while not (state.finished or state.aborted):
-            if state.tokens_left <= 0:  # every token arrived; only the finish was lost
+            history = len(state.request.prompt_token_ids) + len(state.tokens)
+            if state.tokens_left <= 0 or history >= self.limits.max_model_len:
+                # every token arrived (only the finish was lost), or the history fills
+                # the model's length: the engine would have stopped here too
                 self._finish(state, "length")
                 return
             if state.attempt >= self.config.max_attempts:

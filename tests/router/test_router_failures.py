@@ -32,7 +32,13 @@ def _load_with_kill(router, reference, pool_name: str, n: int = 24):
 
             tasks = [asyncio.create_task(one(i)) for i in range(n)]
             await asyncio.sleep(0.5)
-            victim = next(r for r in pool.ready() if r.inflight)
+            victim = None
+            for _ in range(1000):  # a rank with requests on it (prefills are quick)
+                victim = next((r for r in pool.ready() if r.inflight), None)
+                if victim is not None:
+                    break
+                await asyncio.sleep(0.01)
+            assert victim is not None, f"no {pool_name} rank ever held a request"
             ray.kill(victim.actor, no_restart=True)
             return victim, await asyncio.gather(*tasks, return_exceptions=True)
 
