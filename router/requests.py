@@ -61,6 +61,7 @@ class RequestState:
     dispatched_at: float | None = None
     timings: dict = field(default_factory=dict)
     on_finish: Callable[[RequestState], None] | None = None
+    client_gone: Callable[[], bool] | None = None  # the caller's stream is cancelled
 
     @property
     def attempt_key(self) -> str:

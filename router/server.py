@@ -41,7 +41,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             # Tokenizing a long prompt takes a while; every other stream waits on this loop.
             prepared = await asyncio.to_thread(prepare, request, svc.tokenizer, svc.limits,
                                                svc.config.default_max_tokens)
-            state = svc.admit(prepared)
+            state = svc.admit(prepared, client_gone=context.cancelled)
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
             return

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -89,10 +90,17 @@ class RouterService:
 
     # -- requests --------------------------------------------------------------------
 
-    def admit(self, request: PreparedRequest) -> RequestState:
+    def admit(self, request: PreparedRequest,
+              client_gone: Callable[[], bool] | None = None) -> RequestState:
         """Register a validated request (ALREADY_EXISTS / RESOURCE_EXHAUSTED) and send it;
-        one whose label an ``Abort`` named before it arrived ends at once with "abort"."""
+        one whose label an ``Abort`` named before it arrived ends at once with "abort".
+        ``client_gone`` tells whether the caller's stream is already cancelled: a label
+        held by such a request is free (its cancel may still be on its way to us)."""
+        holder = self.tracker.by_label(request.request_id) if request.request_id else None
+        if holder is not None and holder.client_gone is not None and holder.client_gone():
+            self.end_now(holder, "client disconnected")
         state = self.tracker.register(request)
+        state.client_gone = client_gone
         if state.label_chosen and self.tracker.take_early_abort(state.label):
             state.aborted = True
             self._finish(state, "abort", "aborted by the client before the request arrived")
@@ -202,14 +210,19 @@ class RouterService:
 
     async def end(self, state: RequestState, reason: str) -> None:
         """End a request with "abort" wherever it is (client gone, deadline, Abort)."""
+        await asyncio.gather(*self.end_now(state, reason))
+
+    def end_now(self, state: RequestState, reason: str) -> list[asyncio.Task]:
+        """`end`, with the request (and its label) finished before this returns; the
+        aborts on its ranks run in the returned tasks."""
         if state.finished:
-            return
+            return []
         state.aborted = True
         attempt = state.attempt_key
         ranks = _ranks_of(state)
         self._finish(state, "abort", reason)
         # HANDOFF: the delivery task sees `aborted` and cleans up after itself.
-        await asyncio.gather(*(self._abort_on(r, attempt) for r in ranks if r.state != DEAD))
+        return [self._spawn(self._abort_on(r, attempt)) for r in ranks if r.state != DEAD]
 
     async def _watch_stalls(self) -> None:
         """Move attempts that made no progress for request_stall_timeout_s: the last
