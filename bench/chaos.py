@@ -14,8 +14,9 @@ After each scenario (`check_invariants`):
   cancel / deadline), none hung;
 - every token a client saw is the offline engine's greedy token at that position (no
   token twice, none lost, none from another request);
-- the router holds no request state, every rank has all its blocks and state slots
-  free and no KV payload left, no rank is draining, and the pools are back at size.
+- the router holds no request state and no payload ticket (so no Ray object is kept
+  alive by it), every rank has all its blocks and state slots free and no KV payload
+  left, no rank is draining, and the pools are back at size.
 The test suite runs some of these (`tests/chaos/`); this tool runs many more.
 """
 
@@ -343,6 +344,9 @@ def restore_and_check(harness: Any, sizes: dict[str, int], result: ScenarioResul
     for err in harness.drained_errors():
         result.leaked += 1
         result.problems.append(err)
+    if svc.num_handoffs_in_flight:  # each holds a payload's ticket (a Ray object ref)
+        result.leaked += 1
+        result.problems.append(f"{svc.num_handoffs_in_flight} hand-offs still hold payloads")
     for pool in svc.pools.values():
         for r in pool.ranks:
             if r.state != "dead" and (r.inflight or r.exports):

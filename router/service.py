@@ -44,6 +44,7 @@ class RouterService:
         self.num_rank_failures = 0
         self.num_moves = 0
         self.num_lost_reports = 0
+        self.num_handoffs_in_flight = 0
         self.metrics = RouterMetrics(self)
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
@@ -338,6 +339,7 @@ class RouterService:
     async def _hand_off(self, state: RequestState, src: RankHandle, ticket: HandoffTicket) -> None:
         """Deliver the payload to a decode rank; released only once the import is
         confirmed. Never ends without the request moving on: decoding, moved, or ended."""
+        self.num_handoffs_in_flight += 1  # each holds its payload's ticket
         try:
             await self._deliver(state, src, ticket)
         except asyncio.CancelledError:
@@ -349,8 +351,11 @@ class RouterService:
             self._move(state, f"the KV hand-off failed: {type(exc).__name__}: {exc}")
         finally:
             src.exports.discard(ticket.attempt)
-            if state.attempt_key != ticket.attempt or state.stage != DECODE:
-                await self.transport.discard(ticket, src)
+            try:
+                if state.attempt_key != ticket.attempt or state.stage != DECODE:
+                    await self.transport.discard(ticket, src)
+            finally:
+                self.num_handoffs_in_flight -= 1
 
     async def _deliver(self, state: RequestState, src: RankHandle, ticket: HandoffTicket) -> None:
         attempt = ticket.attempt
