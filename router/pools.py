@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,23 +91,27 @@ class Pool:
         rank.assigned += 1
         return rank
 
-    async def wait_for_rank(self, timeout_s: float) -> RankHandle | None:
-        """The least-loaded ready rank, waiting while the pool (re-)forms."""
+    async def wait_for_rank(self, timeout_s: float,
+                            give_up: Callable[[], bool] = lambda: False) -> RankHandle | None:
+        """The least-loaded ready rank, waiting while the pool (re-)forms (None at once
+        when `give_up()` turns true)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
             rank = self.choose_prefill()
-            if rank is not None or loop.time() >= deadline or (self.target == 0):
+            if rank is not None or loop.time() >= deadline or self.target == 0 or give_up():
                 return rank
             await asyncio.sleep(0.05)
 
-    async def wait_for_decode(self, exclude: set[int], timeout_s: float) -> RankHandle | None:
-        """The decode rank with the most free blocks, waiting while the pool re-forms."""
+    async def wait_for_decode(self, exclude: set[int], timeout_s: float,
+                              give_up: Callable[[], bool] = lambda: False) -> RankHandle | None:
+        """The decode rank with the most free blocks, waiting while the pool re-forms
+        (None at once when `give_up()` turns true: the request ended meanwhile)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
             rank = self.choose_decode(exclude)
-            if rank is not None or loop.time() >= deadline or self.target == 0:
+            if rank is not None or loop.time() >= deadline or self.target == 0 or give_up():
                 return rank
             if not any(r.state != DEAD and r.uid not in exclude for r in self.ranks) \
                     and not self.lock.locked():

@@ -124,7 +124,8 @@ class RouterService:
                              f"after {state.attempt} attempts"
                              + (f" (last: {state.error_hint})" if state.error_hint else ""))
                 return
-            rank = await pool.wait_for_rank(self.config.rank_wait_s)
+            rank = await pool.wait_for_rank(self.config.rank_wait_s,
+                                            lambda: state.finished or state.aborted)
             if state.finished or state.aborted:
                 return
             if rank is None:
@@ -364,7 +365,9 @@ class RouterService:
         pool = self.pools["decode"]
         started = time.monotonic()
         for _ in range(self.config.max_handoff_tries):
-            dst = await pool.wait_for_decode(tried, self.config.rank_wait_s)
+            dst = await pool.wait_for_decode(
+                tried, self.config.rank_wait_s,
+                lambda: state.finished or state.aborted or state.attempt_key != attempt)
             if state.finished or state.aborted or state.attempt_key != attempt:
                 return
             if dst is None:
