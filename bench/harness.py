@@ -37,7 +37,8 @@ class RouterHarness:
                 for name, pool in self.service.pools.items()}
 
     def wait_drained(self, timeout: float = 30.0) -> dict[str, list[dict]]:
-        """Wait until no request is in flight and every rank's blocks are all free."""
+        """Wait until no request is in flight, every rank's blocks are all free and its
+        engine holds nothing (an abort that just landed is reported by its next step)."""
         deadline = time.monotonic() + timeout
         while True:
             stats = self.stats()
@@ -45,7 +46,7 @@ class RouterHarness:
             idle = len(self.service.tracker) == 0 and all(
                 r["num_free_blocks"] == r["num_total_blocks"] and r["num_waiting"] == 0
                 and r["num_prompted"] == 0 for r in ranks)
-            if idle or time.monotonic() > deadline:
+            if (idle and not self.drained_errors()) or time.monotonic() > deadline:
                 return stats
             time.sleep(0.1)
 
