@@ -110,7 +110,7 @@ async def _load(harness, reference: Reference, minutes: list[Minute], rate: floa
     from pdserve.router.client import AsyncClient
 
     rng = random.Random(seed)
-    tasks: list[asyncio.Task] = []
+    tasks: set[asyncio.Task] = set()  # the unfinished ones only: RSS is the router's
     async with AsyncClient(harness.address, timeout=120) as client:
         start = time.monotonic()
         next_at = start
@@ -120,9 +120,11 @@ async def _load(harness, reference: Reference, minutes: list[Minute], rate: floa
             minute = minutes[min(len(minutes) - 1, int((time.monotonic() - start) // 60))]
             prompt = rng.choice(PROMPTS)
             minute.sent += 1
-            tasks.append(asyncio.create_task(_one(
+            task = asyncio.create_task(_one(
                 client, prompt, rng.randint(8, MAX_TOKENS), reference.tokens(prompt),
-                minute, 120.0)))
+                minute, 120.0))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
         await asyncio.gather(*tasks)
     stop.set()
 
