@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                                 python=python)
         for name, python in (("before", args.before_python), ("after", args.after_python))}
     out = compare(launchers, requests, rounds=args.rounds, **kwargs)
-    out["comparison"] = {part: {k: {**row, **({"ratio_after_to_before": row["after"] / row["before"]}
+    out["comparison"] = {part: {k: {**row, **({"ratio_after/before": row["after"] / row["before"]}
                                               if row.get("after") is not None and row.get("before")
                                               else {})}
                                 for k, row in table.items()}
