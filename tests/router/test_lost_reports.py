@@ -13,9 +13,11 @@ from pdserve.router.client import Client
 @pytest.fixture(scope="module")
 def router(make_router):
     # Every decode rank drops the outputs of its 4th computing step.
-    return make_router(prefill=1, decode=1, engine_factory=FaultyEngineFactory(
+    h = make_router(prefill=1, decode=1, engine_factory=FaultyEngineFactory(
         lose_reports_of_runs=frozenset({4}), engine_types=("completion",)),
         request_stall_timeout_s=5.0)
+    yield h
+    h.close()  # its ranks hold the session's pool resources
 
 
 def test_a_gap_in_the_token_count_moves_the_request(router, reference):

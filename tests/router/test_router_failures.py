@@ -14,7 +14,9 @@ from pdserve.router.client import AsyncClient, Client
 
 @pytest.fixture(scope="module")
 def router(make_router):
-    return make_router(prefill=2, decode=2, collective_timeout_s=3.0)
+    h = make_router(prefill=2, decode=2, collective_timeout_s=3.0)
+    yield h
+    h.close()  # its ranks hold the session's pool resources
 
 
 def _load_with_kill(router, reference, pool_name: str, n: int = 24):

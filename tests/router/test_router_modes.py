@@ -23,8 +23,9 @@ def _run_concurrently(address, prompts, max_tokens):
 
 @pytest.mark.parametrize("overrides", [dict(mode="normal"), dict(kv_transport="grpc")],
                          ids=["normal-mode", "grpc-kv-transport"])
-def test_greedy_equals_offline(make_router, reference, overrides):
+def test_greedy_equals_offline(make_router, reference, overrides, request):
     router = make_router(**overrides)
+    request.addfinalizer(router.close)  # its ranks hold the session's pool resources
     prompts = [f"{p} {i}" for i in range(4) for p in PROMPTS]
     outs = _run_concurrently(router.address, prompts, 10)
     assert [o.token_ids for o in outs] == reference(prompts, 10)

@@ -26,7 +26,9 @@ def _settled(h, pool: str, n: int, timeout: float = 60.0) -> None:
 
 @pytest.fixture(scope="module")
 def router(make_router):
-    return make_router(prefill=1, decode=2, drain_timeout_s=2.0, max_replicas=8)
+    h = make_router(prefill=1, decode=2, drain_timeout_s=2.0, max_replicas=8)
+    yield h
+    h.close()  # its ranks hold the session's pool resources
 
 
 def _greedy_ignore_eos(model_dir: str, prompts: list[str], max_tokens: int) -> list[list[int]]:
