@@ -160,8 +160,8 @@ class RequestTracker:
         if key is None:
             return None
         state = self._states.get(key.request)
-        if state is None or state.attempt != key.attempt:
-            return None
+        if state is None or state.attempt != key.attempt or state.stage == QUEUED:
+            return None  # a moving request's last attempt is already stale
         return state
 
     def states(self) -> list[RequestState]:

@@ -148,6 +148,7 @@ class RouterService:
                 if state.attempt_key != add.attempt or add.attempt not in rank.inflight:
                     return  # _rank_died got there first and has already moved it
                 self._leave(rank, state)
+                state.stage = QUEUED  # no attempt runs while it waits for the next rank
                 state.error_hint = f"add_request on {rank.name}: {type(exc).__name__}"
                 log.warning("add_request on %s failed: %s", rank.name, exc)
                 await self._abort_on(rank, add.attempt)
@@ -163,8 +164,8 @@ class RouterService:
     def _move(self, state: RequestState, why: str) -> None:
         """Start the request again elsewhere from its history (prompt + tokens already
         streamed), leaving its current attempt wherever it is (aborted if reachable)."""
-        if state.finished or state.aborted:
-            return
+        if state.finished or state.aborted or state.stage == QUEUED:
+            return  # ended, or already moving (its next attempt is not dispatched yet)
         old = state.attempt_key
         for rank in _ranks_of(state):
             if old in rank.inflight and rank.state != DEAD:

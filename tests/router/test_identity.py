@@ -36,8 +36,12 @@ def test_internal_ids_are_random_and_attempts_are_keys():
     s = states[0]
     first = s.begin_attempt().attempt
     assert AttemptKey.parse(first) == AttemptKey(s.rid, 1)
+    s.stage = "prefill"
     assert tracker.by_attempt(first) is s
+    s.stage = "queued"  # moving: its next attempt is not dispatched yet
+    assert tracker.by_attempt(first) is None
     second = s.begin_attempt().attempt
+    s.stage = "decode"
     assert tracker.by_attempt(second) is s
     assert tracker.by_attempt(first) is None  # a stale attempt's reports are dropped
     assert tracker.by_attempt("garbage") is None and tracker.by_attempt(f"{s.rid}.x") is None
