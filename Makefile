@@ -19,10 +19,10 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: setup
-	RAY_AUTH_MODE=disabled OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q
 
 serve: setup
-	RAY_AUTH_MODE=disabled OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/pdserve serve $(ARGS)
+	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/pdserve serve $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

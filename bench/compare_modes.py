@@ -59,7 +59,7 @@ def subprocess_router(spec: dict, *, model: str | None = None, num_kv_blocks: in
     if max_num_seqs:
         cmd += ["--max-num-seqs", str(max_num_seqs)]
     ray_tmp = tempfile.mkdtemp(prefix="pdcmp", dir="/tmp")
-    env = dict(os.environ, PDSERVE_RAY_TMP=ray_tmp, RAY_AUTH_MODE="disabled",
+    env = dict(os.environ, PDSERVE_RAY_TMP=ray_tmp,
                OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)
@@ -297,7 +297,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from pdserve.bench.serve import build_requests, load_kwargs, write_json
 

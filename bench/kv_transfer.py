@@ -240,7 +240,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from pathlib import Path
 
     import ray

@@ -116,7 +116,6 @@ def serve_config(args: argparse.Namespace):
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import asyncio
     import signal

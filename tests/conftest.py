@@ -6,7 +6,6 @@ import os
 
 import pytest
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import queue
 import signal
 import socket
@@ -107,8 +108,13 @@ def fake_cluster(tmp_path, tiny_model_dir):
     temp_dir = f"/tmp/pdfk{os.getpid() % 100000}"
     cfg = tmp_path / "fake.yaml"
     cfg.write_text(yaml.safe_dump(_fake_config(gcs_port)))
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", OMP_WAIT_POLICY="PASSIVE",
-               RAY_FAKE_CLUSTER="1")
+    # `ray start` needs an auth token of its own (token auth stays on): one per cluster,
+    # in a file only this user can read, never in the environment's value itself.
+    token = tmp_path / "ray-token"
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", RAY_FAKE_CLUSTER="1",
+               RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
     start = subprocess.run(
         [str(BIN / "ray"), "start", "--head", f"--port={gcs_port}", "--num-cpus=2",
          f"--ray-client-server-port={_free_port()}", "--include-dashboard=false",

@@ -17,7 +17,7 @@ PDSERVE = [sys.executable, "-m", "pdserve.cli"]
 
 
 def _env(tmp):
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", OMP_WAIT_POLICY="PASSIVE",
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE",
                PDSERVE_CACHE=str(tmp / "cache"), PDSERVE_RAY_TMP=f"/tmp/pdcli{os.getpid() % 100000}")
     return env
 
