@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import queue
+import secrets
 import signal
 import socket
 import subprocess
