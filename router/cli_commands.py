@@ -67,6 +67,18 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="join this Ray cluster (e.g. 'auto' on a `ray up` head); "
                    "default: start an embedded local Ray")
     p.add_argument("--kv-transport", choices=["ray", "grpc"], default=None, help="default ray")
+    p.add_argument("--auth-token-file", default=None,
+                   help="tenant tokens, one `<tenant> <token>` per line, mode 0600 (see "
+                   "SECURITY.md); clients then need one. Re-read on SIGHUP")
+    p.add_argument("--admin-token-file", default=None,
+                   help="the admin token (ScalePool, GetClusterState, GetTimeline); without "
+                   "one those are allowed from loopback peers only")
+    p.add_argument("--tls-cert-file", default=None, help="PEM certificate chain: serve TLS")
+    p.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
+    p.add_argument("--insecure", action="store_true", default=None,
+                   help="allow plaintext on a non-loopback --host (a trusted network only)")
+    p.add_argument("--tls-server-name", default=None,
+                   help="name the self-check expects on the certificate (default localhost)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="Prometheus text endpoint (default: router port + 1; 0 turns it off)")
     p.add_argument("--max-queue-depth", type=int, default=None, help="default 256")
@@ -88,7 +100,10 @@ def serve_config(args: argparse.Namespace):
 
     top = {"mode": args.mode, "host": args.host, "port": args.port,
            "kv_transport": args.kv_transport, "max_queue_depth": args.max_queue_depth,
-           "metrics_port": getattr(args, "metrics_port", None)}
+           "metrics_port": getattr(args, "metrics_port", None),
+           "auth_token_file": args.auth_token_file, "admin_token_file": args.admin_token_file,
+           "tls_cert_file": args.tls_cert_file, "tls_key_file": args.tls_key_file,
+           "insecure": args.insecure}
     if args.config:
         config = load_config(args.config)
     else:
@@ -121,10 +136,14 @@ def _run_serve(args: argparse.Namespace) -> int:
     import signal
 
     import ray
-    from pdserve.router.server import start_router
+    from pdserve.router.auth import Authenticator
+    from pdserve.router.server import server_credentials, start_router
 
     try:
         config = serve_config(args)
+        # Bad token or TLS files fail here, before any Ray process starts.
+        Authenticator(config.auth_token_file, config.admin_token_file)
+        server_credentials(config)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -152,9 +171,15 @@ def _run_serve(args: argparse.Namespace) -> int:
             print(f"metrics on http://{config.host}:{server.metrics_port}/metrics", flush=True)
         addr_flag = "" if address == DEFAULT_ADDRESS else f" --address {address}"
         print(f"try: pdserve generate{addr_flag} --max-tokens 32 'def add(x, y):'", flush=True)
+        if server.auth is not None and (config.auth_token_file or config.admin_token_file):
+            loop.add_signal_handler(signal.SIGHUP, _reload_tokens, server.auth)
         rc = 0
         if not args.no_self_check:
-            rc = await _self_check(address)
+            rc = await _self_check(_local_address(config.host, server.port),
+                                   token=self_check_token(config),
+                                   tls_ca_file=config.tls_cert_file,
+                                   tls_server_name=(args.tls_server_name or "localhost")
+                                   if config.tls_cert_file else None)
         if not args.exit_after_self_check and rc == 0:
             await stop.wait()
         print("shutting down ...", flush=True)
@@ -167,12 +192,43 @@ def _run_serve(args: argparse.Namespace) -> int:
         ray.shutdown()
 
 
-async def _self_check(address: str) -> int:
+def _local_address(host: str, port: int) -> str:
+    """Where this machine reaches a router bound to ``host`` (a wildcard: loopback)."""
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host in ("::", "[::]"):
+        host = "[::1]"
+    return f"{host}:{port}"
+
+
+def self_check_token(config) -> str | None:
+    """A token the self-check may use: the first tenant's, else the admin's (read here,
+    in this process; never passed on)."""
+    from pdserve.router.auth import read_client_token
+
+    for path in (config.auth_token_file, config.admin_token_file):
+        if path:
+            return read_client_token(path)
+    return None
+
+
+def _reload_tokens(auth) -> None:
+    try:
+        auth.reload()
+    except ValueError as exc:
+        print(f"token reload FAILED, the old tokens stay in force: {exc}", flush=True)
+        return
+    print(f"tokens reloaded ({len(auth.tenants)} tenants)", flush=True)
+
+
+async def _self_check(address: str, token: str | None = None, tls_ca_file: str | None = None,
+                      tls_server_name: str | None = None) -> int:
     from pdserve.router.client import AsyncClient
 
     print(f"self-check: {SELF_CHECK_PROMPT!r} ->", end=" ", flush=True)
     try:
-        async with AsyncClient(address, timeout=120) as client:
+        async with AsyncClient(address, timeout=120, token=token, tls_ca_file=tls_ca_file,
+                               tls_server_name=tls_server_name) as client:
             n, reason = 0, ""
             async for msg in client.stream(SELF_CHECK_PROMPT, max_tokens=16, temperature=0):
                 print(msg.text, end="", flush=True)
@@ -189,9 +245,31 @@ async def _self_check(address: str) -> int:
 
 # ---- generate / status / scale -------------------------------------------------------
 
+def _add_client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=DEFAULT_ADDRESS, help="router (default %(default)s)")
+    p.add_argument("--token-file", default=None,
+                   help="file holding this client's token (default: $PDSERVE_TOKEN, if set)")
+    p.add_argument("--tls-ca-file", default=None,
+                   help="PEM CA certificate of a router serving TLS")
+    p.add_argument("--tls-server-name", default=None,
+                   help="name to expect on the router's certificate (default: the address')")
+
+
+def connect(args: argparse.Namespace, timeout: float | None = None):
+    """A blocking Client from the common client flags."""
+    from pdserve.router.auth import read_client_token
+    from pdserve.router.client import Client
+
+    return Client(args.address, timeout=timeout, token=read_client_token(args.token_file),
+                  tls_ca_file=args.tls_ca_file, tls_server_name=args.tls_server_name)
+
+
 def _rpc_error(exc, address: str) -> int:
     import grpc
 
+    if isinstance(exc, (ValueError, OSError)):  # a bad token file or CA file
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if isinstance(exc, grpc.RpcError):
         code = exc.code()
         if code == grpc.StatusCode.UNAVAILABLE:
@@ -204,7 +282,7 @@ def _rpc_error(exc, address: str) -> int:
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="prompt text")
-    p.add_argument("--address", default=DEFAULT_ADDRESS, help="router (default %(default)s)")
+    _add_client_args(p)
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
@@ -218,11 +296,11 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from pdserve.router.client import Client, Completion
+    from pdserve.router.client import Completion
 
     out = Completion()
     try:
-        with Client(args.address, timeout=args.timeout) as client:
+        with connect(args, timeout=args.timeout) as client:
             for msg in client.stream(args.prompt, request_id=args.request_id,
                                      max_tokens=args.max_tokens, temperature=args.temperature,
                                      top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -245,17 +323,16 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def _add_status_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default=DEFAULT_ADDRESS, help="router (default %(default)s)")
+    _add_client_args(p)
     p.add_argument("--timeout", type=float, default=5.0)
     p.add_argument("--json", action="store_true", help="print the state as JSON")
 
 
 def _run_status(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
-    from pdserve.router.client import Client
 
     try:
-        with Client(args.address) as client:
+        with connect(args) as client:
             state = client.cluster_state(timeout=args.timeout)
     except Exception as exc:
         return _rpc_error(exc, args.address) or 2
@@ -280,15 +357,13 @@ def _run_status(args: argparse.Namespace) -> int:
 def _add_scale_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("pool", choices=["prefill", "decode", "normal"])
     p.add_argument("replicas", type=int)
-    p.add_argument("--address", default=DEFAULT_ADDRESS, help="router (default %(default)s)")
+    _add_client_args(p)
     p.add_argument("--timeout", type=float, default=600.0)
 
 
 def _run_scale(args: argparse.Namespace) -> int:
-    from pdserve.router.client import Client
-
     try:
-        with Client(args.address) as client:
+        with connect(args) as client:
             reply = client.scale(args.pool, args.replicas, timeout=args.timeout)
     except Exception as exc:
         return _rpc_error(exc, args.address)

@@ -8,6 +8,10 @@
             print(chunk.text, end="", flush=True)
 
 Errors surface as `grpc.RpcError` (code() and details() say what was wrong).
+
+A router with tokens (SECURITY.md) wants ``token=`` (sent as ``authorization: Bearer``
+metadata on every call); one serving TLS wants ``tls_ca_file=`` (the CA that signed its
+certificate; ``tls_server_name=`` when the address is not a name the certificate holds).
 """
 
 from __future__ import annotations
@@ -74,6 +78,28 @@ def build_request(prompt: str | Sequence[int], *, request_id: str = "",
     return req
 
 
+def channel_credentials(tls_ca_file: str | None) -> grpc.ChannelCredentials | None:
+    if not tls_ca_file:
+        return None
+    with open(tls_ca_file, "rb") as f:
+        return grpc.ssl_channel_credentials(root_certificates=f.read())
+
+
+def _channel_options(tls_server_name: str | None) -> list:
+    if tls_server_name:
+        return CHANNEL_OPTIONS + [("grpc.ssl_target_name_override", tls_server_name)]
+    return CHANNEL_OPTIONS
+
+
+def _call_metadata(token: str | None) -> tuple:
+    if token is None:
+        return ()
+    token = token.strip()
+    if not token or not token.isprintable() or any(c.isspace() for c in token):
+        raise ValueError("token must be non-empty printable text without spaces")
+    return (("authorization", f"Bearer {token}"),)
+
+
 def step_dicts(timeline: router_pb2.Timeline) -> list[dict]:
     """A Timeline's step records as plain dicts (every field)."""
     names = [f.name for f in router_pb2.StepRecord.DESCRIPTOR.fields]
@@ -83,15 +109,25 @@ def step_dicts(timeline: router_pb2.Timeline) -> list[dict]:
 class Client:
     """Blocking client. `timeout` (seconds) becomes the gRPC deadline of each call."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float | None = None) -> None:
+    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float | None = None, *,
+                 token: str | None = None, tls_ca_file: str | None = None,
+                 tls_server_name: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._metadata = _call_metadata(token)
+        creds = channel_credentials(tls_ca_file)
+        options = _channel_options(tls_server_name)
+        self._channel = (grpc.secure_channel(address, creds, options=options) if creds
+                         else grpc.insecure_channel(address, options=options))
         self._stub = router_pb2_grpc.RouterStub(self._channel)
+
+    def __repr__(self) -> str:  # never the token
+        return f"Client({self.address!r})"
 
     def stream(self, prompt, **kwargs) -> Iterator[router_pb2.GenerateResponse]:
         timeout = kwargs.pop("timeout", self.timeout)
-        yield from self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout)
+        yield from self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout,
+                                       metadata=self._metadata)
 
     def generate(self, prompt, **kwargs) -> Completion:
         out = Completion()
@@ -101,20 +137,21 @@ class Client:
 
     def abort(self, request_id: str) -> bool:
         return self._stub.Abort(router_pb2.AbortRequest(request_id=request_id),
-                                timeout=self.timeout).found
+                                timeout=self.timeout, metadata=self._metadata).found
 
     def cluster_state(self, timeout: float | None = None) -> router_pb2.ClusterState:
         return self._stub.GetClusterState(router_pb2.ClusterStateRequest(),
-                                          timeout=timeout or self.timeout)
+                                          timeout=timeout or self.timeout,
+                                          metadata=self._metadata)
 
     def scale(self, pool: str, replicas: int, timeout: float | None = None) -> router_pb2.ScalePoolResponse:
         return self._stub.ScalePool(router_pb2.ScalePoolRequest(pool=pool, replicas=replicas),
-                                    timeout=timeout or self.timeout)
+                                    timeout=timeout or self.timeout, metadata=self._metadata)
 
     def timeline(self, since: float = 0.0, timeout: float | None = None) -> list[dict]:
         """Engine steps of every live rank that ended after unix time `since`."""
         reply = self._stub.GetTimeline(router_pb2.TimelineRequest(since=since),
-                                       timeout=timeout or self.timeout)
+                                       timeout=timeout or self.timeout, metadata=self._metadata)
         return step_dicts(reply)
 
     def close(self) -> None:
@@ -130,15 +167,25 @@ class Client:
 class AsyncClient:
     """asyncio client; use inside a running event loop."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float | None = None) -> None:
+    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float | None = None, *,
+                 token: str | None = None, tls_ca_file: str | None = None,
+                 tls_server_name: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._metadata = _call_metadata(token)
+        creds = channel_credentials(tls_ca_file)
+        options = _channel_options(tls_server_name)
+        self._channel = (grpc.aio.secure_channel(address, creds, options=options) if creds
+                         else grpc.aio.insecure_channel(address, options=options))
         self._stub = router_pb2_grpc.RouterStub(self._channel)
+
+    def __repr__(self) -> str:  # never the token
+        return f"AsyncClient({self.address!r})"
 
     async def stream(self, prompt, **kwargs) -> AsyncIterator[router_pb2.GenerateResponse]:
         timeout = kwargs.pop("timeout", self.timeout)
-        async for msg in self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout):
+        async for msg in self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout,
+                                             metadata=self._metadata):
             yield msg
 
     async def generate(self, prompt, **kwargs) -> Completion:
@@ -149,24 +196,25 @@ class AsyncClient:
 
     async def abort(self, request_id: str) -> bool:
         reply = await self._stub.Abort(router_pb2.AbortRequest(request_id=request_id),
-                                       timeout=self.timeout)
+                                       timeout=self.timeout, metadata=self._metadata)
         return reply.found
 
     async def cluster_state(self) -> router_pb2.ClusterState:
         return await self._stub.GetClusterState(router_pb2.ClusterStateRequest(),
-                                                timeout=self.timeout)
+                                                timeout=self.timeout, metadata=self._metadata)
 
     async def scale(self, pool: str, replicas: int,
                     timeout: float | None = None) -> router_pb2.ScalePoolResponse:
         """Resize a pool. The resize is the router's: if this call's deadline passes, it
         completes (or rolls back) all the same."""
         return await self._stub.ScalePool(router_pb2.ScalePoolRequest(pool=pool, replicas=replicas),
-                                          timeout=timeout or self.timeout)
+                                          timeout=timeout or self.timeout,
+                                          metadata=self._metadata)
 
     async def timeline(self, since: float = 0.0) -> list[dict]:
         """Engine steps of every live rank that ended after unix time `since`."""
         reply = await self._stub.GetTimeline(router_pb2.TimelineRequest(since=since),
-                                             timeout=self.timeout)
+                                             timeout=self.timeout, metadata=self._metadata)
         return step_dicts(reply)
 
     async def close(self) -> None:

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from pdserve.router.auth import is_loopback_host
+
 MODES = ("disaggregated", "normal")
 TRANSPORTS = ("ray", "grpc")  # in_process (kv_transfer) serves ranks in one process only
 
@@ -40,6 +42,14 @@ class RouterConfig:
     # `port` is 0); 0 turns it off.
     metrics_port: int | None = None
     kv_transport: str = "ray"
+    # Access (router/auth.py, SECURITY.md): tenant tokens `<tenant> <token>` per line; an
+    # admin token for ScalePool and cluster internals (without one: loopback peers only).
+    auth_token_file: str | None = None
+    admin_token_file: str | None = None
+    # TLS on the router port (PEM files). A non-loopback host needs them, or `insecure`.
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    insecure: bool = False
     # Requests accepted but not finished; past it, RESOURCE_EXHAUSTED.
     max_queue_depth: int = 256
     # max_tokens above this is INVALID_ARGUMENT (None: the model length allows it).
@@ -98,6 +108,14 @@ class RouterConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file go together: give both or neither")
+        if not (self.tls_cert_file or self.insecure or is_loopback_host(self.host)):
+            raise ValueError(
+                f"host {self.host!r} is not a loopback address: anyone on the network could "
+                "read prompts, completions and tokens in plaintext. Serve TLS "
+                "(--tls-cert-file/--tls-key-file), or pass --insecure (YAML: insecure: true) "
+                "if the network itself is trusted")
         for name in ("poll_timeout_s", "rank_wait_s", "handoff_timeout_s", "rank_unresponsive_s",
                      "rank_call_timeout_s", "rank_start_timeout_s", "group_timeout_s",
                      "drain_timeout_s", "collective_timeout_s", "request_stall_timeout_s"):

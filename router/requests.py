@@ -5,7 +5,8 @@ choose or predict, and every dispatch of it an attempt number; engines only ever
 the attempt key (`rank.messages.AttemptKey`). The client's `request_id` is a label:
 unique among the requests in flight, echoed back, and free again the moment its
 request ended for the client. A report from an attempt that is no longer current is
-dropped.
+dropped. Labels belong to a tenant (the token that sent the request): one tenant's
+labels, duplicate checks and Aborts never see another's.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class RequestState:
     rid: str  # internal id
     label: str  # the client's request_id, or the internal id when it gave none
     label_chosen: bool = False
+    tenant: str = ""  # whose token sent it: labels and Abort are per tenant
     stage: str = QUEUED
     prefill_rank: Any = None
     decode_rank: Any = None
@@ -140,9 +142,11 @@ class RequestTracker:
         self.max_queue_depth = max_queue_depth
         self.early_abort_ttl_s = early_abort_ttl_s
         self.max_early_aborts = max_early_aborts
-        self._early_aborts: dict[str, float] = {}  # label -> expiry (monotonic), oldest first
+        # (tenant, label) -> expiry (monotonic), oldest first
+        self._early_aborts: dict[tuple[str, str], float] = {}
         self._states: dict[str, RequestState] = {}  # internal id -> state
-        self._labels: dict[str, RequestState] = {}  # in flight for the client
+        # (tenant, label) -> the request in flight for the client under that label
+        self._labels: dict[tuple[str, str], RequestState] = {}
         self.num_finished = 0
 
     def __len__(self) -> int:
@@ -151,8 +155,8 @@ class RequestTracker:
     def get(self, rid: str) -> RequestState | None:
         return self._states.get(rid)
 
-    def by_label(self, label: str) -> RequestState | None:
-        return self._labels.get(label)
+    def by_label(self, label: str, tenant: str = "") -> RequestState | None:
+        return self._labels.get((tenant, label))
 
     def by_attempt(self, attempt_key: str) -> RequestState | None:
         """The request whose *current* attempt this is (None: unknown or stale)."""
@@ -170,9 +174,9 @@ class RequestTracker:
     def num_labels(self) -> int:
         return len(self._labels)
 
-    def register(self, request: PreparedRequest) -> RequestState:
+    def register(self, request: PreparedRequest, tenant: str = "") -> RequestState:
         label = request.request_id
-        if label and label in self._labels:
+        if label and (tenant, label) in self._labels:
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS,
                                f"request_id {label!r} is already in flight")
         if len(self._states) >= self.max_queue_depth:
@@ -184,30 +188,31 @@ class RequestTracker:
         while rid in self._states:  # 96 random bits: never in practice
             rid = secrets.token_hex(12)
         state = RequestState(request, rid, label or rid, label_chosen=bool(label),
-                             on_finish=self._ended_for_client)
+                             tenant=tenant, on_finish=self._ended_for_client)
         self._states[rid] = state
-        self._labels[state.label] = state
+        self._labels[(tenant, state.label)] = state
         return state
 
     def _ended_for_client(self, state: RequestState) -> None:
-        if self._labels.get(state.label) is state:
-            del self._labels[state.label]
+        key = (state.tenant, state.label)
+        if self._labels.get(key) is state:
+            del self._labels[key]
 
-    def remember_early_abort(self, label: str) -> None:
+    def remember_early_abort(self, label: str, tenant: str = "") -> None:
         if not label:
             return
         now = time.monotonic()
-        self._early_aborts.pop(label, None)
-        self._early_aborts[label] = now + self.early_abort_ttl_s
+        self._early_aborts.pop((tenant, label), None)
+        self._early_aborts[(tenant, label)] = now + self.early_abort_ttl_s
         self._drop_expired(now)
         while len(self._early_aborts) > self.max_early_aborts:
             del self._early_aborts[next(iter(self._early_aborts))]
 
-    def take_early_abort(self, label: str) -> bool:
-        """Was ``label`` aborted before it arrived (and not long ago)? Forgets it. Ask
-        only for a label the client chose (a generated id never matches)."""
+    def take_early_abort(self, label: str, tenant: str = "") -> bool:
+        """Was ``label`` aborted by ``tenant`` before it arrived (and not long ago)?
+        Forgets it. Ask only for a label the client chose (a generated id never matches)."""
         self._drop_expired(time.monotonic())
-        return self._early_aborts.pop(label, None) is not None
+        return self._early_aborts.pop((tenant, label), None) is not None
 
     def _drop_expired(self, now: float) -> None:
         while self._early_aborts:

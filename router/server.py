@@ -1,5 +1,9 @@
 """The router's gRPC face (grpc.aio): Generate / Abort / GetClusterState / ScalePool,
-plus the standard health service and server reflection (so grpcurl works)."""
+plus the standard health service and server reflection (so grpcurl works).
+
+Every Router method authenticates its caller first (router/auth.py): Generate and Abort
+as a tenant, the others as the admin. Health and reflection stay open: load balancers
+probe health, and the schema reflection serves is public."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from pdserve.router.auth import Authenticator, AuthError, Principal
 from pdserve.router.config import RouterConfig
 from pdserve.router.service import RouterService
 from pdserve.router.validation import RequestError, check_request_id, prepare
@@ -27,13 +32,26 @@ SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, service: RouterService) -> None:
+    def __init__(self, service: RouterService, auth: Authenticator | None = None) -> None:
         self.svc = service
+        self.auth = auth or Authenticator()
+
+    async def _caller(self, context, admin: bool = False) -> Principal | None:
+        """The authenticated caller, or None after aborting the call with why not."""
+        check = self.auth.authorize_admin if admin else self.auth.authenticate
+        try:
+            return check(context.invocation_metadata(), context.peer())
+        except AuthError as exc:
+            await context.abort(exc.code, exc.message)
+            return None
 
     async def Generate(self, request, context):
         from pdserve.engine.tokenizer import IncrementalDetokenizer
 
         svc = self.svc
+        caller = await self._caller(context)
+        if caller is None:
+            return
         if isinstance(request, UndecodableRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             return
@@ -41,7 +59,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             # Tokenizing a long prompt takes a while; every other stream waits on this loop.
             prepared = await asyncio.to_thread(prepare, request, svc.tokenizer, svc.limits,
                                                svc.config.default_max_tokens)
-            state = svc.admit(prepared, client_gone=context.cancelled)
+            state = svc.admit(prepared, client_gone=context.cancelled, tenant=caller.tenant)
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
             return
@@ -76,6 +94,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             svc.tracker.release(state.rid)
 
     async def Abort(self, request, context):
+        caller = await self._caller(context)
+        if caller is None:
+            return
         if isinstance(request, UndecodableRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             return
@@ -84,10 +105,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
             return
-        found = await self.svc.abort(request.request_id)
+        found = await self.svc.abort(request.request_id, tenant=caller.tenant)
         return router_pb2.AbortResponse(found=found)
 
     async def GetClusterState(self, request, context):
+        if await self._caller(context, admin=True) is None:
+            return
         await self.svc.refresh_stats()
         d = self.svc.cluster_state()
         pools = [router_pb2.PoolState(
@@ -97,6 +120,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return router_pb2.ClusterState(pools=pools, **d)
 
     async def ScalePool(self, request, context):
+        if await self._caller(context, admin=True) is None:
+            return
         try:
             previous = await self.svc.scale(request.pool, request.replicas)
         except RequestError as exc:
@@ -109,6 +134,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                             previous_replicas=previous)
 
     async def GetTimeline(self, request, context):
+        if await self._caller(context, admin=True) is None:
+            return
         records = await self.svc.timeline(request.since)
         records.sort(key=lambda r: (r["start"], r["pool"], r["rank"]))
         return router_pb2.Timeline(steps=[
@@ -130,7 +157,9 @@ def timings_message(state) -> router_pb2.Timings:
 class RouterServer:
     """A started router: the service (pools and ranks) behind a bound gRPC port."""
 
-    def __init__(self, service: RouterService, server: grpc.aio.Server, port: int) -> None:
+    def __init__(self, service: RouterService, server: grpc.aio.Server, port: int,
+                 auth: Authenticator | None = None) -> None:
+        self.auth = auth
         self.service = service
         self.server = server
         self.port = port
@@ -197,23 +226,29 @@ def add_router_servicer(servicer: RouterServicer, server: grpc.aio.Server) -> No
 
 async def start_router(config: RouterConfig) -> RouterServer:
     """Start the pools (Ray must be initialised), then serve gRPC on config.host:port."""
+    auth = Authenticator(config.auth_token_file, config.admin_token_file)  # fails early
+    credentials = server_credentials(config)
     service = RouterService(config)
     await service.start()
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    add_router_servicer(RouterServicer(service), server)
+    add_router_servicer(RouterServicer(service, auth), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    address = f"{config.host}:{config.port}"
+    port = (server.add_secure_port(address, credentials) if credentials is not None
+            else server.add_insecure_port(address))
     if port == 0:
         await service.stop()
         raise RuntimeError(f"cannot bind the router to {config.host}:{config.port}")
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("router serving on %s:%d", config.host, port)
-    router = RouterServer(service, server, port)
+    log.info("router serving on %s:%d (%s, %s)", config.host, port,
+             "TLS" if credentials is not None else "plaintext",
+             f"tenants {', '.join(auth.tenants)}" if auth.requires_token else "no tokens")
+    router = RouterServer(service, server, port, auth)
     metrics_port = config.metrics_port
     if metrics_port is None:  # default: the next port (a free one when the router's was)
         metrics_port = port + 1 if config.port else -1
@@ -229,6 +264,18 @@ async def start_router(config: RouterConfig) -> RouterServer:
             log.warning("no metrics endpoint: cannot bind %s:%d (%s)", config.host,
                         metrics_port, exc)
     return router
+
+
+def server_credentials(config: RouterConfig) -> grpc.ServerCredentials | None:
+    """gRPC's SSL credentials from the PEM files, or None for plaintext."""
+    if not config.tls_cert_file:
+        return None
+    try:
+        cert = open(config.tls_cert_file, "rb").read()
+        key = open(config.tls_key_file, "rb").read()
+    except OSError as exc:
+        raise ValueError(f"cannot read the TLS certificate or key: {exc}") from exc
+    return grpc.ssl_server_credentials([(key, cert)])
 
 
 def run_forever(config: RouterConfig) -> None:

@@ -91,18 +91,19 @@ class RouterService:
 
     # -- requests --------------------------------------------------------------------
 
-    def admit(self, request: PreparedRequest,
-              client_gone: Callable[[], bool] | None = None) -> RequestState:
+    def admit(self, request: PreparedRequest, client_gone: Callable[[], bool] | None = None,
+              tenant: str = "") -> RequestState:
         """Register a validated request (ALREADY_EXISTS / RESOURCE_EXHAUSTED) and send it;
         one whose label an ``Abort`` named before it arrived ends at once with "abort".
         ``client_gone`` tells whether the caller's stream is already cancelled: a label
         held by such a request is free (its cancel may still be on its way to us)."""
-        holder = self.tracker.by_label(request.request_id) if request.request_id else None
+        label = request.request_id
+        holder = self.tracker.by_label(label, tenant) if label else None
         if holder is not None and holder.client_gone is not None and holder.client_gone():
             self.end_now(holder, "client disconnected")
-        state = self.tracker.register(request)
+        state = self.tracker.register(request, tenant)
         state.client_gone = client_gone
-        if state.label_chosen and self.tracker.take_early_abort(state.label):
+        if state.label_chosen and self.tracker.take_early_abort(state.label, tenant):
             state.aborted = True
             self._finish(state, "abort", "aborted by the client before the request arrived")
             return state
@@ -202,11 +203,12 @@ class RouterService:
         except Exception:  # a dead rank holds nothing; a hung one is the poller's business
             pass
 
-    async def abort(self, label: str, reason: str = "aborted by the client") -> bool:
-        """End the request in flight under ``label`` (only that one) with "abort"."""
-        state = self.tracker.by_label(label)
+    async def abort(self, label: str, reason: str = "aborted by the client",
+                    tenant: str = "") -> bool:
+        """End ``tenant``'s request in flight under ``label`` (only that one) with "abort"."""
+        state = self.tracker.by_label(label, tenant)
         if state is None:  # not here (yet): a Generate with this label may be on its way
-            self.tracker.remember_early_abort(label)
+            self.tracker.remember_early_abort(label, tenant)
             return False
         await self.end(state, reason)
         return True

@@ -1,6 +1,15 @@
-"""Shared fixtures: one embedded Ray for the session, the tiny model, routers in threads."""
+"""Shared fixtures: one embedded Ray for the session, the tiny model, routers in threads,
+and test credentials written at test time (token files, a CA and a server certificate
+for localhost / 127.0.0.1: nothing secret is committed)."""
 
 from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from pdserve.bench.harness import RouterHarness
@@ -72,3 +81,99 @@ def reference(tiny_model_dir):
         return [cache[(repr(p), max_tokens)] for p in prompts]
 
     return ref
+
+
+# -- credentials ---------------------------------------------------------------------
+
+
+def write_private(path: Path, text: str) -> str:
+    path.write_text(text)
+    os.chmod(path, 0o600)
+    return str(path)
+
+
+@dataclass
+class Tokens:
+    alice: str
+    bob: str
+    admin: str
+    tenant_file: str
+    admin_file: str
+
+
+def make_tokens(folder: Path) -> Tokens:
+    alice, alice_old, bob, admin = (secrets.token_urlsafe(24) for _ in range(4))
+    tenant_file = write_private(folder / "tokens", "# tenant token\n"
+                                f"alice {alice}\nalice {alice_old}  # being rotated out\n"
+                                f"\nbob {bob}\n")
+    admin_file = write_private(folder / "admin_token", f"{admin}\n")
+    return Tokens(alice, bob, admin, tenant_file, admin_file)
+
+
+@dataclass
+class TLSFiles:
+    ca: str
+    cert: str
+    key: str
+    other_ca: str  # a CA that did not sign the server's certificate
+
+
+def _name(common: str):
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
+
+
+def _ca(common: str):
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(_name(common)).issuer_name(_name(common))
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .sign(key, hashes.SHA256()))
+    return key, cert
+
+
+def make_tls(folder: Path) -> TLSFiles:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    ca_key, ca_cert = _ca("pdserve test CA")
+    _, other_cert = _ca("some other CA")
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(_name("localhost"))
+            .issuer_name(ca_cert.subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([
+                x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    pem = serialization.Encoding.PEM
+    (folder / "ca.pem").write_bytes(ca_cert.public_bytes(pem))
+    (folder / "other_ca.pem").write_bytes(other_cert.public_bytes(pem))
+    (folder / "server.pem").write_bytes(cert.public_bytes(pem))
+    write_private(folder / "server.key", key.private_bytes(
+        pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()).decode())
+    return TLSFiles(str(folder / "ca.pem"), str(folder / "server.pem"),
+                    str(folder / "server.key"), str(folder / "other_ca.pem"))
+
+
+@pytest.fixture(scope="session")
+def tokens(tmp_path_factory) -> Tokens:
+    return make_tokens(tmp_path_factory.mktemp("tokens"))
+
+
+@pytest.fixture(scope="session")
+def tls_files(tmp_path_factory) -> TLSFiles:
+    return make_tls(tmp_path_factory.mktemp("tls"))
