@@ -219,6 +219,32 @@ class Authenticator:
         return principal
 
 
+def make_token_files(folder: str, tenants: list[str]) -> tuple[Path, Path]:
+    """Write ``tokens`` (one fresh token per tenant) and ``admin_token`` into ``folder``,
+    mode 0600, never overwriting; the tokens are only in the files."""
+    import secrets
+
+    for tenant in tenants:
+        if not TENANT_NAME.fullmatch(tenant) or tenant == ADMIN_TENANT:
+            raise ValueError(f"tenant name {tenant!r} must match {TENANT_NAME.pattern} "
+                             f"and not be {ADMIN_TENANT!r}")
+    if len(set(tenants)) != len(tenants) or not tenants:
+        raise ValueError("give one or more distinct tenant names")
+    root = Path(folder)
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tenant_path, admin_path = root / "tokens", root / "admin_token"
+    for path in (tenant_path, admin_path):
+        if path.exists():
+            raise ValueError(f"{path} exists: not overwriting a token file")
+    lines = "".join(f"{t} {secrets.token_urlsafe(32)}\n" for t in tenants)
+    for path, text in ((tenant_path, "# <tenant> <token>, one per line\n" + lines),
+                       (admin_path, secrets.token_urlsafe(32) + "\n")):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+    return tenant_path, admin_path
+
+
 def read_client_token(path: str | None, env: dict | None = None) -> str | None:
     """A client's token: the file's first token (``--token-file``), else PDSERVE_TOKEN."""
     if path:

@@ -132,6 +132,10 @@ def serve_config(args: argparse.Namespace):
 
 def _run_serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if not args.ray_address:  # embedded Ray, loopback only: set up before ray is imported
+        from pdserve.router.embedded_ray import loopback_only
+
+        loopback_only(getattr(args, "process_argv", None))  # re-executes this command once
     import asyncio
     import signal
 
@@ -153,10 +157,11 @@ def _run_serve(args: argparse.Namespace) -> int:
     else:
         # Embedded local Ray; room to scale each pool on this machine.
         room = 4 + max(p.replicas for p in config.pools())
-        ray.init(address="local", include_dashboard=False, log_to_driver=False,
-                 num_cpus=max(os.cpu_count() or 2, room),
-                 resources={"prefill": room, "decode": room},
-                 _temp_dir=os.environ.get("PDSERVE_RAY_TMP", "/tmp/pdserve-ray"))
+        from pdserve.router.embedded_ray import start_embedded_ray
+
+        start_embedded_ray(num_cpus=max(os.cpu_count() or 2, room),
+                           resources={"prefill": room, "decode": room},
+                           temp_dir=os.environ.get("PDSERVE_RAY_TMP", "/tmp/pdserve-ray"))
 
     async def main() -> int:
         print(f"starting {config.mode} pools (model {model}) ...", flush=True)
@@ -371,7 +376,32 @@ def _run_scale(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_make_tokens_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", help="folder to write `tokens` and `admin_token` into (mode 0600)")
+    p.add_argument("--tenants", default="default",
+                   help="comma-separated tenant names (default: one tenant, 'default')")
+
+
+def _run_make_tokens(args: argparse.Namespace) -> int:
+    from pdserve.router.auth import make_token_files
+
+    try:
+        tenant_path, admin_path = make_token_files(
+            args.dir, [t.strip() for t in args.tenants.split(",") if t.strip()])
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {tenant_path} and {admin_path} (mode 0600; the tokens are only there)\n"
+          f"serve:  pdserve serve --auth-token-file {tenant_path} "
+          f"--admin-token-file {admin_path} ...\n"
+          "client: give each tenant its own line's token (pdserve generate --token-file F, "
+          "or PDSERVE_TOKEN)")
+    return 0
+
+
 def register_commands(register) -> None:
+    register("make-tokens", "write tenant tokens and an admin token for `serve`",
+             _add_make_tokens_args, _run_make_tokens)
     register("serve", "run the router and its Ray pools (embedded local Ray by default)",
              _add_serve_args, _run_serve)
     register("generate", "stream a completion from a running router", _add_generate_args,

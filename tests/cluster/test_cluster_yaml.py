@@ -45,6 +45,22 @@ def test_setup_installs_pdserve_and_head_runs_the_router():
     assert any("ray start --address=$RAY_HEAD_IP" in c for c in config["worker_start_ray_commands"])
 
 
+def test_every_node_keeps_ray_auth_on_and_the_router_authenticates():
+    config = _load()
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        for cmd in config[key]:
+            if "ray start" in cmd or "pdserve serve" in cmd:
+                assert "RAY_AUTH_MODE=token" in cmd and "RAY_AUTH_TOKEN_PATH=" in cmd, cmd
+    everything = " ".join(" ".join(config[k]) for k in config if k.endswith("_commands"))
+    assert "RAY_AUTH_MODE=disabled" not in CLUSTER_YAML.read_text()
+    assert "--dashboard-host=0.0.0.0" not in everything
+    serve = next(c for c in config["head_start_ray_commands"] if "pdserve serve" in c)
+    for flag in ("--auth-token-file", "--admin-token-file", "--tls-cert-file", "--tls-key-file"):
+        assert flag in serve, flag
+    assert "--insecure" not in serve
+    assert "~/.pdserve" in config["file_mounts"]
+
+
 def test_ray_rejects_an_unknown_field():
     from ray.autoscaler._private.util import prepare_config, validate_config
 

@@ -278,3 +278,22 @@ def test_loopback_peers():
     with pytest.raises(AuthError) as info:
         auth.authorize_admin((), "ipv4:10.0.0.1:1")
     assert info.value.code == DENIED
+
+
+def test_make_tokens_writes_private_files_that_serve_accepts(tmp_path):
+    import subprocess
+    import sys
+
+    folder = tmp_path / "secrets"
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "make-tokens", str(folder),
+                        "--tenants", "alice,bob"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    tenant_file, admin_file = folder / "tokens", folder / "admin_token"
+    for path in (tenant_file, admin_file):
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        assert path.read_text().split()[-1] not in r.stdout  # tokens only in the files
+    auth = Authenticator(str(tenant_file), str(admin_file))
+    assert auth.tenants == ["alice", "bob"]
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "make-tokens", str(folder)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "not overwriting" in r.stderr
