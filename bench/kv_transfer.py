@@ -40,7 +40,7 @@ DEFAULT_SIZES = (1, 16, 64)
 TRANSPORTS = ("ray", "grpc")
 
 
-def make_payload(request_id: str, nbytes: int, seed: int = 0) -> bytes:
+def make_body(request_id: str, nbytes: int, seed: int = 0) -> bytes:
     """`nbytes` bytes: a header naming the request and a checksum, then random bytes."""
     import numpy as np
 
@@ -52,12 +52,39 @@ def make_payload(request_id: str, nbytes: int, seed: int = 0) -> bytes:
     return MAGIC + rid + nbytes.to_bytes(8, "little") + crc.to_bytes(8, "little") + body
 
 
+def frame(request_id: str, body: bytes) -> bytes:
+    """`body` framed as a KV payload (engine/kv_payload.py's prefix and header fields the
+    transports read: `request_id`, `tensor_bytes`), so the gRPC service's checks apply."""
+    import msgpack
+    from pdserve.engine.kv_payload import _PREFIX, VERSION
+    from pdserve.engine.kv_payload import MAGIC as KV_MAGIC
+
+    header = msgpack.packb({"request_id": request_id, "tensor_bytes": len(body)},
+                           use_bin_type=True)
+    return b"".join([_PREFIX.pack(KV_MAGIC, VERSION, len(header)), header, body])
+
+
+def make_payload(request_id: str, nbytes: int, seed: int = 0) -> bytes:
+    """A framed payload whose body is `nbytes` checksummed bytes."""
+    return frame(request_id, make_body(request_id, nbytes, seed))
+
+
 def check_payload(payload) -> str:
     """The request id of an intact payload; ValueError otherwise."""
+    import msgpack
+    from pdserve.engine.kv_payload import _PREFIX
+
     view = memoryview(payload)
+    if len(view) < _PREFIX.size:
+        raise ValueError("not a KV payload")
+    _, _, header_len = _PREFIX.unpack(bytes(view[:_PREFIX.size]))
+    header = msgpack.unpackb(bytes(view[_PREFIX.size:_PREFIX.size + header_len]))
+    view = view[_PREFIX.size + header_len:]
     if len(view) < HEADER or bytes(view[:8]) != MAGIC:
         raise ValueError("not a benchmark payload")
     rid = bytes(view[8:48]).rstrip(b"\0").decode()
+    if rid != header["request_id"][:40]:
+        raise ValueError(f"the header names {header['request_id']!r}, the body {rid!r}")
     n = int.from_bytes(view[48:56], "little")
     if n != len(view):
         raise ValueError(f"{rid}: {len(view)} bytes arrived, {n} were sent")
@@ -69,11 +96,11 @@ def check_payload(payload) -> str:
 class PayloadRank:
     """Stands in for an engine rank on either end of a hand-off (a Ray actor)."""
 
-    def __init__(self, kv_transport: str) -> None:
+    def __init__(self, kv_transport: str, secret: Any = None) -> None:
         from pdserve.kv_transfer import make_endpoint
 
         self._payloads: dict[int, bytes] = {}
-        self.endpoint = make_endpoint(kv_transport, self, "127.0.0.1")
+        self.endpoint = make_endpoint(kv_transport, self, "127.0.0.1", secret=secret)
         self.imported = 0
 
     def info(self) -> Any:
@@ -85,10 +112,10 @@ class PayloadRank:
 
         base = self._payloads.get(nbytes)
         if base is None:
-            base = self._payloads[nbytes] = make_payload("x", nbytes)
-        # Same bytes, this request's id in the header (untimed: the engine made them).
+            base = self._payloads[nbytes] = make_body("x", nbytes)
+        # Same bytes, this request's id in the headers (untimed: the engine made them).
         rid = request_id.encode()[:40].ljust(40, b"\0")
-        payload = base[:8] + rid + base[48:]
+        payload = frame(request_id, base[:8] + rid + base[48:])
         start = time.perf_counter()
         locator = self.endpoint.export(request_id, payload)
         took = time.perf_counter() - start
@@ -147,11 +174,12 @@ def memcpy_seconds(nbytes: int, repeats: int) -> tuple[list[float], list[float]]
 
 async def _measure_transport(name: str, sizes_mib: list[float], repeats: int) -> dict:
     import ray
-    from pdserve.kv_transfer import make_transport
+    from pdserve.kv_transfer import KVSecret, make_transport
 
+    secret = KVSecret.generate() if name == "grpc" else None
+    transport = make_transport(name, secret=secret)
     actor_cls = ray.remote(num_cpus=0)(PayloadRank)
-    src_a, dst_a = actor_cls.remote(name), actor_cls.remote(name)
-    transport = make_transport(name)
+    src_a, dst_a = actor_cls.remote(name, secret), actor_cls.remote(name, secret)
     out = {"deliver_s": {}, "export_s": {}}
     try:
         src_info, dst_info = await asyncio.gather(src_a.info.remote(), dst_a.info.remote())
@@ -168,8 +196,8 @@ async def _measure_transport(name: str, sizes_mib: list[float], repeats: int) ->
                 if not res.ok:
                     raise RuntimeError(f"{name} transport failed at {size:g} MiB: "
                                        f"{res.kind}: {res.error}")
-                if res.nbytes and res.nbytes != nbytes:  # grpc counts what it relayed
-                    raise RuntimeError(f"{name}: relayed {res.nbytes} bytes of {nbytes}")
+                if res.nbytes and res.nbytes != ticket.nbytes:  # grpc counts what it relayed
+                    raise RuntimeError(f"{name}: relayed {res.nbytes} bytes of {ticket.nbytes}")
                 if res.attempt != rid:
                     raise RuntimeError(f"{name}: delivered {res.attempt!r}, sent {rid!r}")
                 await transport.release(ticket, src)

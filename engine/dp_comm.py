@@ -12,6 +12,9 @@ implements it over ``torch.distributed`` with a process group of its own (a
 - every collective has a timeout: a dead or hung peer makes ``all_reduce_min`` raise
   ``CollectiveError`` instead of wedging the rank.
 
+``listen_store`` hosts a ``TCPStore`` that listens on one address only (a plain
+``TCPStore(host, ...)`` server listens on every interface, whatever ``host`` says).
+
 ``RankPool`` / ``run_ranks`` start N real processes (multiprocessing ``forkserver``, else
 ``spawn``; never a bare ``fork``) that share a store hosted by the launching process and
 run functions on every rank, returning the per-rank results. Tests use it; so can
@@ -27,6 +30,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import socket
 import sys
 import time
 import traceback
@@ -45,6 +49,7 @@ __all__ = [
     "RankError",
     "RankPool",
     "TorchDistCommunicator",
+    "listen_store",
     "run_ranks",
 ]
 
@@ -54,6 +59,32 @@ _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 class CollectiveError(RuntimeError):
     """A collective failed: a peer died or hung past the timeout, or the group is closed."""
+
+
+def listen_store(host: str, port: int = 0, *, world_size: int | None = None,
+                 timeout: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
+    """A ``TCPStore`` server listening on ``host`` only (port 0: one the OS picks; read it
+    from ``.port``).
+
+    ``TCPStore(host, port, is_master=True)`` binds every interface (``*:port``) in torch
+    2.13, with either backend (libuv or not); ``host`` only names what clients dial. So
+    the socket is bound and listening here first and handed over (``master_listen_fd``):
+    the store owns the descriptor from then on and closes it when it is destroyed.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=128)
+    bound = sock.getsockname()[1]
+    fd = sock.detach()
+    try:
+        return dist.TCPStore(host, bound, world_size, True,
+                             timeout=datetime.timedelta(seconds=timeout),
+                             wait_for_workers=False, master_listen_fd=fd)
+    except BaseException:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        raise
 
 
 def _parse_tcp(address: str) -> tuple[str, int]:
@@ -88,6 +119,7 @@ class TorchDistCommunicator:
         timeout: float = DEFAULT_TIMEOUT_S,
         prefix: str = "pdserve/dp",
         gloo_host: str | None = None,
+        name: str | None = None,
     ) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
@@ -118,6 +150,9 @@ class TorchDistCommunicator:
         self.device = dev
         self.timeout = float(timeout)
         self.prefix = prefix
+        # What errors and the repr call the group: the prefix, unless it holds something
+        # not to be shown (the router's per-group nonce; see EngineRank.join_group).
+        self.name = prefix if name is None else name
         self.calls = 0
         self.seconds = 0.0
         self._closed = False
@@ -131,8 +166,11 @@ class TorchDistCommunicator:
         td = datetime.timedelta(seconds=self.timeout)
         if isinstance(init, str):
             host, port = _parse_tcp(init)
-            self._store = dist.TCPStore(host, port, world_size, rank == 0, timeout=td,
-                                        wait_for_workers=False)
+            if rank == 0:  # listening on that address only (see listen_store)
+                self._store = listen_store(host, port, world_size=world_size,
+                                           timeout=self.timeout)
+            else:
+                self._store = dist.TCPStore(host, port, world_size, False, timeout=td)
             base = self._store
             if gloo_host is None and host in _LOOPBACK:
                 gloo_host = "127.0.0.1"
@@ -166,9 +204,9 @@ class TorchDistCommunicator:
     def all_reduce_min(self, value: int) -> int:
         """The minimum of ``value`` over the group's ranks; every rank must call it."""
         if self._closed:
-            raise CollectiveError(f"rank {self.rank}: the group ({self.prefix}) is closed")
+            raise CollectiveError(f"rank {self.rank}: the group ({self.name}) is closed")
         if self._broken is not None:
-            raise CollectiveError(f"rank {self.rank}: the group ({self.prefix}) failed earlier: "
+            raise CollectiveError(f"rank {self.rank}: the group ({self.name}) failed earlier: "
                                   f"{self._broken}")
         self.calls += 1
         if self._pg is None:
@@ -183,7 +221,7 @@ class TorchDistCommunicator:
             self._broken = f"{type(e).__name__}: {e}"
             raise CollectiveError(
                 f"rank {self.rank}/{self.world_size}: all_reduce_min failed on group "
-                f"{self.prefix!r} (a peer died, hung past {self.timeout:g}s, or left): {e}"
+                f"{self.name!r} (a peer died, hung past {self.timeout:g}s, or left): {e}"
             ) from e
         finally:
             self.seconds += time.perf_counter() - start
@@ -214,7 +252,7 @@ class TorchDistCommunicator:
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("broken" if self._broken else "open")
         return (f"TorchDistCommunicator(rank={self.rank}, world_size={self.world_size}, "
-                f"backend={self.backend!r}, prefix={self.prefix!r}, calls={self.calls}, {state})")
+                f"backend={self.backend!r}, name={self.name!r}, calls={self.calls}, {state})")
 
 
 # ---------------------------------------------------------------------------------------
@@ -358,8 +396,7 @@ class RankPool:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
-        self._store = dist.TCPStore(host, 0, None, True, timeout=datetime.timedelta(seconds=60),
-                                    wait_for_workers=False)
+        self._store = listen_store(host, 0, timeout=60.0)
         self._mp = _context(start_method)
         self._results = self._mp.Queue()
         self._tasks = [self._mp.Queue() for _ in range(world_size)]

@@ -2,20 +2,21 @@
 
 One module per backend, each holding all its sides (see base.py): ``ray`` (object
 store, default), ``grpc`` (bytes through the router, chunked) and ``in_process``
-(ranks in one process: tests).
+(ranks in one process: tests). ``grpc`` authenticates every transfer with the
+cluster's ``KVSecret`` (see grpc_bytes.py); the others ignore ``secret``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pdserve.kv_transfer.base import DeliveryResult, KVTransport, RankEndpoint
+from pdserve.kv_transfer.base import DeliveryResult, KVSecret, KVTransport, RankEndpoint
 
 TRANSPORTS = ("ray", "grpc", "in_process")
 
 
-def make_transport(name: str) -> KVTransport:
-    """The router's side of transport ``name``."""
+def make_transport(name: str, secret: KVSecret | None = None) -> KVTransport:
+    """The router's side of transport ``name`` (``grpc`` needs the cluster's ``secret``)."""
     if name == "ray":
         from pdserve.kv_transfer.ray_store import RayObjectStoreTransport
 
@@ -23,7 +24,7 @@ def make_transport(name: str) -> KVTransport:
     if name == "grpc":
         from pdserve.kv_transfer.grpc_bytes import GrpcBytesTransport
 
-        return GrpcBytesTransport()
+        return GrpcBytesTransport(secret)
     if name == "in_process":
         from pdserve.kv_transfer.in_process import InProcessTransport
 
@@ -31,8 +32,12 @@ def make_transport(name: str) -> KVTransport:
     raise ValueError(f"kv_transport must be one of {TRANSPORTS}, got {name!r}")
 
 
-def make_endpoint(name: str, importer: Any, host: str) -> RankEndpoint:
-    """A rank's side of transport ``name``; ``importer.import_prefilled`` receives."""
+def make_endpoint(name: str, importer: Any, host: str, *, secret: KVSecret | None = None,
+                  max_push_bytes: int | None = None) -> RankEndpoint:
+    """A rank's side of transport ``name``; ``importer.import_prefilled`` receives.
+
+    ``grpc``: without ``secret`` the endpoint refuses every request; ``max_push_bytes``
+    bounds a pushed payload (default: ``grpc_bytes.DEFAULT_MAX_PUSH_BYTES``)."""
     if name == "ray":
         from pdserve.kv_transfer.ray_store import RayEndpoint
 
@@ -40,11 +45,11 @@ def make_endpoint(name: str, importer: Any, host: str) -> RankEndpoint:
     if name == "grpc":
         from pdserve.kv_transfer.grpc_bytes import GrpcEndpoint
 
-        return GrpcEndpoint(importer, host)
+        return GrpcEndpoint(importer, host, secret, max_push_bytes=max_push_bytes)
     if name == "in_process":
         return RankEndpoint()
     raise ValueError(f"kv_transport must be one of {TRANSPORTS}, got {name!r}")
 
 
-__all__ = ["DeliveryResult", "KVTransport", "RankEndpoint", "TRANSPORTS", "make_endpoint",
-           "make_transport"]
+__all__ = ["DeliveryResult", "KVSecret", "KVTransport", "RankEndpoint", "TRANSPORTS",
+           "make_endpoint", "make_transport"]

@@ -16,10 +16,17 @@ COMPLETION rank. Each backend is one module holding every side of it:
    decode rank confirmed its import (``release``), or when its request ended on the way
    (``discard``). An endpoint also forgets payloads nobody asked for within
    ``max_age_s``, so a router that vanished cannot leak them.
+
+``KVSecret`` is the per-cluster key of transports that authenticate their traffic
+(``grpc``): the router makes one at start and hands it to its ranks through Ray only.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -35,6 +42,55 @@ class DeliveryResult:
     kind: str = ""  # on failure: PAYLOAD | CAPACITY | TRANSPORT
     error: str = ""
     nbytes: int = 0
+
+
+class KVSecret:
+    """The cluster's key for authorizing KV transfers (HMAC-SHA256); its repr hides it.
+
+    Made by the router (``KVSecret.generate()``: ``secrets.token_bytes(32)``) and sent
+    to every rank as a Ray actor argument, never through the environment, a file or a
+    log. ``authorize`` gives the MAC of one operation on one attempt at one rank's KV
+    address, valid until ``expires`` (unix seconds); ``verify`` checks one in constant
+    time.
+    """
+
+    __slots__ = ("_key",)
+    SIZE = 32
+
+    def __init__(self, key: bytes) -> None:
+        if not isinstance(key, bytes) or len(key) < 16:
+            raise ValueError("a KV secret must be at least 16 random bytes")
+        self._key = key
+
+    @classmethod
+    def generate(cls) -> KVSecret:
+        return cls(secrets.token_bytes(cls.SIZE))
+
+    @staticmethod
+    def message(operation: str, attempt: str, address: str, expires: int) -> bytes:
+        """What the MAC covers: every field length-prefixed, so none can run into the next."""
+        out = [b"pdserve-kv-auth/1"]
+        for part in (operation, attempt, address, str(int(expires))):
+            raw = part.encode("utf-8", "surrogateescape")
+            out.append(len(raw).to_bytes(4, "big") + raw)
+        return b"".join(out)
+
+    def authorize(self, operation: str, attempt: str, address: str, expires: int) -> str:
+        return hmac.new(self._key, self.message(operation, attempt, address, expires),
+                        hashlib.sha256).hexdigest()
+
+    def verify(self, operation: str, attempt: str, address: str, expires: int,
+               mac: str) -> bool:
+        expected = self.authorize(operation, attempt, address, expires).encode()
+        return hmac.compare_digest(expected, mac.encode("utf-8", "replace"))
+
+    def __reduce__(self):  # pickled (by Ray) whole; only its repr is hidden
+        return (KVSecret, (self._key,))
+
+    def __repr__(self) -> str:
+        return "KVSecret(<hidden>)"
+
+    __str__ = __repr__
 
 
 class KVTransport(ABC):
@@ -74,24 +130,30 @@ class RankEndpoint:
     def __init__(self, max_age_s: float = 600.0) -> None:
         self.max_age_s = max_age_s
         self._payloads: dict[str, tuple[float, Any]] = {}
+        # export/release run on the rank's threads, get on a server's (grpc)
+        self._payloads_lock = threading.Lock()
 
     def export(self, attempt: str, payload: bytes) -> Any:
-        self._expire()
-        self._payloads[attempt] = (time.monotonic(), payload)
+        with self._payloads_lock:
+            self._expire()
+            self._payloads[attempt] = (time.monotonic(), payload)
         return attempt
 
     def get(self, attempt: str) -> Any | None:
-        entry = self._payloads.get(attempt)
+        with self._payloads_lock:
+            entry = self._payloads.get(attempt)
         return None if entry is None else entry[1]
 
     def release(self, attempt: str) -> None:
-        self._payloads.pop(attempt, None)
+        with self._payloads_lock:
+            self._payloads.pop(attempt, None)
 
     def __len__(self) -> int:
         return len(self._payloads)
 
     def close(self) -> None:
-        self._payloads.clear()
+        with self._payloads_lock:
+            self._payloads.clear()
 
     def _expire(self) -> None:
         cutoff = time.monotonic() - self.max_age_s

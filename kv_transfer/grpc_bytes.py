@@ -1,18 +1,63 @@
-"""KV as bytes through the router over gRPC, all sides.
+"""KV as bytes through the router over gRPC, all sides, authenticated.
 
-1. Export (prefill rank): the payload stays in the rank's ``GrpcEndpoint``, which serves
-   ``Fetch`` on its own port; the locator is ``(address, attempt)``.
-2. Deliver (router): pull ~1 MiB chunks from the prefill rank's ``Fetch`` and push them,
-   as they arrive, to the decode rank's ``Push``, which imports them (receive side:
-   ``KVTransferServicer.Push`` -> ``EngineRank.import_prefilled``).
-3. Release / discard: ``Fetch`` does not consume the payload; the router releases it
-   (``release_kv`` on the prefill rank) only after the decode rank confirmed the
-   import, so a relay that fails half-way can be retried on another decode rank.
+A hand-off, step by step (the copies each step makes are named; gRPC's own
+serialize/parse happen once on each side of every hop):
+
+1. Export (prefill rank): the payload (the engine's one ``bytes`` object: header plus
+   tensors, built by ``KVPayload.to_bytes``) stays in the rank's ``GrpcEndpoint``; the
+   locator is ``(address, attempt)``. No copy.
+2. Authorize (router): for the hop it is about to make, the router computes
+   ``HMAC-SHA256(secret, "pdserve-kv-auth/1" | op | attempt | address | expires)``
+   (each field length-prefixed; see ``KVSecret``) with ``op`` ``fetch`` or ``push``,
+   ``attempt`` the attempt key, ``address`` the *target* rank's KV address as that rank
+   advertises it, and ``expires`` a unix time ``AUTH_VALIDITY_S`` ahead. It travels in
+   gRPC metadata (``pdserve-kv-auth``, ``pdserve-kv-expires``, and for a push the
+   attempt itself, ``pdserve-kv-attempt``). So an authorization is good for one
+   operation on one attempt at one rank for a short while, and only the router (which
+   alone holds the secret with the ranks) can make one: no extra round trip announces
+   an attempt to a rank, the MAC is the announcement.
+3. Fetch (prefill rank): the endpoint checks the MAC (``hmac.compare_digest``) and its
+   expiry before it looks the payload up; missing, wrong, expired, for another
+   operation, attempt or rank: ``UNAUTHENTICATED``, nothing else is touched. It then
+   streams ~1 MiB chunks (one slice copy per chunk). Fetch does not consume the
+   payload, so a relay that fails half-way can be retried on another decode rank.
+4. Relay (router): each fetched chunk is pushed on as it arrives (no copy in Python;
+   the router never holds the whole payload).
+5. Push (decode rank): before reading any chunk the endpoint checks the MAC for
+   (``push``, the announced attempt, its own address); then it refuses a second push of
+   an attempt it already took (a replay: ``ALREADY_EXISTS``; the router never pushes one
+   attempt to one rank twice). As chunks arrive it parses the payload header as soon as
+   it is complete: a header that is not a KV payload's, or names another attempt than
+   the authorized one (a forged payload), is ``INVALID_ARGUMENT``; a payload larger
+   than the rank's limit (by the size its header promises, or by the bytes sent) is
+   ``RESOURCE_EXHAUSTED`` naming the limit. The chunks are joined into one buffer (one
+   copy) and only then handed to ``importer.import_prefilled`` on a worker thread, which
+   checks the payload whole and queues it (copies into tensors, then into KV blocks).
+   A refused push never reaches the importer: no blocks are taken, nothing is queued.
+6. Release / discard: the router releases the payload (``release_kv`` on the prefill
+   rank, through Ray) only after the decode rank confirmed the import.
+
+Limits: a Fetch or Push stream is aborted (``DEADLINE_EXCEEDED``) when it runs longer
+than ``stream_timeout_s`` in all, or when a Push's next chunk (a Fetch's next write)
+does not go through within ``chunk_timeout_s``. The endpoint is a ``grpc.aio`` server on
+an event loop of its own thread: a stream in progress holds a coroutine, not a thread,
+so idle or slow streams cannot keep a hand-off from being served; imports run on a
+small thread pool of their own, only once a payload arrived whole. At most
+``MAX_CONCURRENT_RPCS`` calls run at once (more: ``RESOURCE_EXHAUSTED``, which the
+router treats as "try another decode rank").
+
+The router maps a failed push to ``DeliveryResult`` kinds: ``RESOURCE_EXHAUSTED`` ->
+capacity (try another decode rank), ``INVALID_ARGUMENT`` -> payload (never retried),
+anything else -> transport. The MAC authenticates; it does not encrypt: the bytes (and
+the prompt's token ids in the header) cross the network in the clear.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import threading
+import time
 from concurrent import futures
 from typing import Any
 
@@ -22,6 +67,7 @@ from pdserve.kv_transfer.base import (
     PAYLOAD,
     TRANSPORT,
     DeliveryResult,
+    KVSecret,
     KVTransport,
     RankEndpoint,
 )
@@ -35,6 +81,30 @@ CHANNEL_OPTIONS = [
     ("grpc.http2.bdp_probe", 0),
 ]
 
+FETCH, PUSH = "fetch", "push"
+AUTH_KEY, EXPIRES_KEY, ATTEMPT_KEY = "pdserve-kv-auth", "pdserve-kv-expires", "pdserve-kv-attempt"
+# An authorization is issued right before its call and only checked when the call
+# starts, so it needs to live only that long; the skew allows for clocks of different
+# nodes. A rank remembers pushed attempts for as long as their authorization is good.
+AUTH_VALIDITY_S = 60
+MAX_CLOCK_SKEW_S = 60
+# Per-stream bounds (the router's own bound, handoff_timeout_s, is 60 s by default).
+STREAM_TIMEOUT_S = 120.0
+CHUNK_TIMEOUT_S = 10.0
+MAX_CONCURRENT_RPCS = 256
+# A rank whose importer does not say how much KV it can hold (test doubles, benches)
+# takes pushed payloads up to this size.
+DEFAULT_MAX_PUSH_BYTES = 1 << 30
+# The header beside the tensors: at most 9 bytes of msgpack per token id, plus this for
+# the rest (ids, sampling, tensor specs: a few hundred bytes in practice).
+HEADER_SLACK_BYTES = 1 << 20
+
+
+def max_payload_bytes(max_tokens: int, tensor_bytes: int) -> int:
+    """An upper bound on the size of a payload of at most ``max_tokens`` prompt tokens
+    whose tensors hold at most ``tensor_bytes`` bytes (a rank's push limit)."""
+    return HEADER_SLACK_BYTES + 9 * (max_tokens + 1) + tensor_bytes
+
 
 def chunks(attempt: str, data: bytes, size: int = CHUNK_BYTES):
     view = memoryview(data)
@@ -46,62 +116,298 @@ def chunks(attempt: str, data: bytes, size: int = CHUNK_BYTES):
                                       data=bytes(view[start:start + size]))
 
 
+def auth_metadata(secret: KVSecret, operation: str, attempt: str, address: str,
+                  validity_s: float = AUTH_VALIDITY_S) -> tuple[tuple[str, str], ...]:
+    """The metadata that authorizes ``operation`` on ``attempt`` at the rank ``address``."""
+    expires = int(time.time() + validity_s)
+    return ((AUTH_KEY, secret.authorize(operation, attempt, address, expires)),
+            (EXPIRES_KEY, str(expires)), (ATTEMPT_KEY, attempt))
+
+
+class PayloadRefused(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+def peek_header(head: bytes | bytearray) -> tuple[str, int] | None:
+    """(attempt the payload names, its whole size) once ``head`` holds the payload's
+    whole header; None while it does not yet. ``PayloadRefused`` if it is no KV payload."""
+    # The payload format's own parser and bounds (engine/kv_payload.py); imported here,
+    # not at module import: the router process never needs torch.
+    from pdserve.engine.kv_payload import _PREFIX, MAGIC, MAX_HEADER_BYTES, VERSION, _unpack_header
+
+    if len(head) < _PREFIX.size:
+        return None
+    magic, version, header_len = _PREFIX.unpack(bytes(head[:_PREFIX.size]))
+    bad = grpc.StatusCode.INVALID_ARGUMENT
+    if magic != MAGIC:
+        raise PayloadRefused(bad, "not a KV payload: bad magic bytes")
+    if version != VERSION:
+        raise PayloadRefused(bad, f"KV payload version {version} is not supported")
+    if header_len > MAX_HEADER_BYTES:
+        raise PayloadRefused(bad, f"KV payload header length {header_len} exceeds "
+                                  f"{MAX_HEADER_BYTES} bytes")
+    body = _PREFIX.size + header_len
+    if len(head) < body:
+        return None
+    try:
+        header = _unpack_header(memoryview(head)[_PREFIX.size:body])
+    except ValueError as exc:
+        raise PayloadRefused(bad, str(exc)) from None
+    attempt, tensor_bytes = header.get("request_id"), header.get("tensor_bytes")
+    if not isinstance(attempt, str):
+        raise PayloadRefused(bad, "KV payload header field 'request_id' is missing")
+    if not isinstance(tensor_bytes, int) or isinstance(tensor_bytes, bool) or tensor_bytes < 0:
+        raise PayloadRefused(bad, "KV payload header field 'tensor_bytes' must be an int >= 0")
+    return attempt, body + tensor_bytes
+
+
 # -- rank side --------------------------------------------------------------------------
 
 class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
-    """``Fetch`` serves the endpoint's payloads; ``Push`` imports into ``importer``
-    (an object with ``import_prefilled(bytes) -> ImportResult``)."""
+    """``Fetch`` serves the endpoint's payloads; ``Push`` imports into its importer (an
+    object with ``import_prefilled(bytes) -> ImportResult``). Both authenticate first."""
 
-    def __init__(self, endpoint: RankEndpoint, importer: Any) -> None:
+    def __init__(self, endpoint: GrpcEndpoint) -> None:
         self.endpoint = endpoint
-        self.importer = importer
 
-    def Fetch(self, request, context):
-        data = self.endpoint.get(request.request_id)
+    async def Fetch(self, request, context):
+        ep = self.endpoint
+        attempt = request.request_id
+        await ep.authenticate(context, FETCH, attempt)
+        data = ep.get(attempt)
         if data is None:
-            context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"no KV payload for attempt {request.request_id!r} on this rank")
-        yield from chunks(request.request_id, data)
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no KV payload for attempt {attempt!r} on this rank")
+        deadline = asyncio.get_running_loop().time() + ep.stream_timeout_s
+        for chunk in chunks(attempt, data):
+            await ep.bounded(context, lambda chunk=chunk: context.write(chunk), deadline, "fetch",
+                             "the next chunk was not taken")
 
-    def Push(self, request_iterator, context):
-        parts = [chunk.data for chunk in request_iterator]
-        result = self.importer.import_prefilled(b"".join(parts))
+    async def Push(self, request_iterator, context):
+        ep = self.endpoint
+        attempt = _metadata(context).get(ATTEMPT_KEY, "")
+        await ep.authenticate(context, PUSH, attempt)
+        if not ep.claim(attempt):
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"attempt {attempt!r} was already pushed to this rank: "
+                                "a replayed push is refused")
+        data = await self._receive(context, attempt)
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(ep.imports, ep.importer.import_prefilled, data)
         if not result.ok:
             code = (grpc.StatusCode.RESOURCE_EXHAUSTED if result.kind == CAPACITY
                     else grpc.StatusCode.INVALID_ARGUMENT)
-            context.abort(code, result.error)
+            await context.abort(code, result.error)
         return kv_transfer_pb2.PushResponse(request_id=result.attempt)
+
+    async def _receive(self, context, attempt: str) -> bytes:
+        """The pushed payload whole, checked against the authorization and the limit."""
+        ep = self.endpoint
+        limit = ep.max_push_bytes
+        over = (f"the pushed KV payload exceeds this rank's limit of {limit} bytes "
+                f"(max_push_bytes: the largest sequence its KV blocks can hold, plus header)")
+        deadline = asyncio.get_running_loop().time() + ep.stream_timeout_s
+        parts: list[bytes] = []
+        size = 0
+        head: bytearray | None = bytearray()  # until the header is complete
+        expected = None
+        try:
+            while True:
+                msg = await ep.bounded(context, context.read, deadline, "push",
+                                       "no chunk arrived")
+                if msg is grpc.aio.EOF:
+                    break
+                if msg.request_id and msg.request_id != attempt:
+                    raise PayloadRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                                         f"chunk names attempt {msg.request_id!r}, the push "
+                                         f"is authorized for {attempt!r}")
+                size += len(msg.data)
+                if size > limit:
+                    raise PayloadRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, over)
+                parts.append(msg.data)
+                if head is not None:
+                    head += msg.data
+                    found = peek_header(head)
+                    if found is not None:
+                        named, expected = found
+                        head = None
+                        if named != attempt:
+                            raise PayloadRefused(
+                                grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the payload's header names attempt {named!r}, the push is "
+                                f"authorized for {attempt!r}: refused")
+                        if expected > limit:
+                            raise PayloadRefused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                 f"{over}; its header promises {expected}")
+                if expected is not None and size > expected:
+                    raise PayloadRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                                         f"more KV payload bytes than its header promises "
+                                         f"({expected})")
+            if expected is None:
+                raise PayloadRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                                     f"KV payload truncated: {size} bytes, no whole header")
+            if size != expected:
+                raise PayloadRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                                     f"KV payload truncated: {size} bytes, header promises "
+                                     f"{expected}")
+        except PayloadRefused as refused:
+            await context.abort(refused.code, refused.details)
+        return b"".join(parts)
+
+
+def _metadata(context) -> dict[str, str]:
+    return {m.key: m.value for m in context.invocation_metadata() or ()
+            if isinstance(m.value, str)}
 
 
 class GrpcEndpoint(RankEndpoint):
-    """Keeps exported payloads and serves them (and imports) on a port of its own."""
+    """Keeps exported payloads and serves them (and imports) on a port of its own: a
+    ``grpc.aio`` server on an event loop in a background thread.
 
-    def __init__(self, importer: Any, host: str, max_age_s: float = 600.0) -> None:
+    ``secret``: the cluster's ``KVSecret`` (without one, every call is refused).
+    ``max_push_bytes``: the largest payload a push may carry. ``stream_timeout_s`` and
+    ``chunk_timeout_s`` bound every stream (see the module docstring)."""
+
+    def __init__(self, importer: Any, host: str, secret: KVSecret | None = None, *,
+                 max_age_s: float = 600.0, max_push_bytes: int | None = None,
+                 stream_timeout_s: float = STREAM_TIMEOUT_S,
+                 chunk_timeout_s: float = CHUNK_TIMEOUT_S,
+                 max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS,
+                 import_threads: int = 2) -> None:
         super().__init__(max_age_s)
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
-                                  options=CHANNEL_OPTIONS)
-        kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(
-            KVTransferServicer(self, importer), self.server)
-        port = self.server.add_insecure_port(f"{host}:0")
-        self.server.start()
-        self.address = f"{host}:{port}"
+        self.importer = importer
+        self._secret = secret
+        self.max_push_bytes = int(max_push_bytes or DEFAULT_MAX_PUSH_BYTES)
+        self.stream_timeout_s = float(stream_timeout_s)
+        self.chunk_timeout_s = float(chunk_timeout_s)
+        self._pushed: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self._pushed_lock = threading.Lock()
+        self.imports = futures.ThreadPoolExecutor(max_workers=import_threads,
+                                                  thread_name_prefix="kv-import")
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kv-grpc",
+                                        daemon=True)
+        self._thread.start()
+        self._closed = False
+        bind = f"[{host}]" if ":" in host else host
+        try:
+            self.server, port = asyncio.run_coroutine_threadsafe(
+                self._start(bind, max_concurrent_rpcs), self._loop).result(30)
+        except BaseException:
+            self._stop_loop()
+            raise
+        self.address = f"{bind}:{port}"
+
+    async def _start(self, bind: str, max_concurrent_rpcs: int):
+        server = grpc.aio.server(options=CHANNEL_OPTIONS,
+                                 maximum_concurrent_rpcs=max_concurrent_rpcs)
+        kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(self), server)
+        port = server.add_insecure_port(f"{bind}:0")
+        await server.start()
+        return server, port
+
+    # -- checks (on the server's loop) ---------------------------------------------------
+
+    def check_authorization(self, metadata: dict[str, str], operation: str,
+                            attempt: str) -> str | None:
+        """None if ``metadata`` authorizes ``operation`` on ``attempt`` at this rank, else
+        why not."""
+        if self._secret is None:
+            return "this rank holds no KV key: every transfer is refused"
+        mac, expires = metadata.get(AUTH_KEY), metadata.get(EXPIRES_KEY)
+        if not mac or not expires or not attempt:
+            return "missing KV authorization"
+        try:
+            expires_at = int(expires)
+        except ValueError:
+            return "malformed KV authorization"
+        now = time.time()
+        if not now - MAX_CLOCK_SKEW_S <= expires_at <= now + AUTH_VALIDITY_S + MAX_CLOCK_SKEW_S:
+            return "the KV authorization has expired (or its clock is far off)"
+        if not self._secret.verify(operation, attempt, self.address, expires_at, mac):
+            return "invalid KV authorization"
+        return None
+
+    async def authenticate(self, context, operation: str, attempt: str) -> None:
+        why = self.check_authorization(_metadata(context), operation, attempt)
+        if why is not None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+
+    def claim(self, attempt: str) -> bool:
+        """True once per attempt (for as long as an authorization for it can be valid)."""
+        now = time.time()
+        with self._pushed_lock:
+            while self._pushed:
+                first, until = next(iter(self._pushed.items()))
+                if until >= now:
+                    break
+                del self._pushed[first]
+            if attempt in self._pushed:
+                return False
+            self._pushed[attempt] = now + AUTH_VALIDITY_S + 2 * MAX_CLOCK_SKEW_S
+            return True
+
+    async def bounded(self, context, step, deadline: float, what: str, stalled: str):
+        """``await step()`` within the chunk timeout and the stream's deadline, else abort."""
+        remaining = deadline - asyncio.get_running_loop().time()
+        timeout = min(self.chunk_timeout_s, remaining)
+        if timeout > 0:
+            try:
+                return await asyncio.wait_for(step(), timeout)
+            except asyncio.TimeoutError:
+                pass
+        if remaining <= self.chunk_timeout_s:
+            why = f"the {what} stream ran longer than {self.stream_timeout_s:g}s"
+        else:
+            why = f"{stalled} within {self.chunk_timeout_s:g}s: the {what} stream is aborted"
+        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, why)
+
+    # -- rank side ---------------------------------------------------------------------
 
     def export(self, attempt: str, payload: bytes) -> Any:
         super().export(attempt, payload)
         return (self.address, attempt)
 
     def close(self) -> None:
-        self.server.stop(grace=None)
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            asyncio.run_coroutine_threadsafe(self.server.stop(None), self._loop).result(10)
+        except Exception:  # a loop that is gone already
+            pass
+        self._stop_loop()
         super().close()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        if not self._thread.is_alive():
+            self._loop.close()
+        self.imports.shutdown(wait=False, cancel_futures=True)
+
+    def __repr__(self) -> str:
+        return f"GrpcEndpoint({getattr(self, 'address', None)}, {len(self)} payloads, key hidden)"
 
 
 # -- router side ------------------------------------------------------------------------
 
 class GrpcBytesTransport(KVTransport):
+    """Relays a payload from the prefill rank's ``Fetch`` to the decode rank's ``Push``,
+    each call authorized with the cluster's ``secret`` (see the module docstring)."""
+
     name = "grpc"
 
-    def __init__(self) -> None:
+    def __init__(self, secret: KVSecret | None, stream_timeout_s: float = STREAM_TIMEOUT_S) -> None:
+        if not isinstance(secret, KVSecret):
+            raise TypeError("the grpc KV transport needs the cluster's KVSecret "
+                            "(make_transport('grpc', secret=...))")
         super().__init__()
+        self._secret = secret
+        self.stream_timeout_s = stream_timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _stub(self, address: str) -> kv_transfer_pb2_grpc.KVTransferStub:
@@ -121,13 +427,17 @@ class GrpcBytesTransport(KVTransport):
 
         async def relay():
             nonlocal moved
-            fetch = self._stub(src_address).Fetch(kv_transfer_pb2.FetchRequest(request_id=attempt))
+            fetch = self._stub(src_address).Fetch(
+                kv_transfer_pb2.FetchRequest(request_id=attempt), timeout=self.stream_timeout_s,
+                metadata=auth_metadata(self._secret, FETCH, attempt, src_address))
             async for chunk in fetch:
                 moved += len(chunk.data)
                 yield chunk
 
         try:
-            reply = await self._stub(dst_address).Push(relay())
+            reply = await self._stub(dst_address).Push(
+                relay(), timeout=self.stream_timeout_s,
+                metadata=auth_metadata(self._secret, PUSH, attempt, dst_address))
         except grpc.aio.AioRpcError as exc:
             kind = {grpc.StatusCode.RESOURCE_EXHAUSTED: CAPACITY,
                     grpc.StatusCode.INVALID_ARGUMENT: PAYLOAD}.get(exc.code(), TRANSPORT)
@@ -153,3 +463,6 @@ class GrpcBytesTransport(KVTransport):
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
+
+    def __repr__(self) -> str:
+        return f"GrpcBytesTransport({len(getattr(self, '_channels', {}))} channels, key hidden)"

@@ -22,7 +22,11 @@ Also:
   controller got from rank 0's `open_group_store` (rendezvous through Ray, no fixed
   port), and re-formed the same way after a resize or a dead peer: `pause` stops
   every rank of the pool at the same step boundary (a vote), then the next
-  `join_group` starts a new loop with the new group.
+  `join_group` starts a new loop with the new group. The store's keys carry a random
+  nonce per group, and rank 0 closes the store once every rank joined (`group_formed`,
+  gloo only; see `open_group_store` for what torch allows).
+- the `grpc` KV endpoint authenticates every transfer with the cluster's `KVSecret`,
+  given to the constructor by the router through Ray (see kv_transfer/grpc_bytes.py).
 
 Nothing here imports torch at module import time, so the router can reference the
 actor classes without pulling torch into its process.
@@ -120,13 +124,15 @@ def default_loop_factory(engine: Any, on_step: Callable, communicator: Any,
 
 
 def default_communicator_factory(rank: int, world_size: int, address: Any,
-                                 timeout_s: float, prefix: str, device: str | None = None) -> Any:
-    """``address``: the group store's tcp:// address, or (rank 0) the store itself."""
+                                 timeout_s: float, prefix: str, device: str | None = None,
+                                 name: str | None = None) -> Any:
+    """``address``: the group store's tcp:// address, or (rank 0) a client of the store
+    it hosts. ``prefix`` holds the group's nonce; ``name`` is what errors may show."""
     from pdserve.engine.dp_comm import TorchDistCommunicator
 
     # The backend follows the device: NCCL for ranks on a GPU, gloo on CPU.
     return TorchDistCommunicator(rank, world_size, address, timeout=timeout_s, prefix=prefix,
-                                 device=device)
+                                 device=device, name=name)
 
 
 def _error_text(exc: BaseException) -> str:
@@ -143,7 +149,10 @@ class EngineRank:
                  loop_factory: Callable | None = None,
                  communicator_factory: Callable | None = None,
                  kv_transport: str = "ray", collective_timeout_s: float = 10.0,
-                 num_threads: int | None = None, max_failed_steps: int = 3) -> None:
+                 num_threads: int | None = None, max_failed_steps: int = 3,
+                 kv_secret: Any = None) -> None:
+        """``kv_secret``: the cluster's ``KVSecret`` (the router's, through Ray), which the
+        ``grpc`` KV endpoint checks every transfer against; held by the endpoint only."""
         from pdserve.kv_transfer import make_endpoint
 
         config = dict(engine_config)
@@ -182,8 +191,30 @@ class EngineRank:
         self.timeline = StepTimeline()
         self._last_stats: RankStats | None = None
         self._imported_at: dict[str, float] = {}  # attempt -> monotonic time taken
-        self.endpoint = make_endpoint(kv_transport, self, _node_ip())
+        self._nonce = ""  # the current group's store nonce (never logged)
+        self.endpoint = make_endpoint(
+            kv_transport, self, _node_ip(), secret=kv_secret,
+            max_push_bytes=self.max_kv_payload_bytes() if kv_transport == "grpc" else None)
         self.kv_address: str | None = self.endpoint.address
+
+    def __repr__(self) -> str:  # Ray shows it; nothing secret in it
+        return f"{type(self).__name__}(pool={self.pool_name}, rank={self.rank}, pid={os.getpid()})"
+
+    def max_kv_payload_bytes(self) -> int | None:
+        """The largest KV payload this rank could ever import: the longest sequence its KV
+        blocks (and the model length) allow, plus its header (None: the engine does not
+        say; the transport's default cap applies)."""
+        eng = self.engine
+        cache = getattr(getattr(eng, "runner", None), "kv_cache", None)
+        if cache is None or not hasattr(cache, "bytes_per_block"):
+            return None
+        from pdserve.kv_transfer.grpc_bytes import max_payload_bytes
+
+        block_size = int(cache.block_size)
+        tokens = min(int(eng.max_model_len), int(cache.num_blocks) * block_size)
+        blocks = -(-tokens // block_size)
+        ring = cache.ring_bytes() // max(1, int(cache.num_state_slots))
+        return max_payload_bytes(tokens, blocks * cache.bytes_per_block() + ring)
 
     # -- identity and rendezvous -----------------------------------------------------
 
@@ -216,20 +247,45 @@ class EngineRank:
 
         The store binds a port the OS picks and keeps it, so no other process can take
         the port between choosing it and listening on it (probing for a free port and
-        binding it later failed with EADDRINUSE under parallel tests)."""
-        import datetime
+        binding it later failed with EADDRINUSE under parallel tests).
 
-        import torch.distributed as dist
+        What torch 2.13 allows, measured: ``TCPStore(host, 0, is_master=True)`` listens
+        on every interface (``ss -ltn``: ``*:port``) whatever ``host`` says, with
+        ``use_libuv`` True or False; given a socket bound here (``master_listen_fd``,
+        ``dp_comm.listen_store``) it listens on the node's address only
+        (``<ip>:port``) and owns the descriptor. The store has no authentication: any
+        client that reaches the port may ``list_keys()`` (which shows the group's
+        prefix, nonce included) and set, get, add, delete or wait on any key; raw garbage
+        and idle half-open connections do not disturb it. So the router's per-group
+        nonce only defeats guessed keys. The store is needed only while the group forms:
+        ProcessGroupGloo's constructor swaps the ranks' addresses through it (keys
+        ``<prefix>//0/<rank>``) and never reads it again (3 ranks ran 200 all-reduces
+        after the server was destroyed), so once every rank joined, the router calls
+        ``group_formed`` and this rank destroys it: nobody can connect any more. Not
+        with ``TORCH_GLOO_LAZY_INIT=1`` (pairs connect at the first collective, through
+        the store: measured, the all-reduce then fails, "Connection was likely
+        closed"), and not for NCCL, whose communicators are created at the first
+        collective (the ncclUniqueId goes through the store) and whose watchdog reads
+        the store: there it stays open for the group's life (not measured: no GPUs
+        here). What remains open: while a group forms (from here to ``group_formed``,
+        normally well under a second, at most ``group_timeout_s``) a stranger who
+        reaches the port can list the keys and overwrite a rank's address key, failing
+        the formation (the pool retries with a new nonce) or pointing a rank's peer
+        elsewhere; TCPStore cannot require a credential."""
+        from pdserve.engine.dp_comm import listen_store
 
         host = _node_ip()
-        self._hosted_store = dist.TCPStore(
-            host, 0, None, True, timeout=datetime.timedelta(seconds=self.collective_timeout_s),
-            wait_for_workers=False)
-        return f"tcp://{host}:{self._hosted_store.port}"
+        self._hosted_store = listen_store(host, 0, timeout=self.collective_timeout_s)
+        shown = f"[{host}]" if ":" in host else host
+        return f"tcp://{shown}:{self._hosted_store.port}"
 
     def join_group(self, rank: int, world_size: int, address: str | None, generation: int,
-                   peers: list[Any]) -> GroupJoined:
+                   peers: list[Any], nonce: str = "") -> GroupJoined:
         """Form (or re-form) this rank's data-parallel group and (re)start its loop.
+
+        ``nonce``: the router's random per-group value; it is part of the group's store
+        prefix (``pdserve/{pool}/g{generation}/{nonce}``), so the store's keys cannot be
+        guessed, and it is never logged (errors name the group without it).
 
         Bounded: the rendezvous gives up after `collective_timeout_s` (the caller also
         bounds the call)."""
@@ -239,18 +295,33 @@ class EngineRank:
                 self._comm.close()
             except Exception:  # a broken group may refuse; it is dropped either way
                 pass
+        self._group_store = None  # the previous group's, if it was still open
         device = self.engine_config.get("device") or "cpu"
         if device == "cuda":
             import torch
 
             device = f"cuda:{torch.cuda.current_device()}"
-        # Rank 0 hosts the store it opened in open_group_store: it joins through that
-        # store object (the others connect to its address).
+        # Rank 0 hosts the store it opened in open_group_store, and joins as one more
+        # client of it (like the others), so the server can be closed once the group
+        # formed while the group's own store handle stays (see group_formed).
         hosted, self._hosted_store = self._hosted_store, None
-        init = hosted if hosted is not None and rank == 0 and address is not None else address
-        comm = self._comm_factory(rank, world_size, init, self.collective_timeout_s,
-                                  f"pdserve/{self.pool_name}/g{generation}", device=device)
-        self._group_store = hosted  # kept alive for as long as the group lives
+        init: Any = address
+        if hosted is not None and rank == 0 and address is not None:
+            import datetime
+
+            import torch.distributed as dist
+
+            init = dist.TCPStore(hosted.host, hosted.port, None, False,
+                                 timeout=datetime.timedelta(seconds=self.collective_timeout_s))
+        name = f"pdserve/{self.pool_name}/g{generation}"
+        self._nonce = nonce
+        try:
+            comm = self._comm_factory(rank, world_size, init, self.collective_timeout_s,
+                                      f"{name}/{nonce}" if nonce else name, device=device,
+                                      name=name)
+        except Exception as exc:  # the store's errors may name its keys
+            raise RuntimeError(f"forming {name} failed: {self._redact(_error_text(exc))}") from None
+        self._group_store = hosted  # kept until group_formed says the group has formed
         self._comm = comm
         self.group.group = comm
         self.rank, self.world_size, self.generation = rank, world_size, generation
@@ -263,6 +334,21 @@ class EngineRank:
             loop.lock = self._engine_lock
             self.loop = loop.start() or loop
         return GroupJoined(rank, world_size, generation)
+
+    def group_formed(self, generation: int) -> bool:
+        """Every rank of group ``generation`` has joined: destroy the store this rank
+        hosts for it if the group's backend never needs it again (gloo, without lazy
+        init; see open_group_store). True if it was closed."""
+        if generation != self.generation or self._group_store is None:
+            return False
+        if getattr(self._comm, "backend", None) != "gloo" or \
+                os.environ.get("TORCH_GLOO_LAZY_INIT", "0").strip().lower() in ("1", "true"):
+            return False
+        self._group_store = None  # its last reference: the server stops listening now
+        return True
+
+    def _redact(self, text: str) -> str:
+        return text.replace(self._nonce, "<nonce>") if self._nonce else text
 
     def pause(self, timeout_s: float = 30.0) -> bool:
         """Stop this rank's loop at a step boundary shared with its peers (at most
@@ -386,7 +472,7 @@ class EngineRank:
                              timings)
 
     def _on_error(self, exc: BaseException) -> None:
-        self._loop_error = _error_text(exc)
+        self._loop_error = self._redact(_error_text(exc))
         with self._cond:
             self._cond.notify_all()
 

@@ -4,13 +4,19 @@ The controller lives in the router process and talks to ranks only through Ray
 handles. A pool's data-parallel group is formed by asking its first rank to open the
 group's store on its node (`open_group_store`) and handing that address to every rank's
 `join_group` at once; a resize or a dead rank re-forms it the same way, with a new
-generation number, after pausing the survivors at a common step boundary.
+generation number, after pausing the survivors at a common step boundary. Every
+formation gets a fresh random nonce (part of the store's key prefix, never logged),
+and once every rank joined, rank 0 is told (`group_formed`) so it can close the store.
+
+Ranks get the cluster's KV secret (`kv_secret`, made by the router) as an actor
+argument: it reaches them through Ray only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,8 +71,10 @@ class RankHandle:
 
 
 class Pool:
-    def __init__(self, config: PoolConfig, router_config: RouterConfig) -> None:
+    def __init__(self, config: PoolConfig, router_config: RouterConfig,
+                 kv_secret: Any = None) -> None:
         self.config = config
+        self.kv_secret = kv_secret  # a KVSecret (its repr hides it), for the grpc transport
         self.name = config.name
         self.rc = router_config
         self.ranks: list[RankHandle] = []
@@ -144,6 +152,7 @@ class Pool:
             communicator_factory=self.rc.communicator_factory,
             kv_transport=self.rc.kv_transport, collective_timeout_s=self.rc.collective_timeout_s,
             num_threads=self.rc.torch_threads, max_failed_steps=self.rc.max_failed_steps,
+            kv_secret=self.kv_secret,
         )
         self._uids += 1
         return RankHandle(self.name, actor, self._uids)
@@ -209,9 +218,11 @@ class Pool:
                 self._declare_dead(live[0], f"it could not host the group store: {exc}")
                 continue
             peers_of = {r.uid: [p.actor for p in live if p.uid != r.uid] for r in live}
+            nonce = secrets.token_hex(16)  # this formation's store keys; never logged
             results = await asyncio.gather(
                 *(asyncio.wait_for(r.actor.join_group.remote(i, len(live), address,
-                                                             self.generation, peers_of[r.uid]),
+                                                             self.generation, peers_of[r.uid],
+                                                             nonce=nonce),
                                    self.rc.group_timeout_s)
                   for i, r in enumerate(live)), return_exceptions=True)
             failed = [(r, res) for r, res in zip(live, results, strict=True)
@@ -229,6 +240,14 @@ class Pool:
                         self._declare_dead(r, "it failed to join the group and does not "
                                            f"answer: {type(answer).__name__}: {answer}")
                 continue
+            if address is not None:
+                # Every rank joined: rank 0 may close the store (nobody can reach it then).
+                try:
+                    await asyncio.wait_for(live[0].actor.group_formed.remote(self.generation),
+                                           self.rc.rank_call_timeout_s)
+                except Exception as exc:  # the store stays open; the group works anyway
+                    log.warning("%s: rank 0 did not close group %d's store: %s", self.name,
+                                self.generation, exc)
             for i, r in enumerate(live):
                 r.rank = i
                 was_new = r.state == STARTING

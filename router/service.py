@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 import ray
-from pdserve.kv_transfer import make_transport
+from pdserve.kv_transfer import KVSecret, make_transport
 from pdserve.kv_transfer.base import PAYLOAD, TRANSPORT
 from pdserve.rank.messages import HandoffTicket, RankStats, StepReport
 from pdserve.router.config import RouterConfig
@@ -34,8 +34,13 @@ class RouterService:
         config.validate()
         self.config = config
         self.tracker = RequestTracker(config.max_queue_depth)
-        self.transport = make_transport(config.kv_transport)
-        self.pools: dict[str, Pool] = {p.name: Pool(p, config) for p in config.pools()}
+        # The cluster's KV key: the grpc transport authorizes every transfer with it; it
+        # reaches the ranks only as an actor argument (Pool._new_actor), never a file,
+        # the environment or a log (KVSecret's repr hides it).
+        self._kv_secret = KVSecret.generate() if config.kv_transport == "grpc" else None
+        self.transport = make_transport(config.kv_transport, secret=self._kv_secret)
+        self.pools: dict[str, Pool] = {p.name: Pool(p, config, kv_secret=self._kv_secret)
+                                       for p in config.pools()}
         for pool in self.pools.values():
             pool.on_new_rank = self._start_polling
             pool.on_rank_removed = self._requests_left_on

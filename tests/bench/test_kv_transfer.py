@@ -11,9 +11,13 @@ from pdserve.bench.kv_transfer import HEADER, STRIDE, check_payload, make_payloa
 
 def test_payload_is_checked_end_to_end():
     p = make_payload("req-7", 1 << 16)
-    assert len(p) == 1 << 16 and check_payload(p) == "req-7"
+    framing = len(p) - (1 << 16)  # the KV payload prefix and header around the body
+    assert 0 < framing < 128 and check_payload(p) == "req-7"
+    from pdserve.kv_transfer.grpc_bytes import peek_header
+
+    assert peek_header(p) == ("req-7", len(p))  # what the gRPC KV service checks
     bad = bytearray(p)
-    bad[HEADER + 3 * STRIDE] ^= 0xFF
+    bad[framing + HEADER + 3 * STRIDE] ^= 0xFF
     with pytest.raises(ValueError, match="checksum"):
         check_payload(bytes(bad))
     with pytest.raises(ValueError, match="arrived"):
