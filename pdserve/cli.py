@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # This process's own command line, for a command that re-executes itself (serve);
+    # None when called in-process with a list: that caller's process must not be replaced.
+    args.process_argv = list(sys.argv[1:]) if argv is None else None
     return int(args._run(args) or 0)
 
 

@@ -109,12 +109,18 @@ def load_admin_token(path: str) -> bytes:
 
 
 def is_loopback_host(host: str) -> bool:
-    if host == "localhost":
+    """True for localhost, 127.0.0.0/8, ::1 and ::ffff:127.x; False for anything else
+    (wildcards, addresses, other names: binding there is a deliberate choice)."""
+    host = host.strip().strip("[]")
+    if host.lower() == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        ip = ipaddress.ip_address(host)
     except ValueError:
         return False
+    if ip.version == 6 and ip.ipv4_mapped:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
 
 
 def is_loopback_peer(peer: str) -> bool:
@@ -125,10 +131,7 @@ def is_loopback_peer(peer: str) -> bool:
     if kind == "ipv4":
         return is_loopback_host(rest.rpartition(":")[0])
     if kind == "ipv6":
-        host = rest.rpartition(":")[0].strip("[]")
-        if host.startswith("::ffff:"):
-            return is_loopback_host(host[len("::ffff:"):])
-        return is_loopback_host(host)
+        return is_loopback_host(rest.rpartition(":")[0])
     return False
 
 

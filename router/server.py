@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pdserve.router.auth import Authenticator, AuthError, Principal
 from pdserve.router.config import RouterConfig
+from pdserve.router.embedded_ray import public_binds
 from pdserve.router.service import RouterService
 from pdserve.router.validation import RequestError, check_request_id, prepare
 from pdserve.rpc import router_pb2, router_pb2_grpc
@@ -237,8 +238,9 @@ async def start_router(config: RouterConfig) -> RouterServer:
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{config.host}:{config.port}"
-    port = (server.add_secure_port(address, credentials) if credentials is not None
-            else server.add_insecure_port(address))
+    with public_binds(config.host):  # a non-loopback --host: past the loopback-bind shim
+        port = (server.add_secure_port(address, credentials) if credentials is not None
+                else server.add_insecure_port(address))
     if port == 0:
         await service.stop()
         raise RuntimeError(f"cannot bind the router to {config.host}:{config.port}")
@@ -254,7 +256,9 @@ async def start_router(config: RouterConfig) -> RouterServer:
         metrics_port = port + 1 if config.port else -1
     if metrics_port != 0:
         try:
-            router.metrics_port = service.metrics.start_server(config.host, max(metrics_port, 0))
+            with public_binds(config.host):
+                router.metrics_port = service.metrics.start_server(config.host,
+                                                                   max(metrics_port, 0))
             log.info("metrics on http://%s:%d/metrics", config.host, router.metrics_port)
         except OSError as exc:
             if config.metrics_port is not None:  # asked for: starting without it is wrong
