@@ -66,6 +66,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray-address", default=None,
                    help="join this Ray cluster (e.g. 'auto' on a `ray up` head); "
                    "default: start an embedded local Ray")
+    p.add_argument("--dashboard", action="store_true",
+                   help="embedded Ray only: start Ray's dashboard too (on 127.0.0.1; off by "
+                   "default: it doubles Ray's processes)")
     p.add_argument("--kv-transport", choices=["ray", "grpc"], default=None, help="default ray")
     p.add_argument("--auth-token-file", default=None,
                    help="tenant tokens, one `<tenant> <token>` per line, mode 0600 (see "
@@ -159,9 +162,12 @@ def _run_serve(args: argparse.Namespace) -> int:
         room = 4 + max(p.replicas for p in config.pools())
         from pdserve.router.embedded_ray import start_embedded_ray
 
-        start_embedded_ray(num_cpus=max(os.cpu_count() or 2, room),
-                           resources={"prefill": room, "decode": room},
-                           temp_dir=os.environ.get("PDSERVE_RAY_TMP", "/tmp/pdserve-ray"))
+        dashboard = start_embedded_ray(
+            num_cpus=max(os.cpu_count() or 2, room), resources={"prefill": room, "decode": room},
+            temp_dir=os.environ.get("PDSERVE_RAY_TMP", "/tmp/pdserve-ray"),
+            dashboard=args.dashboard)
+        if dashboard:
+            print(f"Ray dashboard on http://{dashboard}", flush=True)
 
     async def main() -> int:
         print(f"starting {config.mode} pools (model {model}) ...", flush=True)

@@ -139,15 +139,19 @@ def loopback_only(argv: list[str] | None) -> None:
     print(UNCOVERED.format(why=why), file=sys.stderr, flush=True)
 
 
-def start_embedded_ray(num_cpus: float, resources: dict[str, float], temp_dir: str) -> None:
-    """A local Ray for this process: node address 127.0.0.1, no dashboard (call
-    ``loopback_only`` first, before ray is imported)."""
+def start_embedded_ray(num_cpus: float, resources: dict[str, float], temp_dir: str,
+                       dashboard: bool = False) -> str | None:
+    """A local Ray for this process: node address 127.0.0.1, no dashboard unless asked
+    (then on 127.0.0.1; its URL is returned). Call ``loopback_only`` first, before ray
+    is imported."""
     import ray
 
-    ray.init(address="local", include_dashboard=False, log_to_driver=False,
-             _node_ip_address="127.0.0.1", num_cpus=num_cpus, resources=resources,
-             _temp_dir=temp_dir)
+    context = ray.init(address="local", include_dashboard=dashboard,
+                       dashboard_host="127.0.0.1", log_to_driver=False,
+                       _node_ip_address="127.0.0.1", num_cpus=num_cpus, resources=resources,
+                       _temp_dir=temp_dir)
     node_ip = ray.util.get_node_ip_address()
     if not is_loopback(node_ip):  # ray was imported before loopback_only ran
         print(f"warning: the embedded Ray's node address is {node_ip}, not loopback: its "
               "ports listen on the network", file=sys.stderr, flush=True)
+    return context.dashboard_url or None if dashboard else None
