@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from pdserve.router.validation import RequestError
 
 MIN_TOKEN_CHARS = 16
 MAX_TOKEN_CHARS = 4096
@@ -41,11 +42,8 @@ class Principal:
     is_admin: bool = False
 
 
-class AuthError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+class AuthError(RequestError):
+    """A call refused for who made it: UNAUTHENTICATED or PERMISSION_DENIED."""
 
 
 def _digest(token: str) -> bytes:

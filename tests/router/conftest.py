@@ -7,12 +7,75 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import queue
 import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from pdserve.bench.harness import RouterHarness
+
+PDSERVE = [sys.executable, "-m", "pdserve.cli"]
+
+
+class ServeProcess:
+    """`pdserve serve ...` as a child process; its output is read line by line."""
+
+    def __init__(self, args: list[str], env: dict) -> None:
+        self.proc = subprocess.Popen([*PDSERVE, "serve", *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env=env)
+        self.env = env
+        self.lines: queue.Queue = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=lambda: [self.lines.put(x) for x in self.proc.stdout],
+                         daemon=True).start()
+
+    @property
+    def log(self) -> str:
+        return "".join(self.seen)
+
+    def wait_for(self, prefix: str, timeout: float) -> str | None:
+        """The next output line starting with `prefix` (None: timed out or exited)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=1)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    return None
+                continue
+            self.seen.append(line)
+            if line.startswith(prefix):
+                return line
+        return None
+
+    def stop(self, timeout: float = 60) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return None
+
+
+@pytest.fixture(scope="session")
+def spawn_serve():
+    """Start `pdserve serve` processes; any still running at the end are stopped."""
+    started: list[ServeProcess] = []
+
+    def spawn(args: list[str], env: dict) -> ServeProcess:
+        started.append(ServeProcess(args, env))
+        return started[-1]
+
+    yield spawn
+    for serve in started:
+        serve.stop()
 
 
 def router_config(model_dir: str, **overrides):

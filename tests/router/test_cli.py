@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import queue
-import signal
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 
@@ -28,39 +24,19 @@ def _cli(*args, env=None, timeout=120):
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny_model_dir):
+def served(tmp_path_factory, tiny_model_dir, spawn_serve):
     tmp = tmp_path_factory.mktemp("cli")
     env = _env(tmp)
     # The default model is generated on first use into the cache; share the session's
     # copy to save time (generation itself is covered by the make-tiny-model tests).
     os.makedirs(tmp / "cache", exist_ok=True)
     os.symlink(tiny_model_dir, tmp / "cache" / "tiny-llama")
-    proc = subprocess.Popen([*PDSERVE, "serve", "--port", "0", "--num-cpus", "0.25"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    out, address, deadline = [], None, time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=1)
-        except queue.Empty:
-            if proc.poll() is not None:
-                break
-            continue
-        out.append(line)
-        if line.startswith("pdserve router listening on "):
-            address = line.split()[-1]
-        if line.startswith("self-check"):
-            if "passed" in line or "FAILED" in line:
-                break
-    text = "".join(out)
-    assert address and "self-check passed" in text, text
-    yield {"address": address, "env": env, "proc": proc, "log": text}
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    serve = spawn_serve(["--port", "0", "--num-cpus", "0.25"], env)
+    line = serve.wait_for("pdserve router listening on ", 180)
+    check = serve.wait_for("self-check ", 120) if line else None
+    assert line and check and "passed" in check, serve.log
+    yield {"address": line.split()[-1], "env": env, "proc": serve.proc, "log": serve.log}
+    serve.stop()
 
 
 def test_serve_prints_address_client_command_and_self_check(served):

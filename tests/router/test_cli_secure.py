@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 
@@ -20,31 +17,8 @@ def _cli(*args, env, timeout=120):
                           env=env)
 
 
-class Served:
-    def __init__(self, proc: subprocess.Popen) -> None:
-        self.proc = proc
-        self.lines: queue.Queue = queue.Queue()
-        self.log: list[str] = []
-        threading.Thread(target=lambda: [self.lines.put(x) for x in proc.stdout],
-                         daemon=True).start()
-
-    def wait_for(self, prefix: str, timeout: float) -> str | None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=1)
-            except queue.Empty:
-                if self.proc.poll() is not None:
-                    return None
-                continue
-            self.log.append(line)
-            if line.startswith(prefix):
-                return line
-        return None
-
-
 @pytest.fixture(scope="module")
-def secure_served(tmp_path_factory, tiny_model_dir, tokens, tls_files):
+def secure_served(tmp_path_factory, tiny_model_dir, tokens, tls_files, spawn_serve):
     tmp = tmp_path_factory.mktemp("cli_secure")
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PDSERVE_CACHE=str(tmp / "cache"),
                PDSERVE_RAY_TMP=f"/tmp/pdsec{os.getpid() % 100000}")
@@ -52,25 +26,17 @@ def secure_served(tmp_path_factory, tiny_model_dir, tokens, tls_files):
     tenant_file = tmp / "tokens"
     tenant_file.write_text(open(tokens.tenant_file).read())
     os.chmod(tenant_file, 0o600)
-    proc = subprocess.Popen(
-        [*PDSERVE, "serve", "--model", tiny_model_dir, "--mode", "normal", "--port", "0",
-         "--num-cpus", "0.25", "--auth-token-file", str(tenant_file),
-         "--admin-token-file", tokens.admin_file, "--tls-cert-file", tls_files.cert,
-         "--tls-key-file", tls_files.key],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    served = Served(proc)
+    served = spawn_serve(
+        ["--model", tiny_model_dir, "--mode", "normal", "--port", "0", "--num-cpus", "0.25",
+         "--auth-token-file", str(tenant_file), "--admin-token-file", tokens.admin_file,
+         "--tls-cert-file", tls_files.cert, "--tls-key-file", tls_files.key], env)
     line = served.wait_for("pdserve router listening on ", 180)
     check = served.wait_for("self-check ", 120) if line else None
-    assert line and check and "passed" in check, "".join(served.log)
+    assert line and check and "passed" in check, served.log
     served.address = line.split()[-1]
-    served.env = env
     served.tenant_file = tenant_file
     yield served
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    served.stop()
 
 
 def test_clients_need_a_token_and_the_ca(secure_served, tokens, tls_files, tmp_path):
@@ -110,11 +76,11 @@ def test_sighup_reloads_the_token_file(secure_served, tls_files):
              "--tls-server-name", "localhost", "--max-tokens", "2", "hi",
              env=dict(secure_served.env, PDSERVE_TOKEN=carol))
     assert r.returncode == 0, r.stderr
-    assert carol not in "".join(secure_served.log)
+    assert carol not in secure_served.log
 
 
 def test_the_log_holds_no_token(secure_served, tokens):
-    log = "".join(secure_served.log)
+    log = secure_served.log
     assert "TLS" in log or "self-check passed" in log
     for secret in (tokens.alice, tokens.bob, tokens.admin):
         assert secret not in log

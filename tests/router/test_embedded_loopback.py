@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import queue
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -167,7 +165,7 @@ def test_shim_rewrites_binds_to_loopback_and_public_binds_lets_them_through():
 
 
 @pytest.mark.slow
-def test_embedded_serve_binds_every_socket_to_loopback(tmp_path, tiny_model_dir):
+def test_embedded_serve_binds_every_socket_to_loopback(tmp_path, tiny_model_dir, spawn_serve):
     _need_compiler()
     marker = f"/tmp/pdlb{os.getpid() % 100000}"  # short: Ray's socket paths live in it
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PDSERVE_CACHE=str(tmp_path / "cache"),
@@ -177,30 +175,17 @@ def test_embedded_serve_binds_every_socket_to_loopback(tmp_path, tiny_model_dir)
     os.symlink(tiny_model_dir, tmp_path / "cache" / "tiny-llama")
     assert not _service_pids(None, marker), "a Ray from an earlier run is still there"
 
-    proc = subprocess.Popen([*PDSERVE, "serve", "--port", "0", "--no-self-check",
-                             "--num-cpus", "0.25"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    serve = spawn_serve(["--port", "0", "--no-self-check", "--num-cpus", "0.25"], env)
+    proc = serve.proc
     seen: set[int] = set()
     try:
         # before Ray starts: nothing listens (the scan sees only the service's sockets)
         assert _listening_sockets(_service_pids(proc.pid, marker)) == []
-        lines: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout],
-                         daemon=True).start()
-        out, port, metrics, deadline = [], None, None, time.monotonic() + 150
-        while metrics is None and time.monotonic() < deadline:
-            try:
-                line = lines.get(timeout=1)
-            except queue.Empty:
-                if proc.poll() is not None:
-                    break
-                continue
-            out.append(line)
-            if line.startswith("pdserve router listening on "):
-                port = int(line.rsplit(":", 1)[1])
-            if line.startswith("metrics on http://"):
-                metrics = int(line.rsplit(":", 1)[1].split("/")[0])
-        log = "".join(out)
+        line = serve.wait_for("pdserve router listening on ", 150)
+        port = int(line.rsplit(":", 1)[1]) if line else None
+        line = serve.wait_for("metrics on http://", 30) if line else None
+        metrics = int(line.rsplit(":", 1)[1].split("/")[0]) if line else None
+        log = serve.log
         assert port and metrics, log
         assert "loopback-bind shim" not in log, log  # built and loaded, no warning
 
