@@ -80,14 +80,18 @@ class RouterHarness:
 
 
 def start_embedded_ray(model: str | None) -> str:
-    """Start a local Ray for an in-process benchmark (loopback, no dashboard, pool
-    resources for ranks) and return the model folder (the built-in one by default)."""
-    import ray
-    from pdserve.router.cli_commands import ensure_model
+    """Start a local Ray for an in-process benchmark (loopback: Ray's local-only mode, as
+    `pdserve serve`'s; no dashboard; pool resources for ranks) and return the model
+    folder (the built-in one by default). Call it before anything imports ray."""
+    import sys
 
+    from pdserve.router.cli_commands import ensure_model
+    from pdserve.router.embedded_ray import RAY_LOCAL_ONLY
+    from pdserve.router.embedded_ray import start_embedded_ray as start_ray
+
+    if "ray" not in sys.modules:  # read at import: later, Ray picks the machine's address
+        os.environ.update(RAY_LOCAL_ONLY)
     model = ensure_model(model)
-    ray.init(address="local", include_dashboard=False, num_cpus=8,
-             resources={"prefill": 8, "decode": 8}, log_to_driver=False,
-             _node_ip_address="127.0.0.1",
-             _temp_dir=os.environ.get("PDSERVE_RAY_TMP", "/tmp/pdserve-ray"))
+    start_ray(num_cpus=8, resources={"prefill": 8, "decode": 8},
+              temp_dir=os.environ.get("PDSERVE_RAY_TMP", "/tmp/pdserve-ray"))
     return model

@@ -134,7 +134,7 @@ class RequestTracker:
 
     A client that sends ``Abort`` right after starting ``Generate`` on another stream
     can be ahead of it; the abort must not be lost. An unknown label is remembered for
-    ``early_abort_ttl_s`` (at most ``max_early_aborts``, oldest dropped first), and only
+    ``early_abort_ttl_s`` (at most ``max_early_aborts`` per tenant, oldest dropped first), and only
     a request that chose that label itself ends at once with "abort"."""
 
     def __init__(self, max_queue_depth: int, early_abort_ttl_s: float = 60.0,
@@ -142,8 +142,9 @@ class RequestTracker:
         self.max_queue_depth = max_queue_depth
         self.early_abort_ttl_s = early_abort_ttl_s
         self.max_early_aborts = max_early_aborts
-        # (tenant, label) -> expiry (monotonic), oldest first
-        self._early_aborts: dict[tuple[str, str], float] = {}
+        # tenant -> {label -> expiry (monotonic), oldest first}: the bound is per tenant,
+        # so one tenant's flood of aborts cannot push out another's
+        self._early_aborts: dict[str, dict[str, float]] = {}
         self._states: dict[str, RequestState] = {}  # internal id -> state
         # (tenant, label) -> the request in flight for the client under that label
         self._labels: dict[tuple[str, str], RequestState] = {}
@@ -202,24 +203,25 @@ class RequestTracker:
         if not label:
             return
         now = time.monotonic()
-        self._early_aborts.pop((tenant, label), None)
-        self._early_aborts[(tenant, label)] = now + self.early_abort_ttl_s
+        aborts = self._early_aborts.setdefault(tenant, {})
+        aborts.pop(label, None)
+        aborts[label] = now + self.early_abort_ttl_s
         self._drop_expired(now)
-        while len(self._early_aborts) > self.max_early_aborts:
-            del self._early_aborts[next(iter(self._early_aborts))]
+        while len(aborts) > self.max_early_aborts:
+            del aborts[next(iter(aborts))]
 
     def take_early_abort(self, label: str, tenant: str = "") -> bool:
         """Was ``label`` aborted by ``tenant`` before it arrived (and not long ago)?
         Forgets it. Ask only for a label the client chose (a generated id never matches)."""
         self._drop_expired(time.monotonic())
-        return self._early_aborts.pop((tenant, label), None) is not None
+        return self._early_aborts.get(tenant, {}).pop(label, None) is not None
 
     def _drop_expired(self, now: float) -> None:
-        while self._early_aborts:
-            oldest = next(iter(self._early_aborts))
-            if self._early_aborts[oldest] > now:
-                return
-            del self._early_aborts[oldest]
+        for tenant, aborts in list(self._early_aborts.items()):
+            while aborts and aborts[next(iter(aborts))] <= now:
+                del aborts[next(iter(aborts))]
+            if not aborts:
+                del self._early_aborts[tenant]
 
     def release(self, rid: str) -> None:
         state = self._states.pop(rid, None)

@@ -26,6 +26,17 @@ def test_tracker_remembers_early_aborts_for_a_while_and_within_a_bound(monkeypat
     assert not tracker.take_early_abort("")
 
 
+def test_early_aborts_are_per_tenant_and_bounded_per_tenant():
+    tracker = RequestTracker(max_queue_depth=8, max_early_aborts=3)
+    tracker.remember_early_abort("x", tenant="alice")
+    assert not tracker.take_early_abort("x", tenant="bob")  # bob's "x" is another label
+    for i in range(10):  # bob floods: only his own oldest go
+        tracker.remember_early_abort(f"b{i}", tenant="bob")
+    assert tracker.take_early_abort("x", tenant="alice")
+    assert [tracker.take_early_abort(f"b{i}", tenant="bob") for i in range(10)] == \
+        [False] * 7 + [True] * 3
+
+
 @pytest.fixture(scope="module")
 def router(shared_router):
     return shared_router
