@@ -399,10 +399,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--result-file", default="results/bench_chaos.json")
     args = p.parse_args(argv)
 
-    import ray
     from pdserve.bench.harness import RouterHarness, start_embedded_ray
 
-    model = start_embedded_ray(args.model)
+    model = start_embedded_ray(args.model)  # before ray is imported: it binds loopback then
+    import ray
     reference = Reference(model)
     results: list[ScenarioResult] = []
     transports = args.transports.split(",")
