@@ -75,22 +75,24 @@ def _breakdown(msg) -> dict | None:
     return {f.name: getattr(t, f.name) for f in t.DESCRIPTOR.fields}
 
 
-async def fetch_timeline(address: str, since: float) -> list[dict]:
+async def fetch_timeline(address: str, since: float,
+                         client_options: dict | None = None) -> list[dict]:
     """The router's step records of every live rank since unix time `since`."""
     from pdserve.router.client import AsyncClient
 
-    async with AsyncClient(address, timeout=60) as client:
+    async with AsyncClient(address, timeout=60, **(client_options or {})) as client:
         return await client.timeline(since)
 
 
-def _write_timeline(address: str, since: float, png: str) -> None:
+def _write_timeline(address: str, since: float, png: str,
+                    client_options: dict | None = None) -> None:
     """The run's step records (JSON beside the PNG) and their picture; a router that
     cannot give them costs the picture, not the run's results."""
     import grpc
     from pdserve.bench.plots import plot_timeline
 
     try:
-        steps = asyncio.run(fetch_timeline(address, since))
+        steps = asyncio.run(fetch_timeline(address, since, client_options))
     except grpc.RpcError as exc:
         print(f"no timeline: the router's GetTimeline failed ({exc.code().name}: "
               f"{exc.details()})", file=sys.stderr)
@@ -150,11 +152,13 @@ async def collect(address: str, requests: list, *, request_rate: float = math.in
                   burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
                   temperature: float = 0.0, ignore_eos: bool = True,
                   request_timeout: float | None = None, num_warmups: int = 1,
-                  progress: bool = True, client=None, label: str = "") -> Run:
+                  progress: bool = True, client=None, label: str = "",
+                  client_options: dict | None = None) -> Run:
     """Send `requests` (datasets.SampleRequest) on their arrival schedule; record each.
 
     `client` is anything with AsyncClient's `stream(prompt, **kw)` (and, optionally,
-    `cluster_state()`); by default an AsyncClient on `address`, closed at the end.
+    `cluster_state()`); by default an AsyncClient on `address` (with `client_options`:
+    token, TLS), closed at the end.
     """
     from pdserve.bench.datasets import arrival_offsets
     from pdserve.bench.serve_metrics import RequestRecord
@@ -166,7 +170,7 @@ async def collect(address: str, requests: list, *, request_rate: float = math.in
     if own_client:
         from pdserve.router.client import AsyncClient
 
-        client = AsyncClient(address)
+        client = AsyncClient(address, **(client_options or {}))
     try:
         for i in range(num_warmups):  # not timed: connects, warms the ranks
             req = requests[i % len(requests)]
@@ -371,7 +375,9 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default=DEFAULT_ADDRESS, help="router (default %(default)s)")
+    from pdserve.router.cli_commands import add_client_args
+
+    add_client_args(p)  # --address, --token-file, --tls-ca-file, --tls-server-name
     add_dataset_args(p)
     add_load_args(p)
     p.add_argument("--sweep-rates", default=None,
@@ -447,8 +453,15 @@ def write_json(path: str | Path, data: dict) -> Path:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from pdserve.router.cli_commands import client_options
+
     requests = build_requests(args)
     kwargs = load_kwargs(args)
+    try:
+        kwargs["client_options"] = client_options(args)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     dataset = {"dataset_name": args.dataset_name, "prompt_format": args.prompt_format}
     plot = None if args.no_plot else (args.plot or str(Path(args.result_file).with_suffix(".png")))
     try:
@@ -483,7 +496,8 @@ def run_serve(args: argparse.Namespace) -> int:
                 plot_cdfs({args.label or "pdserve": r}, plot)
         if args.timeline:
             first = runs[0] if args.sweep_rates else r
-            _write_timeline(args.address, first["start_unix_s"], args.timeline)
+            _write_timeline(args.address, first["start_unix_s"], args.timeline,
+                            kwargs["client_options"])
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

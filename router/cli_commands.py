@@ -256,7 +256,7 @@ async def _self_check(address: str, token: str | None = None, tls_ca_file: str |
 
 # ---- generate / status / scale -------------------------------------------------------
 
-def _add_client_args(p: argparse.ArgumentParser) -> None:
+def add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=DEFAULT_ADDRESS, help="router (default %(default)s)")
     p.add_argument("--token-file", default=None,
                    help="file holding this client's token (default: $PDSERVE_TOKEN, if set)")
@@ -266,13 +266,19 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
                    help="name to expect on the router's certificate (default: the address')")
 
 
+def client_options(args: argparse.Namespace) -> dict:
+    """Client / AsyncClient keyword arguments from the common client flags."""
+    from pdserve.router.auth import read_client_token
+
+    return {"token": read_client_token(args.token_file), "tls_ca_file": args.tls_ca_file,
+            "tls_server_name": args.tls_server_name}
+
+
 def connect(args: argparse.Namespace, timeout: float | None = None):
     """A blocking Client from the common client flags."""
-    from pdserve.router.auth import read_client_token
     from pdserve.router.client import Client
 
-    return Client(args.address, timeout=timeout, token=read_client_token(args.token_file),
-                  tls_ca_file=args.tls_ca_file, tls_server_name=args.tls_server_name)
+    return Client(args.address, timeout=timeout, **client_options(args))
 
 
 def _rpc_error(exc, address: str) -> int:
@@ -293,7 +299,7 @@ def _rpc_error(exc, address: str) -> int:
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="prompt text")
-    _add_client_args(p)
+    add_client_args(p)
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
@@ -334,7 +340,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def _add_status_args(p: argparse.ArgumentParser) -> None:
-    _add_client_args(p)
+    add_client_args(p)
     p.add_argument("--timeout", type=float, default=5.0)
     p.add_argument("--json", action="store_true", help="print the state as JSON")
 
@@ -368,7 +374,7 @@ def _run_status(args: argparse.Namespace) -> int:
 def _add_scale_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("pool", choices=["prefill", "decode", "normal"])
     p.add_argument("replicas", type=int)
-    _add_client_args(p)
+    add_client_args(p)
     p.add_argument("--timeout", type=float, default=600.0)
 
 

@@ -297,3 +297,22 @@ def test_make_tokens_writes_private_files_that_serve_accepts(tmp_path):
     r = subprocess.run([sys.executable, "-m", "pdserve.cli", "make-tokens", str(folder)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "not overwriting" in r.stderr
+
+
+def test_bench_serve_runs_against_a_secured_router(secure_router, tls_files, tokens,
+                                                   tiny_model_dir, tmp_path):
+    import json
+
+    from pdserve.bench.serve import main as serve_main
+
+    token_file = tmp_path / "token"
+    token_file.write_text(tokens.bob + "\n")
+    os.chmod(token_file, 0o600)
+    out = tmp_path / "serve.json"
+    common = ["--address", secure_router.address, "--model", tiny_model_dir,
+              "--num-prompts", "2", "--random-input-len", "12", "--random-output-len", "3",
+              "--disable-tqdm", "--no-plot", "--result-file", str(out)]
+    assert serve_main([*common, "--token-file", str(token_file), "--tls-ca-file", tls_files.ca,
+                       "--tls-server-name", "localhost"]) == 0
+    assert json.loads(out.read_text())["completed"] == 2
+    assert serve_main(common) == 2  # no token, no CA: a clear error, no result
