@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/rpc/router.proto\x12\x0bpdserve.rpc\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc1\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.pdserve.rpc.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x42\x08\n\x06promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xb7\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.pdserve.rpc.Usage\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12%\n\x07timings\x18\x07 \x01(\x0b\x32\x14.pdserve.rpc.Timings\"\xb9\x01\n\x07Timings\x12\x17\n\x0frouter_queue_ms\x18\x01 \x01(\x01\x12\x18\n\x10prefill_queue_ms\x18\x02 \x01(\x01\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x14\n\x0ckv_export_ms\x18\x04 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x05 \x01(\x01\x12\x15\n\rkv_handoff_ms\x18\x06 \x01(\x01\x12\x17\n\x0f\x64\x65\x63ode_queue_ms\x18\x07 \x01(\x01\x12\x10\n\x08kv_bytes\x18\x08 \x01(\x03\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13\x43lusterStateRequest\"\xce\x02\n\tRankState\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x10\n\x08\x61\x63tor_id\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\x05\x12\x13\n\x0bnum_running\x18\x06 \x01(\x05\x12\x14\n\x0cnum_prompted\x18\x07 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x08 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\t \x01(\x05\x12\x10\n\x08kv_usage\x18\n \x01(\x02\x12!\n\x19outstanding_prompt_tokens\x18\x0b \x01(\x05\x12\x11\n\tnum_steps\x18\x0c \x01(\x03\x12\x17\n\x0fnum_empty_steps\x18\r \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\x0e \x01(\x03\x12\x14\n\x0cnum_inflight\x18\x0f \x01(\x05\"s\n\tPoolState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x17\n\x0ftarget_replicas\x18\x02 \x01(\x05\x12%\n\x05ranks\x18\x03 \x03(\x0b\x32\x16.pdserve.rpc.RankState\x12\x18\n\x10group_generation\x18\x04 \x01(\x05\"\x97\x01\n\x0c\x43lusterState\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12%\n\x05pools\x18\x03 \x03(\x0b\x32\x16.pdserve.rpc.PoolState\x12\x14\n\x0cnum_inflight\x18\x04 \x01(\x05\x12\x17\n\x0fmax_queue_depth\x18\x05 \x01(\x05\x12\x14\n\x0ckv_transport\x18\x06 \x01(\t\"2\n\x10ScalePoolRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\x05\"N\n\x11ScalePoolResponse\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\x05\x12\x19\n\x11previous_replicas\x18\x03 \x01(\x05\" \n\x0fTimelineRequest\x12\r\n\x05since\x18\x01 \x01(\x01\"\xba\x01\n\nStepRecord\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\r\n\x05start\x18\x04 \x01(\x01\x12\x0b\n\x03\x65nd\x18\x05 \x01(\x01\x12\x12\n\nnum_tokens\x18\x06 \x01(\x05\x12\x10\n\x08num_rows\x18\x07 \x01(\x05\x12\x14\n\x0cnum_handoffs\x18\x08 \x01(\x05\x12\x15\n\rhandoff_start\x18\t \x01(\x01\x12\x13\n\x0bhandoff_end\x18\n \x01(\x01\"2\n\x08Timeline\x12&\n\x05steps\x18\x01 \x03(\x0b\x32\x17.pdserve.rpc.StepRecord2\xf3\x02\n\x06Router\x12I\n\x08Generate\x12\x1c.pdserve.rpc.GenerateRequest\x1a\x1d.pdserve.rpc.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.pdserve.rpc.AbortRequest\x1a\x1a.pdserve.rpc.AbortResponse\x12N\n\x0fGetClusterState\x12 .pdserve.rpc.ClusterStateRequest\x1a\x19.pdserve.rpc.ClusterState\x12J\n\tScalePool\x12\x1d.pdserve.rpc.ScalePoolRequest\x1a\x1e.pdserve.rpc.ScalePoolResponse\x12\x42\n\x0bGetTimeline\x12\x1c.pdserve.rpc.TimelineRequest\x1a\x15.pdserve.rpc.Timelineb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/rpc/router.proto\x12\x0bpdserve.rpc\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x97\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.pdserve.rpc.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x06\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobs\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xe4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.pdserve.rpc.Usage\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12%\n\x07timings\x18\x07 \x01(\x0b\x32\x14.pdserve.rpc.Timings\x12+\n\x08logprobs\x18\x08 \x03(\x0b\x32\x19.pdserve.rpc.TokenLogprob\"\xb9\x01\n\x07Timings\x12\x17\n\x0frouter_queue_ms\x18\x01 \x01(\x01\x12\x18\n\x10prefill_queue_ms\x18\x02 \x01(\x01\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x14\n\x0ckv_export_ms\x18\x04 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x05 \x01(\x01\x12\x15\n\rkv_handoff_ms\x18\x06 \x01(\x01\x12\x17\n\x0f\x64\x65\x63ode_queue_ms\x18\x07 \x01(\x01\x12\x10\n\x08kv_bytes\x18\x08 \x01(\x03\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13\x43lusterStateRequest\"\xce\x02\n\tRankState\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x10\n\x08\x61\x63tor_id\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\x05\x12\x13\n\x0bnum_running\x18\x06 \x01(\x05\x12\x14\n\x0cnum_prompted\x18\x07 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x08 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\t \x01(\x05\x12\x10\n\x08kv_usage\x18\n \x01(\x02\x12!\n\x19outstanding_prompt_tokens\x18\x0b \x01(\x05\x12\x11\n\tnum_steps\x18\x0c \x01(\x03\x12\x17\n\x0fnum_empty_steps\x18\r \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\x0e \x01(\x03\x12\x14\n\x0cnum_inflight\x18\x0f \x01(\x05\"s\n\tPoolState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x17\n\x0ftarget_replicas\x18\x02 \x01(\x05\x12%\n\x05ranks\x18\x03 \x03(\x0b\x32\x16.pdserve.rpc.RankState\x12\x18\n\x10group_generation\x18\x04 \x01(\x05\"\x97\x01\n\x0c\x43lusterState\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12%\n\x05pools\x18\x03 \x03(\x0b\x32\x16.pdserve.rpc.PoolState\x12\x14\n\x0cnum_inflight\x18\x04 \x01(\x05\x12\x17\n\x0fmax_queue_depth\x18\x05 \x01(\x05\x12\x14\n\x0ckv_transport\x18\x06 \x01(\t\"2\n\x10ScalePoolRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\x05\"N\n\x11ScalePoolResponse\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\x05\x12\x19\n\x11previous_replicas\x18\x03 \x01(\x05\" \n\x0fTimelineRequest\x12\r\n\x05since\x18\x01 \x01(\x01\"\xba\x01\n\nStepRecord\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\r\n\x05start\x18\x04 \x01(\x01\x12\x0b\n\x03\x65nd\x18\x05 \x01(\x01\x12\x12\n\nnum_tokens\x18\x06 \x01(\x05\x12\x10\n\x08num_rows\x18\x07 \x01(\x05\x12\x14\n\x0cnum_handoffs\x18\x08 \x01(\x05\x12\x15\n\rhandoff_start\x18\t \x01(\x01\x12\x13\n\x0bhandoff_end\x18\n \x01(\x01\"2\n\x08Timeline\x12&\n\x05steps\x18\x01 \x03(\x0b\x32\x17.pdserve.rpc.StepRecord2\xf3\x02\n\x06Router\x12I\n\x08Generate\x12\x1c.pdserve.rpc.GenerateRequest\x1a\x1d.pdserve.rpc.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.pdserve.rpc.AbortRequest\x1a\x1a.pdserve.rpc.AbortResponse\x12N\n\x0fGetClusterState\x12 .pdserve.rpc.ClusterStateRequest\x1a\x19.pdserve.rpc.ClusterState\x12J\n\tScalePool\x12\x1d.pdserve.rpc.ScalePoolRequest\x1a\x1e.pdserve.rpc.ScalePoolResponse\x12\x42\n\x0bGetTimeline\x12\x1c.pdserve.rpc.TimelineRequest\x1a\x15.pdserve.rpc.Timelineb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,35 +34,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=41
   _globals['_TOKENIDS']._serialized_end=64
   _globals['_GENERATEREQUEST']._serialized_start=67
-  _globals['_GENERATEREQUEST']._serialized_end=388
-  _globals['_USAGE']._serialized_start=390
-  _globals['_USAGE']._serialized_end=447
-  _globals['_GENERATERESPONSE']._serialized_start=450
-  _globals['_GENERATERESPONSE']._serialized_end=633
-  _globals['_TIMINGS']._serialized_start=636
-  _globals['_TIMINGS']._serialized_end=821
-  _globals['_ABORTREQUEST']._serialized_start=823
-  _globals['_ABORTREQUEST']._serialized_end=857
-  _globals['_ABORTRESPONSE']._serialized_start=859
-  _globals['_ABORTRESPONSE']._serialized_end=889
-  _globals['_CLUSTERSTATEREQUEST']._serialized_start=891
-  _globals['_CLUSTERSTATEREQUEST']._serialized_end=912
-  _globals['_RANKSTATE']._serialized_start=915
-  _globals['_RANKSTATE']._serialized_end=1249
-  _globals['_POOLSTATE']._serialized_start=1251
-  _globals['_POOLSTATE']._serialized_end=1366
-  _globals['_CLUSTERSTATE']._serialized_start=1369
-  _globals['_CLUSTERSTATE']._serialized_end=1520
-  _globals['_SCALEPOOLREQUEST']._serialized_start=1522
-  _globals['_SCALEPOOLREQUEST']._serialized_end=1572
-  _globals['_SCALEPOOLRESPONSE']._serialized_start=1574
-  _globals['_SCALEPOOLRESPONSE']._serialized_end=1652
-  _globals['_TIMELINEREQUEST']._serialized_start=1654
-  _globals['_TIMELINEREQUEST']._serialized_end=1686
-  _globals['_STEPRECORD']._serialized_start=1689
-  _globals['_STEPRECORD']._serialized_end=1875
-  _globals['_TIMELINE']._serialized_start=1877
-  _globals['_TIMELINE']._serialized_end=1927
-  _globals['_ROUTER']._serialized_start=1930
-  _globals['_ROUTER']._serialized_end=2301
+  _globals['_GENERATEREQUEST']._serialized_end=474
+  _globals['_TOKENLOGPROB']._serialized_start=476
+  _globals['_TOKENLOGPROB']._serialized_end=552
+  _globals['_USAGE']._serialized_start=554
+  _globals['_USAGE']._serialized_end=611
+  _globals['_GENERATERESPONSE']._serialized_start=614
+  _globals['_GENERATERESPONSE']._serialized_end=842
+  _globals['_TIMINGS']._serialized_start=845
+  _globals['_TIMINGS']._serialized_end=1030
+  _globals['_ABORTREQUEST']._serialized_start=1032
+  _globals['_ABORTREQUEST']._serialized_end=1066
+  _globals['_ABORTRESPONSE']._serialized_start=1068
+  _globals['_ABORTRESPONSE']._serialized_end=1098
+  _globals['_CLUSTERSTATEREQUEST']._serialized_start=1100
+  _globals['_CLUSTERSTATEREQUEST']._serialized_end=1121
+  _globals['_RANKSTATE']._serialized_start=1124
+  _globals['_RANKSTATE']._serialized_end=1458
+  _globals['_POOLSTATE']._serialized_start=1460
+  _globals['_POOLSTATE']._serialized_end=1575
+  _globals['_CLUSTERSTATE']._serialized_start=1578
+  _globals['_CLUSTERSTATE']._serialized_end=1729
+  _globals['_SCALEPOOLREQUEST']._serialized_start=1731
+  _globals['_SCALEPOOLREQUEST']._serialized_end=1781
+  _globals['_SCALEPOOLRESPONSE']._serialized_start=1783
+  _globals['_SCALEPOOLRESPONSE']._serialized_end=1861
+  _globals['_TIMELINEREQUEST']._serialized_start=1863
+  _globals['_TIMELINEREQUEST']._serialized_end=1895
+  _globals['_STEPRECORD']._serialized_start=1898
+  _globals['_STEPRECORD']._serialized_end=2084
+  _globals['_TIMELINE']._serialized_start=2086
+  _globals['_TIMELINE']._serialized_end=2136
+  _globals['_ROUTER']._serialized_start=2139
+  _globals['_ROUTER']._serialized_end=2510
 # @@protoc_insertion_point(module_scope)
