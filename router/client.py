@@ -62,9 +62,11 @@ def build_request(prompt: str | Sequence[int], *, request_id: str = "",
                   max_tokens: int | None = None, temperature: float | None = None,
                   top_p: float | None = None, top_k: int | None = None,
                   seed: int | None = None, stop_token_ids: Sequence[int] = (),
-                  ignore_eos: bool = False) -> router_pb2.GenerateRequest:
+                  ignore_eos: bool = False, stop: Sequence[str] = (),
+                  include_stop_str_in_output: bool = False) -> router_pb2.GenerateRequest:
     req = router_pb2.GenerateRequest(request_id=request_id, stop_token_ids=list(stop_token_ids),
-                                     ignore_eos=ignore_eos)
+                                     ignore_eos=ignore_eos, stop=list(stop),
+                                     include_stop_str_in_output=include_stop_str_in_output)
     if isinstance(prompt, str):
         req.text = prompt
     else:

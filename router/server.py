@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -18,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from pdserve.router.auth import Authenticator, AuthError, Principal
 from pdserve.router.config import RouterConfig
 from pdserve.router.embedded_ray import public_binds
+from pdserve.router.request_stream import stream_chunks
 from pdserve.router.service import RouterService
 from pdserve.router.validation import RequestError, check_request_id, prepare
 from pdserve.rpc import router_pb2, router_pb2_grpc
@@ -47,8 +47,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             return None
 
     async def Generate(self, request, context):
-        from pdserve.engine.tokenizer import IncrementalDetokenizer
-
         svc = self.svc
         caller = await self._caller(context)
         if caller is None:
@@ -65,34 +63,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await context.abort(exc.code, exc.message)
             return
         label = state.label
-        detok = IncrementalDetokenizer(svc.tokenizer, prepared.prompt_token_ids)
-        last_chunk = None
-        try:
-            while True:
-                event = await state.events.get()
-                if event.token_ids:
-                    now = time.monotonic()
-                    if last_chunk is not None:
-                        svc.metrics.inter_token(now - last_chunk)
-                    last_chunk = now
-                text = "".join(detok.push(t) for t in event.token_ids)
-                if event.finish_reason is None:
-                    yield router_pb2.GenerateResponse(request_id=label,
-                                                      token_ids=event.token_ids, text=text)
-                    continue
-                text += detok.flush()
-                yield router_pb2.GenerateResponse(
-                    request_id=label, token_ids=event.token_ids, text=text,
-                    finish_reason=event.finish_reason, error=event.error or "",
-                    usage=router_pb2.Usage(prompt_tokens=len(prepared.prompt_token_ids),
-                                           completion_tokens=len(state.tokens)),
-                    timings=timings_message(state))
-                break
-        finally:
-            if not state.finished:  # client gone or deadline passed: abort wherever it is
-                await asyncio.shield(svc.end(state, "client disconnected or deadline exceeded"))
-            svc.metrics.request_finished(state, time.monotonic())
-            svc.tracker.release(state.rid)
+        async for chunk in stream_chunks(svc, state):
+            reply = router_pb2.GenerateResponse(request_id=label, token_ids=chunk.token_ids,
+                                                text=chunk.text)
+            if chunk.finish_reason is not None:
+                reply.finish_reason = chunk.finish_reason
+                reply.error = chunk.error or ""
+                reply.usage.CopyFrom(router_pb2.Usage(
+                    prompt_tokens=len(prepared.prompt_token_ids),
+                    completion_tokens=chunk.num_completion_tokens))
+                reply.timings.CopyFrom(timings_message(state))
+            yield reply
 
     async def Abort(self, request, context):
         caller = await self._caller(context)

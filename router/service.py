@@ -222,15 +222,17 @@ class RouterService:
         """End a request with "abort" wherever it is (client gone, deadline, Abort)."""
         await asyncio.gather(*self.end_now(state, reason))
 
-    def end_now(self, state: RequestState, reason: str) -> list[asyncio.Task]:
+    def end_now(self, state: RequestState, reason: str,
+                finish_reason: str = "abort") -> list[asyncio.Task]:
         """`end`, with the request (and its label) finished before this returns; the
-        aborts on its ranks run in the returned tasks."""
+        aborts on its ranks run in the returned tasks. ``finish_reason`` "stop": the
+        router itself found the end (a stop string), so ``reason`` is no error."""
         if state.finished:
             return []
         state.aborted = True
         attempt = state.attempt_key
         ranks = _ranks_of(state)
-        self._finish(state, "abort", reason)
+        self._finish(state, finish_reason, reason if finish_reason != "stop" else None)
         # HANDOFF: the delivery task sees `aborted` and cleans up after itself.
         return [self._spawn(self._abort_on(r, attempt)) for r in ranks if r.state != DEAD]
 

@@ -21,6 +21,9 @@ MAX_REQUEST_ID_CHARS = 256
 # before the tokenizer sees it. 1 MiB of text is far beyond any max_model_len we serve.
 MAX_PROMPT_BYTES = 1 << 20
 MAX_STOP_TOKEN_IDS = 64
+# Stop strings are matched against the streamed text at every step: bound their work.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
 
 
 class RequestError(Exception):
@@ -48,6 +51,9 @@ class PreparedRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    # Stop strings (matched on the router, on the detokenized text): see text_output.py.
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
 
     def sampling_dict(self) -> dict:
         d = asdict(self.sampling)
@@ -61,6 +67,20 @@ def _check_ids(name: str, ids, vocab_size: int) -> list[int]:
         if not 0 <= t < vocab_size:
             raise invalid(f"{name}[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
     return out
+
+
+def check_stop_strings(stop) -> tuple[str, ...]:
+    """The stop strings, checked: at most MAX_STOP_STRINGS, each non-empty and at most
+    MAX_STOP_STRING_CHARS characters."""
+    if len(stop) > MAX_STOP_STRINGS:
+        raise invalid(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+    for i, text in enumerate(stop):
+        if not isinstance(text, str) or not text:
+            raise invalid(f"stop[{i}] must be a non-empty string")
+        if len(text) > MAX_STOP_STRING_CHARS:
+            raise invalid(f"stop[{i}] must be at most {MAX_STOP_STRING_CHARS} characters, "
+                          f"got {len(text)}")
+    return tuple(stop)
 
 
 def check_request_id(request_id: str) -> None:
@@ -142,10 +162,12 @@ def prepare(request, tokenizer, limits: ModelLimits,
         raise invalid(f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids, "
                       f"got {num_stop_ids}")
     stop_ids = _check_ids("stop_token_ids", request.stop_token_ids, limits.vocab_size)
+    stop = check_stop_strings(request.stop)
     ids = _prompt_token_ids(request, tokenizer, limits)
     try:
         sampling = SamplingParams(stop_token_ids=tuple(stop_ids), ignore_eos=request.ignore_eos,
                                   **values)
     except ValueError as exc:  # SamplingParams names the field first
         raise invalid(str(exc)) from exc
-    return PreparedRequest(request.request_id, ids, sampling)
+    return PreparedRequest(request.request_id, ids, sampling, stop,
+                           request.include_stop_str_in_output)

@@ -1,0 +1,75 @@
+"""One admitted request's output as both fronts (gRPC, HTTP) stream it.
+
+1. The front validates (``validation.prepare``) and admits (``RouterService.admit``).
+2. ``stream_chunks`` turns the request's events into ``Chunk``s: tokens, their text
+   (``text_output.TextOutput``: detokenized, stop strings held back and matched), their
+   logprobs, and a last chunk with the finish reason.
+3. A stop string ends the request at once on its ranks (finish reason "stop"), so its
+   blocks free while the client reads the last chunk.
+4. However the consumer leaves (done, client gone, deadline, an exception), the
+   request ends exactly once, its metrics are recorded and its identity released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pdserve.router.text_output import TextOutput
+
+
+@dataclass
+class Chunk:
+    token_ids: list[int]
+    text: str
+    logprobs: list | None = None  # aligned with token_ids, when the request asked
+    finish_reason: str | None = None
+    error: str | None = None
+    num_completion_tokens: int = 0  # on the last chunk: tokens the client received
+
+
+async def stream_chunks(svc, state) -> AsyncIterator[Chunk]:
+    prepared = state.request
+    out = TextOutput(svc.tokenizer, prepared.prompt_token_ids, prepared.stop,
+                     prepared.include_stop_str_in_output)
+    sent_tokens = 0
+    last_chunk = None
+    try:
+        while True:
+            event = await state.events.get()
+            if event.token_ids:
+                now = time.monotonic()
+                if last_chunk is not None:
+                    svc.metrics.inter_token(now - last_chunk)
+                last_chunk = now
+            delta = out.push(event.token_ids)
+            logprobs = getattr(event, "logprobs", None)
+            if logprobs is not None:
+                logprobs = list(logprobs[:delta.num_kept])
+            sent_tokens += len(delta.token_ids)
+            if delta.stopped:
+                tasks = svc.end_now(state, f"stop string {delta.stop_str!r}",
+                                    finish_reason="stop")
+                yield Chunk(delta.token_ids, delta.text, logprobs, "stop",
+                            num_completion_tokens=sent_tokens)
+                await asyncio.gather(*tasks)
+                return
+            if event.finish_reason is None:
+                if delta.token_ids or delta.text:
+                    yield Chunk(delta.token_ids, delta.text, logprobs)
+                continue
+            rest = out.flush()
+            if rest.stopped:  # the held-back tail held a match after all
+                yield Chunk(delta.token_ids, delta.text + rest.text, logprobs, "stop",
+                            num_completion_tokens=sent_tokens)
+                return
+            yield Chunk(delta.token_ids, delta.text + rest.text, logprobs,
+                        event.finish_reason, event.error, num_completion_tokens=sent_tokens)
+            return
+    finally:
+        if not state.finished:  # client gone or deadline passed: abort wherever it is
+            await asyncio.shield(svc.end(state, "client disconnected or deadline exceeded"))
+        svc.metrics.request_finished(state, time.monotonic())
+        svc.tracker.release(state.rid)
