@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e ".[serve,test]" "ray[default]==2.60.0" "grpcio==1.85.3" \
 		"grpcio-tools==1.85.1" "msgpack==1.2.4" "transformers==5.24.0" "safetensors==0.8.0" \
 		"tokenizers==0.23.3" "prometheus-client==0.26.0" \
-		"hypothesis==6.170.17" "cryptography==50.0.2"
+		"hypothesis==6.170.17" "cryptography==50.0.2" \
+		"fastapi==0.165.0" "uvicorn==0.54.0" "openai==3.57.0" "jinja2==3.1.6"
 	touch $(STAMP)
 
 test: setup

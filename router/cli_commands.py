@@ -44,6 +44,13 @@ def ensure_model(model: str | None) -> str:
             tmp.rename(path)
         except OSError:  # a concurrent first use got there first
             shutil.rmtree(tmp, ignore_errors=True)
+    else:  # cached by an older pdserve: give it the current chat template (no torch import)
+        from pdserve.engine.tiny_model import add_chat_template
+
+        try:
+            add_chat_template(path)
+        except (OSError, ValueError) as exc:
+            print(f"warning: could not add the chat template to {path}: {exc}", flush=True)
     return str(path)
 
 
@@ -82,6 +89,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="allow plaintext on a non-loopback --host (a trusted network only)")
     p.add_argument("--tls-server-name", default=None,
                    help="name the self-check expects on the certificate (default localhost)")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                   "/v1/models; default: router port + 2; 0 turns it off)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model's id in the HTTP API (default: the model folder's name)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="Prometheus text endpoint (default: router port + 1; 0 turns it off)")
     p.add_argument("--max-queue-depth", type=int, default=None, help="default 256")
@@ -104,6 +116,7 @@ def serve_config(args: argparse.Namespace):
     top = {"mode": args.mode, "host": args.host, "port": args.port,
            "kv_transport": args.kv_transport, "max_queue_depth": args.max_queue_depth,
            "metrics_port": getattr(args, "metrics_port", None),
+           "http_port": args.http_port, "served_model_name": args.served_model_name,
            "auth_token_file": args.auth_token_file, "admin_token_file": args.admin_token_file,
            "tls_cert_file": args.tls_cert_file, "tls_key_file": args.tls_key_file,
            "insecure": args.insecure}
@@ -180,6 +193,10 @@ def _run_serve(args: argparse.Namespace) -> int:
         print(f"pdserve router listening on {address}", flush=True)
         if server.metrics_port:
             print(f"metrics on http://{config.host}:{server.metrics_port}/metrics", flush=True)
+        if server.http_port:
+            scheme = "https" if config.tls_cert_file else "http"
+            print(f"OpenAI-compatible API on {scheme}://{config.host}:{server.http_port}/v1 "
+                  f"(model {config.model_name!r})", flush=True)
         addr_flag = "" if address == DEFAULT_ADDRESS else f" --address {address}"
         print(f"try: pdserve generate{addr_flag} --max-tokens 32 'def add(x, y):'", flush=True)
         if server.auth is not None and (config.auth_token_file or config.admin_token_file):

@@ -42,6 +42,11 @@ class RouterConfig:
     # `port` is 0); 0 turns it off.
     metrics_port: int | None = None
     kv_transport: str = "ray"
+    # OpenAI-compatible HTTP front (router/http_api.py): None = port + 2 (a free port when
+    # `port` is 0); 0 turns it off. The model's id there: served_model_name, or the
+    # model folder's name.
+    http_port: int | None = None
+    served_model_name: str | None = None
     # Access (router/auth.py, SECURITY.md): tenant tokens `<tenant> <token>` per line; an
     # admin token for ScalePool and cluster internals (without one: loopback peers only).
     auth_token_file: str | None = None
@@ -106,6 +111,11 @@ class RouterConfig:
             raise ValueError(f"max_queue_depth must be >= 1, got {self.max_queue_depth}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
+        if self.served_model_name is not None and not (
+                0 < len(self.served_model_name) <= 256 and self.served_model_name.isprintable()):
+            raise ValueError("served_model_name must be 1..256 printable characters")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
@@ -127,6 +137,11 @@ class RouterConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for pool in self.pools():
             pool.validate()
+
+    @property
+    def model_name(self) -> str:
+        """The model's id in the HTTP API (`model` fields, /v1/models)."""
+        return self.served_model_name or Path(self.model_dir).name or "pdserve"
 
     def pools(self) -> list[PoolConfig]:
         return [self.prefill, self.decode] if self.mode == "disaggregated" else [self.normal]

@@ -73,6 +73,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     prompt_tokens=len(prepared.prompt_token_ids),
                     completion_tokens=chunk.num_completion_tokens))
                 reply.timings.CopyFrom(timings_message(state))
+            if chunk.logprobs is not None:  # the request asked for them
+                reply.logprobs.extend(logprobs_message(chunk))
             yield reply
 
     async def Abort(self, request, context):
@@ -124,6 +126,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             router_pb2.StepRecord(**{k: v for k, v in r.items() if k != "seq"}) for r in records])
 
 
+def logprobs_message(chunk) -> list[router_pb2.TokenLogprob]:
+    """GenerateResponse.logprobs: one TokenLogprob per token of ``chunk`` (an event or
+    chunk whose ``logprobs`` holds rank/messages.py TokenLogprobs, aligned with its
+    token_ids)."""
+    return [router_pb2.TokenLogprob(logprob=lp.logprob, top_token_ids=lp.top_ids,
+                                    top_logprobs=lp.top_logprobs) for lp in chunk.logprobs or ()]
+
+
 def timings_message(state) -> router_pb2.Timings:
     """GenerateResponse.timings from what the router and the ranks measured (seconds)."""
     t = state.timings
@@ -146,6 +156,8 @@ class RouterServer:
         self.server = server
         self.port = port
         self.metrics_port: int | None = None  # the Prometheus endpoint's, when serving
+        self.http = None  # the OpenAI-compatible front (http_api.HTTPServer), when serving
+        self.http_port: int | None = None
 
     @property
     def address(self) -> str:
@@ -157,6 +169,8 @@ class RouterServer:
 
     async def stop(self, grace: float = 1.0) -> None:
         self.service.metrics.stop_server()
+        if self.http is not None:
+            await self.http.stop()
         await self.service.stop()
         await self.server.stop(grace)
 
@@ -248,6 +262,17 @@ async def start_router(config: RouterConfig) -> RouterServer:
                                    f"{metrics_port}: {exc}") from exc
             log.warning("no metrics endpoint: cannot bind %s:%d (%s)", config.host,
                         metrics_port, exc)
+    if config.http_port != 0:
+        from pdserve.router.http_api import start_http
+
+        try:
+            router.http = await start_http(service, auth, config)
+        except (OSError, RuntimeError) as exc:
+            await router.stop(0)
+            raise RuntimeError(f"cannot serve HTTP on {config.host}:{config.http_port}: "
+                               f"{exc}") from exc
+        router.http_port = router.http.port
+        log.info("OpenAI-compatible HTTP on %s:%d", config.host, router.http_port)
     return router
 
 
