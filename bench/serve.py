@@ -389,6 +389,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="also draw the run's engine steps per rank (their records go to "
                    "FILE.json)")
     p.add_argument("--label", default="")
+    p.add_argument("--backend", choices=["pdserve", "openai"], default="pdserve",
+                   help="pdserve: the router's gRPC API (--address); openai: any "
+                   "OpenAI-compatible server's /v1/completions (--base-url)")
+    p.add_argument("--base-url", default=None,
+                   help="--backend openai: e.g. http://127.0.0.1:50053/v1 (pdserve's HTTP "
+                   "front) or http://127.0.0.1:8000/v1 (vLLM)")
+    p.add_argument("--served-model-name", default=None,
+                   help="--backend openai: the `model` to ask for (default: the server's "
+                   "first /v1/models entry)")
 
 
 def model_info(args: argparse.Namespace) -> tuple[int, object]:
@@ -462,6 +471,27 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.backend == "openai":
+        if not args.base_url:
+            print("error: --backend openai needs --base-url", file=sys.stderr)
+            return 2
+        if args.timeline:
+            print("error: --timeline needs the pdserve backend (the router's GetTimeline)",
+                  file=sys.stderr)
+            return 2
+
+    async def bench_once(requests, **kw) -> dict:  # one run, with a client of its own
+        if args.backend != "openai":
+            return await run_benchmark(args.address, requests, **kw)
+        from pdserve.bench.openai_backend import OpenAIBackend
+
+        backend = OpenAIBackend(args.base_url, args.served_model_name,
+                                kw.pop("client_options")["token"])
+        try:
+            return await run_benchmark(args.base_url, requests, client=backend, **kw)
+        finally:
+            await backend.close()
+
     dataset = {"dataset_name": args.dataset_name, "prompt_format": args.prompt_format}
     plot = None if args.no_plot else (args.plot or str(Path(args.result_file).with_suffix(".png")))
     try:
@@ -469,7 +499,7 @@ def run_serve(args: argparse.Namespace) -> int:
             rates = _floats(args.sweep_rates)
             runs = []
             for i, rate in enumerate(rates):
-                r = asyncio.run(run_benchmark(args.address, requests, request_rate=rate,
+                r = asyncio.run(bench_once(requests, request_rate=rate,
                                               num_warmups=args.num_warmups if i == 0 else 0,
                                               label=f"rate {rate:g}", **kwargs))
                 r.update(dataset)
@@ -484,7 +514,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 plot_cdfs({f"rate {r['request_rate']}": r for r in runs},
                           str(Path(plot).with_name(Path(plot).stem + "_cdf.png")))
         else:
-            r = asyncio.run(run_benchmark(args.address, requests, request_rate=args.request_rate,
+            r = asyncio.run(bench_once(requests, request_rate=args.request_rate,
                                           num_warmups=args.num_warmups, label=args.label,
                                           **kwargs))
             r.update(dataset)

@@ -164,3 +164,17 @@ def test_tokens_are_needed_when_configured(make_router, tokens, model):
                                         temperature=0).choices[0].text is not None
     finally:
         router.close()
+
+
+def test_bench_serve_drives_the_openai_backend(base_url, tiny_model_dir, tmp_path):
+    from pdserve.bench.serve import main as serve_main
+
+    out = tmp_path / "openai.json"
+    rc = serve_main(["--backend", "openai", "--base-url", base_url, "--model", tiny_model_dir,
+                     "--num-prompts", "3", "--random-input-len", "16",
+                     "--random-output-len", "5", "--disable-tqdm", "--no-plot",
+                     "--result-file", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["completed"] == 3 and r["output_lens"] == [5, 5, 5]
+    assert r["mean_ttft_ms"] > 0 and r["mean_itl_ms"] > 0
