@@ -3,7 +3,12 @@ random weights and a byte-level BPE tokenizer trained here on a built-in corpus.
 
 ``make_tiny_model(path, variant, size)`` writes a Hugging Face folder that
 ``transformers`` loads unchanged. Everything is generated from fixed seeds, so the
-same call writes byte-identical files.
+same call writes byte-identical files. Its tokenizer_config.json carries a small chat
+template (``CHAT_TEMPLATE``); ``add_chat_template(path)`` puts the current one into a
+folder written before it existed (it rewrites only tokenizer_config.json).
+
+Importing this module does not import torch (only writing weights does), so the router
+process can call ``add_chat_template``.
 """
 
 from __future__ import annotations
@@ -12,9 +17,10 @@ import json
 import os
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import save_file
+if TYPE_CHECKING:
+    import torch
 
 VARIANTS = ("llama", "mistral-swa")
 SIZES = {
@@ -27,6 +33,20 @@ SLIDING_WINDOW = 32
 SEED = 20261130
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
+# The built-in chat template (tokenizer_config.json's "chat_template"): each turn is a
+# plain-text role header line and the content, BOS opens the conversation and EOS ends
+# every assistant turn (generation stops at EOS). It uses only the special tokens above,
+# so the vocabulary is unchanged. Rendered, one user turn reads
+# "<s>### user\nHello\n### assistant\n".
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '### ' + message['role'] + '\\n' + message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
+    "{{ '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '### assistant\\n' }}{% endif %}"
+)
 
 _WORDS = (
     "the a an of to in and is was for on with as by at from that this it be are were "
@@ -125,6 +145,8 @@ def model_config(variant: str = "llama", size: str = "tiny") -> dict:
 
 
 def random_weights(cfg: dict, seed: int = SEED) -> dict[str, torch.Tensor]:
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     std = cfg["initializer_range"]
     h, i, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
@@ -157,22 +179,14 @@ def random_weights(cfg: dict, seed: int = SEED) -> dict[str, torch.Tensor]:
 
 def make_tiny_model(path: str | os.PathLike, variant: str = "llama", size: str = "tiny") -> Path:
     """Write the built-in model folder at ``path`` (created if needed) and return it."""
+    from safetensors.torch import save_file
+
     cfg = model_config(variant, size)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer()
     (out / "tokenizer.json").write_text(tok.to_str(pretty=True))
-    tok_cfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<s>",
-        "eos_token": "</s>",
-        "unk_token": "<unk>",
-        "add_bos_token": True,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": cfg["max_position_embeddings"],
-    }
-    _write_json(out / "tokenizer_config.json", tok_cfg)
+    _write_json(out / "tokenizer_config.json", tokenizer_config(cfg["max_position_embeddings"]))
     _write_json(out / "special_tokens_map.json",
                 {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
     _write_json(out / "config.json", cfg)
@@ -182,6 +196,37 @@ def make_tiny_model(path: str | os.PathLike, variant: str = "llama", size: str =
     })
     save_file(random_weights(cfg), str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def tokenizer_config(model_max_length: int = 2048) -> dict:
+    """The built-in model's tokenizer_config.json."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def add_chat_template(path: str | os.PathLike) -> bool:
+    """Give a built-in model folder written by an older pdserve (no chat template, or an
+    older one) the current ``CHAT_TEMPLATE``. Only tokenizer_config.json is rewritten
+    (atomically), with its other keys kept; True if it was. Weights, vocabulary and
+    generation are untouched."""
+    file = Path(path) / "tokenizer_config.json"
+    tok_cfg = json.loads(file.read_text()) if file.is_file() else tokenizer_config()
+    if file.is_file() and tok_cfg.get("chat_template") == CHAT_TEMPLATE:
+        return False
+    tok_cfg["chat_template"] = CHAT_TEMPLATE
+    tmp = file.with_name(file.name + f".tmp{os.getpid()}")
+    _write_json(tmp, tok_cfg)
+    os.replace(tmp, file)
+    return True
 
 
 def _write_json(path: Path, obj: dict) -> None:

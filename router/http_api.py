@@ -370,8 +370,8 @@ class OpenAIFront:
             raise HTTPError(400, "messages is required", "messages")
         try:
             prompt = self.chat_template.render(
-                body["messages"], add_generation_prompt=True,
-                **_field(body, "chat_template_kwargs", (dict,), {}))
+                body["messages"], True,
+                chat_template_kwargs=_field(body, "chat_template_kwargs", (dict,), {}))
         except ValueError as exc:
             raise HTTPError(400, str(exc), "messages") from None
         prompt_ids = self._chat_prompt_ids(prompt)
@@ -636,11 +636,9 @@ def bind_socket(host: str, port: int):
 
 async def start_http(svc, auth: Authenticator, config) -> HTTPServer:
     """The HTTP front of a started RouterService on config.host:http_port."""
-    try:
-        from pdserve.router.chat_template import ChatTemplate
-    except ImportError:  # TEMPORARY until chat_template.py lands
-        ChatTemplate = None
-    template = ChatTemplate.from_model_dir(config.model_dir) if ChatTemplate else None
+    from pdserve.router.chat_template import ChatTemplate
+
+    template = ChatTemplate.from_model_dir(config.model_dir)
     front = OpenAIFront(svc, auth, config.model_name, template)
     port = config.http_port if config.http_port is not None else (
         config.port + 2 if config.port else 0)

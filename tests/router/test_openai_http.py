@@ -178,3 +178,44 @@ def test_bench_serve_drives_the_openai_backend(base_url, tiny_model_dir, tmp_pat
     r = json.loads(out.read_text())
     assert r["completed"] == 3 and r["output_lens"] == [5, 5, 5]
     assert r["mean_ttft_ms"] > 0 and r["mean_itl_ms"] > 0
+
+
+def test_chat_streamed_equals_whole_and_reports_usage(client, model, router):
+    messages = [{"role": "system", "content": "You add numbers."},
+                {"role": "user", "content": "def add(x, y):"}]
+    whole = client.chat.completions.create(model=model, messages=messages, max_tokens=10,
+                                           temperature=0, extra_body={"return_token_ids": True})
+    choice = whole.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    assert whole.usage.completion_tokens == 10 and choice.message.content
+    chunks = list(client.chat.completions.create(
+        model=model, messages=messages, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    # the template's text, tokenized once (one BOS), is what the completion endpoint sees
+    from pdserve.router.chat_template import ChatTemplate
+
+    tpl = ChatTemplate.from_model_dir(router.service.config.model_dir)
+    ids = tpl.encode(router.service.tokenizer, tpl.render(messages, True))
+    bos = router.service.tokenizer.bos_token_id
+    assert ids[0] == bos and ids[1] != bos  # exactly one BOS
+    same = client.completions.create(model=model, prompt=ids, max_tokens=10, temperature=0)
+    assert same.choices[0].text == choice.message.content
+    assert whole.usage.prompt_tokens == len(ids)
+
+
+def test_chat_errors_name_the_field(client, model):
+    for kwargs, param in (({"messages": [{"role": "user"}]}, "messages"),
+                          ({"messages": "hi"}, "messages"),
+                          ({"messages": [{"role": "user", "content": "x"}],
+                            "extra_body": {"tools": [{"type": "function"}]}}, "tools"),
+                          ({"messages": [{"role": "user", "content": "x"}],
+                            "extra_body": {"response_format": {"type": "json_object"}}},
+                           "response_format")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=model, max_tokens=2, **kwargs)
+        assert info.value.body["param"] == param, info.value.body
