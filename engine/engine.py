@@ -61,6 +61,8 @@ class LLMEngine:
         self.num_failed_steps = 0
         # request id -> why its step failed: reported once as finish "error".
         self._failed: dict[str, str] = {}
+        # request id -> logprobs of the token it drew this step (only requests that asked).
+        self._step_logprobs: dict = {}
 
     # -- admission -------------------------------------------------------------------
 
@@ -124,6 +126,7 @@ class LLMEngine:
         if sched_out.kind == StepKind.PROMPT and sched_out.scheduled:
             self._note_scheduled(sched_out)
         run_started = time.perf_counter()
+        self._step_logprobs = {}
         try:
             sampled = self._execute(sched_out)
         except Exception as exc:
@@ -196,17 +199,31 @@ class LLMEngine:
             )
             for row in sched_out.scheduled
         ]
-        return self.runner.execute(rows)
+        tokens, logprobs = self.runner.execute_with_logprobs(rows)
+        if logprobs is not None:  # some row asked (sampling.logprobs): keyed for the outputs
+            self._step_logprobs = {row.seq.request_id: lp for row, lp in
+                                   zip(sched_out.scheduled, logprobs, strict=True)
+                                   if lp is not None}
+        return tokens
 
     def _collect_outputs(self, result: StepResult) -> list[RequestOutput]:
         by_id: dict[str, RequestOutput] = {}
         # A handed-off request's first token travels in its HandOff, not here.
         handed_off = {seq.request_id for seq in result.handed_off}
+        step_logprobs = self._step_logprobs  # empty unless a request asked for logprobs
         for seq in result.updated:
             if seq.request_id in handed_off or seq.request_id in self._failed:
                 continue
             out = self._output_for(by_id, seq)
             out.new_token_ids.append(seq.token_ids[-1])
+            if step_logprobs:
+                # Every token of a request that asked was drawn by a row that computed
+                # its logprobs, so new_logprobs stays aligned with new_token_ids.
+                lp = step_logprobs.get(seq.request_id)
+                if lp is not None:
+                    if out.new_logprobs is None:
+                        out.new_logprobs = []
+                    out.new_logprobs.append(lp)
         for seq in result.finished:
             out = self._output_for(by_id, seq)
             cause = self._failed.pop(seq.request_id, None)
@@ -215,6 +232,7 @@ class LLMEngine:
             else:
                 out.finish_reason, out.error, out.step_failed = "error", cause, True
                 out.new_token_ids.clear()
+                out.new_logprobs = None
             self._requests.pop(seq.request_id, None)
         for request_id in self._aborted_imports:
             by_id[request_id] = RequestOutput(request_id, [], finish_reason="abort")
@@ -250,7 +268,8 @@ class LLMEngine:
         return HandOff(seq.request_id, seq.token_ids[-1], payload.to_bytes(), seq.prompt_len,
                        arrival_time=seq.arrival_time,
                        first_scheduled_time=seq.first_scheduled_time,
-                       first_token_time=seq.first_token_time)
+                       first_token_time=seq.first_token_time,
+                       first_token_logprobs=self._step_logprobs.get(seq.request_id))
 
     def _admit_imports(self) -> None:
         while self._pending_imports:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.outputs import RequestOutput, TokenLogprobs
 from pdserve.scheduler.sampling_params import SamplingParams
 from tqdm.auto import tqdm
 
@@ -29,6 +29,8 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    # One TokenLogprobs per token_ids entry when SamplingParams.logprobs asked, else None.
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class LLM:
@@ -77,7 +79,8 @@ class LLM:
             request_id = f"llm-{self._next_id}"
             self._next_id += 1
             first.add_request(request_id, ids, sp)
-            results[request_id] = CompletionOutput(request_id, list(ids))
+            results[request_id] = CompletionOutput(
+                request_id, list(ids), logprobs=[] if sp.logprobs is not None else None)
         with tqdm(total=len(results), desc="generate", unit="req",
                   disable=not use_tqdm or len(results) < 8) as bar:
             pending = len(results)
@@ -85,6 +88,8 @@ class LLM:
                 for out in self._step():
                     done = results[out.request_id]
                     done.token_ids.extend(out.new_token_ids)
+                    if out.new_logprobs:
+                        done.logprobs.extend(out.new_logprobs)
                     if out.finished:
                         done.finish_reason = out.finish_reason
                         done.text = self.tokenizer.decode(done.token_ids)
@@ -101,7 +106,9 @@ class LLM:
             step = prompt.step()
             outputs += step.outputs
             for handoff in step.handoffs:
-                outputs.append(RequestOutput(handoff.request_id, [handoff.first_token_id]))
+                lp = handoff.first_token_logprobs
+                outputs.append(RequestOutput(handoff.request_id, [handoff.first_token_id],
+                                             new_logprobs=None if lp is None else [lp]))
                 completion.import_prefilled(handoff.payload)
         if completion.has_work():
             outputs += completion.step().outputs

@@ -15,7 +15,8 @@ A row's ``token_ids`` are its ``q`` query tokens at positions
 ``block_table`` must cover ``seqlen_k`` positions; ``state_slot`` addresses the
 sliding-window ring (ignored by models without one). A step may mix prefill chunks
 of several requests and decode rows (q = 1). ``execute`` returns one sampled token
-per row, or ``None`` for rows with ``sample=False`` (non-final prompt chunks).
+per row, or ``None`` for rows with ``sample=False`` (non-final prompt chunks);
+``execute_with_logprobs`` also each token's logprobs where ``sampling.logprobs`` asks.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import torch
 from pdserve.engine.model import load_model
+from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.weights import file_digest, weight_files
 from pdserve.kernels.attention import AttentionGroup, AttentionMetadata
 from pdserve.kernels.decode_kv import DecodeKV
@@ -204,18 +206,66 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------
     def execute(self, rows: list[RunnerRow]) -> list[int | None]:
+        return self.execute_with_logprobs(rows)[0]
+
+    def execute_with_logprobs(
+            self, rows: list[RunnerRow]) -> tuple[list[int | None], list[TokenLogprobs | None] | None]:
+        """``execute``, and each row's ``TokenLogprobs`` (None for a row that samples
+        nothing or whose ``sampling.logprobs`` is None); the list is None when no row of
+        the step asked (nothing was computed).
+
+        Raw logprobs (vLLM's default): ``log_softmax`` in fp32 of the model's logits at
+        the row's last position, the very logits its token was drawn from, before
+        temperature, top-k and top-p. So a sampled token's value is its probability under
+        the model, not under the filtered distribution it was drawn from (a token top-k
+        / top-p would have refused cannot be drawn, so it never shows as the chosen one;
+        it may still be among the alternatives). Every step path hands its logits here
+        (the C decode step, ``decode_logits``, returns them too; ``greedy`` reads them), so
+        the values do not depend on which path ran. Cost: only rows that asked pay, one
+        ``log_softmax`` over the vocabulary and one ``topk`` (k = the largest asked in
+        the step) for those rows together; a step where none asked does nothing more
+        than scan its rows' settings."""
         if not rows:
-            return []
+            return [], None
         want = [i for i, r in enumerate(rows) if r.sample]
         out: list[int | None] = [None] * len(rows)
         with self._threads.step(rows):
             logits = self._logits(rows, want)
             if not want:
-                return out
-            tokens = self._sample(logits, [rows[i] for i in want]).tolist()
+                return out, None
+            wanted = [rows[i] for i in want]
+            sampled = self._sample(logits, wanted)
+            ask = [j for j, r in enumerate(wanted) if r.sampling.logprobs is not None]
+            logprobs = self._logprobs(logits, sampled, wanted, ask) if ask else None
+            tokens = sampled.tolist()
         for i, t in zip(want, tokens, strict=True):
             out[i] = int(t)
-        return out
+        if logprobs is None:
+            return out, None
+        per_row: list[TokenLogprobs | None] = [None] * len(rows)
+        for j, lp in zip(ask, logprobs, strict=True):
+            per_row[want[j]] = lp
+        return out, per_row
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, sampled: torch.Tensor, rows: list[RunnerRow],
+                  ask: list[int]) -> list[TokenLogprobs]:
+        """TokenLogprobs of ``rows[j]`` for each j in ``ask``; ``logits`` [len(rows), V]
+        and ``sampled`` [len(rows)] are those rows' logits and drawn tokens."""
+        if len(ask) < len(rows):
+            idx = torch.tensor(ask, device=logits.device)
+            logits, sampled = logits.index_select(0, idx), sampled.index_select(0, idx)
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        chosen = lp.gather(1, sampled.view(-1, 1).long()).view(-1).tolist()
+        ks = [rows[j].sampling.logprobs for j in ask]
+        kmax = min(max(ks), lp.shape[-1])
+        if kmax > 0:
+            top_vals, top_ids = lp.topk(kmax, dim=-1)  # sorted: most likely first
+            top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        else:
+            top_vals = top_ids = [[]] * len(ask)
+        return [TokenLogprobs(c, ids[:k], vals[:k])
+                for c, ids, vals, k in zip(chosen, top_ids, top_vals, ks, strict=True)]
 
     def compute_logits(self, rows: list[RunnerRow]) -> torch.Tensor:
         """Run the step (writing KV like ``execute``) and return fp32 logits [B, V] at

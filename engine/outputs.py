@@ -6,6 +6,19 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class TokenLogprobs:
+    """One generated token's log-probability and the request's top-k alternatives at its
+    position (k = ``SamplingParams.logprobs``; ids most likely first), from the logits
+    the token was drawn from: log_softmax of the model's raw logits, before temperature,
+    top-k and top-p (see ``ModelRunner.execute_with_logprobs``). Torch-free: it crosses
+    Ray in the rank's reports (``rank/messages.py``) as it is."""
+
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
 class RequestOutput:
     """New tokens of one request from one step; `finish_reason` is set exactly once, last."""
 
@@ -20,6 +33,8 @@ class RequestOutput:
     error: str | None = None
     first_scheduled_time: float | None = None  # engine clock: its first prompt chunk ran
     step_failed: bool = False  # ended by an exception inside a step (see LLMEngine.step)
+    # One entry per new_token_ids entry when the request asked for logprobs, else None.
+    new_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -39,6 +54,7 @@ class HandOff:
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    first_token_logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
 @dataclass

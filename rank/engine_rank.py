@@ -427,7 +427,8 @@ class EngineRank:
             self.timeline.step(self.pool_name, self.rank, out, end)
             return
         outputs = [TokenReport(o.request_id, list(o.new_token_ids), o.num_output_tokens,
-                               o.finish_reason, o.error, o.step_failed) for o in out.outputs]
+                               o.finish_reason, o.error, o.step_failed,
+                               logprobs=getattr(o, "new_logprobs", None)) for o in out.outputs]
         hs = time.time() if out.handoffs else 0.0
         handoffs = [self._export(h) for h in out.handoffs]
         self.timeline.step(self.pool_name, self.rank, out, end, hs, time.time() if hs else 0.0)
@@ -469,7 +470,8 @@ class EngineRank:
             timings.kv_export_s = max(0.0, time.monotonic() - handoff.first_token_time)
         return HandoffTicket(handoff.request_id, int(handoff.first_token_id),
                              int(handoff.num_prompt_tokens), len(handoff.payload), locator,
-                             timings)
+                             timings,
+                             first_token_logprobs=getattr(handoff, "first_token_logprobs", None))
 
     def _on_error(self, exc: BaseException) -> None:
         self._loop_error = self._redact(_error_text(exc))

@@ -14,6 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# Per-token logprobs (logprob, top_ids, top_logprobs): the engine's own plain dataclass
+# (engine/outputs.py, torch-free), carried as it is; part of this contract.
+from pdserve.engine.outputs import TokenLogprobs
 from pdserve.scheduler.sampling_params import SamplingParams
 
 
@@ -114,7 +117,8 @@ class TokenReport:
 
     ``num_output_tokens`` counts every token this attempt has produced so far, so the
     router can tell a lost report (a gap) from a late one. ``step_failed`` marks an
-    attempt ended by an exception inside a step (the request may move)."""
+    attempt ended by an exception inside a step (the request may move). ``logprobs``:
+    one entry per ``token_ids`` entry when the request asked for them, else None."""
 
     attempt: str
     token_ids: list[int]
@@ -123,6 +127,7 @@ class TokenReport:
     error: str | None = None
     step_failed: bool = False
     timings: RankTimings | None = None
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -136,6 +141,7 @@ class HandoffTicket:
     nbytes: int
     locator: Any
     timings: RankTimings | None = None
+    first_token_logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
 @dataclass

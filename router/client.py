@@ -39,10 +39,14 @@ class Completion:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     num_messages: int = 0
+    # router_pb2.TokenLogprob per token (logprob, top_token_ids, top_logprobs), aligned
+    # with token_ids when the request asked for logprobs; empty otherwise.
+    logprobs: list = field(default_factory=list)
 
     def add(self, msg: router_pb2.GenerateResponse) -> None:
         self.request_id = msg.request_id or self.request_id
         self.token_ids.extend(msg.token_ids)
+        self.logprobs.extend(msg.logprobs)
         self.text += msg.text
         self.num_messages += 1
         if msg.finish_reason:
@@ -52,10 +56,14 @@ class Completion:
             self.completion_tokens = msg.usage.completion_tokens
 
     def to_dict(self) -> dict:
-        return {"request_id": self.request_id, "token_ids": self.token_ids, "text": self.text,
-                "finish_reason": self.finish_reason, "error": self.error,
-                "usage": {"prompt_tokens": self.prompt_tokens,
-                          "completion_tokens": self.completion_tokens}}
+        d = {"request_id": self.request_id, "token_ids": self.token_ids, "text": self.text,
+             "finish_reason": self.finish_reason, "error": self.error,
+             "usage": {"prompt_tokens": self.prompt_tokens,
+                       "completion_tokens": self.completion_tokens}}
+        if self.logprobs:
+            d["logprobs"] = [{"logprob": lp.logprob, "top_token_ids": list(lp.top_token_ids),
+                              "top_logprobs": list(lp.top_logprobs)} for lp in self.logprobs]
+        return d
 
 
 def build_request(prompt: str | Sequence[int], *, request_id: str = "",
@@ -63,7 +71,8 @@ def build_request(prompt: str | Sequence[int], *, request_id: str = "",
                   top_p: float | None = None, top_k: int | None = None,
                   seed: int | None = None, stop_token_ids: Sequence[int] = (),
                   ignore_eos: bool = False, stop: Sequence[str] = (),
-                  include_stop_str_in_output: bool = False) -> router_pb2.GenerateRequest:
+                  include_stop_str_in_output: bool = False,
+                  logprobs: int | None = None) -> router_pb2.GenerateRequest:
     req = router_pb2.GenerateRequest(request_id=request_id, stop_token_ids=list(stop_token_ids),
                                      ignore_eos=ignore_eos, stop=list(stop),
                                      include_stop_str_in_output=include_stop_str_in_output)
@@ -74,7 +83,8 @@ def build_request(prompt: str | Sequence[int], *, request_id: str = "",
         if not req.token_ids.ids:
             req.token_ids.SetInParent()  # an explicit, empty token list
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature),
-                        ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+                        ("top_p", top_p), ("top_k", top_k), ("seed", seed),
+                        ("logprobs", logprobs)):
         if value is not None:
             setattr(req, name, value)
     return req

@@ -33,6 +33,9 @@ class Event:
     token_ids: list[int]
     finish_reason: str | None = None
     error: str | None = None
+    # One TokenLogprobs (rank/messages.py) per token_ids entry when the request asked
+    # for logprobs, else None.
+    logprobs: list | None = None
 
 
 @dataclass
@@ -97,7 +100,9 @@ class RequestState:
         self.progress_at = time.monotonic()
         return True
 
-    def push(self, token_ids: list[int]) -> None:
+    def push(self, token_ids: list[int], logprobs: list | None = None) -> None:
+        """Stream new tokens (those past max_tokens are dropped, with their logprobs);
+        ``logprobs``: one entry per token, from the same report."""
         if self.finished or not token_ids:
             return
         fresh = [int(t) for t in token_ids[: max(0, self.tokens_left)]]
@@ -106,10 +111,10 @@ class RequestState:
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         self.tokens.extend(fresh)
-        self.events.put_nowait(Event(fresh))
+        self.events.put_nowait(Event(fresh, logprobs=_aligned(logprobs, fresh)))
 
     def finish(self, reason: str, error: str | None = None,
-               token_ids: list[int] | None = None) -> bool:
+               token_ids: list[int] | None = None, logprobs: list | None = None) -> bool:
         """Queue the last event; only the first call counts."""
         if self.finished:
             return False
@@ -122,10 +127,18 @@ class RequestState:
             self.first_token_at = time.monotonic()
         self.stage = DONE
         self.finish_reason, self.error = reason, error
-        self.events.put_nowait(Event(fresh, reason, error))
+        self.events.put_nowait(Event(fresh, reason, error, _aligned(logprobs, fresh)))
         if self.on_finish is not None:
             self.on_finish(self)
         return True
+
+
+def _aligned(logprobs: list | None, tokens: list[int]) -> list | None:
+    """The logprobs of ``tokens`` (the first len(tokens) of a report's), or None when the
+    report carried none."""
+    if logprobs is None:
+        return None
+    return list(logprobs[:len(tokens)])
 
 
 class RequestTracker:

@@ -196,8 +196,8 @@ class RouterService:
                 rank.outstanding_tokens = max(0, rank.outstanding_tokens - state.outstanding)
 
     def _finish(self, state: RequestState, reason: str, error: str | None = None,
-                token_ids: list[int] | None = None) -> None:
-        state.finish(reason, error, token_ids)
+                token_ids: list[int] | None = None, logprobs: list | None = None) -> None:
+        state.finish(reason, error, token_ids, logprobs)
         self._leave(state.prefill_rank, state)
         self._leave(state.decode_rank, state)
 
@@ -322,9 +322,9 @@ class RouterService:
                            f"{state.attempt_tokens + 1}, got {out.num_output_tokens})")
                 continue
             if out.finish_reason is not None:
-                self._finish(state, out.finish_reason, out.error, out.token_ids)
+                self._finish(state, out.finish_reason, out.error, out.token_ids, out.logprobs)
             else:
-                state.push(out.token_ids)
+                state.push(out.token_ids, out.logprobs)
         for ticket in step.handoffs:
             state = self.tracker.by_attempt(ticket.attempt)
             if state is None or state.finished or state.aborted:
@@ -337,7 +337,9 @@ class RouterService:
                 self._spawn(self.transport.discard(ticket, rank))
                 self._move(state, f"a hand-off of {rank.name} came out of order")
                 continue
-            state.push([ticket.first_token_id])  # streamed before any KV moves
+            first_lp = ticket.first_token_logprobs
+            # streamed before any KV moves
+            state.push([ticket.first_token_id], None if first_lp is None else [first_lp])
             self._leave(rank, state)
             if state.tokens_left <= 0:
                 self._spawn(self.transport.discard(ticket, rank))

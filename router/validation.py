@@ -11,9 +11,9 @@ import math
 from dataclasses import asdict, dataclass
 
 import grpc
-from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.scheduler.sampling_params import MAX_LOGPROBS, SamplingParams
 
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs")
 
 # request_id is a client label that ends up in logs, metrics and error messages.
 MAX_REQUEST_ID_CHARS = 256
@@ -145,6 +145,9 @@ def _sampling_values(request, limits: ModelLimits, default_max_tokens: int) -> d
     top_p = values.get("top_p", 1.0)
     if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
         raise invalid(f"top_p must be a finite number in (0, 1], got {top_p}")
+    logprobs = values.get("logprobs")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise invalid(f"logprobs must be in [0, {MAX_LOGPROBS}] (unset: none), got {logprobs}")
     return values
 
 

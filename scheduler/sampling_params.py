@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # the most top-k alternatives a request may ask for
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -11,6 +13,9 @@ class SamplingParams:
 
     temperature 0 is greedy. top_k -1 (or 0) and top_p 1.0 disable those filters.
     A seed makes the request's samples reproducible whatever batch it shares.
+    logprobs None: no log-probabilities; k in 0..20: each generated token's
+    log-probability and the k most likely tokens' (see ``ModelRunner``: raw logprobs,
+    before temperature / top-k / top-p).
     """
 
     max_tokens: int = 16
@@ -20,6 +25,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen so the params stay hashable.
@@ -40,6 +46,11 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disabled) or >= 0, got {self.top_k}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.logprobs is not None and (
+                isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
+                             f"got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
