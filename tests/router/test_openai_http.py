@@ -219,3 +219,31 @@ def test_chat_errors_name_the_field(client, model):
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=model, max_tokens=2, **kwargs)
         assert info.value.body["param"] == param, info.value.body
+
+
+def test_logprobs_over_http_equal_grpcs(client, model, router):
+    from pdserve.router.client import Client
+
+    with Client(router.address, timeout=60) as g:
+        want = g.generate(PROMPTS[0], max_tokens=6, temperature=0, logprobs=3)
+    out = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=6,
+                                    temperature=0, logprobs=3).choices[0]
+    lp = out.logprobs
+    assert len(lp.tokens) == 6 and len(lp.top_logprobs) == 6
+    assert lp.token_logprobs == pytest.approx([x.logprob for x in want.logprobs], abs=1e-6)
+    tok = router.service.tokenizer
+    for tops, ref in zip(lp.top_logprobs, want.logprobs, strict=True):
+        assert len(ref.top_token_ids) == 3
+        assert set(tops) == {tok.decode([i], False) for i in ref.top_token_ids} or \
+            len(set(tok.decode([i], False) for i in ref.top_token_ids)) < 3
+    assert "".join(lp.tokens) == out.text and lp.text_offset[0] == 0
+    messages = [{"role": "user", "content": "def add(x, y):"}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.logprob <= 0 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+               for c in content)
+    plain = client.chat.completions.create(model=model, messages=messages, max_tokens=4,
+                                           temperature=0)
+    assert plain.choices[0].logprobs is None
