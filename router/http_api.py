@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import time
@@ -29,6 +30,7 @@ from pdserve.router.auth import Authenticator, AuthError
 from pdserve.router.request_stream import Chunk, stream_chunks
 from pdserve.router.validation import RequestError, prepare
 from pdserve.rpc import router_pb2
+from starlette.responses import StreamingResponse
 
 MAX_BODY_BYTES = 16 << 20
 MAX_PROMPTS = 64  # prompts in one /v1/completions call
@@ -331,18 +333,19 @@ class OpenAIFront:
     async def _completion_events(self, rid: str, states: list, c: Common):
         created = int(time.time())
         totals = [0] * len(states)
-        async for index, chunk in _merged(self.svc, states):
-            totals[index] = chunk.num_completion_tokens or totals[index] + len(chunk.token_ids)
-            if chunk.finish_reason is not None and chunk.finish_reason not in ("stop", "length"):
-                yield {"error": error_body(_finish_error(chunk))["error"]}
-                continue
-            choice = {"index": index, "text": chunk.text, "logprobs": (
-                self._completion_logprobs(_Collected.of(chunk), c) if c.logprobs is not None
-                else None), "finish_reason": _openai_finish(chunk.finish_reason)}
-            if c.return_token_ids:
-                choice["token_ids"] = chunk.token_ids
-            yield {"id": rid, "object": "text_completion", "created": created,
-                   "model": self.model_name, "choices": [choice]}
+        async with contextlib.aclosing(_merged(self.svc, states)) as chunks:
+            async for index, chunk in chunks:
+                totals[index] = chunk.num_completion_tokens or totals[index] + len(chunk.token_ids)
+                if chunk.finish_reason is not None and chunk.finish_reason not in ("stop", "length"):
+                    yield {"error": error_body(_finish_error(chunk))["error"]}
+                    continue
+                choice = {"index": index, "text": chunk.text, "logprobs": (
+                    self._completion_logprobs(_Collected.of(chunk), c) if c.logprobs is not None
+                    else None), "finish_reason": _openai_finish(chunk.finish_reason)}
+                if c.return_token_ids:
+                    choice["token_ids"] = chunk.token_ids
+                yield {"id": rid, "object": "text_completion", "created": created,
+                       "model": self.model_name, "choices": [choice]}
         if c.include_usage:
             yield {"id": rid, "object": "text_completion", "created": created,
                    "model": self.model_name, "choices": [],
@@ -418,18 +421,19 @@ class OpenAIFront:
         yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}]}
         total = 0
-        async for _, chunk in _merged(self.svc, [state]):
-            total = chunk.num_completion_tokens or total + len(chunk.token_ids)
-            if chunk.finish_reason is not None and chunk.finish_reason not in ("stop", "length"):
-                yield {"error": error_body(_finish_error(chunk))["error"]}
-                continue
-            delta = {"content": chunk.text} if chunk.text or chunk.finish_reason is None else {}
-            choice = {"index": 0, "delta": delta, "logprobs": (
-                self._chat_logprobs(_Collected.of(chunk)) if c.logprobs is not None else None),
-                "finish_reason": _openai_finish(chunk.finish_reason)}
-            if c.return_token_ids:
-                choice["token_ids"] = chunk.token_ids
-            yield {**head, "choices": [choice]}
+        async with contextlib.aclosing(_merged(self.svc, [state])) as chunks:
+            async for _, chunk in chunks:
+                total = chunk.num_completion_tokens or total + len(chunk.token_ids)
+                if chunk.finish_reason is not None and chunk.finish_reason not in ("stop", "length"):
+                    yield {"error": error_body(_finish_error(chunk))["error"]}
+                    continue
+                delta = {"content": chunk.text} if chunk.text or chunk.finish_reason is None else {}
+                choice = {"index": 0, "delta": delta, "logprobs": (
+                    self._chat_logprobs(_Collected.of(chunk)) if c.logprobs is not None else None),
+                    "finish_reason": _openai_finish(chunk.finish_reason)}
+                if c.return_token_ids:
+                    choice["token_ids"] = chunk.token_ids
+                yield {**head, "choices": [choice]}
         if c.include_usage:
             yield {**head, "choices": [],
                    "usage": _usage_numbers(len(state.request.prompt_token_ids), total)}
@@ -437,15 +441,28 @@ class OpenAIFront:
     # -- plumbing ---------------------------------------------------------------------------
 
     def _sse(self, events):
-        from starlette.responses import StreamingResponse
-
         async def lines():
-            async for event in events:
-                yield f"data: {json.dumps(event)}\n\n"
-            yield "data: [DONE]\n\n"
+            try:
+                async for event in events:
+                    yield f"data: {json.dumps(event)}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                await events.aclose()  # ends the requests of a stream the client left
 
-        return StreamingResponse(lines(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return _ClosingStream(lines(), media_type="text/event-stream",
+                              headers={"Cache-Control": "no-cache"})
+
+
+class _ClosingStream(StreamingResponse):
+    """A StreamingResponse that closes its body generator however the response ends:
+    Starlette stops iterating when the client is gone (a failed send) but leaves the
+    generator suspended, which would leave its requests running until it is collected."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
 
 
 @dataclass

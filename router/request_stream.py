@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -50,11 +49,10 @@ async def stream_chunks(svc, state) -> AsyncIterator[Chunk]:
                 logprobs = list(logprobs[:delta.num_kept])
             sent_tokens += len(delta.token_ids)
             if delta.stopped:
-                tasks = svc.end_now(state, f"stop string {delta.stop_str!r}",
-                                    finish_reason="stop")
+                # ended at once; the aborts on its ranks run in the service's tasks
+                svc.end_now(state, f"stop string {delta.stop_str!r}", finish_reason="stop")
                 yield Chunk(delta.token_ids, delta.text, logprobs, "stop",
                             num_completion_tokens=sent_tokens)
-                await asyncio.gather(*tasks)
                 return
             if event.finish_reason is None:
                 if delta.token_ids or delta.text:
@@ -69,7 +67,9 @@ async def stream_chunks(svc, state) -> AsyncIterator[Chunk]:
                         event.finish_reason, event.error, num_completion_tokens=sent_tokens)
             return
     finally:
+        # Nothing here awaits: a consumer cancelled more than once (an HTTP stream torn
+        # down) must still end the request, count it and release it.
         if not state.finished:  # client gone or deadline passed: abort wherever it is
-            await asyncio.shield(svc.end(state, "client disconnected or deadline exceeded"))
+            svc.end_now(state, "client disconnected or deadline exceeded")  # aborts: tasks
         svc.metrics.request_finished(state, time.monotonic())
         svc.tracker.release(state.rid)

@@ -247,3 +247,17 @@ def test_logprobs_over_http_equal_grpcs(client, model, router):
     plain = client.chat.completions.create(model=model, messages=messages, max_tokens=4,
                                            temperature=0)
     assert plain.choices[0].logprobs is None
+
+
+def test_a_stream_the_client_drops_ends_on_its_ranks(base_url, model, router):
+    import httpx2 as httpx
+
+    body = {"model": model, "prompt": PROMPTS[1], "max_tokens": 400, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{base_url}/completions", json=body) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    break  # one chunk, then hang up
+    router.assert_nothing_left(timeout=20)  # aborted, its blocks free, nothing in flight
