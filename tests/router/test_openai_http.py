@@ -261,3 +261,37 @@ def test_a_stream_the_client_drops_ends_on_its_ranks(base_url, model, router):
                 if line.startswith("data: "):
                     break  # one chunk, then hang up
     router.assert_nothing_left(timeout=20)  # aborted, its blocks free, nothing in flight
+
+
+def test_a_full_queue_is_429_and_the_first_request_is_unharmed(make_router, model):
+    import threading
+
+    router = make_router(mode="normal", normal=1, max_queue_depth=1)
+    try:
+        url = f"http://127.0.0.1:{router.server.http_port}/v1"
+        with openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60) as c:
+            first = {}
+            started = threading.Event()
+
+            def long_one():
+                stream = c.completions.create(model=model, prompt="hello", max_tokens=200,
+                                              temperature=0, stream=True,
+                                              extra_body={"ignore_eos": True})
+                text = ""
+                for chunk in stream:
+                    started.set()
+                    text += chunk.choices[0].text
+                    first["finish"] = chunk.choices[0].finish_reason or first.get("finish")
+                first["text"] = text
+
+            t = threading.Thread(target=long_one)
+            t.start()
+            assert started.wait(30)
+            with pytest.raises(openai.RateLimitError) as info:
+                c.completions.create(model=model, prompt="hi", max_tokens=2)
+            assert "max_queue_depth" in info.value.body["message"]
+            t.join(60)
+            assert first["finish"] == "length" and first["text"]
+        router.assert_nothing_left()
+    finally:
+        router.close()
