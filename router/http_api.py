@@ -496,6 +496,11 @@ async def _collect(svc, state) -> _Collected:
 async def _merged(svc, states: list):
     """(index, chunk) of several requests' streams, as they come; every stream is ended
     when the consumer leaves early (stream_chunks' own cleanup)."""
+    if len(states) == 1:  # one stream: no pump task, no queue hop per chunk
+        async with contextlib.aclosing(stream_chunks(svc, states[0])) as chunks:
+            async for chunk in chunks:
+                yield 0, chunk
+        return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
