@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,9 @@ def test_every_node_keeps_ray_auth_on_and_the_router_authenticates():
             if "ray start" in cmd or "pdserve serve" in cmd:
                 assert "RAY_AUTH_MODE=token" in cmd and "RAY_AUTH_TOKEN_PATH=" in cmd, cmd
     everything = " ".join(" ".join(config[k]) for k in config if k.endswith("_commands"))
-    assert "RAY_AUTH_MODE=disabled" not in CLUSTER_YAML.read_text()
+    # every auth mode the file sets anywhere (comments included) is token
+    modes = set(re.findall(r"RAY_AUTH_MODE\s*[=:]\s*[\"']?(\w+)", CLUSTER_YAML.read_text()))
+    assert modes == {"token"}, modes
     assert "--dashboard-host=0.0.0.0" not in everything
     serve = next(c for c in config["head_start_ray_commands"] if "pdserve serve" in c)
     for flag in ("--auth-token-file", "--admin-token-file", "--tls-cert-file", "--tls-key-file"):
