@@ -185,7 +185,7 @@ class Authenticator:
             found = Principal(ADMIN_TENANT, is_admin=True)
         return found
 
-    def authenticate(self, metadata, peer: str) -> Principal:
+    def authenticate(self, metadata) -> Principal:
         """The caller of a Generate / Abort (AuthError: UNAUTHENTICATED)."""
         token = bearer_token(metadata)
         if not self._tenants and self._admin is None:
@@ -207,7 +207,7 @@ class Authenticator:
     def authorize_admin(self, metadata, peer: str) -> Principal:
         """The caller of ScalePool / GetClusterState / GetTimeline: the admin token, or
         (none configured) any authenticated caller on a loopback connection."""
-        principal = self.authenticate(metadata, peer)
+        principal = self.authenticate(metadata)
         if principal.is_admin:
             return principal
         if self._admin is not None:

@@ -115,8 +115,6 @@ class Common:
     stream: bool
     include_usage: bool
     return_token_ids: bool
-    n: int = 1
-    extra: dict = field(default_factory=dict)
 
 
 def _common(body: dict, endpoint: str, logprobs: int | None) -> Common:
@@ -142,14 +140,12 @@ def _common(body: dict, endpoint: str, logprobs: int | None) -> Common:
         raise HTTPError(400, "stream_options is only allowed with stream: true",
                         "stream_options")
     include_usage = bool(_field(options, "include_usage", (bool,), False)) if options else False
-    for name in ("user",):
-        _field(body, name, (str,))
+    _field(body, "user", (str,))  # a label: checked, not used
     max_tokens = _field(body, "max_tokens", (int,))
     if endpoint == "chat":
         max_tokens = _field(body, "max_completion_tokens", (int,), max_tokens)
-    for name, value in (("max_tokens", max_tokens),):
-        if value is not None and value < 1:
-            raise HTTPError(400, f"{name} must be >= 1, got {value}", name)
+    if max_tokens is not None and max_tokens < 1:
+        raise HTTPError(400, f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
     temperature = _field(body, "temperature", (int, float))
     top_p = _field(body, "top_p", (int, float))
     seed = _field(body, "seed", (int,))
@@ -161,10 +157,19 @@ def _common(body: dict, endpoint: str, logprobs: int | None) -> Common:
         stop_token_ids=stop_ids, ignore_eos=_field(body, "ignore_eos", (bool,), False),
         include_stop_str_in_output=_field(body, "include_stop_str_in_output", (bool,), False),
         logprobs=logprobs, stream=stream, include_usage=include_usage,
-        return_token_ids=_field(body, "return_token_ids", (bool,), False), n=n)
+        return_token_ids=_field(body, "return_token_ids", (bool,), False))
+
+
+def _check_int32(name: str, ids: list[int]) -> None:
+    # The proto's ids are int32: a larger JSON integer is a bad field, not a crash.
+    if any(not -2**31 <= t < 2**31 for t in ids):
+        raise HTTPError(400, f"{name} holds a token id outside the 32-bit range", name)
 
 
 def _grpc_request(prompt: str | list[int], c: Common) -> router_pb2.GenerateRequest:
+    _check_int32("stop_token_ids", c.stop_token_ids)
+    if not isinstance(prompt, str):
+        _check_int32("prompt", prompt)
     req = router_pb2.GenerateRequest(stop=c.stop, stop_token_ids=c.stop_token_ids,
                                      ignore_eos=c.ignore_eos,
                                      include_stop_str_in_output=c.include_stop_str_in_output)
@@ -227,10 +232,8 @@ class OpenAIFront:
     def authenticate(self, request) -> str:
         header = request.headers.get("authorization")
         metadata = [("authorization", header)] if header is not None else []
-        client = request.client
-        peer = f"ipv4:{client.host}:{client.port}" if client else ""
         try:
-            return self.auth.authenticate(metadata, peer).tenant
+            return self.auth.authenticate(metadata).tenant
         except AuthError as exc:
             raise HTTPError(401, exc.message) from None
 
@@ -270,17 +273,17 @@ class OpenAIFront:
                                                    svc.config.default_max_tokens)
                 states.append(svc.admit(prepared, tenant=tenant))
         except RequestError as exc:
-            await self._end_all(states)
+            self._end_all(states)
             raise _request_error(exc) from None
         except BaseException:
-            await self._end_all(states)
+            self._end_all(states)
             raise
         return states
 
-    async def _end_all(self, states: list) -> None:
+    def _end_all(self, states: list) -> None:
+        """End and release requests no stream will read (no await: cancel-safe)."""
         for state in states:
-            if not state.finished:
-                await self.svc.end(state, "another prompt of the same call was refused")
+            self.svc.end_now(state, "another prompt of the same call was refused")
             self.svc.tracker.release(state.rid)
 
     # -- completions --------------------------------------------------------------------
@@ -323,7 +326,7 @@ class OpenAIFront:
         for t, lp in zip(ch.token_ids, ch.logprobs or [], strict=False):
             piece = tok.decode([t], False)
             tokens.append(piece)
-            token_lps.append(_lp(lp))
+            token_lps.append(lp.logprob)
             tops.append({tok.decode([i], False): v for i, v in _top(lp)} if c.logprobs else {})
             offsets.append(offset)
             offset += len(piece)
@@ -333,6 +336,7 @@ class OpenAIFront:
     async def _completion_events(self, rid: str, states: list, c: Common):
         created = int(time.time())
         totals = [0] * len(states)
+        chars = [0] * len(states)  # text streamed per choice: where a chunk's offsets start
         async with contextlib.aclosing(_merged(self.svc, states)) as chunks:
             async for index, chunk in chunks:
                 totals[index] = chunk.num_completion_tokens or totals[index] + len(chunk.token_ids)
@@ -340,8 +344,10 @@ class OpenAIFront:
                     yield {"error": error_body(_finish_error(chunk))["error"]}
                     continue
                 choice = {"index": index, "text": chunk.text, "logprobs": (
-                    self._completion_logprobs(_Collected.of(chunk), c) if c.logprobs is not None
-                    else None), "finish_reason": _openai_finish(chunk.finish_reason)}
+                    self._completion_logprobs(_Collected.of(chunk), c, chars[index])
+                    if c.logprobs is not None else None),
+                    "finish_reason": _openai_finish(chunk.finish_reason)}
+                chars[index] += len(chunk.text)
                 if c.return_token_ids:
                     choice["token_ids"] = chunk.token_ids
                 yield {"id": rid, "object": "text_completion", "created": created,
@@ -409,7 +415,7 @@ class OpenAIFront:
 
         content = []
         for t, lp in zip(ch.token_ids, ch.logprobs or [], strict=False):
-            item = entry(t, _lp(lp))
+            item = entry(t, lp.logprob)
             item["top_logprobs"] = [entry(i, v) for i, v in _top(lp)]
             content.append(item)
         return {"content": content}
@@ -526,14 +532,9 @@ async def _merged(svc, states: list):
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _lp(entry) -> float:
-    return float(getattr(entry, "logprob", entry[0] if isinstance(entry, tuple) else entry))
-
-
 def _top(entry) -> list[tuple[int, float]]:
-    ids = getattr(entry, "top_ids", None) or getattr(entry, "top_token_ids", None) or []
-    return [(int(i), float(v)) for i, v in zip(ids, getattr(entry, "top_logprobs", []) or [],
-                                               strict=False)]
+    """(token id, logprob) of a TokenLogprobs' alternatives, most likely first."""
+    return list(zip(entry.top_ids, entry.top_logprobs, strict=True))
 
 
 def _openai_finish(reason: str | None) -> str | None:

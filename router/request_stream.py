@@ -44,9 +44,9 @@ async def stream_chunks(svc, state) -> AsyncIterator[Chunk]:
                     svc.metrics.inter_token(now - last_chunk)
                 last_chunk = now
             delta = out.push(event.token_ids)
-            logprobs = getattr(event, "logprobs", None)
+            logprobs = event.logprobs  # aligned with the event's tokens, when asked for
             if logprobs is not None:
-                logprobs = list(logprobs[:delta.num_kept])
+                logprobs = logprobs[:len(delta.token_ids)]
             sent_tokens += len(delta.token_ids)
             if delta.stopped:
                 # ended at once; the aborts on its ranks run in the service's tasks

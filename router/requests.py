@@ -147,8 +147,8 @@ class RequestTracker:
 
     A client that sends ``Abort`` right after starting ``Generate`` on another stream
     can be ahead of it; the abort must not be lost. An unknown label is remembered for
-    ``early_abort_ttl_s`` (at most ``max_early_aborts`` per tenant, oldest dropped first), and only
-    a request that chose that label itself ends at once with "abort"."""
+    ``early_abort_ttl_s`` (at most ``max_early_aborts`` per tenant, oldest dropped
+    first), and only a request that chose that label itself ends at once with "abort"."""
 
     def __init__(self, max_queue_depth: int, early_abort_ttl_s: float = 60.0,
                  max_early_aborts: int = 4096) -> None:

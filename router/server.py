@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -39,9 +40,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def _caller(self, context, admin: bool = False) -> Principal | None:
         """The authenticated caller, or None after aborting the call with why not."""
-        check = self.auth.authorize_admin if admin else self.auth.authenticate
         try:
-            return check(context.invocation_metadata(), context.peer())
+            if admin:
+                return self.auth.authorize_admin(context.invocation_metadata(), context.peer())
+            return self.auth.authenticate(context.invocation_metadata())
         except AuthError as exc:
             await context.abort(exc.code, exc.message)
             return None
@@ -281,8 +283,8 @@ def server_credentials(config: RouterConfig) -> grpc.ServerCredentials | None:
     if not config.tls_cert_file:
         return None
     try:
-        cert = open(config.tls_cert_file, "rb").read()
-        key = open(config.tls_key_file, "rb").read()
+        cert = Path(config.tls_cert_file).read_bytes()
+        key = Path(config.tls_key_file).read_bytes()
     except OSError as exc:
         raise ValueError(f"cannot read the TLS certificate or key: {exc}") from exc
     return grpc.ssl_server_credentials([(key, cert)])

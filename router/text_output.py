@@ -18,7 +18,6 @@ class TextDelta:
     token_ids: list[int]   # tokens to report (all pushed, or up to the stop)
     text: str              # text that may go to the client now
     stopped: bool = False  # a stop string matched: the request is done
-    num_kept: int = 0      # of the pushed tokens, how many token_ids holds
     stop_str: str | None = None
 
 
@@ -49,7 +48,7 @@ class TextOutput:
             hit = self._find_stop(before)
             if hit is not None:
                 return self._stop_at(*hit, kept)
-        return TextDelta(kept, self._release(len(self.text) - self._hold), num_kept=len(kept))
+        return TextDelta(kept, self._release(len(self.text) - self._hold))
 
     def flush(self) -> TextDelta:
         """The rest of the text once the request finished (no more tokens)."""
@@ -76,7 +75,7 @@ class TextOutput:
         end = start + len(stop_str) if self.include_stop else start
         text = self._release(end)
         self.text = self.text[:end]
-        return TextDelta(kept, text, stopped=True, num_kept=len(kept), stop_str=stop_str)
+        return TextDelta(kept, text, stopped=True, stop_str=stop_str)
 
     def _release(self, upto: int) -> str:
         upto = max(upto, self.sent)
