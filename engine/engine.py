@@ -6,6 +6,10 @@ A request's life inside an engine:
    the scheduler's `waiting`. COMPLETION: `import_prefilled` checks a KV payload,
    queues it until blocks are free, then writes its KV into fresh blocks and
    queues it in `prompted`.
+   n > 1: `add_request(..., forks=...)` names the other choices; they fork from the
+   prompt's KV when it completes (S34), each with its own first token drawn from the
+   same logits. A PROMPT engine hands all of them off in one payload; the COMPLETION
+   engine imports it once and forks them again.
 2. `step()`: schedule -> run the model on the scheduled rows (or nothing, for an
    empty step) -> process outputs -> report per-request outputs.
 3. A PROMPT engine exports each completed prompt as a KV payload (a HandOff) and
@@ -22,9 +26,9 @@ import time
 from dataclasses import asdict
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_payload import KVPayload, KVPayloadError, dtype_name
+from pdserve.engine.kv_payload import ForkedChoice, KVPayload, KVPayloadError, dtype_name
 from pdserve.engine.model_runner import ModelRunner, RunnerRow
-from pdserve.engine.outputs import EngineStats, HandOff, RequestOutput, StepOutputs
+from pdserve.engine.outputs import EngineStats, HandedOffFork, HandOff, RequestOutput, StepOutputs
 from pdserve.scheduler.block_pool import AllocStatus
 from pdserve.scheduler.config import EngineType
 from pdserve.scheduler.output import SchedulerOutput, StepKind, StepResult
@@ -55,7 +59,11 @@ class LLMEngine:
         self.rank = communicator.rank if communicator is not None else 0
         self._requests: dict[str, Sequence] = {}
         self._pending_imports: collections.deque[KVPayload] = collections.deque()
-        self._aborted_imports: list[str] = []  # aborted before admission: reported next step
+        # aborted before they had a sequence (a queued import, a fork not made yet):
+        # reported next step
+        self._aborted_unstarted: list[str] = []
+        # n > 1: a fork not made yet -> the sequence it will fork from
+        self._unforked: dict[str, Sequence] = {}
         self.num_steps = 0
         self.num_empty_steps = 0
         self.num_failed_steps = 0
@@ -63,18 +71,28 @@ class LLMEngine:
         self._failed: dict[str, str] = {}
         # request id -> logprobs of the token it drew this step (only requests that asked).
         self._step_logprobs: dict = {}
+        self._draw_logprobs: dict = {}  # this step's draws (rows, then forks) -> logprobs
 
     # -- admission -------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    sampling: SamplingParams, arrival_time: float | None = None) -> None:
+                    sampling: SamplingParams, arrival_time: float | None = None,
+                    forks: list[tuple[str, SamplingParams]] | tuple = ()) -> None:
+        """``forks``: (request id, sampling) of each further choice of the same prompt
+        (n > 1), prefilled once with this one."""
         if self.engine_type == EngineType.COMPLETION:
             raise TypeError("a COMPLETION engine takes prefilled requests (import_prefilled)")
-        self._check_new_id(request_id)
+        self._check_new_ids([request_id, *(fork_id for fork_id, _ in forks)])
         self._check_tokens(prompt_token_ids, sampling)
+        for _, fork_sampling in forks:
+            fork_sampling.validate()
         seq = Sequence(request_id, prompt_token_ids, sampling, arrival_time=arrival_time,
                        eos_token_id=self.tokenizer.eos_token_id)
+        seq.forks = list(forks)
         self._requests[request_id] = seq
+        for fork_id, _ in forks:
+            self._requests[fork_id] = None  # type: ignore[assignment]  # id reserved
+            self._unforked[fork_id] = seq
         self.scheduler.add(seq)
 
     def import_prefilled(self, data: bytes | KVPayload) -> str:
@@ -86,27 +104,41 @@ class LLMEngine:
         payload.check_compatible(
             model_fingerprint=self.runner.model_fingerprint, dtype=dtype_name(self.runner.dtype),
             block_size=self.config.block_size, num_layers=self.runner.num_layers)
-        self._check_new_id(payload.request_id)
-        if self.scheduler.can_admit_prefilled(payload.num_prompt_tokens) == AllocStatus.NEVER:
+        ids = [payload.request_id, *(fork.request_id for fork in payload.forks)]
+        self._check_new_ids(ids)
+        if self.scheduler.can_admit_prefilled(payload.num_prompt_tokens,
+                                              len(payload.forks)) == AllocStatus.NEVER:
             raise NoCapacityError(
-                f"request {payload.request_id!r} needs more KV blocks than this engine has")
-        try:
-            sampling = SamplingParams(**payload.sampling)
-        except (TypeError, ValueError) as exc:
-            raise KVPayloadError(f"KV payload sampling settings are invalid: {exc}") from exc
+                f"request {payload.request_id!r} needs more KV blocks or state slots "
+                f"(with its {len(payload.forks)} forks) than this engine has")
+        payload.sampling = _payload_sampling(payload.sampling, "sampling")  # type: ignore[assignment]
+        for i, fork in enumerate(payload.forks):
+            fork.sampling = _payload_sampling(fork.sampling, f"forks[{i}].sampling")
         self.runner.kv_cache.check_import(payload.tensors, payload.num_prompt_tokens)
-        payload.sampling = sampling  # type: ignore[assignment]
-        self._requests[payload.request_id] = None  # type: ignore[assignment]  # id reserved
+        for request_id in ids:
+            self._requests[request_id] = None  # type: ignore[assignment]  # id reserved
         self._pending_imports.append(payload)
         return payload.request_id
 
     def abort(self, request_id: str) -> bool:
         if request_id not in self._requests:
             return False
+        parent = self._unforked.pop(request_id, None)
+        if parent is not None:  # a fork not made yet: it never will be
+            parent.forks = [f for f in parent.forks if f[0] != request_id]
+            self._aborted_unstarted.append(request_id)
+            return True
         for i, payload in enumerate(self._pending_imports):
             if payload.request_id == request_id:
-                del self._pending_imports[i]
-                self._aborted_imports.append(request_id)
+                if payload.forks:  # the next choice takes the payload's lead
+                    self._pending_imports[i] = payload.without_lead()
+                else:
+                    del self._pending_imports[i]
+                self._aborted_unstarted.append(request_id)
+                return True
+            if any(fork.request_id == request_id for fork in payload.forks):
+                payload.forks = [f for f in payload.forks if f.request_id != request_id]
+                self._aborted_unstarted.append(request_id)
                 return True
         self.scheduler.abort(request_id)
         return True
@@ -127,6 +159,7 @@ class LLMEngine:
             self._note_scheduled(sched_out)
         run_started = time.perf_counter()
         self._step_logprobs = {}
+        self._draw_logprobs = {}
         try:
             sampled = self._execute(sched_out)
         except Exception as exc:
@@ -134,13 +167,17 @@ class LLMEngine:
         else:
             if sched_out.kind == StepKind.PROMPT and sched_out.scheduled:
                 self.scheduler.observe_prompt_step(sched_out, time.perf_counter() - run_started)
-        result = self.scheduler.process_outputs(sched_out, sampled)
+        sampled, fork_tokens = self._split_fork_draws(sched_out, sampled)
+        result = self.scheduler.process_outputs(sched_out, sampled, fork_tokens)
+        for child in result.forked:
+            self._unforked.pop(child.request_id, None)
+            self._requests[child.request_id] = child
         handoffs = []
-        for seq in result.handed_off:
+        for group in _handoff_groups(result.handed_off):
             try:
-                handoffs.append(self._hand_off(seq))
+                handoffs.append(self._hand_off(group))
             except Exception as exc:
-                self._fail_handoff(seq, exc, result)
+                self._fail_handoff(group, exc, result)
         outputs = self._collect_outputs(result)
         self.num_steps += 1
         if sched_out.is_empty:
@@ -161,13 +198,35 @@ class LLMEngine:
             self.scheduler.abort(row.seq.request_id)
         return [0] * len(sched_out.scheduled)  # ignored: every row is finished now
 
-    def _fail_handoff(self, seq: Sequence, exc: BaseException, result: StepResult) -> None:
+    def _fail_handoff(self, group: list[Sequence], exc: BaseException,
+                      result: StepResult) -> None:
         cause = f"KV export failed on rank {self.rank}: {type(exc).__name__}: {exc}"
-        log.error("%s (request %s)", cause, seq.request_id)
-        self.scheduler.release_handed_off(seq)
-        self._failed[seq.request_id] = cause
-        result.handed_off.remove(seq)
-        result.finished.append(seq)
+        log.error("%s (request %s)", cause, group[0].request_id)
+        for seq in group:
+            self.scheduler.release_handed_off(seq)
+            self._failed[seq.request_id] = cause
+            result.handed_off.remove(seq)
+            result.finished.append(seq)
+
+    def _split_fork_draws(self, sched_out: SchedulerOutput, sampled: list[int | None]
+                          ) -> tuple[list[int | None], dict[str, list[int]]]:
+        """The rows' tokens, and the forks' first tokens (drawn after them, in row
+        order) by the request they fork from; each fork's logprobs keyed by its own id."""
+        rows = sched_out.scheduled
+        if len(sampled) == len(rows):
+            return sampled, {}
+        fork_tokens: dict[str, list[int]] = {}
+        extra = iter(range(len(rows), len(sampled)))
+        for row in rows:
+            seq = row.seq
+            if row.sample and seq.forks:
+                slots = [next(extra) for _ in seq.forks]
+                fork_tokens[seq.request_id] = [sampled[i] for i in slots]
+                for (fork_id, _), i in zip(seq.forks, slots, strict=True):
+                    lp = self._draw_logprobs.get(i)
+                    if lp is not None:
+                        self._step_logprobs[fork_id] = lp
+        return sampled[:len(rows)], fork_tokens
 
     @staticmethod
     def _note_scheduled(sched_out: SchedulerOutput) -> None:
@@ -178,13 +237,15 @@ class LLMEngine:
                 row.seq.first_scheduled_time = now
 
     def _execute(self, sched_out: SchedulerOutput) -> list[int | None]:
-        if sched_out.is_empty:
-            return []
         cache = self.runner.kv_cache
+        # before the model writes anything; a step with no rows may still carry the
+        # copies of forks made by the step before it
         for src, dst in sched_out.block_copies:
             cache.copy_block(src, dst)
         for src, dst in sched_out.state_copies:
             cache.copy_state(src, dst)
+        if sched_out.is_empty:
+            return []
         rows = [
             RunnerRow(
                 token_ids=row.seq.token_ids[row.start_pos:row.seqlen_k],
@@ -196,14 +257,16 @@ class LLMEngine:
                 # The position of the token drawn: seeded draws stay the same when a
                 # request is recomputed elsewhere from its history.
                 output_index=len(row.seq.token_ids),
+                extra_draws=tuple(sp for _, sp in row.seq.forks) if row.sample else (),
             )
             for row in sched_out.scheduled
         ]
         tokens, logprobs = self.runner.execute_with_logprobs(rows)
         if logprobs is not None:  # some row asked (sampling.logprobs): keyed for the outputs
             self._step_logprobs = {row.seq.request_id: lp for row, lp in
-                                   zip(sched_out.scheduled, logprobs, strict=True)
+                                   zip(sched_out.scheduled, logprobs, strict=False)
                                    if lp is not None}
+            self._draw_logprobs = dict(enumerate(logprobs))  # the forks' draws among them
         return tokens
 
     def _collect_outputs(self, result: StepResult) -> list[RequestOutput]:
@@ -234,10 +297,18 @@ class LLMEngine:
                 out.new_token_ids.clear()
                 out.new_logprobs = None
             self._requests.pop(seq.request_id, None)
-        for request_id in self._aborted_imports:
+            for fork_id, _ in seq.forks:  # ended before its prompt completed: so do they
+                self._unforked.pop(fork_id, None)
+                self._requests.pop(fork_id, None)
+                by_id[fork_id] = RequestOutput(
+                    fork_id, [], finish_reason=out.finish_reason, error=out.error,
+                    step_failed=out.step_failed, num_prompt_tokens=seq.prompt_len,
+                    arrival_time=seq.arrival_time)
+            seq.forks = []
+        for request_id in self._aborted_unstarted:
             by_id[request_id] = RequestOutput(request_id, [], finish_reason="abort")
             self._requests.pop(request_id, None)
-        self._aborted_imports.clear()
+        self._aborted_unstarted.clear()
         return list(by_id.values())
 
     @staticmethod
@@ -254,7 +325,10 @@ class LLMEngine:
 
     # -- KV hand-off -----------------------------------------------------------------
 
-    def _hand_off(self, seq: Sequence) -> HandOff:
+    def _hand_off(self, group: list[Sequence]) -> HandOff:
+        """One payload for the choices of one prompt that go on (n > 1: they share the
+        prompt's KV); the first of them leads, the others travel as its forks."""
+        seq, others = group[0], group[1:]
         tensors = self.runner.kv_cache.export_sequence(seq.block_table, seq.state_slot, seq.prompt_len)
         payload = KVPayload(
             request_id=seq.request_id, model_fingerprint=self.runner.model_fingerprint,
@@ -262,45 +336,63 @@ class LLMEngine:
             num_layers=self.runner.num_layers, token_ids=list(seq.token_ids),
             num_prompt_tokens=seq.prompt_len, sampling=asdict(seq.sampling),
             arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
-            tensors=tensors)
-        self.scheduler.release_handed_off(seq)
-        self._requests.pop(seq.request_id, None)
+            tensors=tensors,
+            forks=[ForkedChoice(o.request_id, o.token_ids[-1], asdict(o.sampling))
+                   for o in others])
+        for member in group:
+            self.scheduler.release_handed_off(member)
+            self._requests.pop(member.request_id, None)
         return HandOff(seq.request_id, seq.token_ids[-1], payload.to_bytes(), seq.prompt_len,
                        arrival_time=seq.arrival_time,
                        first_scheduled_time=seq.first_scheduled_time,
                        first_token_time=seq.first_token_time,
-                       first_token_logprobs=self._step_logprobs.get(seq.request_id))
+                       first_token_logprobs=self._step_logprobs.get(seq.request_id),
+                       forks=[HandedOffFork(o.request_id, o.token_ids[-1],
+                                            self._step_logprobs.get(o.request_id))
+                              for o in others])
 
     def _admit_imports(self) -> None:
         while self._pending_imports:
             payload = self._pending_imports[0]
-            if self.scheduler.can_admit_prefilled(payload.num_prompt_tokens) != AllocStatus.OK:
+            if self.scheduler.can_admit_prefilled(payload.num_prompt_tokens,
+                                                  len(payload.forks)) != AllocStatus.OK:
                 return  # FIFO: later imports wait behind the head, as prompts do
             self._pending_imports.popleft()
-            seq = Sequence(payload.request_id, payload.token_ids[:payload.num_prompt_tokens],
-                           payload.sampling, arrival_time=payload.arrival_time,
+            prompt = payload.token_ids[:payload.num_prompt_tokens]
+            seq = Sequence(payload.request_id, prompt, payload.sampling,
+                           arrival_time=payload.arrival_time,
                            eos_token_id=self.tokenizer.eos_token_id)
-            seq.token_ids.append(payload.first_token_id)
             seq.processed = payload.num_prompt_tokens
-            seq.first_token_time = payload.first_token_time
             self.scheduler.add_prefilled(seq)
-            self._requests[seq.request_id] = seq
+            # n > 1: the forks share the prompt's blocks (their copies run before the
+            # next step's model, after the import below)
+            group = [seq, *self.scheduler.fork_siblings(
+                seq, [(f.request_id, f.sampling) for f in payload.forks],
+                [f.first_token_id for f in payload.forks], StepResult())]
+            seq.token_ids.append(payload.first_token_id)
+            for member in group:
+                member.first_token_time = payload.first_token_time
+                self._requests[member.request_id] = member
             try:
                 self.runner.kv_cache.import_sequence(seq.block_table, seq.state_slot,
                                                      payload.tensors)
-            except Exception as exc:  # its blocks go back when the next pass sweeps it
-                self._failed[seq.request_id] = (
-                    f"KV import failed on rank {self.rank}: {type(exc).__name__}: {exc}")
-                log.error("%s (request %s)", self._failed[seq.request_id], seq.request_id)
-                self.scheduler.abort(seq.request_id)
+            except Exception as exc:  # their blocks go back when the next pass sweeps them
+                cause = f"KV import failed on rank {self.rank}: {type(exc).__name__}: {exc}"
+                log.error("%s (request %s)", cause, seq.request_id)
+                for member in group:
+                    self._failed[member.request_id] = cause
+                    self.scheduler.abort(member.request_id)
 
     # -- checks and state ------------------------------------------------------------
 
-    def _check_new_id(self, request_id: str) -> None:
-        if not request_id:
-            raise ValueError("request_id must not be empty")
-        if request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in flight")
+    def _check_new_ids(self, request_ids: list[str]) -> None:
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError(f"request ids of one prompt's choices repeat: {request_ids}")
+        for request_id in request_ids:
+            if not request_id:
+                raise ValueError("request_id must not be empty")
+            if request_id in self._requests:
+                raise ValueError(f"request_id {request_id!r} is already in flight")
 
     def _check_tokens(self, token_ids: list[int], sampling: SamplingParams) -> None:
         if not token_ids:
@@ -316,12 +408,13 @@ class LLMEngine:
         sampling.validate()
 
     def has_work(self) -> bool:
-        return bool(self._pending_imports or self._aborted_imports
+        return bool(self._pending_imports or self._aborted_unstarted
                     or self.scheduler.has_unfinished())
 
     def assert_drained(self) -> None:
         assert not self.has_work(), "engine still has work"
         assert not self._requests, f"requests still registered: {sorted(self._requests)}"
+        assert not self._unforked, f"forks never made: {sorted(self._unforked)}"
         self.scheduler.assert_drained()
 
     def stats(self) -> EngineStats:
@@ -337,6 +430,22 @@ class LLMEngine:
             outstanding_prompt_tokens=outstanding, num_preemptions=sched.num_preemptions,
             num_empty_steps=self.num_empty_steps, num_steps=self.num_steps,
             num_failed_steps=self.num_failed_steps)
+
+
+def _payload_sampling(settings: dict, where: str) -> SamplingParams:
+    try:
+        return SamplingParams(**settings)
+    except (TypeError, ValueError) as exc:
+        raise KVPayloadError(f"KV payload {where} settings are invalid: {exc}") from exc
+
+
+def _handoff_groups(handed_off: list[Sequence]) -> list[list[Sequence]]:
+    """Handed-off sequences by the prompt they share (a fork with its parent), the
+    parent first when it goes on too."""
+    groups: dict[str, list[Sequence]] = {}
+    for seq in handed_off:
+        groups.setdefault(seq.fork_of or seq.request_id, []).append(seq)
+    return [sorted(g, key=lambda seq: seq.fork_of is not None) for g in groups.values()]
 
 
 _KIND_NAMES = {StepKind.PROMPT: "prompt", StepKind.DECODE: "decode",

@@ -11,6 +11,7 @@ anything, and a truncated payload is caught by arithmetic rather than by a crash
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ import msgpack
 import torch
 
 MAGIC = b"PDKV"
-VERSION = 1
+VERSION = 2  # 2: forks (n > 1)
 _PREFIX = struct.Struct("<4sHI")
 
 # Bounds that keep a corrupt or hostile payload from making the receiver allocate much
@@ -112,6 +113,40 @@ def _check_token_ids(token_ids: list, vocab_size: int | None) -> list[int]:
     return token_ids
 
 
+def _check_sampling(sampling: dict, where: str) -> dict:
+    for key in sampling:
+        if not isinstance(key, str):
+            raise KVPayloadError(f"KV payload header field {where!r} has a non-string key {key!r}")
+    return sampling
+
+
+def _check_forks(entries: list, vocab_size: int | None, lead_id: str) -> list[ForkedChoice]:
+    if len(entries) > MAX_FORKS:
+        raise KVPayloadError(f"KV payload header field 'forks' holds {len(entries)} entries, "
+                             f"more than {MAX_FORKS}")
+    forks, seen = [], {lead_id}
+    for i, entry in enumerate(entries):
+        where = f"forks[{i}]"
+        if not isinstance(entry, list) or len(entry) != 3:
+            raise KVPayloadError(f"KV payload header field {where!r} must be "
+                                 f"[request_id, first_token_id, sampling], got {entry!r:.200}")
+        request_id, first_token_id, sampling = entry
+        if not isinstance(request_id, str) or not request_id or request_id in seen:
+            raise KVPayloadError(f"KV payload header field '{where}.request_id' must be a "
+                                 f"new non-empty str, got {request_id!r:.100}")
+        seen.add(request_id)
+        upper = vocab_size if vocab_size is not None else 1 << 63
+        if not _is_int(first_token_id) or not 0 <= first_token_id < upper:
+            raise KVPayloadError(f"KV payload header field '{where}.first_token_id' must be a "
+                                 f"token id below {upper}, got {first_token_id!r:.100}")
+        if not isinstance(sampling, dict):
+            raise KVPayloadError(f"KV payload header field '{where}.sampling' must be a map, "
+                                 f"got {type(sampling).__name__}")
+        forks.append(ForkedChoice(request_id, first_token_id,
+                                  _check_sampling(sampling, f"{where}.sampling")))
+    return forks
+
+
 @dataclass(frozen=True)
 class _TensorSpec:
     name: str
@@ -177,6 +212,19 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise KVPayloadError(f"dtype {dtype} cannot be carried in a KV payload")
 
 
+MAX_FORKS = 255  # more choices of one prompt than any request may ask for
+
+
+@dataclass
+class ForkedChoice:
+    """Another choice of the same prompt (n > 1): it forks from the imported prompt's
+    KV with its own first token and settings (``sampling``: a dict until imported)."""
+
+    request_id: str
+    first_token_id: int
+    sampling: Any
+
+
 @dataclass
 class KVPayload:
     """Everything a COMPLETION engine needs to continue a prefilled request."""
@@ -194,6 +242,14 @@ class KVPayload:
     # name -> tensor; "k.{layer}"/"v.{layer}" hold [num_prompt_tokens, kv_heads, head_dim],
     # "ring_k.{layer}"/"ring_v.{layer}" the sliding-window ring of that layer.
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    forks: list[ForkedChoice] = field(default_factory=list)
+
+    def without_lead(self) -> KVPayload:
+        """The same prompt's KV led by its first fork (the lead was aborted)."""
+        lead, rest = self.forks[0], self.forks[1:]
+        return dataclasses.replace(
+            self, request_id=lead.request_id, sampling=lead.sampling, forks=rest,
+            token_ids=[*self.token_ids[:self.num_prompt_tokens], lead.first_token_id])
 
     @property
     def num_tokens(self) -> int:
@@ -225,6 +281,7 @@ class KVPayload:
             "layout": "token-major [tokens, kv_heads, head_dim] per layer; ring [ring_len, kv_heads, head_dim]",
             "tensors": specs,
             "tensor_bytes": offset,
+            "forks": [[f.request_id, f.first_token_id, f.sampling] for f in self.forks],
         }
         packed = msgpack.packb(header, use_bin_type=True)
         return b"".join([_PREFIX.pack(MAGIC, VERSION, len(packed)), packed, *chunks])
@@ -267,11 +324,8 @@ class KVPayload:
         num_layers = fields.int_at_least("num_layers", 1)
         num_tokens = fields.int_at_least("num_tokens", 0)
         token_ids = _check_token_ids(fields.of_type("token_ids", list), vocab_size)
-        sampling = fields.of_type("sampling", dict)
-        for key in sampling:
-            if not isinstance(key, str):
-                raise KVPayloadError(
-                    f"KV payload header field 'sampling' has a non-string key {key!r}")
+        sampling = _check_sampling(fields.of_type("sampling", dict), "sampling")
+        forks = _check_forks(fields.of_type("forks", list), vocab_size, request_id)
         arrival_time = fields.finite_number("arrival_time")
         first_token_time = (None if fields.get("first_token_time") is None
                             else fields.finite_number("first_token_time"))
@@ -298,6 +352,7 @@ class KVPayload:
             arrival_time=arrival_time,
             first_token_time=first_token_time,
             tensors=tensors,
+            forks=forks,
         )
 
     def check_compatible(self, *, model_fingerprint: str, dtype: str, block_size: int,

@@ -17,6 +17,8 @@ sliding-window ring (ignored by models without one). A step may mix prefill chun
 of several requests and decode rows (q = 1). ``execute`` returns one sampled token
 per row, or ``None`` for rows with ``sample=False`` (non-final prompt chunks);
 ``execute_with_logprobs`` also each token's logprobs where ``sampling.logprobs`` asks.
+A row with ``extra_draws`` gets that many more tokens drawn from its logits (the first
+tokens of its forks): they follow the rows' entries, in row order.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
+from dataclasses import replace as dataclass_replace
 from itertools import chain
 from pathlib import Path
 
@@ -56,6 +59,9 @@ class RunnerRow:
     sampling: SamplingParams = field(default_factory=lambda: _GREEDY)
     sample: bool = True
     output_index: int = 0
+    # More tokens drawn from this row's logits, one per entry's settings: the first
+    # tokens of the forks that share its prompt (n > 1). Only on a row that samples.
+    extra_draws: tuple[SamplingParams, ...] = ()
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -228,23 +234,30 @@ class ModelRunner:
         if not rows:
             return [], None
         want = [i for i, r in enumerate(rows) if r.sample]
-        out: list[int | None] = [None] * len(rows)
+        extra = [(j, sp) for j, i in enumerate(want) for sp in rows[i].extra_draws]
+        out: list[int | None] = [None] * (len(rows) + len(extra))
         with self._threads.step(rows):
             logits = self._logits(rows, want)
             if not want:
                 return out, None
             wanted = [rows[i] for i in want]
+            if extra:  # a fork's draw: its parent row's logits under the fork's settings
+                logits = logits.index_select(0, torch.tensor(
+                    [*range(len(want)), *(j for j, _ in extra)], device=logits.device))
+                wanted += [dataclass_replace(wanted[j], sampling=sp, extra_draws=())
+                           for j, sp in extra]
             sampled = self._sample(logits, wanted)
             ask = [j for j, r in enumerate(wanted) if r.sampling.logprobs is not None]
             logprobs = self._logprobs(logits, sampled, wanted, ask) if ask else None
             tokens = sampled.tolist()
-        for i, t in zip(want, tokens, strict=True):
+        slots = [*want, *range(len(rows), len(out))]  # where each drawn token goes
+        for i, t in zip(slots, tokens, strict=True):
             out[i] = int(t)
         if logprobs is None:
             return out, None
-        per_row: list[TokenLogprobs | None] = [None] * len(rows)
+        per_row: list[TokenLogprobs | None] = [None] * len(out)
         for j, lp in zip(ask, logprobs, strict=True):
-            per_row[want[j]] = lp
+            per_row[slots[j]] = lp
         return out, per_row
 
     @staticmethod
@@ -297,6 +310,8 @@ class ModelRunner:
                     f"row {n}: block_table has {len(r.block_table)} blocks of {bs}, "
                     f"too few for seqlen_k {r.start_pos + q}"
                 )
+            if r.extra_draws and not r.sample:
+                raise ValueError(f"row {n}: extra_draws on a row that samples nothing")
             if cache.ring_layers and not 0 <= r.state_slot < cache.num_state_slots:
                 raise ValueError(
                     f"row {n}: state_slot {r.state_slot} out of range [0, {cache.num_state_slots})"

@@ -42,6 +42,15 @@ class RequestOutput:
 
 
 @dataclass
+class HandedOffFork:
+    """Another choice of a handed-off prompt (n > 1): same payload, its own first token."""
+
+    request_id: str
+    first_token_id: int
+    first_token_logprobs: TokenLogprobs | None = None
+
+
+@dataclass
 class HandOff:
     """A prefilled request leaving a PROMPT engine: its first token and its KV payload."""
 
@@ -55,6 +64,7 @@ class HandOff:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     first_token_logprobs: TokenLogprobs | None = None  # when the request asked for them
+    forks: list[HandedOffFork] = field(default_factory=list)  # the payload's other choices
 
 
 @dataclass

@@ -59,3 +59,4 @@ class StepResult:
     updated: list[Sequence] = field(default_factory=list)  # got a new token this step
     finished: list[Sequence] = field(default_factory=list)  # each finished sequence once
     handed_off: list[Sequence] = field(default_factory=list)  # PROMPT engine, still own blocks
+    forked: list[Sequence] = field(default_factory=list)  # siblings forked this step (n > 1)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 MAX_LOGPROBS = 20  # the most top-k alternatives a request may ask for
 
@@ -51,6 +51,15 @@ class SamplingParams:
                 or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
                              f"got {self.logprobs!r}")
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """Choice ``index`` (0-based) of a request for n completions: the same settings,
+        with seed + index when seeded, so the choices differ and each is reproducible
+        (choice 0 keeps the request's seed). Unseeded choices each draw fresh randomness;
+        greedy ones are all the same."""
+        if index == 0 or self.seed is None:
+            return self
+        return replace(self, seed=self.seed + index)
 
     @property
     def greedy(self) -> bool:

@@ -11,6 +11,7 @@ from pdserve.scheduler.block_pool import AllocStatus, BlockPool
 from pdserve.scheduler.chunk_sizer import ChunkSizer
 from pdserve.scheduler.config import EngineType, SchedulerConfig
 from pdserve.scheduler.output import ScheduledSequence, SchedulerOutput, StepKind, StepResult
+from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.scheduler.sequence import Sequence, SequenceStatus
 from pdserve.scheduler.votes import Communicator, SingleRankCommunicator
 
@@ -42,6 +43,8 @@ class Scheduler:
         self._live: dict[str, Sequence] = {}  # admitted, not retired, not handed off
         self._unreported: list[Sequence] = []  # retired since the last process_outputs
         self._maybe_finished_in_queues = False  # set by abort and by every finish
+        # Copy-on-write of siblings forked since the last step: the next step runs them.
+        self._next_copies = SchedulerOutput(StepKind.DECODE)
         self._install_policies(config)
 
     # ---- policies (spec section 9): each a named hook, the default first ----
@@ -120,8 +123,12 @@ class Scheduler:
         self._admit(seq)
         self.waiting.append(seq)
 
-    def can_admit_prefilled(self, num_tokens: int) -> AllocStatus:
-        return self._can_allocate_with_state(self._ceil_blocks(num_tokens))
+    def can_admit_prefilled(self, num_tokens: int, num_forks: int = 0) -> AllocStatus:
+        """Room for a prefilled sequence of ``num_tokens`` and ``num_forks`` siblings
+        forked from it at once (each its own copy of a partial last block and a slot)."""
+        return self._can_allocate_group(
+            self._ceil_blocks(num_tokens) + num_forks * self._partial_blocks(num_tokens),
+            1 + num_forks)
 
     def add_prefilled(self, seq: Sequence) -> None:
         """Own a sequence prefilled elsewhere: blocks for its processed positions and a
@@ -147,28 +154,74 @@ class Scheduler:
         self._maybe_finished_in_queues = True
         return True
 
-    def fork(self, parent: Sequence, child_request_id: str) -> Sequence:
+    def fork(self, parent: Sequence, child_request_id: str,
+             sampling: SamplingParams | None = None, queue: bool = True) -> Sequence:
         """A child sharing the parent's cached prefix: it pins the parent's blocks and
-        state slot and gets its own copies when admitted (S34, S15, S27)."""
+        state slot and gets its own copies when admitted (S34, S15, S27). ``queue``
+        False: the caller places it (a PROMPT engine hands siblings off with it)."""
         if parent.status.is_finished or not parent.block_table or parent.in_flight:
             raise RuntimeError(f"cannot fork {parent.request_id!r}: needs cached, settled KV")
-        child = Sequence(child_request_id, parent.prompt_token_ids, parent.sampling,
-                         eos_token_id=parent.eos_token_id)
+        child = Sequence(child_request_id, parent.prompt_token_ids,
+                         parent.sampling if sampling is None else sampling,
+                         arrival_time=parent.arrival_time, eos_token_id=parent.eos_token_id)
         child.token_ids = list(parent.token_ids)
         child.processed = parent.processed
         child.checkpoints = list(parent.checkpoints)
         child.so_status = parent.so_status
+        child.first_scheduled_time = parent.first_scheduled_time
+        child.fork_of = parent.request_id
         self._admit(child)
         child.block_table = list(parent.block_table)
         self.blocks.pin(child.block_table)
         child.state_slot = parent.state_slot
         self.states.pin([child.state_slot])
         child.fork_pending = True
+        if not queue:
+            return child
         if child.processed < child.prompt_len:
             self.waiting.appendleft(child)
         else:
             self.prompted.append((child, True))
         return child
+
+    def fork_siblings(self, parent: Sequence, specs: list[tuple[str, SamplingParams]],
+                      first_tokens: list[int], result: StepResult) -> list[Sequence]:
+        """n > 1: siblings of a sequence whose prompt just completed (its own token not
+        appended yet), each with the first token drawn for it from the same logits.
+
+        They share the prompt's KV (S34) and take their own copies of the partial last
+        block and the state slot at once (copies that run before the next step's model,
+        so the parent's next token never lands in them). PROMPT: they stay pinned and
+        leave with the parent in one hand-off. A sibling finished by its first token is
+        retired at once; one with no room for its copies is recomputed from its history
+        (NORMAL, S30; a COMPLETION engine's import checked room for all)."""
+        if len(first_tokens) != len(specs):
+            raise ValueError(f"{len(first_tokens)} first tokens for {len(specs)} forks "
+                             f"of {parent.request_id!r}")
+        children = []
+        for (child_id, sampling), token in zip(specs, first_tokens, strict=True):
+            child = self.fork(parent, child_id, sampling, queue=False)
+            children.append(child)
+            if not self._append_token(child, token, result):
+                continue  # finished by its first token: retired, its pins released
+            if self.engine_type == EngineType.PROMPT:
+                del self._live[child.request_id]
+                result.handed_off.append(child)
+            elif self._can_allocate_group(self._partial_blocks(child.processed), 1) \
+                    == AllocStatus.OK:
+                self._unshare(child, self._next_copies)
+                self.prompted.append((child, False))
+            elif self.engine_type == EngineType.COMPLETION:
+                raise RuntimeError(f"no room for the KV copies of fork {child_id!r}: "
+                                   "its import should have checked (can_admit_prefilled)")
+            else:
+                logger.warning("fork %s has no room for its own KV copies and will be "
+                               "recomputed", child_id)
+                self._free_resources(child)
+                child.reset_for_recompute()
+                child.fork_pending = False
+                self._requeue_preempted(child)
+        return children
 
     def get_sequence(self, request_id: str) -> Sequence | None:
         return self._live.get(request_id)
@@ -197,6 +250,16 @@ class Scheduler:
     # ---- choosing the kind of step (S6-S11) ----
 
     def schedule(self) -> SchedulerOutput:
+        out = self._schedule()
+        copies = self._next_copies
+        if copies.block_copies or copies.state_copies:
+            # forks made since the last step: their copies run first (before any write)
+            out.block_copies[:0] = copies.block_copies
+            out.state_copies[:0] = copies.state_copies
+            self._next_copies = SchedulerOutput(StepKind.DECODE)
+        return out
+
+    def _schedule(self) -> SchedulerOutput:
         if self.engine_type == EngineType.PROMPT:
             out = self._schedule_prefill(self._prefill_budget())
             self.decode_step = 0
@@ -434,7 +497,10 @@ class Scheduler:
 
     # ---- processing a step's outputs (S32) ----
 
-    def process_outputs(self, output: SchedulerOutput, sampled_token_ids: list[int | None]) -> StepResult:
+    def process_outputs(self, output: SchedulerOutput, sampled_token_ids: list[int | None],
+                        fork_tokens: dict[str, list[int]] | None = None) -> StepResult:
+        """``fork_tokens``: request id -> the first tokens drawn for its ``forks``, for
+        each prompt completed this step that has any (n > 1)."""
         rows = output.scheduled
         if len(sampled_token_ids) != len(rows):
             raise ValueError(f"{len(sampled_token_ids)} sampled tokens for {len(rows)} scheduled rows")
@@ -442,7 +508,7 @@ class Scheduler:
         if output.kind == StepKind.DECODE:
             self._process_decode(rows, sampled_token_ids, result)
         else:
-            self._process_prompt(rows, sampled_token_ids, result)
+            self._process_prompt(rows, sampled_token_ids, result, fork_tokens or {})
         result.finished.extend(self._unreported)
         self._unreported.clear()
         return result
@@ -460,7 +526,8 @@ class Scheduler:
             seq.processed += 1
             append_token(seq, token, result)
 
-    def _process_prompt(self, rows, tokens, result: StepResult) -> None:
+    def _process_prompt(self, rows, tokens, result: StepResult,
+                        fork_tokens: dict[str, list[int]]) -> None:
         for row, token in zip(rows, tokens, strict=True):
             seq = row.seq
             seq.in_flight = max(0, seq.in_flight - row.query_len)
@@ -473,6 +540,10 @@ class Scheduler:
                     raise RuntimeError(f"unfinished prompt {seq.request_id!r} is {seq.status.name}")
                 self._requeue_partial(seq)
                 continue
+            if seq.forks:  # n > 1: the siblings fork from the prompt's KV before its token
+                specs, seq.forks = seq.forks, []
+                result.forked += self.fork_siblings(seq, specs, fork_tokens[seq.request_id],
+                                                    result)
             if self.engine_type != EngineType.PROMPT:
                 self.running.append(seq)
             if self._append_token(seq, token, result) and self.engine_type == EngineType.PROMPT:
@@ -518,6 +589,17 @@ class Scheduler:
         if status is AllocStatus.OK and self.states.num_free == 0:
             return AllocStatus.LATER
         return status
+
+    def _can_allocate_group(self, num_blocks: int, num_states: int) -> AllocStatus:
+        if num_states == 1:
+            return self._can_allocate_with_state(num_blocks)
+        worst = max(self.blocks.can_allocate(num_blocks), self.states.can_allocate(num_states),
+                    key=lambda status: status.value)
+        return worst
+
+    def _partial_blocks(self, num_tokens: int) -> int:
+        """1 if the last of ``num_tokens`` positions sits in a partly filled block."""
+        return 1 if num_tokens % self.config.block_size else 0
 
     def _fork_blocks_status(self, seq: Sequence) -> AllocStatus:
         keep = self._ceil_blocks(seq.processed)

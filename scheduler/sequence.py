@@ -53,6 +53,8 @@ class Sequence:
         "order", "processed", "in_flight", "draft_len", "block_table", "state_slot", "status",
         "so_status", "schedulable", "checkpoints", "first_scheduled_time", "first_token_time",
         "fork_pending",
+        "forks",
+        "fork_of",
         "bypassed", "retired",
     )
 
@@ -85,6 +87,10 @@ class Sequence:
         self.first_scheduled_time: float | None = None  # first prompt chunk scheduled (engine clock)
         self.first_token_time: float | None = None
         self.fork_pending = False  # holds a parent's pinned blocks until it gets its own copies
+        # n > 1: (request id, sampling) of each sibling that forks from this sequence when
+        # its prompt completes, sharing the prompt's KV (S34); empty once forked.
+        self.forks: list[tuple[str, SamplingParams]] = []
+        self.fork_of: str | None = None  # the request id this one was forked from
         self.bypassed = 0  # how often a smaller request passed it (opt-in bypass policy)
         self.retired = False  # resources freed and finish reported: guards "exactly once"
 

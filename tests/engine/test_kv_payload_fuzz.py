@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from pdserve.engine.kv_payload import (
     MAX_HEADER_BYTES,
     MAX_TOKEN_IDS,
+    VERSION,
     KVPayload,
     KVPayloadError,
 )
@@ -59,7 +60,7 @@ def header_of(data: bytes) -> dict:
 
 def with_header(header, tensor_section: bytes = BASE[HEADER_END:]) -> bytes:
     packed = msgpack.packb(header, use_bin_type=True)
-    return PREFIX.pack(b"PDKV", 1, len(packed)) + packed + tensor_section
+    return PREFIX.pack(b"PDKV", VERSION, len(packed)) + packed + tensor_section
 
 
 def same(a: KVPayload, b: KVPayload) -> bool:
@@ -278,6 +279,14 @@ K_SPEC, RING_SPEC, EMPTY_SPEC = header_of(BASE)["tensors"]
      "nbytes"),
     (dict(tensors=[K_SPEC, ["v_ring", "bfloat16"], EMPTY_SPEC]), r"tensors\[1\]"),
     (dict(tensors=[K_SPEC, EMPTY_SPEC]), "tensor_bytes"),  # 24 bytes nobody claims
+    (dict(forks={}), "forks"),
+    (dict(forks=[["c1", 5]]), r"forks\[0\]"),
+    (dict(forks=[[7, 5, {}]]), r"forks\[0\]\.request_id"),
+    (dict(forks=[["c1", 5, {}], ["c1", 6, {}]]), r"forks\[1\]\.request_id"),
+    (dict(forks=[["c1", -5, {}]]), r"forks\[0\]\.first_token_id"),
+    (dict(forks=[["c1", True, {}]]), r"forks\[0\]\.first_token_id"),
+    (dict(forks=[["c1", 5, [1]]]), r"forks\[0\]\.sampling"),
+    (dict(forks=[["c1", 5, {}]] * 300), "more than 255"),
 ])
 def test_each_bad_header_field_is_named(fields, message):
     with pytest.raises(KVPayloadError, match=message):
@@ -293,7 +302,7 @@ def test_missing_header_field_is_named():
 
 
 def with_raw_header(packed: bytes) -> bytes:
-    return PREFIX.pack(b"PDKV", 1, len(packed)) + packed
+    return PREFIX.pack(b"PDKV", VERSION, len(packed)) + packed
 
 
 # msgpack lengths that claim 2**32 - 1 elements or bytes, in a header a few bytes long
@@ -305,7 +314,7 @@ SHAPE_CLAIM = replaced(tensors=[spec("k_blocks", "float32", [2**40, 2**40], 0, 1
 
 def test_huge_claims_are_refused():
     with pytest.raises(KVPayloadError, match="header length"):
-        KVPayload.from_bytes(PREFIX.pack(b"PDKV", 1, 2**32 - 1) + bytes(16))
+        KVPayload.from_bytes(PREFIX.pack(b"PDKV", VERSION, 2**32 - 1) + bytes(16))
     for claim in LENGTH_CLAIMS:
         with pytest.raises(KVPayloadError, match="not valid msgpack"):
             KVPayload.from_bytes(with_raw_header(claim))
