@@ -19,6 +19,7 @@ from typing import Any
 
 import msgpack
 import torch
+from pdserve.scheduler.sampling_params import MAX_CHOICES
 
 MAGIC = b"PDKV"
 VERSION = 2  # 2: forks (n > 1)
@@ -212,7 +213,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise KVPayloadError(f"dtype {dtype} cannot be carried in a KV payload")
 
 
-MAX_FORKS = 255  # more choices of one prompt than any request may ask for
+MAX_FORKS = MAX_CHOICES - 1  # the lead's siblings
 
 
 @dataclass

@@ -46,6 +46,7 @@ from pdserve.rank.messages import (
     AddRequest,
     AdmitResult,
     GroupJoined,
+    HandedOffChoice,
     HandoffTicket,
     ImportResult,
     PollReply,
@@ -395,8 +396,9 @@ class EngineRank:
     def add_request(self, request: AddRequest) -> AdmitResult:
         arrival = time.monotonic()  # before waiting for the step in progress to end
         try:
-            self._call(lambda eng: eng.add_request(request.attempt, list(request.prompt_token_ids),
-                                                   request.sampling, arrival_time=arrival))
+            self._call(lambda eng: eng.add_request(
+                request.attempt, list(request.prompt_token_ids), request.sampling,
+                arrival_time=arrival, forks=[(f.attempt, f.sampling) for f in request.forks]))
         except (ValueError, TypeError, RuntimeError) as exc:
             return AdmitResult(False, _error_text(exc))
         return AdmitResult(True)
@@ -471,7 +473,10 @@ class EngineRank:
         return HandoffTicket(handoff.request_id, int(handoff.first_token_id),
                              int(handoff.num_prompt_tokens), len(handoff.payload), locator,
                              timings,
-                             first_token_logprobs=getattr(handoff, "first_token_logprobs", None))
+                             first_token_logprobs=getattr(handoff, "first_token_logprobs", None),
+                             forks=[HandedOffChoice(f.request_id, int(f.first_token_id),
+                                                    f.first_token_logprobs)
+                                    for f in getattr(handoff, "forks", ())])
 
     def _on_error(self, exc: BaseException) -> None:
         self._loop_error = self._redact(_error_text(exc))

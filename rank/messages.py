@@ -95,6 +95,15 @@ class AddRequest:
     attempt: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    # n > 1: the other choices of this prompt, prefilled once with it (their first
+    # tokens drawn from the same logits) and handed off in the same payload.
+    forks: list[ForkSpec] = field(default_factory=list)
+
+
+@dataclass
+class ForkSpec:
+    attempt: str
+    sampling: SamplingParams
 
 
 @dataclass
@@ -142,6 +151,21 @@ class HandoffTicket:
     locator: Any
     timings: RankTimings | None = None
     first_token_logprobs: TokenLogprobs | None = None  # when the request asked for them
+    # n > 1: the other choices in the same payload, each with its own first token
+    forks: list[HandedOffChoice] = field(default_factory=list)
+
+    @property
+    def choices(self) -> list[HandedOffChoice]:
+        """Every choice the payload carries, its lead (``attempt``) first."""
+        lead = HandedOffChoice(self.attempt, self.first_token_id, self.first_token_logprobs)
+        return [lead, *self.forks]
+
+
+@dataclass
+class HandedOffChoice:
+    attempt: str
+    first_token_id: int
+    first_token_logprobs: TokenLogprobs | None = None
 
 
 @dataclass

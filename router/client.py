@@ -72,7 +72,7 @@ def build_request(prompt: str | Sequence[int], *, request_id: str = "",
                   seed: int | None = None, stop_token_ids: Sequence[int] = (),
                   ignore_eos: bool = False, stop: Sequence[str] = (),
                   include_stop_str_in_output: bool = False,
-                  logprobs: int | None = None) -> router_pb2.GenerateRequest:
+                  logprobs: int | None = None, n: int | None = None) -> router_pb2.GenerateRequest:
     req = router_pb2.GenerateRequest(request_id=request_id, stop_token_ids=list(stop_token_ids),
                                      ignore_eos=ignore_eos, stop=list(stop),
                                      include_stop_str_in_output=include_stop_str_in_output)
@@ -84,7 +84,7 @@ def build_request(prompt: str | Sequence[int], *, request_id: str = "",
             req.token_ids.SetInParent()  # an explicit, empty token list
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature),
                         ("top_p", top_p), ("top_k", top_k), ("seed", seed),
-                        ("logprobs", logprobs)):
+                        ("logprobs", logprobs), ("n", n)):
         if value is not None:
             setattr(req, name, value)
     return req
@@ -110,6 +110,11 @@ def _call_metadata(token: str | None) -> tuple:
     if not token or not token.isprintable() or any(c.isspace() for c in token):
         raise ValueError("token must be non-empty printable text without spaces")
     return (("authorization", f"Bearer {token}"),)
+
+
+def _one_choice(kwargs: dict) -> None:
+    if kwargs.get("n") not in (None, 1):
+        raise ValueError("generate() returns one completion: use generate_choices(prompt, n)")
 
 
 def step_dicts(timeline: router_pb2.Timeline) -> list[dict]:
@@ -142,10 +147,18 @@ class Client:
                                        metadata=self._metadata)
 
     def generate(self, prompt, **kwargs) -> Completion:
+        _one_choice(kwargs)
         out = Completion()
         for msg in self.stream(prompt, **kwargs):
             out.add(msg)
         return out
+
+    def generate_choices(self, prompt, n: int, **kwargs) -> list[Completion]:
+        """n completions of one prompt (one prefill), by choice index."""
+        outs = [Completion() for _ in range(n)]
+        for msg in self.stream(prompt, n=n, **kwargs):
+            outs[msg.index].add(msg)
+        return outs
 
     def abort(self, request_id: str) -> bool:
         return self._stub.Abort(router_pb2.AbortRequest(request_id=request_id),
@@ -201,10 +214,18 @@ class AsyncClient:
             yield msg
 
     async def generate(self, prompt, **kwargs) -> Completion:
+        _one_choice(kwargs)
         out = Completion()
         async for msg in self.stream(prompt, **kwargs):
             out.add(msg)
         return out
+
+    async def generate_choices(self, prompt, n: int, **kwargs) -> list[Completion]:
+        """n completions of one prompt (one prefill), by choice index."""
+        outs = [Completion() for _ in range(n)]
+        async for msg in self.stream(prompt, n=n, **kwargs):
+            outs[msg.index].add(msg)
+        return outs
 
     async def abort(self, request_id: str) -> bool:
         reply = await self._stub.Abort(router_pb2.AbortRequest(request_id=request_id),

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.router.auth import is_loopback_host
+from pdserve.scheduler.sampling_params import MAX_CHOICES
 
 MODES = ("disaggregated", "normal")
 TRANSPORTS = ("ray", "grpc")  # in_process (kv_transfer) serves ranks in one process only
@@ -60,6 +61,9 @@ class RouterConfig:
     # max_tokens above this is INVALID_ARGUMENT (None: the model length allows it).
     max_tokens_limit: int | None = None
     default_max_tokens: int = 16
+    # n (completions of one prompt, sharing one prefill) above this is INVALID_ARGUMENT.
+    # Each choice counts against max_queue_depth.
+    max_choices: int = 16
     prefill: PoolConfig = field(default_factory=lambda: PoolConfig("prefill", resources={"prefill": 1}))
     decode: PoolConfig = field(default_factory=lambda: PoolConfig("decode", resources={"decode": 1}))
     normal: PoolConfig = field(default_factory=lambda: PoolConfig("normal"))
@@ -109,6 +113,8 @@ class RouterConfig:
             raise ValueError(f"kv_transport must be one of {TRANSPORTS}, got {self.kv_transport!r}")
         if self.max_queue_depth < 1:
             raise ValueError(f"max_queue_depth must be >= 1, got {self.max_queue_depth}")
+        if not 1 <= self.max_choices <= MAX_CHOICES:
+            raise ValueError(f"max_choices must be in [1, {MAX_CHOICES}], got {self.max_choices}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.http_port is not None and not 0 <= self.http_port < 65536:

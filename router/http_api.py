@@ -27,7 +27,7 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pdserve.router.auth import Authenticator, AuthError
-from pdserve.router.request_stream import Chunk, stream_chunks
+from pdserve.router.request_stream import Chunk, merged_chunks, stream_chunks
 from pdserve.router.validation import RequestError, prepare
 from pdserve.rpc import router_pb2
 from starlette.responses import StreamingResponse
@@ -115,6 +115,7 @@ class Common:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    n: int  # choices per prompt
 
 
 def _common(body: dict, endpoint: str, logprobs: int | None) -> Common:
@@ -122,11 +123,8 @@ def _common(body: dict, endpoint: str, logprobs: int | None) -> Common:
         if body.get(name) not in (None, 0, False, [], {}):
             raise HTTPError(400, f"{name} is not supported by pdserve yet", name)
     n = _field(body, "n", (int,), 1)
-    if n < 1:
+    if n < 1:  # the upper bound (max_choices) is the shared validation's
         raise HTTPError(400, f"n must be >= 1, got {n}", "n")
-    if n > 1:
-        raise HTTPError(400, "n > 1 is not supported by pdserve yet (send n separate "
-                        "requests, with different seeds for different samples)", "n")
     stop = _field(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) for s in stop):
@@ -157,7 +155,7 @@ def _common(body: dict, endpoint: str, logprobs: int | None) -> Common:
         stop_token_ids=stop_ids, ignore_eos=_field(body, "ignore_eos", (bool,), False),
         include_stop_str_in_output=_field(body, "include_stop_str_in_output", (bool,), False),
         logprobs=logprobs, stream=stream, include_usage=include_usage,
-        return_token_ids=_field(body, "return_token_ids", (bool,), False))
+        return_token_ids=_field(body, "return_token_ids", (bool,), False), n=n)
 
 
 def _check_int32(name: str, ids: list[int]) -> None:
@@ -179,10 +177,10 @@ def _grpc_request(prompt: str | list[int], c: Common) -> router_pb2.GenerateRequ
         req.token_ids.ids.extend(prompt)
         if not prompt:
             req.token_ids.SetInParent()
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs"):
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "n"):
         value = getattr(c, name)
         if value is not None:
-            if name in ("max_tokens", "top_k", "logprobs") and not -2**31 <= value < 2**31:
+            if name in ("max_tokens", "top_k", "logprobs", "n") and not -2**31 <= value < 2**31:
                 raise HTTPError(400, f"{name} is out of range: {value}", name)
             if name in ("temperature", "top_p") and not math.isfinite(value):
                 raise HTTPError(400, f"{name} must be a finite number, got {value}", name)
@@ -271,7 +269,7 @@ class OpenAIFront:
                 req = _grpc_request(prompt, c)
                 prepared = await asyncio.to_thread(prepare, req, svc.tokenizer, svc.limits,
                                                    svc.config.default_max_tokens)
-                states.append(svc.admit(prepared, tenant=tenant))
+                states += svc.admit(prepared, tenant=tenant)  # n choices, in order
         except RequestError as exc:
             self._end_all(states)
             raise _request_error(exc) from None
@@ -337,7 +335,7 @@ class OpenAIFront:
         created = int(time.time())
         totals = [0] * len(states)
         chars = [0] * len(states)  # text streamed per choice: where a chunk's offsets start
-        async with contextlib.aclosing(_merged(self.svc, states)) as chunks:
+        async with contextlib.aclosing(merged_chunks(self.svc, states)) as chunks:
             async for index, chunk in chunks:
                 totals[index] = chunk.num_completion_tokens or totals[index] + len(chunk.token_ids)
                 if chunk.finish_reason is not None and chunk.finish_reason not in ("stop", "length"):
@@ -355,8 +353,7 @@ class OpenAIFront:
         if c.include_usage:
             yield {"id": rid, "object": "text_completion", "created": created,
                    "model": self.model_name, "choices": [],
-                   "usage": _usage_numbers(sum(len(s.request.prompt_token_ids) for s in states),
-                                           sum(totals))}
+                   "usage": _usage_numbers(_prompt_tokens(states), sum(totals))}
 
     # -- chat -------------------------------------------------------------------------------
 
@@ -387,16 +384,19 @@ class OpenAIFront:
         states = await self.admit([prompt_ids], c, tenant)
         rid = f"chatcmpl-{states[0].rid}"
         if c.stream:
-            return self._sse(self._chat_events(rid, states[0], c))
-        ch = await _collect(self.svc, states[0])
-        _raise_if_failed([ch])
-        choice = {"index": 0, "message": {"role": "assistant", "content": ch.text},
-                  "logprobs": self._chat_logprobs(ch) if c.logprobs is not None else None,
-                  "finish_reason": _openai_finish(ch.finish_reason)}
-        if c.return_token_ids:
-            choice["token_ids"] = ch.token_ids
+            return self._sse(self._chat_events(rid, states, c))
+        collected = await asyncio.gather(*(_collect(self.svc, s) for s in states))
+        _raise_if_failed(collected)
+        choices = []
+        for index, ch in enumerate(collected):
+            choice = {"index": index, "message": {"role": "assistant", "content": ch.text},
+                      "logprobs": self._chat_logprobs(ch) if c.logprobs is not None else None,
+                      "finish_reason": _openai_finish(ch.finish_reason)}
+            if c.return_token_ids:
+                choice["token_ids"] = ch.token_ids
+            choices.append(choice)
         return {"id": rid, "object": "chat.completion", "created": int(time.time()),
-                "model": self.model_name, "choices": [choice], "usage": _usage(states, [ch])}
+                "model": self.model_name, "choices": choices, "usage": _usage(states, collected)}
 
     def _chat_prompt_ids(self, prompt: str) -> list[int]:
         """The rendered conversation's ids: the template writes its own special tokens
@@ -420,21 +420,23 @@ class OpenAIFront:
             content.append(item)
         return {"content": content}
 
-    async def _chat_events(self, rid: str, state, c: Common):
+    async def _chat_events(self, rid: str, states: list, c: Common):
         created = int(time.time())
         head = {"id": rid, "object": "chat.completion.chunk", "created": created,
                 "model": self.model_name}
-        yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None}]}
-        total = 0
-        async with contextlib.aclosing(_merged(self.svc, [state])) as chunks:
-            async for _, chunk in chunks:
-                total = chunk.num_completion_tokens or total + len(chunk.token_ids)
+        for index in range(len(states)):
+            yield {**head, "choices": [{"index": index,
+                                        "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}]}
+        totals = [0] * len(states)
+        async with contextlib.aclosing(merged_chunks(self.svc, states)) as chunks:
+            async for index, chunk in chunks:
+                totals[index] = chunk.num_completion_tokens or totals[index] + len(chunk.token_ids)
                 if chunk.finish_reason is not None and chunk.finish_reason not in ("stop", "length"):
                     yield {"error": error_body(_finish_error(chunk))["error"]}
                     continue
                 delta = {"content": chunk.text} if chunk.text or chunk.finish_reason is None else {}
-                choice = {"index": 0, "delta": delta, "logprobs": (
+                choice = {"index": index, "delta": delta, "logprobs": (
                     self._chat_logprobs(_Collected.of(chunk)) if c.logprobs is not None else None),
                     "finish_reason": _openai_finish(chunk.finish_reason)}
                 if c.return_token_ids:
@@ -442,7 +444,7 @@ class OpenAIFront:
                 yield {**head, "choices": [choice]}
         if c.include_usage:
             yield {**head, "choices": [],
-                   "usage": _usage_numbers(len(state.request.prompt_token_ids), total)}
+                   "usage": _usage_numbers(_prompt_tokens(states), sum(totals))}
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -499,39 +501,6 @@ async def _collect(svc, state) -> _Collected:
     return out
 
 
-async def _merged(svc, states: list):
-    """(index, chunk) of several requests' streams, as they come; every stream is ended
-    when the consumer leaves early (stream_chunks' own cleanup)."""
-    if len(states) == 1:  # one stream: no pump task, no queue hop per chunk
-        async with contextlib.aclosing(stream_chunks(svc, states[0])) as chunks:
-            async for chunk in chunks:
-                yield 0, chunk
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i, state):
-        try:
-            async for chunk in stream_chunks(svc, state):
-                await queue.put((i, chunk))
-        finally:
-            await queue.put((i, done))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(states)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is done:
-                remaining -= 1
-                continue
-            yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
 def _top(entry) -> list[tuple[int, float]]:
     """(token id, logprob) of a TokenLogprobs' alternatives, most likely first."""
     return list(zip(entry.top_ids, entry.top_logprobs, strict=True))
@@ -558,9 +527,13 @@ def _usage_numbers(prompt: int, completion: int) -> dict:
             "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": 0}}
 
 
+def _prompt_tokens(states: list) -> int:
+    """Each prompt counts once, however many choices it has."""
+    return sum(len(s.request.prompt_token_ids) for s in states if s.choice == 0)
+
+
 def _usage(states: list, choices: list) -> dict:
-    return _usage_numbers(sum(len(s.request.prompt_token_ids) for s in states),
-                          sum(ch.num_completion_tokens for ch in choices))
+    return _usage_numbers(_prompt_tokens(states), sum(ch.num_completion_tokens for ch in choices))
 
 
 def build_app(front: OpenAIFront) -> FastAPI:

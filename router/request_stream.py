@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -73,3 +75,37 @@ async def stream_chunks(svc, state) -> AsyncIterator[Chunk]:
             svc.end_now(state, "client disconnected or deadline exceeded")  # aborts: tasks
         svc.metrics.request_finished(state, time.monotonic())
         svc.tracker.release(state.rid)
+
+
+async def merged_chunks(svc, states: list) -> AsyncIterator[tuple[int, Chunk]]:
+    """(index in ``states``, chunk) of several requests' streams (n choices, several
+    prompts), as they come; every stream is ended when the consumer leaves early
+    (stream_chunks' own cleanup)."""
+    if len(states) == 1:  # one stream: no pump task, no queue hop per chunk
+        async with contextlib.aclosing(stream_chunks(svc, states[0])) as chunks:
+            async for chunk in chunks:
+                yield 0, chunk
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, state):
+        try:
+            async for chunk in stream_chunks(svc, state):
+                await queue.put((i, chunk))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(states)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+                continue
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

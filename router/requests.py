@@ -67,6 +67,14 @@ class RequestState:
     timings: dict = field(default_factory=dict)
     on_finish: Callable[[RequestState], None] | None = None
     client_gone: Callable[[], bool] | None = None  # the caller's stream is cancelled
+    # n > 1: which choice this is, and every choice of its prompt (itself included, the
+    # lead first; empty for n = 1). A choice that ``joins_lead`` is prefilled with the
+    # lead (one prompt step, one hand-off) rather than on its own.
+    choice: int = 0
+    siblings: list[RequestState] = field(default_factory=list)
+    joins_lead: bool = False
+    # The choices sharing its KV hand-off in flight (n > 1), while it is in HANDOFF.
+    handoff_group: list[RequestState] | None = None
 
     @property
     def attempt_key(self) -> str:
@@ -189,27 +197,48 @@ class RequestTracker:
         return len(self._labels)
 
     def register(self, request: PreparedRequest, tenant: str = "") -> RequestState:
+        """One state per choice (``request.n``), all or none; the first carries the
+        label, the others follow it (``siblings``)."""
         label = request.request_id
         if label and (tenant, label) in self._labels:
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS,
                                f"request_id {label!r} is already in flight")
-        if len(self._states) >= self.max_queue_depth:
+        if len(self._states) + request.n > self.max_queue_depth:
             raise RequestError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the router has {len(self._states)} requests in flight "
-                f"(max_queue_depth {self.max_queue_depth}); retry later")
+                f"(max_queue_depth {self.max_queue_depth}"
+                + (f", this one adds {request.n} choices" if request.n > 1 else "")
+                + "); retry later")
+        lead = self._new_state(request, tenant)
+        self._labels[(tenant, lead.label)] = lead  # the choices answer to the lead's label
+        if request.n > 1:
+            lead.siblings.append(lead)
+            for i in range(1, request.n):
+                choice = dataclasses.replace(request, request_id="",
+                                             sampling=request.sampling.for_choice(i))
+                sibling = self._new_state(choice, tenant)
+                sibling.choice, sibling.siblings, sibling.joins_lead = i, lead.siblings, True
+                lead.siblings.append(sibling)
+        return lead
+
+    def _new_state(self, request: PreparedRequest, tenant: str) -> RequestState:
+        label = request.request_id
         rid = secrets.token_hex(12)
         while rid in self._states:  # 96 random bits: never in practice
             rid = secrets.token_hex(12)
         state = RequestState(request, rid, label or rid, label_chosen=bool(label),
                              tenant=tenant, on_finish=self._ended_for_client)
         self._states[rid] = state
-        self._labels[(tenant, state.label)] = state
         return state
 
     def _ended_for_client(self, state: RequestState) -> None:
-        key = (state.tenant, state.label)
-        if self._labels.get(key) is state:
+        """The label is free once every choice of its request has ended."""
+        lead = state.siblings[0] if state.siblings else state
+        if state.siblings and not all(s.finished for s in state.siblings):
+            return
+        key = (lead.tenant, lead.label)
+        if self._labels.get(key) is lead:
             del self._labels[key]
 
     def remember_early_abort(self, label: str, tenant: str = "") -> None:

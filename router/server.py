@@ -8,6 +8,7 @@ probe health, and the schema reflection serves is public."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from pdserve.router.auth import Authenticator, AuthError, Principal
 from pdserve.router.config import RouterConfig
 from pdserve.router.embedded_ray import public_binds
-from pdserve.router.request_stream import stream_chunks
+from pdserve.router.request_stream import merged_chunks
 from pdserve.router.service import RouterService
 from pdserve.router.validation import RequestError, check_request_id, prepare
 from pdserve.rpc import router_pb2, router_pb2_grpc
@@ -60,24 +61,25 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             # Tokenizing a long prompt takes a while; every other stream waits on this loop.
             prepared = await asyncio.to_thread(prepare, request, svc.tokenizer, svc.limits,
                                                svc.config.default_max_tokens)
-            state = svc.admit(prepared, client_gone=context.cancelled, tenant=caller.tenant)
+            states = svc.admit(prepared, client_gone=context.cancelled, tenant=caller.tenant)
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
             return
-        label = state.label
-        async for chunk in stream_chunks(svc, state):
-            reply = router_pb2.GenerateResponse(request_id=label, token_ids=chunk.token_ids,
-                                                text=chunk.text)
-            if chunk.finish_reason is not None:
-                reply.finish_reason = chunk.finish_reason
-                reply.error = chunk.error or ""
-                reply.usage.CopyFrom(router_pb2.Usage(
-                    prompt_tokens=len(prepared.prompt_token_ids),
-                    completion_tokens=chunk.num_completion_tokens))
-                reply.timings.CopyFrom(timings_message(state))
-            if chunk.logprobs is not None:  # the request asked for them
-                reply.logprobs.extend(logprobs_message(chunk))
-            yield reply
+        label = states[0].label
+        async with contextlib.aclosing(merged_chunks(svc, states)) as chunks:
+            async for index, chunk in chunks:
+                reply = router_pb2.GenerateResponse(request_id=label, token_ids=chunk.token_ids,
+                                                    text=chunk.text, index=index)
+                if chunk.finish_reason is not None:
+                    reply.finish_reason = chunk.finish_reason
+                    reply.error = chunk.error or ""
+                    reply.usage.CopyFrom(router_pb2.Usage(
+                        prompt_tokens=len(prepared.prompt_token_ids),
+                        completion_tokens=chunk.num_completion_tokens))
+                    reply.timings.CopyFrom(timings_message(states[index]))
+                if chunk.logprobs is not None:  # the request asked for them
+                    reply.logprobs.extend(logprobs_message(chunk))
+                yield reply
 
     async def Abort(self, request, context):
         caller = await self._caller(context)

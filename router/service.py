@@ -19,7 +19,7 @@ import grpc
 import ray
 from pdserve.kv_transfer import KVSecret, make_transport
 from pdserve.kv_transfer.base import PAYLOAD, TRANSPORT
-from pdserve.rank.messages import HandoffTicket, RankStats, StepReport
+from pdserve.rank.messages import AddRequest, ForkSpec, HandoffTicket, RankStats, StepReport
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pools import DEAD, Pool, RankHandle
@@ -76,7 +76,8 @@ class RouterService:
         if len(block_sizes) != 1:
             raise RuntimeError(f"ranks disagree on block_size: {sorted(block_sizes)}")
         limit = self.config.max_tokens_limit or max_len - 1
-        self.limits = ModelLimits(vocab_size=vocab, max_model_len=max_len, max_tokens_limit=limit)
+        self.limits = ModelLimits(vocab_size=vocab, max_model_len=max_len, max_tokens_limit=limit,
+                                  max_choices=self.config.max_choices)
         self._spawn(self._watch_stalls())
 
     async def stop(self) -> None:
@@ -97,26 +98,42 @@ class RouterService:
     # -- requests --------------------------------------------------------------------
 
     def admit(self, request: PreparedRequest, client_gone: Callable[[], bool] | None = None,
-              tenant: str = "") -> RequestState:
-        """Register a validated request (ALREADY_EXISTS / RESOURCE_EXHAUSTED) and send it;
-        one whose label an ``Abort`` named before it arrived ends at once with "abort".
+              tenant: str = "") -> list[RequestState]:
+        """Register a validated request (ALREADY_EXISTS / RESOURCE_EXHAUSTED) and send it:
+        one state per choice (``request.n``, the lead first), prefilled together. One
+        whose label an ``Abort`` named before it arrived ends at once with "abort".
         ``client_gone`` tells whether the caller's stream is already cancelled: a label
         held by such a request is free (its cancel may still be on its way to us)."""
         label = request.request_id
         holder = self.tracker.by_label(label, tenant) if label else None
         if holder is not None and holder.client_gone is not None and holder.client_gone():
-            self.end_now(holder, "client disconnected")
-        state = self.tracker.register(request, tenant)
-        state.client_gone = client_gone
-        if state.label_chosen and self.tracker.take_early_abort(state.label, tenant):
-            state.aborted = True
-            self._finish(state, "abort", "aborted by the client before the request arrived")
-            return state
-        self._spawn(self._dispatch(state))
-        return state
+            for choice in holder.siblings or [holder]:
+                self.end_now(choice, "client disconnected")
+        lead = self.tracker.register(request, tenant)
+        states = lead.siblings or [lead]
+        for state in states:
+            state.client_gone = client_gone
+        if lead.label_chosen and self.tracker.take_early_abort(lead.label, tenant):
+            for state in states:
+                state.aborted = True
+                self._finish(state, "abort", "aborted by the client before the request arrived")
+            return states
+        self._spawn(self._dispatch(lead))
+        return states
 
     async def _dispatch(self, state: RequestState) -> None:
-        """Start the request's next attempt on the least-loaded entry rank."""
+        """Start the request's next attempt on the least-loaded entry rank, with the
+        choices that join it (n > 1: their first attempt shares its prefill)."""
+        state.joins_lead = False  # it goes now, on its own or leading the others
+        try:
+            await self._dispatch_with_forks(state)
+        finally:
+            for s in state.siblings:  # the lead ended before them: each goes on its own
+                if s.joins_lead and s.stage == QUEUED and not (s.finished or s.aborted):
+                    s.joins_lead = False
+                    self._spawn(self._dispatch(s))
+
+    async def _dispatch_with_forks(self, state: RequestState) -> None:
         pool = self.entry_pool
         while not (state.finished or state.aborted):
             history = len(state.request.prompt_token_ids) + len(state.tokens)
@@ -137,35 +154,50 @@ class RouterService:
             if rank is None:
                 self._finish(state, "error", f"no {pool.name} rank is available")
                 return
-            add = state.begin_attempt()
-            state.stage = PREFILL if self.disaggregated else DECODE
-            state.prefill_rank = rank if self.disaggregated else None
-            state.decode_rank = None if self.disaggregated else rank
-            rank.inflight.add(add.attempt)
+            forks = [s for s in state.siblings if s.joins_lead and not (s.finished or s.aborted)]
+            add = self._begin_on(rank, state)
+            add.forks = [ForkSpec(self._begin_on(rank, s).attempt, s.request.sampling)
+                         for s in forks]
             rank.outstanding_tokens += len(add.prompt_token_ids)
             state.outstanding = len(add.prompt_token_ids)
-            if state.dispatched_at is None:
-                state.dispatched_at = time.monotonic()
-                state.timings["router_queue_s"] = state.dispatched_at - state.created
+            started = [(state, add.attempt), *((s, s.attempt_key) for s in forks)]
             try:
                 result = await asyncio.wait_for(rank.actor.add_request.remote(add),
                                                 self.config.rank_call_timeout_s)
             except Exception as exc:  # the rank died or hung on the way: try another
                 if state.attempt_key != add.attempt or add.attempt not in rank.inflight:
-                    return  # _rank_died got there first and has already moved it
-                self._leave(rank, state)
-                state.stage = QUEUED  # no attempt runs while it waits for the next rank
-                state.error_hint = f"add_request on {rank.name}: {type(exc).__name__}"
+                    return  # _rank_died got there first and has already moved them
+                for s, key in started:
+                    if s.attempt_key == key:
+                        self._leave(rank, s)
+                        s.stage = QUEUED  # no attempt runs while it waits for the next rank
+                        s.error_hint = f"add_request on {rank.name}: {type(exc).__name__}"
                 log.warning("add_request on %s failed: %s", rank.name, exc)
-                await self._abort_on(rank, add.attempt)
+                for _, key in started:
+                    await self._abort_on(rank, key)
                 continue
-            if not result.ok:
-                self._leave(rank, state)
-                self._finish(state, "error", f"{pool.name} rank refused the request: {result.error}")
-                return
-            if state.aborted or state.finished:  # ended while add_request was on its way
-                await self._abort_on(rank, add.attempt)
+            for s, key in started:
+                if s.attempt_key != key:
+                    continue  # moved meanwhile (its rank died): it goes on elsewhere
+                if not result.ok:
+                    self._leave(rank, s)
+                    self._finish(s, "error", f"{pool.name} rank refused the request: {result.error}")
+                elif s.aborted or s.finished:  # ended while add_request was on its way
+                    await self._abort_on(rank, key)
             return
+
+    def _begin_on(self, rank: RankHandle, state: RequestState) -> AddRequest:
+        """The request's next attempt, placed on ``rank`` (sent by the caller)."""
+        add = state.begin_attempt()
+        state.stage = PREFILL if self.disaggregated else DECODE
+        state.prefill_rank = rank if self.disaggregated else None
+        state.decode_rank = None if self.disaggregated else rank
+        state.outstanding = 0
+        rank.inflight.add(add.attempt)
+        if state.dispatched_at is None:
+            state.dispatched_at = time.monotonic()
+            state.timings["router_queue_s"] = state.dispatched_at - state.created
+        return add
 
     def _move(self, state: RequestState, why: str) -> None:
         """Start the request again elsewhere from its history (prompt + tokens already
@@ -180,6 +212,7 @@ class RouterService:
         self._leave(state.decode_rank, state)
         state.prefill_rank = state.decode_rank = None
         state.stage = QUEUED
+        state.handoff_group = None
         state.num_moves += 1
         state.error_hint = why
         self.num_moves += 1
@@ -215,7 +248,8 @@ class RouterService:
         if state is None:  # not here (yet): a Generate with this label may be on its way
             self.tracker.remember_early_abort(label, tenant)
             return False
-        await self.end(state, reason)
+        await asyncio.gather(*(task for choice in state.siblings or [state]
+                               for task in self.end_now(choice, reason)))
         return True
 
     async def end(self, state: RequestState, reason: str) -> None:
@@ -232,6 +266,12 @@ class RouterService:
         state.aborted = True
         attempt = state.attempt_key
         ranks = _ranks_of(state)
+        if state.stage == HANDOFF and any(not (s is state or s.finished or s.aborted)
+                                          for s in state.handoff_group or ()):
+            # its payload still carries choices that go on: the delivery task ends this
+            # one on the decode rank once the payload is there (the prefill rank, which
+            # holds the payload under the lead's attempt, must keep it)
+            ranks = [r for r in ranks if r is not state.prefill_rank]
         self._finish(state, finish_reason, reason if finish_reason != "stop" else None)
         # HANDOFF: the delivery task sees `aborted` and cleans up after itself.
         return [self._spawn(self._abort_on(r, attempt)) for r in ranks if r.state != DEAD]
@@ -326,106 +366,134 @@ class RouterService:
             else:
                 state.push(out.token_ids, out.logprobs)
         for ticket in step.handoffs:
-            state = self.tracker.by_attempt(ticket.attempt)
-            if state is None or state.finished or state.aborted:
+            group = self._take_handoff(rank, ticket)
+            if not group.live:
                 self._spawn(self.transport.discard(ticket, rank))
+                continue
+            for state, _ in group.members:
+                state.stage = HANDOFF
+                state.handoff_group = [s for s, _ in group.members]
+            rank.exports.add(ticket.attempt)
+            self._spawn(self._hand_off(group, rank, ticket))
+
+    def _take_handoff(self, rank: RankHandle, ticket: HandoffTicket) -> _HandoffGroup:
+        """Stream each choice's first token (before any KV moves); the ones that go on
+        make the hand-off's group."""
+        group = _HandoffGroup([c.attempt for c in ticket.choices])
+        for choice in ticket.choices:
+            state = self.tracker.by_attempt(choice.attempt)
+            if state is None or state.finished or state.aborted:
                 continue
             if ticket.timings is not None:
                 state.timings.update(ticket.timings.items())
             state.timings["kv_bytes"] = ticket.nbytes
-            if not state.accept([ticket.first_token_id], 1):
-                self._spawn(self.transport.discard(ticket, rank))
+            if not state.accept([choice.first_token_id], 1):
+                self._leave(rank, state)
                 self._move(state, f"a hand-off of {rank.name} came out of order")
                 continue
-            first_lp = ticket.first_token_logprobs
-            # streamed before any KV moves
-            state.push([ticket.first_token_id], None if first_lp is None else [first_lp])
+            first_lp = choice.first_token_logprobs
+            state.push([choice.first_token_id], None if first_lp is None else [first_lp])
             self._leave(rank, state)
             if state.tokens_left <= 0:
-                self._spawn(self.transport.discard(ticket, rank))
                 self._finish(state, "length")
                 continue
-            state.stage = HANDOFF
-            rank.exports.add(ticket.attempt)
-            self._spawn(self._hand_off(state, rank, ticket))
+            group.members.append((state, choice.attempt))
+        return group
 
-    async def _hand_off(self, state: RequestState, src: RankHandle, ticket: HandoffTicket) -> None:
+    async def _hand_off(self, group: _HandoffGroup, src: RankHandle,
+                        ticket: HandoffTicket) -> None:
         """Deliver the payload to a decode rank; released only once the import is
-        confirmed. Never ends without the request moving on: decoding, moved, or ended."""
+        confirmed. Never ends without each of its choices moving on: decoding, moved,
+        or ended."""
         self.num_handoffs_in_flight += 1  # each holds its payload's ticket
         try:
-            await self._deliver(state, src, ticket)
+            await self._deliver(group, src, ticket)
         except asyncio.CancelledError:
             if not self._stopping:
-                self._move(state, "the KV hand-off was cancelled")
+                for state in group.live:
+                    self._move(state, "the KV hand-off was cancelled")
             raise
         except Exception as exc:  # a bug must not leave the request without a finish
-            log.exception("hand-off of %s failed", state.label)
-            self._move(state, f"the KV hand-off failed: {type(exc).__name__}: {exc}")
+            log.exception("hand-off of %s failed", ticket.attempt)
+            for state in group.live:
+                self._move(state, f"the KV hand-off failed: {type(exc).__name__}: {exc}")
         finally:
             src.exports.discard(ticket.attempt)
             try:
-                if state.attempt_key != ticket.attempt or state.stage != DECODE:
+                if not group.decoding:
                     await self.transport.discard(ticket, src)
             finally:
                 self.num_handoffs_in_flight -= 1
 
-    async def _deliver(self, state: RequestState, src: RankHandle, ticket: HandoffTicket) -> None:
-        attempt = ticket.attempt
+    async def _deliver(self, group: _HandoffGroup, src: RankHandle,
+                       ticket: HandoffTicket) -> None:
         tried: set[int] = set()
         last_error = ""
         pool = self.pools["decode"]
         started = time.monotonic()
         for _ in range(self.config.max_handoff_tries):
-            dst = await pool.wait_for_decode(
-                tried, self.config.rank_wait_s,
-                lambda: state.finished or state.aborted or state.attempt_key != attempt)
-            if state.finished or state.aborted or state.attempt_key != attempt:
+            dst = await pool.wait_for_decode(tried, self.config.rank_wait_s,
+                                             lambda: not group.live)
+            if not group.live:
                 return
             if dst is None:
                 break
             tried.add(dst.uid)
-            state.decode_rank = dst
-            dst.inflight.add(attempt)
+            for state, key in group.members:
+                state.decode_rank = dst
+                dst.inflight.add(key)
             dst.pending_imports += 1
             try:
                 try:
                     result = await asyncio.wait_for(self.transport.deliver(ticket, src, dst),
                                                     self.config.handoff_timeout_s)
                 except asyncio.TimeoutError:
-                    # The import may still land: the attempt moves, so a late one is stale.
-                    self._spawn(self._abort_on(dst, attempt))
-                    self._move(state, f"the KV hand-off to {dst.name} timed out after "
-                               f"{self.config.handoff_timeout_s:g}s")
+                    # The import may still land: the attempts move, so a late one is stale.
+                    for key in group.attempts:
+                        self._spawn(self._abort_on(dst, key))
+                    for state in group.live:
+                        self._move(state, f"the KV hand-off to {dst.name} timed out after "
+                                   f"{self.config.handoff_timeout_s:g}s")
                     return
             finally:
                 dst.pending_imports -= 1
             if result.ok:
-                state.timings["kv_handoff_s"] = took = time.monotonic() - started
+                took = time.monotonic() - started
                 self.metrics.handed_off(ticket.nbytes, took)
                 self._spawn(self.transport.release(ticket, src))
-                if state.finished or state.aborted or state.attempt_key != attempt:
-                    dst.inflight.discard(attempt)
-                    await self._abort_on(dst, attempt)
-                elif dst.state == DEAD:  # it died while importing: its poller missed this one
-                    self._move(state, f"{dst.name} died during the hand-off")
-                else:
-                    state.stage = DECODE
+                live, live_keys = group.live, group.live_attempts
+                for key in group.attempts:  # choices that ended meanwhile, or never joined
+                    if key not in live_keys:
+                        dst.inflight.discard(key)
+                        await self._abort_on(dst, key)
+                for state in live:
+                    state.timings["kv_handoff_s"] = took
+                    state.handoff_group = None
+                    if dst.state == DEAD:  # it died while importing: its poller missed it
+                        self._move(state, f"{dst.name} died during the hand-off")
+                    else:
+                        state.stage = DECODE
+                        group.decoding = True
                 return
-            dst.inflight.discard(attempt)
+            for key in group.attempts:
+                dst.inflight.discard(key)
             last_error = result.error
-            if state.finished or state.attempt_key != attempt:
+            if not group.live:
                 return
             if result.kind == PAYLOAD:
-                self._finish(state, "error", f"KV payload rejected by {dst.name}: {result.error}")
+                for state in group.live:
+                    self._finish(state, "error",
+                                 f"KV payload rejected by {dst.name}: {result.error}")
                 return
             if result.kind == TRANSPORT:
-                await self._abort_on(dst, attempt)  # in case half of it arrived
+                for key in group.attempts:  # in case half of it arrived
+                    await self._abort_on(dst, key)
                 if src.state == DEAD:
-                    self._move(state, f"KV payload lost: {src.name} died")
+                    for state in group.live:
+                        self._move(state, f"KV payload lost: {src.name} died")
                     return
             # capacity, a decode rank gone, or a failed relay: try the next one
-        if not (state.finished or state.aborted or state.attempt_key != attempt):
+        for state in group.live:
             self._move(state, "no decode rank could take the prefilled request"
                        + (f" (last: {last_error})" if last_error else ""))
 
@@ -516,6 +584,28 @@ class RouterService:
                                f"{pool.target} ranks; retry when it is done")
         pool.scaling = self._spawn(pool.scale(replicas))
         return await asyncio.shield(pool.scaling)
+
+
+class _HandoffGroup:
+    """The choices one KV payload carries (n > 1: several; else one) and which of them
+    still wait for it: a choice that ended or moved meanwhile has left the group."""
+
+    def __init__(self, attempts: list[str]) -> None:
+        self.attempts = attempts  # every choice the payload carries, the lead first
+        self.members: list[tuple[RequestState, str]] = []  # joined: (state, its attempt)
+        self.decoding = False  # the payload reached a decode rank for at least one
+
+    @property
+    def live(self) -> list[RequestState]:
+        return [s for s, key in self.members if _waits_on(s, key)]
+
+    @property
+    def live_attempts(self) -> set[str]:
+        return {key for s, key in self.members if _waits_on(s, key)}
+
+
+def _waits_on(state: RequestState, attempt: str) -> bool:
+    return not (state.finished or state.aborted) and state.attempt_key == attempt
 
 
 def _ranks_of(state: RequestState) -> list[RankHandle]:

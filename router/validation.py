@@ -44,6 +44,7 @@ class ModelLimits:
     vocab_size: int
     max_model_len: int
     max_tokens_limit: int
+    max_choices: int = 1  # the router sets RouterConfig.max_choices
 
 
 @dataclass
@@ -54,6 +55,7 @@ class PreparedRequest:
     # Stop strings (matched on the router, on the detokenized text): see text_output.py.
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
+    n: int = 1  # completions of this prompt (choice i samples with sampling.for_choice(i))
 
     def sampling_dict(self) -> dict:
         d = asdict(self.sampling)
@@ -159,6 +161,9 @@ def prepare(request, tokenizer, limits: ModelLimits,
     loop: it touches nothing but its arguments.
     """
     check_request_id(request.request_id)
+    n = request.n if request.HasField("n") else 1
+    if not 1 <= n <= limits.max_choices:
+        raise invalid(f"n must be in [1, {limits.max_choices}] (max_choices), got {n}")
     values = _sampling_values(request, limits, default_max_tokens)
     num_stop_ids = len(request.stop_token_ids)
     if num_stop_ids > MAX_STOP_TOKEN_IDS:  # before converting them one by one
@@ -173,4 +178,4 @@ def prepare(request, tokenizer, limits: ModelLimits,
     except ValueError as exc:  # SamplingParams names the field first
         raise invalid(str(exc)) from exc
     return PreparedRequest(request.request_id, ids, sampling, stop,
-                           request.include_stop_str_in_output)
+                           request.include_stop_str_in_output, n)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 MAX_LOGPROBS = 20  # the most top-k alternatives a request may ask for
+MAX_CHOICES = 256  # the most completions (n) of one prompt any layer carries
 
 
 @dataclass(frozen=True)
