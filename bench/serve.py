@@ -538,7 +538,7 @@ def run_serve(args: argparse.Namespace) -> int:
 # ---- `pdserve bench ...` -------------------------------------------------------------
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    from pdserve.bench import compare_modes, kv_transfer
+    from pdserve.bench import choices, compare_modes, kv_transfer
 
     sub = p.add_subparsers(dest="bench", metavar="BENCHMARK")
     sub.required = True
@@ -554,6 +554,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                        description=kv_transfer.__doc__.splitlines()[0])
     kv_transfer.add_args(k)
     k.set_defaults(_bench=kv_transfer.run)
+    n = sub.add_parser("choices", help="n choices of a prompt: forks vs n separate requests",
+                       description=choices.__doc__.splitlines()[0])
+    choices.add_args(n)
+    n.set_defaults(_bench=choices.run)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -561,7 +565,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def register_commands(register) -> None:
-    register("bench", "benchmarks: serve (load a router), compare-modes, kv-transfer",
+    register("bench", "benchmarks: serve (load a router), compare-modes, kv-transfer, choices",
              add_bench_args, run_bench)
 
 

@@ -106,9 +106,10 @@ class LLM:
             step = prompt.step()
             outputs += step.outputs
             for handoff in step.handoffs:
-                lp = handoff.first_token_logprobs
-                outputs.append(RequestOutput(handoff.request_id, [handoff.first_token_id],
-                                             new_logprobs=None if lp is None else [lp]))
+                for choice in [handoff, *handoff.forks]:  # n > 1: forks share the payload
+                    lp = choice.first_token_logprobs
+                    outputs.append(RequestOutput(choice.request_id, [choice.first_token_id],
+                                                 new_logprobs=None if lp is None else [lp]))
                 completion.import_prefilled(handoff.payload)
         if completion.has_work():
             outputs += completion.step().outputs

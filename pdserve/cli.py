@@ -63,7 +63,7 @@ from pdserve.router.cli_commands import register_commands  # noqa: E402
 
 register_commands(register)
 
-# bench serve | compare-modes | kv-transfer: the benchmarks live in bench/.
+# bench serve | compare-modes | kv-transfer | choices: the benchmarks live in bench/.
 from pdserve.bench.serve import register_commands as _register_bench  # noqa: E402
 
 _register_bench(register)

@@ -38,7 +38,7 @@ class Event:
     logprobs: list | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # identity: choices refer to each other (siblings)
 class RequestState:
     request: PreparedRequest
     rid: str  # internal id

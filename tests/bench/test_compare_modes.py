@@ -82,6 +82,8 @@ def test_cli_is_registered():
     assert args.goodput == ["ttft:5", "tpot:1"] and args.request_rate == 2.5
     args = build_parser().parse_args(["bench", "kv-transfer", "--sizes", "1,256"])
     assert args.sizes == "1,256"
+    args = build_parser().parse_args(["bench", "choices", "--n", "8", "--modes", "normal"])
+    assert args.n == 8 and args.modes == "normal" and args.repeats == 2
 
 
 def test_cli_brings_up_a_subprocess_router(tiny_model_dir, tmp_path):

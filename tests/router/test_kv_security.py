@@ -14,6 +14,7 @@ import time
 import grpc
 import msgpack
 import pytest
+from pdserve.engine.kv_payload import VERSION
 from pdserve.kv_transfer import make_transport
 from pdserve.kv_transfer.base import KVSecret
 from pdserve.kv_transfer.grpc_bytes import (
@@ -41,7 +42,7 @@ def fake_payload(attempt: str, tensor_bytes: int = 256) -> bytes:
     reads before it hands the bytes on: the attempt and the size."""
     header = msgpack.packb({"request_id": attempt, "tensor_bytes": tensor_bytes},
                            use_bin_type=True)
-    return struct.pack("<4sHI", b"PDKV", 1, len(header)) + header + b"\x07" * tensor_bytes
+    return struct.pack("<4sHI", b"PDKV", VERSION, len(header)) + header + b"\x07" * tensor_bytes
 
 
 class FakeImporter:

@@ -14,14 +14,19 @@ from pdserve.router.client import AsyncClient, Client
 
 @pytest.fixture(scope="module")
 def router(make_router):
-    h = make_router(prefill=2, decode=2, collective_timeout_s=3.0)
+    # room for the several-choices load on one surviving decode rank
+    h = make_router(prefill=2, decode=2, collective_timeout_s=3.0,
+                    engine=dict(num_kv_blocks=512))
     yield h
     h.close()  # its ranks hold the session's pool resources
 
 
-def _load_with_kill(router, reference, pool_name: str, n: int = 24):
+def _load_with_kill(router, reference, pool_name: str, n: int = 24, choices: int = 1,
+                    max_tokens: int = 40):
+    """``choices`` > 1: each request asks for that many greedy choices (one prefill,
+    one hand-off); each choice on the dead rank moves on its own, to the same tokens."""
     prompts = [f"{pool_name} failure {i}: the quick brown fox" for i in range(n)]
-    want = reference(prompts, 40)
+    want = reference(prompts, max_tokens)
     pool = router.service.pools[pool_name]
     generation = pool.generation
 
@@ -29,7 +34,11 @@ def _load_with_kill(router, reference, pool_name: str, n: int = 24):
         async with AsyncClient(router.address, timeout=90) as client:
             async def one(i):
                 await asyncio.sleep(0.03 * i)
-                return await client.generate(prompts[i], max_tokens=40, temperature=0,
+                if choices > 1:
+                    return await client.generate_choices(prompts[i], choices,
+                                                         max_tokens=max_tokens,
+                                                         temperature=0, ignore_eos=True)
+                return await client.generate(prompts[i], max_tokens=max_tokens, temperature=0,
                                              ignore_eos=True)
 
             tasks = [asyncio.create_task(one(i)) for i in range(n)]
@@ -49,7 +58,9 @@ def _load_with_kill(router, reference, pool_name: str, n: int = 24):
     elapsed = time.monotonic() - started
     assert elapsed < 90
     errors = []
-    for i, out in enumerate(outs):
+    outs = [(i, o) for i, out in enumerate(outs) for o in (out if isinstance(out, list) else [out])]
+    assert len(outs) == n * choices
+    for i, out in outs:
         assert not isinstance(out, BaseException), out  # never a hang or a broken stream
         if out.finish_reason == "error":
             errors.append(out.error)
@@ -63,7 +74,7 @@ def _load_with_kill(router, reference, pool_name: str, n: int = 24):
     assert len(pool.ready()) == 2  # ... and a replacement joined
     # the service keeps serving, with the same tokens
     with Client(router.address, timeout=60) as client:
-        assert client.generate(prompts[0], max_tokens=40, temperature=0,
+        assert client.generate(prompts[0], max_tokens=max_tokens, temperature=0,
                                ignore_eos=True).token_ids == want[0]
     stats = router.wait_drained()
     for ranks in stats.values():
@@ -79,6 +90,11 @@ def test_kill_a_prefill_rank_mid_load(router, reference):
 
 def test_kill_a_decode_rank_mid_load(router, reference):
     _load_with_kill(router, reference, "decode")
+
+
+@pytest.mark.parametrize("pool_name", ["prefill", "decode"])
+def test_kill_a_rank_under_requests_of_several_choices(router, reference, pool_name):
+    _load_with_kill(router, reference, pool_name, n=24, choices=3, max_tokens=64)
 
 
 def test_unseeded_sampled_request_moves_on_with_fresh_randomness(router):
