@@ -114,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
                for _ in range(args.num_prompts)]
     settings = dict(max_tokens=args.max_tokens, temperature=1.0, top_k=50, seed=args.seed + 17,
                     ignore_eos=True)
-    report: dict = {"args": vars(args), "modes": {}}
+    report: dict = {"args": {k: v for k, v in vars(args).items() if not callable(v)},
+                    "modes": {}}
     try:
         for mode in modes:
             harness = RouterHarness(_router_config(model, mode, args.n))
