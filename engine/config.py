@@ -38,6 +38,11 @@ class EngineConfig:
     # Decode steps as one C call where the CPU and model allow (kernels/decode_step);
     # False keeps every step on torch (e.g. to compare numerics).
     decode_kernel: bool = True
+    # Prefix caching (scheduler/PREFIX_CACHING.md): a prompt whose leading full blocks a
+    # finished request computed takes them instead of recomputing them. Models with
+    # sliding-window layers run without it (a hit would need the ring's state at the
+    # block boundary, which the cache does not keep).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.engine_type not in _ENGINE_TYPES:
@@ -64,7 +69,8 @@ class EngineConfig:
         affordable = self.kv_cache_memory_mb * 2**20 // max(bytes_per_block, 1)
         return max(2, min(wanted, affordable))
 
-    def scheduler_config(self, num_blocks: int, max_model_len: int, ring_len: int) -> SchedulerConfig:
+    def scheduler_config(self, num_blocks: int, max_model_len: int, ring_len: int,
+                         has_ring_layers: bool = False) -> SchedulerConfig:
         return SchedulerConfig(
             block_size=self.block_size,
             num_blocks=num_blocks,
@@ -80,4 +86,5 @@ class EngineConfig:
             ring_len=ring_len,
             partial_prompts_first=self.partial_prompts_first,
             chunk_time_budget_s=self.chunk_time_budget_s,
+            enable_prefix_caching=self.enable_prefix_caching and not has_ring_layers,
         )

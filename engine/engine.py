@@ -54,7 +54,8 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or self.runner.max_model_len
         sched_config = config.scheduler_config(
             num_blocks=self.runner.num_kv_blocks, max_model_len=self.max_model_len,
-            ring_len=self.runner.ring_len)
+            ring_len=self.runner.ring_len,
+            has_ring_layers=bool(self.runner.kv_cache.ring_layers))
         self.scheduler = Scheduler(sched_config, self.engine_type, communicator)
         self.rank = communicator.rank if communicator is not None else 0
         self._requests: dict[str, Sequence] = {}
@@ -185,7 +186,9 @@ class LLMEngine:
         return StepOutputs(kind=_KIND_NAMES[sched_out.kind], outputs=outputs, handoffs=handoffs,
                            num_scheduled_tokens=sched_out.num_tokens,
                            duration_s=time.perf_counter() - started,
-                           num_rows=len(sched_out.scheduled))
+                           num_rows=len(sched_out.scheduled),
+                           cache_events=self.scheduler.blocks.drain_events()
+                           if self.scheduler.caching else [])
 
     def _abandon(self, sched_out: SchedulerOutput, exc: BaseException) -> list[int]:
         """The model run failed: abort every scheduled sequence so that processing the
@@ -318,7 +321,8 @@ class LLMEngine:
             out = by_id[seq.request_id] = RequestOutput(
                 seq.request_id, [], num_prompt_tokens=seq.prompt_len,
                 arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
-                first_scheduled_time=seq.first_scheduled_time)
+                first_scheduled_time=seq.first_scheduled_time,
+                num_cached_tokens=seq.num_cached_tokens)
         out.num_output_tokens = seq.output_len
         out.first_token_time = seq.first_token_time
         return out
@@ -349,7 +353,8 @@ class LLMEngine:
                        first_token_logprobs=self._step_logprobs.get(seq.request_id),
                        forks=[HandedOffFork(o.request_id, o.token_ids[-1],
                                             self._step_logprobs.get(o.request_id))
-                              for o in others])
+                              for o in others],
+                       num_cached_tokens=seq.num_cached_tokens)
 
     def _admit_imports(self) -> None:
         while self._pending_imports:
@@ -429,7 +434,11 @@ class LLMEngine:
             num_free_blocks=sched.num_free_blocks, num_total_blocks=self.runner.num_kv_blocks - 1,
             outstanding_prompt_tokens=outstanding, num_preemptions=sched.num_preemptions,
             num_empty_steps=self.num_empty_steps, num_steps=self.num_steps,
-            num_failed_steps=self.num_failed_steps)
+            num_failed_steps=self.num_failed_steps,
+            cache_queried_tokens=sched.num_cache_queried_tokens,
+            cache_hit_tokens=sched.num_cache_hit_tokens,
+            cache_evictions=getattr(sched.blocks, "num_evictions", 0),
+            num_cached_blocks=getattr(sched.blocks, "num_cached", 0))
 
 
 def _payload_sampling(settings: dict, where: str) -> SamplingParams:

@@ -31,6 +31,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     # One TokenLogprobs per token_ids entry when SamplingParams.logprobs asked, else None.
     logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
 
 
 class LLM:
@@ -41,7 +42,8 @@ class LLM:
                  dtype: str = "float32",
                  device: str = "cpu", max_model_len: int | None = None,
                  compile: bool = False, decode_kernel: bool = True,
-                 chunk_time_budget_s: float | None = None) -> None:
+                 chunk_time_budget_s: float | None = None,
+                 enable_prefix_caching: bool = True) -> None:
         if mode not in ("normal", "disaggregated"):
             raise ValueError(f"mode must be 'normal' or 'disaggregated', got {mode!r}")
         self.mode = mode
@@ -54,7 +56,8 @@ class LLM:
                 stop_preempted_request=stop_preempted, dtype=dtype, device=device,
                 partial_prompts_first=partial_prompts_first,
                 max_model_len=max_model_len, compile=compile, decode_kernel=decode_kernel,
-                chunk_time_budget_s=chunk_time_budget_s)
+                chunk_time_budget_s=chunk_time_budget_s,
+                enable_prefix_caching=enable_prefix_caching)
 
         if mode == "normal":
             self.engines = [LLMEngine(config("normal", stop_preempted_request))]
@@ -88,6 +91,7 @@ class LLM:
                 for out in self._step():
                     done = results[out.request_id]
                     done.token_ids.extend(out.new_token_ids)
+                    done.num_cached_tokens = max(done.num_cached_tokens, out.num_cached_tokens)
                     if out.new_logprobs:
                         done.logprobs.extend(out.new_logprobs)
                     if out.finished:
@@ -109,7 +113,8 @@ class LLM:
                 for choice in [handoff, *handoff.forks]:  # n > 1: forks share the payload
                     lp = choice.first_token_logprobs
                     outputs.append(RequestOutput(choice.request_id, [choice.first_token_id],
-                                                 new_logprobs=None if lp is None else [lp]))
+                                                 new_logprobs=None if lp is None else [lp],
+                                                 num_cached_tokens=handoff.num_cached_tokens))
                 completion.import_prefilled(handoff.payload)
         if completion.has_work():
             outputs += completion.step().outputs

@@ -35,6 +35,7 @@ class RequestOutput:
     step_failed: bool = False  # ended by an exception inside a step (see LLMEngine.step)
     # One entry per new_token_ids entry when the request asked for logprobs, else None.
     new_logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0  # prompt tokens its prefill took from the prefix cache
 
     @property
     def finished(self) -> bool:
@@ -65,6 +66,7 @@ class HandOff:
     first_token_time: float | None = None
     first_token_logprobs: TokenLogprobs | None = None  # when the request asked for them
     forks: list[HandedOffFork] = field(default_factory=list)  # the payload's other choices
+    num_cached_tokens: int = 0  # prompt tokens its prefill took from the prefix cache
 
 
 @dataclass
@@ -75,6 +77,8 @@ class StepOutputs:
     num_scheduled_tokens: int = 0
     duration_s: float = 0.0
     num_rows: int = 0  # sequences scheduled (0 for an empty step)
+    # Prefix caching: (stored?, block hash) in order, as hashes came and went this step
+    cache_events: list[tuple[bool, bytes]] = field(default_factory=list)
 
 
 @dataclass
@@ -91,6 +95,12 @@ class EngineStats:
     num_empty_steps: int
     num_steps: int
     num_failed_steps: int = 0
+    # Prefix caching (0 when off): prompt tokens looked up / found, hashes evicted,
+    # blocks that hold a hash now
+    cache_queried_tokens: int = 0
+    cache_hit_tokens: int = 0
+    cache_evictions: int = 0
+    num_cached_blocks: int = 0
 
     @property
     def kv_usage(self) -> float:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections import deque
+from collections import OrderedDict, deque
 
 
 class AllocStatus(enum.Enum):
@@ -91,3 +91,96 @@ class BlockPool:
         if self._refs[0] != 0 or 0 in self.free_queue:
             problems.append("reserved id 0 was handed out")
         return problems
+
+
+class CachingBlockPool(BlockPool):
+    """A BlockPool whose full blocks can carry a content hash (prefix caching).
+
+    A hashed block whose last reference goes stays in the free list and keeps its hash:
+    it is *evictable*, free for any allocation (oldest freed first, as before) and
+    reusable by a request whose prefix hashes to it until then; allocating it evicts
+    the hash. So "free" (S2, S3, S5, S35) counts evictable blocks: they hold nothing
+    anyone references. ``events`` collects (stored?, hash) in order as hashes come and
+    go, for the rank's step reports (``drain_events``)."""
+
+    __slots__ = ("_hash_of", "_block_of", "events", "num_evictions")
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks)
+        # insertion order = freed order; O(1) removal of a cached block a request takes
+        self.free_queue = OrderedDict.fromkeys(range(1, num_blocks))  # type: ignore[assignment]
+        self._hash_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+        self.events: list[tuple[bool, bytes]] = []
+        self.num_evictions = 0
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._block_of)
+
+    def allocate(self, n: int) -> list[int]:
+        free, refs = self.free_queue, self._refs
+        if n > len(free):
+            raise RuntimeError(f"cannot allocate {n} ids, {len(free)} free")
+        ids = []
+        for _ in range(n):
+            i = free.popitem(last=False)[0]  # type: ignore[call-arg]
+            if i in self._hash_of:
+                self._evict(i)
+            refs[i] = 1
+            ids.append(i)
+        return ids
+
+    def allocate_one(self) -> int:
+        return self.allocate(1)[0]
+
+    def free(self, ids: list[int]) -> None:
+        """Drop one reference to each id, last one first (S1): a sequence's tail blocks
+        are evicted before its head, which more requests share."""
+        refs, free = self._refs, self.free_queue
+        for i in reversed(ids):
+            if refs[i] <= 0:
+                raise RuntimeError(f"double free of id {i}")
+            refs[i] -= 1
+            if refs[i] == 0:
+                free[i] = None  # type: ignore[index]
+
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """The blocks of the longest cached run of ``hashes`` from the first."""
+        ids = []
+        for h in hashes:
+            i = self._block_of.get(h)
+            if i is None:
+                break
+            ids.append(i)
+        return ids
+
+    def num_free_among(self, ids: list[int]) -> int:
+        return sum(self._refs[i] == 0 for i in ids)
+
+    def take(self, ids: list[int]) -> None:
+        """Reference cached blocks (out of the free list if nothing else held them)."""
+        refs, free = self._refs, self.free_queue
+        for i in ids:
+            if refs[i] == 0:
+                del free[i]  # type: ignore[attr-defined]
+            refs[i] += 1
+
+    def register(self, block_id: int, block_hash: bytes) -> None:
+        """A full block's KV is written: name it by its hash. The first block with a
+        given content keeps the name (a duplicate computed alongside stays unnamed)."""
+        if block_hash in self._block_of or block_id in self._hash_of:
+            return
+        self._hash_of[block_id] = block_hash
+        self._block_of[block_hash] = block_id
+        self.events.append((True, block_hash))
+
+    def _evict(self, block_id: int) -> None:
+        block_hash = self._hash_of.pop(block_id)
+        del self._block_of[block_hash]
+        self.events.append((False, block_hash))
+        self.num_evictions += 1
+
+    def drain_events(self) -> list[tuple[bool, bytes]]:
+        events, self.events = self.events, []
+        return events

@@ -42,6 +42,10 @@ class SchedulerConfig:
     # most this many seconds by a cost model fitted to measured steps; None: off. Needs
     # chunked_prefill (a prompt longer than the budget must be split).
     chunk_time_budget_s: float | None = None
+    # Prefix caching (scheduler/PREFIX_CACHING.md): full blocks keep their KV, named by
+    # a hash of their history, for later requests with the same prefix. Off here so the
+    # chapter's rules (S1-S37) read as written; the engine turns it on by default.
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         for name, low in (

@@ -7,10 +7,11 @@ import logging
 import time
 from collections import deque
 
-from pdserve.scheduler.block_pool import AllocStatus, BlockPool
+from pdserve.scheduler.block_pool import AllocStatus, BlockPool, CachingBlockPool
 from pdserve.scheduler.chunk_sizer import ChunkSizer
 from pdserve.scheduler.config import EngineType, SchedulerConfig
 from pdserve.scheduler.output import ScheduledSequence, SchedulerOutput, StepKind, StepResult
+from pdserve.scheduler.prefix_hash import cacheable_blocks, chain_hashes
 from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.scheduler.sequence import Sequence, SequenceStatus
 from pdserve.scheduler.votes import Communicator, SingleRankCommunicator
@@ -32,7 +33,11 @@ class Scheduler:
         self.config = config
         self.engine_type = EngineType(engine_type)
         self.comm = communicator if communicator is not None else SingleRankCommunicator()
-        self.blocks = BlockPool(config.num_blocks)
+        self.caching = config.enable_prefix_caching
+        self.blocks = CachingBlockPool(config.num_blocks) if self.caching else BlockPool(
+            config.num_blocks)
+        self.num_cache_queried_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.num_cache_hit_tokens = 0  # ... and found there
         self._block_size = config.block_size
         self.states = BlockPool(config.num_state_slots)
         self.waiting: deque[Sequence] = deque()
@@ -170,6 +175,9 @@ class Scheduler:
         child.so_status = parent.so_status
         child.first_scheduled_time = parent.first_scheduled_time
         child.fork_of = parent.request_id
+        child.block_hashes = list(parent.block_hashes)
+        child.num_registered = parent.num_registered
+        child.num_cached_tokens = parent.num_cached_tokens
         self._admit(child)
         child.block_table = list(parent.block_table)
         self.blocks.pin(child.block_table)
@@ -315,8 +323,10 @@ class Scheduler:
                 continue
             if not seq.schedulable:  # S13
                 break
+            hits: list[int] = []
             if not seq.block_table:
-                verdict = self._check_fresh(seq)
+                hits = self._cached_prefix(seq)
+                verdict = self._check_fresh(seq, hits)
                 if verdict is AllocStatus.LATER:
                     if self._bypass_later_head(seq):
                         continue
@@ -334,11 +344,12 @@ class Scheduler:
                 if sum_k_remain < len(seq):
                     break
                 sum_k_remain -= len(seq)
-            q, chunked = self._chunk_len(seq, budget - budget_used)
+            q, chunked = self._chunk_len(seq, budget - budget_used,
+                                         len(hits) * cfg.block_size if hits else seq.processed)
             if q is None:  # S20-S22
                 break
             budget_used += -(-q // cfg.cp_align) * cfg.cp_align  # S23
-            self._commit_prompt(seq, q, chunked, out)
+            self._commit_prompt(seq, q, chunked, out, hits)
             waiting.popleft()
             if not chunked:
                 num_curr_seqs += 1
@@ -349,32 +360,67 @@ class Scheduler:
             return None  # S25: the vote decides
         return out
 
-    def _check_fresh(self, seq: Sequence) -> AllocStatus:
-        """S14: a fresh prompt longer than the limit can never run; else the joint check."""
+    def _check_fresh(self, seq: Sequence, hits: list[int]) -> AllocStatus:
+        """S14: a fresh prompt longer than the limit can never run; else the joint check
+        (cached blocks it takes that sit in the free list count against it too)."""
         if len(seq) > self.config.prompt_limit:
             return AllocStatus.NEVER
-        return self._can_allocate_with_state(self.blocks_needed(seq))
+        needed = self.blocks_needed(seq) - len(hits)
+        if hits:
+            needed += self.blocks.num_free_among(hits)
+        return self._can_allocate_with_state(needed)
 
-    def _chunk_len(self, seq: Sequence, budget_left: int) -> tuple[int | None, bool]:
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Prefix caching: the cached blocks of the longest run of its history's full
+        blocks (never the one with its last token), to take when it is scheduled."""
+        if not self.caching:
+            return []
+        bs = self.config.block_size
+        n = cacheable_blocks(len(seq), bs)
+        if len(seq.block_hashes) < n:
+            seq.block_hashes = chain_hashes(seq.token_ids, bs, n, seq.block_hashes)
+        return self.blocks.lookup(seq.block_hashes[:n])
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        """Prefix caching: name each block whose positions are all computed now."""
+        bs = self.config.block_size
+        full = seq.processed // bs
+        if full <= seq.num_registered:
+            return
+        if len(seq.block_hashes) < full:
+            seq.block_hashes = chain_hashes(seq.token_ids, bs, full, seq.block_hashes)
+        table, hashes, register = seq.block_table, seq.block_hashes, self.blocks.register
+        for i in range(seq.num_registered, full):
+            register(table[i], hashes[i])
+        seq.num_registered = full
+
+    def _chunk_len(self, seq: Sequence, budget_left: int,
+                   processed: int | None = None) -> tuple[int | None, bool]:
+        """``processed``: where the chunk starts (a fresh prompt's cached prefix ends)."""
         cfg = self.config
-        work = len(seq) - seq.processed  # S18
+        if processed is None:
+            processed = seq.processed
+        work = len(seq) - processed  # S18
         align = cfg.cp_align
         q = min(work, budget_left // align * align)
         ckpts = seq.checkpoints  # S19
-        while ckpts and ckpts[0] <= seq.processed:
+        while ckpts and ckpts[0] <= processed:
             ckpts.pop(0)
-        if ckpts and seq.processed + q >= ckpts[0]:
-            q = ckpts[0] - seq.processed  # consumed once processed reaches it
+        if ckpts and processed + q >= ckpts[0]:
+            q = ckpts[0] - processed  # consumed once processed reaches it
         chunked = q < work
         if q == 0 or (chunked and not cfg.chunked_prefill) or q < max(cfg.lookahead_tokens, 1):
             return None, chunked  # S20, S21, S22
         return q, chunked
 
-    def _commit_prompt(self, seq: Sequence, q: int, chunked: bool, out: SchedulerOutput) -> None:
+    def _commit_prompt(self, seq: Sequence, q: int, chunked: bool, out: SchedulerOutput,
+                       hits: list[int] = ()) -> None:
         if seq.status != WAITING:
             raise RuntimeError(f"prompt of {seq.request_id!r} selected while {seq.status.name}")
         if not seq.block_table:
-            seq.block_table = self.blocks.allocate(self.blocks_needed(seq))
+            if self.caching:
+                self._take_cached_prefix(seq, hits)
+            seq.block_table += self.blocks.allocate(self.blocks_needed(seq) - len(seq.block_table))
             seq.state_slot = self.states.allocate_one()
         elif seq.fork_pending:
             self._unshare(seq, out)
@@ -386,6 +432,17 @@ class Scheduler:
         seqlen_k = seq.processed + seq.in_flight + q  # S36
         seq.in_flight += q
         out.scheduled.append(ScheduledSequence(seq, q, seqlen_k, not chunked))
+
+    def _take_cached_prefix(self, seq: Sequence, hits: list[int]) -> None:
+        bs = self.config.block_size
+        self.blocks.take(hits)
+        seq.block_table = list(hits)
+        seq.processed = seq.num_registered = len(hits)
+        seq.processed *= bs
+        self.num_cache_queried_tokens += len(seq)
+        self.num_cache_hit_tokens += seq.processed
+        if seq.output_len == 0 and not seq.num_cached_tokens:  # its prompt, not a recompute
+            seq.num_cached_tokens = seq.processed
 
     # ---- the decode path (S26-S29) ----
 
@@ -524,6 +581,8 @@ class Scheduler:
                 self._retire(seq)
                 continue
             seq.processed += 1
+            if self.caching and seq.processed % self._block_size == 0:
+                self._register_full_blocks(seq)
             append_token(seq, token, result)
 
     def _process_prompt(self, rows, tokens, result: StepResult,
@@ -535,6 +594,8 @@ class Scheduler:
                 self._retire(seq)
                 continue
             seq.processed += row.query_len
+            if self.caching:
+                self._register_full_blocks(seq)
             if not row.sample:
                 if seq.status != WAITING:
                     raise RuntimeError(f"unfinished prompt {seq.request_id!r} is {seq.status.name}")
@@ -627,6 +688,7 @@ class Scheduler:
         seq.fork_pending = False
 
     def _free_resources(self, seq: Sequence) -> None:
+        seq.num_registered = 0
         if seq.block_table:
             self.blocks.free(seq.block_table)
             seq.block_table = []

@@ -55,6 +55,9 @@ class Sequence:
         "fork_pending",
         "forks",
         "fork_of",
+        "block_hashes",
+        "num_registered",
+        "num_cached_tokens",
         "bypassed", "retired",
     )
 
@@ -91,6 +94,12 @@ class Sequence:
         # its prompt completes, sharing the prompt's KV (S34); empty once forked.
         self.forks: list[tuple[str, SamplingParams]] = []
         self.fork_of: str | None = None  # the request id this one was forked from
+        # Prefix caching: hashes of its history's full blocks (as far as computed), how
+        # many of its blocks carry theirs in the pool, and the prompt tokens it took
+        # from the cache when it was first scheduled.
+        self.block_hashes: list[bytes] = []
+        self.num_registered = 0
+        self.num_cached_tokens = 0
         self.bypassed = 0  # how often a smaller request passed it (opt-in bypass policy)
         self.retired = False  # resources freed and finish reported: guards "exactly once"
 
