@@ -425,19 +425,22 @@ class EngineRank:
     def _on_step(self, out: Any) -> None:
         end = time.time()
         self._count_failures(out)
-        if not out.outputs and not out.handoffs:
+        cache_events = getattr(out, "cache_events", None) or []
+        if not out.outputs and not out.handoffs and not cache_events:
             self.timeline.step(self.pool_name, self.rank, out, end)
             return
         outputs = [TokenReport(o.request_id, list(o.new_token_ids), o.num_output_tokens,
                                o.finish_reason, o.error, o.step_failed,
-                               logprobs=getattr(o, "new_logprobs", None)) for o in out.outputs]
+                               logprobs=getattr(o, "new_logprobs", None),
+                               num_cached_tokens=getattr(o, "num_cached_tokens", 0))
+                   for o in out.outputs]
         hs = time.time() if out.handoffs else 0.0
         handoffs = [self._export(h) for h in out.handoffs]
         self.timeline.step(self.pool_name, self.rank, out, end, hs, time.time() if hs else 0.0)
         if self.engine_type == "normal" or self._imported_at:
             self._add_timings(out, outputs)
         with self._cond:
-            self._reports.append(StepReport(out.kind, outputs, handoffs))
+            self._reports.append(StepReport(out.kind, outputs, handoffs, cache_events))
             self._cond.notify_all()
 
     def _count_failures(self, out: Any) -> None:
@@ -476,7 +479,8 @@ class EngineRank:
                              first_token_logprobs=getattr(handoff, "first_token_logprobs", None),
                              forks=[HandedOffChoice(f.request_id, int(f.first_token_id),
                                                     f.first_token_logprobs)
-                                    for f in getattr(handoff, "forks", ())])
+                                    for f in getattr(handoff, "forks", ())],
+                             num_cached_tokens=getattr(handoff, "num_cached_tokens", 0))
 
     def _on_error(self, exc: BaseException) -> None:
         self._loop_error = self._redact(_error_text(exc))

@@ -72,6 +72,11 @@ class RankStats:
     num_steps: int = 0
     num_failed_steps: int = 0
     kv_usage: float = 0.0
+    # Prefix caching: prompt tokens looked up / found, names evicted, named blocks now
+    cache_queried_tokens: int = 0
+    cache_hit_tokens: int = 0
+    cache_evictions: int = 0
+    num_cached_blocks: int = 0
 
 
 @dataclass
@@ -137,6 +142,7 @@ class TokenReport:
     step_failed: bool = False
     timings: RankTimings | None = None
     logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0  # prompt tokens this attempt's prefill took from the cache
 
 
 @dataclass
@@ -153,6 +159,7 @@ class HandoffTicket:
     first_token_logprobs: TokenLogprobs | None = None  # when the request asked for them
     # n > 1: the other choices in the same payload, each with its own first token
     forks: list[HandedOffChoice] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens its prefill took from the prefix cache
 
     @property
     def choices(self) -> list[HandedOffChoice]:
@@ -173,6 +180,9 @@ class StepReport:
     kind: str
     outputs: list[TokenReport] = field(default_factory=list)
     handoffs: list[HandoffTicket] = field(default_factory=list)
+    # Prefix caching: (stored?, block hash) as the rank's cache changed, in order; the
+    # router's index of which rank holds which prefix (cache-aware routing)
+    cache_events: list[tuple[bool, bytes]] = field(default_factory=list)
 
 
 @dataclass

@@ -77,6 +77,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="embedded Ray only: start Ray's dashboard too (on 127.0.0.1; off by "
                    "default: it doubles Ray's processes)")
     p.add_argument("--kv-transport", choices=["ray", "grpc"], default=None, help="default ray")
+    p.add_argument("--routing", choices=["cache_aware", "least_loaded"], default=None,
+                   help="how a prompt's rank is chosen (default cache_aware: fewest prompt "
+                   "tokens to compute before its first token, the rank's prefix cache "
+                   "counted)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="ranks recompute every prompt from its first token")
     p.add_argument("--auth-token-file", default=None,
                    help="tenant tokens, one `<tenant> <token>` per line, mode 0600 (see "
                    "SECURITY.md); clients then need one. Re-read on SIGHUP")
@@ -114,7 +120,8 @@ def serve_config(args: argparse.Namespace):
     from pdserve.router.config import config_from_dict, load_config
 
     top = {"mode": args.mode, "host": args.host, "port": args.port,
-           "kv_transport": args.kv_transport, "max_queue_depth": args.max_queue_depth,
+           "kv_transport": args.kv_transport, "routing": args.routing,
+           "max_queue_depth": args.max_queue_depth,
            "metrics_port": getattr(args, "metrics_port", None),
            "http_port": args.http_port, "served_model_name": args.served_model_name,
            "auth_token_file": args.auth_token_file, "admin_token_file": args.admin_token_file,
@@ -140,6 +147,8 @@ def serve_config(args: argparse.Namespace):
             pool.engine["max_num_seqs"] = args.max_num_seqs
         if args.num_kv_blocks is not None:
             pool.engine["num_kv_blocks"] = args.num_kv_blocks
+        if getattr(args, "no_prefix_caching", False):
+            pool.engine["enable_prefix_caching"] = False
     if args.model or not config.model_dir:
         config.model_dir = ensure_model(args.model)
     config.validate()
@@ -384,8 +393,16 @@ def _run_status(args: argparse.Namespace) -> int:
                   f"running {r.num_running} prompted {r.num_prompted}  "
                   f"kv {r.num_total_blocks - r.num_free_blocks}/{r.num_total_blocks} blocks "
                   f"({100 * r.kv_usage:.0f}%)  in flight {r.num_inflight}  "
-                  f"steps {r.num_steps} (empty {r.num_empty_steps})")
+                  f"steps {r.num_steps} (empty {r.num_empty_steps})  prefix cache "
+                  f"{_hit_rate(r)} hits, {r.num_cached_blocks} blocks, "
+                  f"{r.cache_evictions} evictions")
     return 0
+
+
+def _hit_rate(r) -> str:
+    if not r.cache_queried_tokens:
+        return "-"
+    return f"{100 * r.cache_hit_tokens / r.cache_queried_tokens:.0f}%"
 
 
 def _add_scale_args(p: argparse.ArgumentParser) -> None:

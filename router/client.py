@@ -38,6 +38,7 @@ class Completion:
     error: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens the prefill took from a prefix cache
     num_messages: int = 0
     # router_pb2.TokenLogprob per token (logprob, top_token_ids, top_logprobs), aligned
     # with token_ids when the request asked for logprobs; empty otherwise.
@@ -54,12 +55,14 @@ class Completion:
             self.error = msg.error
             self.prompt_tokens = msg.usage.prompt_tokens
             self.completion_tokens = msg.usage.completion_tokens
+            self.cached_prompt_tokens = msg.usage.cached_prompt_tokens
 
     def to_dict(self) -> dict:
         d = {"request_id": self.request_id, "token_ids": self.token_ids, "text": self.text,
              "finish_reason": self.finish_reason, "error": self.error,
              "usage": {"prompt_tokens": self.prompt_tokens,
-                       "completion_tokens": self.completion_tokens}}
+                       "completion_tokens": self.completion_tokens,
+                       "cached_prompt_tokens": self.cached_prompt_tokens}}
         if self.logprobs:
             d["logprobs"] = [{"logprob": lp.logprob, "top_token_ids": list(lp.top_token_ids),
                               "top_logprobs": list(lp.top_logprobs)} for lp in self.logprobs]

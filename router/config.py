@@ -11,6 +11,7 @@ from pdserve.router.auth import is_loopback_host
 from pdserve.scheduler.sampling_params import MAX_CHOICES
 
 MODES = ("disaggregated", "normal")
+ROUTINGS = ("cache_aware", "least_loaded")
 TRANSPORTS = ("ray", "grpc")  # in_process (kv_transfer) serves ranks in one process only
 
 
@@ -43,6 +44,11 @@ class RouterConfig:
     # `port` is 0); 0 turns it off.
     metrics_port: int | None = None
     kv_transport: str = "ray"
+    # How a prompt's rank is chosen (router/pools.py, Pool.choose_prefill): cache_aware
+    # scores each rank by the prompt tokens it would compute before this request's
+    # first token (its queue plus the prompt minus its cached prefix); least_loaded
+    # looks at the queue only.
+    routing: str = "cache_aware"
     # OpenAI-compatible HTTP front (router/http_api.py): None = port + 2 (a free port when
     # `port` is 0); 0 turns it off. The model's id there: served_model_name, or the
     # model folder's name.
@@ -109,6 +115,8 @@ class RouterConfig:
     def validate(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         if self.kv_transport not in TRANSPORTS:
             raise ValueError(f"kv_transport must be one of {TRANSPORTS}, got {self.kv_transport!r}")
         if self.max_queue_depth < 1:

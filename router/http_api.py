@@ -353,7 +353,8 @@ class OpenAIFront:
         if c.include_usage:
             yield {"id": rid, "object": "text_completion", "created": created,
                    "model": self.model_name, "choices": [],
-                   "usage": _usage_numbers(_prompt_tokens(states), sum(totals))}
+                   "usage": _usage_numbers(_prompt_tokens(states), sum(totals),
+                                           _cached_tokens(states))}
 
     # -- chat -------------------------------------------------------------------------------
 
@@ -444,7 +445,8 @@ class OpenAIFront:
                 yield {**head, "choices": [choice]}
         if c.include_usage:
             yield {**head, "choices": [],
-                   "usage": _usage_numbers(_prompt_tokens(states), sum(totals))}
+                   "usage": _usage_numbers(_prompt_tokens(states), sum(totals),
+                                           _cached_tokens(states))}
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -522,9 +524,15 @@ def _raise_if_failed(choices: list) -> None:
             raise _finish_error(ch)
 
 
-def _usage_numbers(prompt: int, completion: int) -> dict:
+def _usage_numbers(prompt: int, completion: int, cached: int = 0) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": 0}}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _cached_tokens(states: list) -> int:
+    """Prompt tokens the prefills took from prefix caches, each prompt once."""
+    return sum(s.cached_tokens for s in states if s.choice == 0)
 
 
 def _prompt_tokens(states: list) -> int:
@@ -533,7 +541,8 @@ def _prompt_tokens(states: list) -> int:
 
 
 def _usage(states: list, choices: list) -> dict:
-    return _usage_numbers(_prompt_tokens(states), sum(ch.num_completion_tokens for ch in choices))
+    return _usage_numbers(_prompt_tokens(states), sum(ch.num_completion_tokens for ch in choices),
+                          _cached_tokens(states))
 
 
 def build_app(front: OpenAIFront) -> FastAPI:

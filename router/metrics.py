@@ -136,6 +136,15 @@ class _RankCollector:
             "num_failed_steps": CounterMetricFamily(
                 "pdserve_rank_failed_steps", "Steps whose model run raised (their requests "
                 "moved).", labels=labels),
+            "cache_queried_tokens": CounterMetricFamily(
+                "pdserve_rank_prefix_cache_queried_tokens", "Prompt tokens looked up in the "
+                "rank's prefix cache.", labels=labels),
+            "cache_hit_tokens": CounterMetricFamily(
+                "pdserve_rank_prefix_cache_hit_tokens", "Prompt tokens found in the rank's "
+                "prefix cache (hit rate: hit / queried).", labels=labels),
+            "cache_evictions": CounterMetricFamily(
+                "pdserve_rank_prefix_cache_evictions", "Cached blocks whose KV was reused "
+                "for other tokens.", labels=labels),
         }
         svc = self.service
         for pool in list(svc.pools.values()):

@@ -24,6 +24,7 @@ from typing import Any
 import ray
 from pdserve.rank.messages import RankInfo, RankStats
 from pdserve.router.config import PoolConfig, RouterConfig
+from pdserve.scheduler.prefix_hash import cacheable_blocks, chain_hashes
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,22 @@ def _actor_class(pool: str):
     from pdserve.decode_worker.actor import DecodeRank, NormalRank
 
     return DecodeRank if pool == "decode" else NormalRank
+
+
+@dataclass
+class PromptBlocks:
+    """A prompt as cache-aware routing sees it: its length and its cacheable blocks'
+    names (``prefix_hash.chain_hashes``)."""
+
+    num_tokens: int
+    block_size: int
+    hashes: list[bytes]
+    cached_tokens: int = 0  # the chosen rank's cached prefix, in tokens
+
+    @classmethod
+    def of(cls, token_ids: list[int], block_size: int) -> PromptBlocks:
+        n = cacheable_blocks(len(token_ids), block_size)
+        return cls(len(token_ids), block_size, chain_hashes(token_ids, block_size, n))
 
 
 @dataclass
@@ -58,6 +75,30 @@ class RankHandle:
     error: str | None = None
     num_loop_failures: int = 0    # engine-loop failures in a row (one per generation)
     failed_generation: int = -1   # the group generation of the last one
+    # Names of the full blocks its prefix cache holds, from its step reports
+    # (prefix_hash.py): what cache-aware routing matches prompts against.
+    cached_blocks: set[bytes] = field(default_factory=set)
+
+    def apply_cache_events(self, events: list[tuple[bool, bytes]]) -> None:
+        cached = self.cached_blocks
+        for stored, block_hash in events:
+            if stored:
+                cached.add(block_hash)
+            else:
+                cached.discard(block_hash)
+        total = self.info.num_total_blocks if self.info else 0
+        if total and len(cached) > 2 * total:  # more names than blocks: a report went missing
+            cached.clear()
+
+    def cached_prefix_blocks(self, hashes: list[bytes]) -> int:
+        """How many of ``hashes`` (a prompt's block names, in order) this rank holds
+        from the first on."""
+        cached, n = self.cached_blocks, 0
+        for h in hashes:
+            if h not in cached:
+                break
+            n += 1
+        return n
 
     @property
     def free_blocks(self) -> int:
@@ -91,22 +132,40 @@ class Pool:
     def ready(self) -> list[RankHandle]:
         return [r for r in self.ranks if r.state == READY]
 
-    def choose_prefill(self) -> RankHandle | None:
+    def choose_prefill(self, prompt: PromptBlocks | None = None) -> RankHandle | None:
+        """The rank that reaches this prompt's first token soonest: the fewest prompt
+        tokens to compute first, its queue (``outstanding_tokens``) plus the prompt's
+        tokens past the prefix its cache holds (``cache_aware``; ``least_loaded``: the
+        queue alone); ties by requests in flight, then round-robin. Sets
+        ``prompt.cached_tokens`` to the chosen rank's match."""
         ranks = self.ready()
         if not ranks:
             return None
-        rank = min(ranks, key=lambda r: (r.outstanding_tokens, len(r.inflight), r.assigned, r.uid))
+        if prompt is None or self.rc.routing != "cache_aware":
+            rank = min(ranks, key=lambda r: (r.outstanding_tokens, len(r.inflight),
+                                             r.assigned, r.uid))
+            matched = 0
+        else:
+            size = prompt.block_size
+            scored = [(r.outstanding_tokens + prompt.num_tokens
+                       - size * r.cached_prefix_blocks(prompt.hashes), len(r.inflight),
+                       r.assigned, r.uid, r) for r in ranks]
+            *_, rank = min(scored, key=lambda entry: entry[:4])
+            matched = size * rank.cached_prefix_blocks(prompt.hashes)
+        if prompt is not None:
+            prompt.cached_tokens = matched
         rank.assigned += 1
         return rank
 
     async def wait_for_rank(self, timeout_s: float,
-                            give_up: Callable[[], bool] = lambda: False) -> RankHandle | None:
-        """The least-loaded ready rank, waiting while the pool (re-)forms (None at once
-        when `give_up()` turns true)."""
+                            give_up: Callable[[], bool] = lambda: False,
+                            prompt: PromptBlocks | None = None) -> RankHandle | None:
+        """The best ready rank for ``prompt`` (``choose_prefill``), waiting while the
+        pool (re-)forms (None at once when `give_up()` turns true)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
-            rank = self.choose_prefill()
+            rank = self.choose_prefill(prompt)
             if rank is not None or loop.time() >= deadline or self.target == 0 or give_up():
                 return rank
             await asyncio.sleep(0.05)

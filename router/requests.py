@@ -75,6 +75,11 @@ class RequestState:
     joins_lead: bool = False
     # The choices sharing its KV hand-off in flight (n > 1), while it is in HANDOFF.
     handoff_group: list[RequestState] | None = None
+    cached_tokens: int = 0  # prompt tokens its prefill took from a rank's prefix cache
+
+    def note_cached(self, num_cached_tokens: int) -> None:
+        if num_cached_tokens > self.cached_tokens:
+            self.cached_tokens = min(num_cached_tokens, len(self.request.prompt_token_ids))
 
     @property
     def attempt_key(self) -> str:

@@ -75,7 +75,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     reply.error = chunk.error or ""
                     reply.usage.CopyFrom(router_pb2.Usage(
                         prompt_tokens=len(prepared.prompt_token_ids),
-                        completion_tokens=chunk.num_completion_tokens))
+                        completion_tokens=chunk.num_completion_tokens,
+                        cached_prompt_tokens=states[index].cached_tokens))
                     reply.timings.CopyFrom(timings_message(states[index]))
                 if chunk.logprobs is not None:  # the request asked for them
                     reply.logprobs.extend(logprobs_message(chunk))
@@ -147,7 +148,8 @@ def timings_message(state) -> router_pb2.Timings:
         prefill_queue_ms=1e3 * t.get("prefill_queue_s", 0.0),
         prefill_ms=1e3 * t.get("prefill_s", 0.0), kv_export_ms=1e3 * t.get("kv_export_s", 0.0),
         ttft_ms=1e3 * ttft, kv_handoff_ms=1e3 * t.get("kv_handoff_s", 0.0),
-        decode_queue_ms=1e3 * t.get("decode_queue_s", 0.0), kv_bytes=int(t.get("kv_bytes", 0)))
+        decode_queue_ms=1e3 * t.get("decode_queue_s", 0.0), kv_bytes=int(t.get("kv_bytes", 0)),
+        cached_prompt_tokens=state.cached_tokens)
 
 
 class RouterServer:

@@ -22,7 +22,7 @@ from pdserve.kv_transfer.base import PAYLOAD, TRANSPORT
 from pdserve.rank.messages import AddRequest, ForkSpec, HandoffTicket, RankStats, StepReport
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pools import DEAD, Pool, RankHandle
+from pdserve.router.pools import DEAD, Pool, PromptBlocks, RankHandle
 from pdserve.router.requests import DECODE, HANDOFF, PREFILL, QUEUED, RequestState, RequestTracker
 from pdserve.router.validation import ModelLimits, PreparedRequest, RequestError
 
@@ -46,6 +46,7 @@ class RouterService:
             pool.on_rank_removed = self._requests_left_on
         self.tokenizer: Any = None
         self.limits: ModelLimits | None = None
+        self.block_size = 16  # the ranks' (they must agree), known once they started
         self.num_rank_failures = 0
         self.num_moves = 0
         self.num_lost_reports = 0
@@ -75,6 +76,7 @@ class RouterService:
         block_sizes = {i.block_size for i in infos}
         if len(block_sizes) != 1:
             raise RuntimeError(f"ranks disagree on block_size: {sorted(block_sizes)}")
+        self.block_size = block_sizes.pop()
         limit = self.config.max_tokens_limit or max_len - 1
         self.limits = ModelLimits(vocab_size=vocab, max_model_len=max_len, max_tokens_limit=limit,
                                   max_choices=self.config.max_choices)
@@ -147,8 +149,10 @@ class RouterService:
                              f"after {state.attempt} attempts"
                              + (f" (last: {state.error_hint})" if state.error_hint else ""))
                 return
+            prompt = PromptBlocks.of(state.request.prompt_token_ids + state.tokens,
+                                     self.block_size)
             rank = await pool.wait_for_rank(self.config.rank_wait_s,
-                                            lambda: state.finished or state.aborted)
+                                            lambda: state.finished or state.aborted, prompt)
             if state.finished or state.aborted:
                 return
             if rank is None:
@@ -158,8 +162,9 @@ class RouterService:
             add = self._begin_on(rank, state)
             add.forks = [ForkSpec(self._begin_on(rank, s).attempt, s.request.sampling)
                          for s in forks]
-            rank.outstanding_tokens += len(add.prompt_token_ids)
-            state.outstanding = len(add.prompt_token_ids)
+            # what the rank computes: the prompt past the prefix its cache holds
+            state.outstanding = len(add.prompt_token_ids) - prompt.cached_tokens
+            rank.outstanding_tokens += state.outstanding
             started = [(state, add.attempt), *((s, s.attempt_key) for s in forks)]
             try:
                 result = await asyncio.wait_for(rank.actor.add_request.remote(add),
@@ -339,6 +344,8 @@ class RouterService:
 
     def _on_step(self, pool: Pool, rank: RankHandle, step: StepReport) -> None:
         try:
+            if step.cache_events:
+                rank.apply_cache_events(step.cache_events)
             self._route_step(rank, step)
         except Exception:  # a bug here must not stop the rank's reports
             log.exception("handling a step report of %s failed", rank.name)
@@ -352,6 +359,8 @@ class RouterService:
                 continue
             if out.timings is not None:
                 state.timings.update(out.timings.items())
+            if out.num_cached_tokens:
+                state.note_cached(out.num_cached_tokens)
             if out.step_failed:
                 rank.inflight.discard(out.attempt)
                 self._move(state, out.error or "a step failed")
@@ -387,6 +396,7 @@ class RouterService:
             if ticket.timings is not None:
                 state.timings.update(ticket.timings.items())
             state.timings["kv_bytes"] = ticket.nbytes
+            state.note_cached(ticket.num_cached_tokens)
             if not state.accept([choice.first_token_id], 1):
                 self._leave(rank, state)
                 self._move(state, f"a hand-off of {rank.name} came out of order")
@@ -538,6 +548,10 @@ class RouterService:
                     "outstanding_prompt_tokens": st.outstanding_prompt_tokens,
                     "num_steps": st.num_steps, "num_empty_steps": st.num_empty_steps,
                     "num_preemptions": st.num_preemptions, "num_inflight": len(r.inflight),
+                    "cache_queried_tokens": st.cache_queried_tokens,
+                    "cache_hit_tokens": st.cache_hit_tokens,
+                    "cache_evictions": st.cache_evictions,
+                    "num_cached_blocks": st.num_cached_blocks,
                 })
             pools.append({"name": pool.name, "target_replicas": pool.target, "ranks": ranks,
                           "group_generation": pool.generation})

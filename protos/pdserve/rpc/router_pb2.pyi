@@ -55,12 +55,14 @@ class TokenLogprob(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "error", "timings", "logprobs", "index")
@@ -85,7 +87,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("router_queue_ms", "prefill_queue_ms", "prefill_ms", "kv_export_ms", "ttft_ms", "kv_handoff_ms", "decode_queue_ms", "kv_bytes")
+    __slots__ = ("router_queue_ms", "prefill_queue_ms", "prefill_ms", "kv_export_ms", "ttft_ms", "kv_handoff_ms", "decode_queue_ms", "kv_bytes", "cached_prompt_tokens")
     ROUTER_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +96,7 @@ class Timings(_message.Message):
     KV_HANDOFF_MS_FIELD_NUMBER: _ClassVar[int]
     DECODE_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     router_queue_ms: float
     prefill_queue_ms: float
     prefill_ms: float
@@ -102,7 +105,8 @@ class Timings(_message.Message):
     kv_handoff_ms: float
     decode_queue_ms: float
     kv_bytes: int
-    def __init__(self, router_queue_ms: _Optional[float] = ..., prefill_queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., kv_export_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., kv_handoff_ms: _Optional[float] = ..., decode_queue_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, router_queue_ms: _Optional[float] = ..., prefill_queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., kv_export_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., kv_handoff_ms: _Optional[float] = ..., decode_queue_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -121,7 +125,7 @@ class ClusterStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RankState(_message.Message):
-    __slots__ = ("rank", "actor_id", "node_id", "state", "num_waiting", "num_running", "num_prompted", "num_free_blocks", "num_total_blocks", "kv_usage", "outstanding_prompt_tokens", "num_steps", "num_empty_steps", "num_preemptions", "num_inflight")
+    __slots__ = ("rank", "actor_id", "node_id", "state", "num_waiting", "num_running", "num_prompted", "num_free_blocks", "num_total_blocks", "kv_usage", "outstanding_prompt_tokens", "num_steps", "num_empty_steps", "num_preemptions", "num_inflight", "cache_queried_tokens", "cache_hit_tokens", "cache_evictions", "num_cached_blocks")
     RANK_FIELD_NUMBER: _ClassVar[int]
     ACTOR_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +141,10 @@ class RankState(_message.Message):
     NUM_EMPTY_STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     actor_id: str
     node_id: str
@@ -152,7 +160,11 @@ class RankState(_message.Message):
     num_empty_steps: int
     num_preemptions: int
     num_inflight: int
-    def __init__(self, rank: _Optional[int] = ..., actor_id: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_prompted: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., outstanding_prompt_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_empty_steps: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_inflight: _Optional[int] = ...) -> None: ...
+    cache_queried_tokens: int
+    cache_hit_tokens: int
+    cache_evictions: int
+    num_cached_blocks: int
+    def __init__(self, rank: _Optional[int] = ..., actor_id: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_prompted: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., outstanding_prompt_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_empty_steps: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_inflight: _Optional[int] = ..., cache_queried_tokens: _Optional[int] = ..., cache_hit_tokens: _Optional[int] = ..., cache_evictions: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class PoolState(_message.Message):
     __slots__ = ("name", "target_replicas", "ranks", "group_generation")
