@@ -44,9 +44,11 @@ COMPARED = ("p99_itl_ms", "median_itl_ms", "p99_ttft_ms", "median_ttft_ms", "p99
 @contextlib.contextmanager
 def subprocess_router(spec: dict, *, model: str | None = None, num_kv_blocks: int | None = None,
                       max_num_seqs: int | None = None, kv_transport: str = "ray",
-                      start_timeout: float = 300.0, python: str | None = None):
+                      start_timeout: float = 300.0, python: str | None = None,
+                      extra_args: tuple[str, ...] = ()):
     """`pdserve serve` for one deployment on a free port; yields its address.
-    `python`: the interpreter (and so the pdserve build) that serves; default this one."""
+    `python`: the interpreter (and so the pdserve build) that serves; default this one;
+    `extra_args`: more `pdserve serve` flags."""
     cmd = [python or sys.executable, "-m", "pdserve.cli", "serve", "--port", "0", "--no-self-check",
            "--mode", spec["mode"], "--kv-transport", kv_transport]
     for pool in ("prefill", "decode", "normal"):
@@ -58,6 +60,7 @@ def subprocess_router(spec: dict, *, model: str | None = None, num_kv_blocks: in
         cmd += ["--num-kv-blocks", str(num_kv_blocks)]
     if max_num_seqs:
         cmd += ["--max-num-seqs", str(max_num_seqs)]
+    cmd += list(extra_args)
     ray_tmp = tempfile.mkdtemp(prefix="pdcmp", dir="/tmp")
     env = dict(os.environ, PDSERVE_RAY_TMP=ray_tmp,
                OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), PYTHONUNBUFFERED="1")

@@ -12,6 +12,14 @@ Datasets (seeded, so two deployments see exactly the same requests):
   a short answer; the rest are short chats with longer answers, whose inter-token
   latency is what a long prefill disturbs in a normal (non-disaggregated) engine.
 
+- ``prefix``: what prefix caching and cache-aware routing are for. ``shared``: one of a
+  few long system prompts followed by a short question (the first request of each
+  system prompt is ``first``: its cache is cold); ``cold``: a unique prompt of the same
+  length, nothing to share; ``turn``: multi-turn conversations, each turn re-sending the
+  whole history (the earlier turns' prompts, a synthetic reply to each, the new user
+  message), sent only after the conversation's previous turn finished (``after``), its
+  first turn ``first`` too.
+
 Arrivals (vLLM's): gaps between sends are gamma-distributed with shape ``burstiness``
 and mean ``1 / request_rate``; burstiness 1 is a Poisson process, < 1 burstier,
 > 1 more regular. The first request goes at once; ``request_rate = inf`` sends all
@@ -36,6 +44,7 @@ class SampleRequest:
     prompt_len: int
     output_len: int
     kind: str = "random"
+    after: int | None = None  # index of the request that must finish before this is sent
 
 
 def length_range(length: int, range_ratio: float) -> tuple[int, int]:
@@ -101,6 +110,63 @@ def mixed_requests(num_prompts: int, *, vocab_size: int, long_ratio: float = 0.1
         prompt, plen = _prompt(rng, n_in, vocab_size, tokenizer, prompt_format)
         out.append(SampleRequest(prompt, plen, n_out, kind))
     return out
+
+
+def prefix_requests(num_prompts: int, *, vocab_size: int, system_len: int = 1024,
+                    question_len: int = 32, num_system_prompts: int = 2, turns: int = 4,
+                    turn_len: int = 64, output_len: int = 16, seed: int = 0
+                    ) -> list[SampleRequest]:
+    """About a third each of shared-system-prompt, cold and multi-turn requests (see
+    the module doc), in a seeded random order that keeps each conversation's turns in
+    order; token-id prompts (exact lengths)."""
+    rng = np.random.default_rng(seed)
+
+    def ids(n: int) -> list[int]:
+        return rng.integers(FIRST_PROMPT_ID, vocab_size, size=n).tolist()
+
+    num_turns = max(turns, 1)
+    num_conversations = max(1, num_prompts // 3 // num_turns)
+    num_shared = max(1, (num_prompts - num_conversations * num_turns) // 2)
+    num_cold = max(0, num_prompts - num_conversations * num_turns - num_shared)
+    systems = [ids(system_len) for _ in range(max(1, num_system_prompts))]
+    items: list[tuple[str, object]] = []
+    for i in range(num_shared):
+        items.append(("shared", systems[i % len(systems)] + ids(question_len)))
+    items += [("cold", ids(system_len + question_len)) for _ in range(num_cold)]
+    conversations = []
+    for _ in range(num_conversations):
+        history, prompts = [], []
+        for _turn in range(num_turns):
+            history = history + ids(turn_len)
+            prompts.append(list(history))
+            history = history + ids(output_len)  # the reply the next turn re-sends
+        conversations.append(prompts)
+    items += [("turn", (c, t)) for c in range(num_conversations) for t in range(num_turns)]
+    order = rng.permutation(len(items))
+    # a conversation's turns keep their order: the k-th of its slots gets its turn k
+    slots: dict[int, list[int]] = {}
+    for position, item in enumerate(order):
+        kind, value = items[item]
+        if kind == "turn":
+            slots.setdefault(value[0], []).append(position)
+    out: list[SampleRequest | None] = [None] * len(items)
+    seen_systems: set[int] = set()
+    for position, item in enumerate(order):
+        kind, value = items[item]
+        if kind == "turn":
+            continue
+        first = kind == "shared" and id(systems[item % len(systems)]) not in seen_systems
+        if kind == "shared":
+            seen_systems.add(id(systems[item % len(systems)]))
+        out[position] = SampleRequest(value, len(value), output_len,
+                                      "first" if first else kind)
+    for c, positions in slots.items():
+        for t, position in enumerate(sorted(positions)):
+            prompt = conversations[c][t]
+            out[position] = SampleRequest(prompt, len(prompt), output_len,
+                                          "first" if t == 0 else "turn",
+                                          after=sorted(positions)[t - 1] if t else None)
+    return [r for r in out if r is not None]
 
 
 def arrival_offsets(num_requests: int, request_rate: float, burstiness: float = 1.0,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 class _Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_prompt_tokens: int = 0  # the server's prompt_tokens_details.cached_tokens
 
 
 @dataclass
@@ -60,9 +61,11 @@ class OpenAIBackend:
         finish = None
         async for chunk in stream:
             if chunk.usage is not None and not chunk.choices:
+                details = getattr(chunk.usage, "prompt_tokens_details", None)
+                cached = getattr(details, "cached_tokens", None) or 0
                 last = Message(request_id=chunk.id, finish_reason=finish or "length",
                                usage=_Usage(chunk.usage.prompt_tokens,
-                                            chunk.usage.completion_tokens))
+                                            chunk.usage.completion_tokens, cached))
                 yield last
                 return
             for choice in chunk.choices:

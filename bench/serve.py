@@ -51,6 +51,7 @@ async def _stream_one(client, req, rec, *, temperature: float, ignore_eos: bool,
                 rec.error = msg.error
                 rec.usage_prompt_tokens = msg.usage.prompt_tokens
                 rec.usage_completion_tokens = msg.usage.completion_tokens
+                rec.usage_cached_tokens = getattr(msg.usage, "cached_prompt_tokens", 0)
                 rec.breakdown = _breakdown(msg)
     except grpc.RpcError as exc:
         code = exc.code() if hasattr(exc, "code") else None
@@ -189,19 +190,28 @@ async def collect(address: str, requests: list, *, request_rate: float = math.in
         bar = tqdm(total=len(requests), disable=not progress, desc=label or "requests",
                    file=sys.stderr, leave=False)
 
+        done = [asyncio.Event() for _ in requests]
+
         async def one(i: int) -> None:
             rec = records[i]
             rec.scheduled_time = start + offsets[i]
             delay = rec.scheduled_time - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            if sem is None:
-                await _stream_one(client, requests[i], rec, temperature=temperature,
-                                  ignore_eos=ignore_eos, timeout=request_timeout)
-            else:
-                async with sem:
+            after = getattr(requests[i], "after", None)
+            if after is not None:  # a conversation's next turn: once the last one ended
+                await done[after].wait()
+                rec.scheduled_time = max(rec.scheduled_time, time.perf_counter())
+            try:
+                if sem is None:
                     await _stream_one(client, requests[i], rec, temperature=temperature,
                                       ignore_eos=ignore_eos, timeout=request_timeout)
+                else:
+                    async with sem:
+                        await _stream_one(client, requests[i], rec, temperature=temperature,
+                                          ignore_eos=ignore_eos, timeout=request_timeout)
+            finally:
+                done[i].set()
             bar.update(1)
 
         wall_start, start = time.time(), time.perf_counter()
@@ -255,6 +265,11 @@ def summarize(runs: list[Run], *, address: str = "", label: str = "",
     # The server's own counts, beside the client's (input_lens / output_lens).
     result["usage_prompt_tokens"] = [r.usage_prompt_tokens for r in records]
     result["usage_completion_tokens"] = [r.usage_completion_tokens for r in records]
+    result["usage_cached_tokens"] = [r.usage_cached_tokens for r in records]
+    result["prefix_cache_hit_rate"] = _hit_rate(records)
+    kinds = sorted({r.kind for r in records})
+    result["prefix_cache_hit_rate_by_kind"] = {
+        k: _hit_rate([r for r in records if r.kind == k]) for k in kinds}
     lists: dict = {}
     for run in runs:  # send offsets relative to each run's own start
         for key, values in per_request_lists(run.records, run.start).items():
@@ -269,6 +284,13 @@ def summarize(runs: list[Run], *, address: str = "", label: str = "",
                 acc[k] = acc.get(k, 0) + v
     result["rank_step_deltas"] = deltas or None
     return result
+
+
+def _hit_rate(records: list) -> float | None:
+    """Prompt tokens the server reported cached / prompt tokens, successful requests."""
+    done = [r for r in records if r.success and r.usage_cached_tokens is not None]
+    total = sum(r.prompt_len for r in done)
+    return sum(r.usage_cached_tokens for r in done) / total if total else None
 
 
 async def run_benchmark(address: str, requests: list, **kwargs) -> dict:
@@ -333,7 +355,9 @@ def _floats(text: str) -> list[float]:
 
 def add_dataset_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("dataset")
-    g.add_argument("--dataset-name", choices=["random", "mixed"], default="random")
+    g.add_argument("--dataset-name", choices=["random", "mixed", "prefix"], default="random",
+                   help="prefix: shared system prompts, cold prompts of their length and "
+                   "multi-turn conversations (bench/datasets.py)")
     g.add_argument("--num-prompts", type=int, default=100)
     g.add_argument("--seed", type=int, default=0, help="dataset and arrival seed")
     g.add_argument("--random-input-len", type=int, default=128)
@@ -348,6 +372,15 @@ def add_dataset_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mixed-long-output-len", type=int, default=8)
     g.add_argument("--mixed-short-input-len", type=int, default=64)
     g.add_argument("--mixed-short-output-len", type=int, default=64)
+    g.add_argument("--prefix-system-len", type=int, default=1024,
+                   help="prefix: tokens of each shared system prompt (cold prompts: the same "
+                   "plus a question)")
+    g.add_argument("--prefix-num-system-prompts", type=int, default=2)
+    g.add_argument("--prefix-question-len", type=int, default=32)
+    g.add_argument("--prefix-turns", type=int, default=4, help="prefix: turns per conversation")
+    g.add_argument("--prefix-turn-len", type=int, default=64,
+                   help="prefix: new user tokens per turn (the reply re-sent is --random-"
+                   "output-len long)")
     g.add_argument("--model", default=None,
                    help="model folder, for the vocabulary and tokenizer (default: the "
                    "built-in tiny model's folder that `pdserve serve` uses)")
@@ -389,6 +422,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="also draw the run's engine steps per rank (their records go to "
                    "FILE.json)")
     p.add_argument("--label", default="")
+    p.add_argument("--compare-caching", action="store_true",
+                   help="bring up 3 deployments in turn (2 prefill + 1 decode ranks): prefix "
+                   "caching off, on with least-loaded routing, on with cache-aware routing; "
+                   "the same workload on each, compared in one table (bench/prefix_compare.py)")
     p.add_argument("--backend", choices=["pdserve", "openai"], default="pdserve",
                    help="pdserve: the router's gRPC API (--address); openai: any "
                    "OpenAI-compatible server's /v1/completions (--base-url)")
@@ -434,6 +471,15 @@ def build_requests(args: argparse.Namespace) -> list:
     if args.dataset_name == "random":
         return random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
                                **common)
+    if args.dataset_name == "prefix":
+        from pdserve.bench.datasets import prefix_requests
+
+        return prefix_requests(args.num_prompts, vocab_size=vocab, seed=args.seed,
+                               system_len=args.prefix_system_len,
+                               question_len=args.prefix_question_len,
+                               num_system_prompts=args.prefix_num_system_prompts,
+                               turns=args.prefix_turns, turn_len=args.prefix_turn_len,
+                               output_len=args.random_output_len)
     return mixed_requests(args.num_prompts, long_ratio=args.mixed_long_ratio,
                           long_input_len=args.mixed_long_input_len,
                           long_output_len=args.mixed_long_output_len,
@@ -492,6 +538,11 @@ def run_serve(args: argparse.Namespace) -> int:
         finally:
             await backend.close()
 
+    if args.compare_caching:
+        from pdserve.bench import prefix_compare
+
+        prefix_compare.run(args, requests, kwargs)
+        return 0
     dataset = {"dataset_name": args.dataset_name, "prompt_format": args.prompt_format}
     plot = None if args.no_plot else (args.plot or str(Path(args.result_file).with_suffix(".png")))
     try:

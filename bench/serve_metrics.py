@@ -49,6 +49,7 @@ class RequestRecord:
     error: str = ""
     usage_prompt_tokens: int | None = None
     usage_completion_tokens: int | None = None
+    usage_cached_tokens: int | None = None  # prompt tokens the server took from its cache
     # Server-side TTFT breakdown of this request, when the router reports one (a
     # `timings` message on the last GenerateResponse, e.g. router_queue_ms,
     # prefill_queue_ms, prefill_ms, kv_handoff_ms, decode_queue_ms); kept as-is in

@@ -84,6 +84,9 @@ def test_cli_is_registered():
     assert args.sizes == "1,256"
     args = build_parser().parse_args(["bench", "choices", "--n", "8", "--modes", "normal"])
     assert args.n == 8 and args.modes == "normal" and args.repeats == 2
+    args = build_parser().parse_args(["bench", "serve", "--dataset-name", "prefix",
+                                      "--compare-caching", "--prefix-system-len", "512"])
+    assert args.compare_caching and args.prefix_system_len == 512 and args.prefix_turns == 4
 
 
 def test_cli_brings_up_a_subprocess_router(tiny_model_dir, tmp_path):

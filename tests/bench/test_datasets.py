@@ -91,3 +91,28 @@ def test_text_prompts_use_the_tokenizer():
     assert [r.prompt_len for r in reqs] == [13, 13]  # the re-encoded length
     with pytest.raises(ValueError):
         random_requests(1, 4, 1, vocab_size=100, prompt_format="text")
+
+
+def test_prefix_requests_share_prefixes_and_order_conversations():
+    from pdserve.bench.datasets import prefix_requests
+
+    reqs = prefix_requests(30, vocab_size=4096, system_len=64, question_len=8,
+                           num_system_prompts=2, turns=3, turn_len=16, output_len=4, seed=3)
+    assert len(reqs) == 30
+    assert prefix_requests(30, vocab_size=4096, system_len=64, question_len=8,
+                           num_system_prompts=2, turns=3, turn_len=16, output_len=4,
+                           seed=3) == reqs  # seeded
+    kinds = {r.kind for r in reqs}
+    assert kinds == {"first", "shared", "cold", "turn"}
+    shared = [r for r in reqs if r.kind in ("first", "shared") and r.prompt_len == 72]
+    systems = {tuple(r.prompt[:64]) for r in shared}
+    assert len(systems) == 2  # every shared prompt starts with one of the 2 system prompts
+    cold = [r for r in reqs if r.kind == "cold"]
+    assert cold and all(r.prompt_len == 72 for r in cold)
+    assert not {tuple(r.prompt[:64]) for r in cold} & systems
+    for i, r in enumerate(reqs):
+        assert r.prompt_len == len(r.prompt)
+        if r.kind == "turn":  # after its conversation's previous turn, whose prompt it extends
+            prev = reqs[r.after]
+            assert r.after < i and r.prompt[:prev.prompt_len] == prev.prompt
+            assert r.prompt_len == prev.prompt_len + 4 + 16  # + reply + new user message
