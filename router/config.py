@@ -49,6 +49,9 @@ class RouterConfig:
     # first token (its queue plus the prompt minus its cached prefix); least_loaded
     # looks at the queue only.
     routing: str = "cache_aware"
+    # cache_aware: how much a prompt's uncached tokens weigh against a rank's queue
+    # (Pool.choose_prefill); 1 = time to the first token alone.
+    prefix_overlap_weight: float = 2.0
     # OpenAI-compatible HTTP front (router/http_api.py): None = port + 2 (a free port when
     # `port` is 0); 0 turns it off. The model's id there: served_model_name, or the
     # model folder's name.
@@ -117,6 +120,9 @@ class RouterConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
+        if not 0 <= self.prefix_overlap_weight <= 100:
+            raise ValueError("prefix_overlap_weight must be in [0, 100], got "
+                             f"{self.prefix_overlap_weight}")
         if self.kv_transport not in TRANSPORTS:
             raise ValueError(f"kv_transport must be one of {TRANSPORTS}, got {self.kv_transport!r}")
         if self.max_queue_depth < 1:

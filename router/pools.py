@@ -76,8 +76,25 @@ class RankHandle:
     num_loop_failures: int = 0    # engine-loop failures in a row (one per generation)
     failed_generation: int = -1   # the group generation of the last one
     # Names of the full blocks its prefix cache holds, from its step reports
-    # (prefix_hash.py): what cache-aware routing matches prompts against.
+    # (prefix_hash.py): what cache-aware routing matches prompts against. And the
+    # blocks of prompts sent here and not yet computed (name -> how many): the next
+    # request with the same prefix should follow them rather than compute it elsewhere.
     cached_blocks: set[bytes] = field(default_factory=set)
+    pending_blocks: dict[bytes, int] = field(default_factory=dict)
+
+    def add_pending(self, hashes: list[bytes]) -> None:
+        pending = self.pending_blocks
+        for h in hashes:
+            pending[h] = pending.get(h, 0) + 1
+
+    def drop_pending(self, hashes: list[bytes]) -> None:
+        pending = self.pending_blocks
+        for h in hashes:
+            left = pending.get(h, 0) - 1
+            if left > 0:
+                pending[h] = left
+            else:
+                pending.pop(h, None)
 
     def apply_cache_events(self, events: list[tuple[bool, bytes]]) -> None:
         cached = self.cached_blocks
@@ -93,9 +110,9 @@ class RankHandle:
     def cached_prefix_blocks(self, hashes: list[bytes]) -> int:
         """How many of ``hashes`` (a prompt's block names, in order) this rank holds
         from the first on."""
-        cached, n = self.cached_blocks, 0
+        cached, pending, n = self.cached_blocks, self.pending_blocks, 0
         for h in hashes:
-            if h not in cached:
+            if h not in cached and h not in pending:
                 break
             n += 1
         return n
@@ -133,10 +150,14 @@ class Pool:
         return [r for r in self.ranks if r.state == READY]
 
     def choose_prefill(self, prompt: PromptBlocks | None = None) -> RankHandle | None:
-        """The rank that reaches this prompt's first token soonest: the fewest prompt
-        tokens to compute first, its queue (``outstanding_tokens``) plus the prompt's
-        tokens past the prefix its cache holds (``cache_aware``; ``least_loaded``: the
-        queue alone); ties by requests in flight, then round-robin. Sets
+        """``cache_aware``: the rank with the lowest cost = its queue
+        (``outstanding_tokens``: prompt tokens sent and not yet prefilled) +
+        ``prefix_overlap_weight`` x the prompt's tokens past the prefix it holds (cached,
+        or pending: sent there, being computed). Weight 1 estimates the prompt tokens
+        computed before this one's first token; the default 2 also counts the work the
+        cluster repeats by computing a prefix twice, so a shared prefix follows its cache
+        unless that rank's queue is longer by more than the prompt. ``least_loaded``:
+        the queue alone. Ties: requests in flight, then round-robin. Sets
         ``prompt.cached_tokens`` to the chosen rank's match."""
         ranks = self.ready()
         if not ranks:
@@ -146,10 +167,10 @@ class Pool:
                                              r.assigned, r.uid))
             matched = 0
         else:
-            size = prompt.block_size
-            scored = [(r.outstanding_tokens + prompt.num_tokens
-                       - size * r.cached_prefix_blocks(prompt.hashes), len(r.inflight),
-                       r.assigned, r.uid, r) for r in ranks]
+            size, weight = prompt.block_size, self.rc.prefix_overlap_weight
+            scored = [(r.outstanding_tokens + weight * (
+                prompt.num_tokens - size * r.cached_prefix_blocks(prompt.hashes)),
+                len(r.inflight), r.assigned, r.uid, r) for r in ranks]
             *_, rank = min(scored, key=lambda entry: entry[:4])
             matched = size * rank.cached_prefix_blocks(prompt.hashes)
         if prompt is not None:

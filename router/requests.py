@@ -76,6 +76,8 @@ class RequestState:
     # The choices sharing its KV hand-off in flight (n > 1), while it is in HANDOFF.
     handoff_group: list[RequestState] | None = None
     cached_tokens: int = 0  # prompt tokens its prefill took from a rank's prefix cache
+    # its prompt's block names, pending on its entry rank until it leaves it (routing)
+    pending_blocks: list = field(default_factory=list)
 
     def note_cached(self, num_cached_tokens: int) -> None:
         if num_cached_tokens > self.cached_tokens:

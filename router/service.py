@@ -165,6 +165,8 @@ class RouterService:
             # what the rank computes: the prompt past the prefix its cache holds
             state.outstanding = len(add.prompt_token_ids) - prompt.cached_tokens
             rank.outstanding_tokens += state.outstanding
+            state.pending_blocks = prompt.hashes
+            rank.add_pending(prompt.hashes)
             started = [(state, add.attempt), *((s, s.attempt_key) for s in forks)]
             try:
                 result = await asyncio.wait_for(rank.actor.add_request.remote(add),
@@ -232,6 +234,10 @@ class RouterService:
             rank.inflight.discard(key)
             if rank.pool in ("prefill", "normal"):
                 rank.outstanding_tokens = max(0, rank.outstanding_tokens - state.outstanding)
+        if state.pending_blocks and rank.pool in ("prefill", "normal"):
+            # computed (its names arrive as cache events) or never will be here
+            rank.drop_pending(state.pending_blocks)
+            state.pending_blocks = []
 
     def _finish(self, state: RequestState, reason: str, error: str | None = None,
                 token_ids: list[int] | None = None, logprobs: list | None = None) -> None:

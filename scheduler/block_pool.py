@@ -68,14 +68,18 @@ class BlockPool:
             refs[i] += 1
 
     def free(self, ids: list[int]) -> None:
-        """Drop one reference to each id, last one first (S1)."""
-        refs, free = self._refs, self.free_queue
+        """Drop one reference to each id, last one first (S1: with prefix caching, a
+        sequence's tail blocks are evicted before its head, which more requests share)."""
+        refs, back = self._refs, self._to_free_list
         for i in reversed(ids):
             if refs[i] <= 0:
                 raise RuntimeError(f"double free of id {i}")
             refs[i] -= 1
             if refs[i] == 0:
-                free.append(i)
+                back(i)
+
+    def _to_free_list(self, i: int) -> None:
+        self.free_queue.append(i)
 
     def free_one(self, i: int) -> None:
         self.free((i,))
@@ -134,16 +138,8 @@ class CachingBlockPool(BlockPool):
     def allocate_one(self) -> int:
         return self.allocate(1)[0]
 
-    def free(self, ids: list[int]) -> None:
-        """Drop one reference to each id, last one first (S1): a sequence's tail blocks
-        are evicted before its head, which more requests share."""
-        refs, free = self._refs, self.free_queue
-        for i in reversed(ids):
-            if refs[i] <= 0:
-                raise RuntimeError(f"double free of id {i}")
-            refs[i] -= 1
-            if refs[i] == 0:
-                free[i] = None  # type: ignore[index]
+    def _to_free_list(self, i: int) -> None:
+        self.free_queue[i] = None  # type: ignore[index]  # keeps its name: evictable
 
     def lookup(self, hashes: list[bytes]) -> list[int]:
         """The blocks of the longest cached run of ``hashes`` from the first."""
