@@ -44,6 +44,10 @@ class NoCapacityError(ValueError):
     """A request that can never fit this engine's KV pool."""
 
 
+class CacheMissError(ValueError):
+    """A payload that left out a prefix this engine's cache does not hold."""
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, communicator: Communicator | None = None,
                  runner: ModelRunner | None = None) -> None:
@@ -107,15 +111,24 @@ class LLMEngine:
             block_size=self.config.block_size, num_layers=self.runner.num_layers)
         ids = [payload.request_id, *(fork.request_id for fork in payload.forks)]
         self._check_new_ids(ids)
-        if self.scheduler.can_admit_prefilled(payload.num_prompt_tokens,
-                                              len(payload.forks)) == AllocStatus.NEVER:
+        skipped = payload.skipped_blocks
+        if self.scheduler.can_admit_prefilled(payload.num_prompt_tokens, len(payload.forks),
+                                              skipped) == AllocStatus.NEVER:
             raise NoCapacityError(
                 f"request {payload.request_id!r} needs more KV blocks or state slots "
                 f"(with its {len(payload.forks)} forks) than this engine has")
         payload.sampling = _payload_sampling(payload.sampling, "sampling")  # type: ignore[assignment]
         for i, fork in enumerate(payload.forks):
             fork.sampling = _payload_sampling(fork.sampling, f"forks[{i}].sampling")
-        self.runner.kv_cache.check_import(payload.tensors, payload.num_prompt_tokens)
+        self.runner.kv_cache.check_import(payload.tensors, payload.num_prompt_tokens, skipped)
+        if skipped:  # the prefix it left out must be in this engine's cache: held from now
+            held = self.scheduler.take_cached_prefix(
+                payload.token_ids[:payload.num_prompt_tokens], skipped)
+            if held is None:
+                raise CacheMissError(
+                    f"request {payload.request_id!r} left out {skipped} blocks of KV this "
+                    "engine's prefix cache does not hold (any more): send them")
+            payload.cached_block_ids = held
         for request_id in ids:
             self._requests[request_id] = None  # type: ignore[assignment]  # id reserved
         self._pending_imports.append(payload)
@@ -135,6 +148,7 @@ class LLMEngine:
                     self._pending_imports[i] = payload.without_lead()
                 else:
                     del self._pending_imports[i]
+                    self.scheduler.release_blocks(payload.cached_block_ids)
                 self._aborted_unstarted.append(request_id)
                 return True
             if any(fork.request_id == request_id for fork in payload.forks):
@@ -359,8 +373,9 @@ class LLMEngine:
     def _admit_imports(self) -> None:
         while self._pending_imports:
             payload = self._pending_imports[0]
-            if self.scheduler.can_admit_prefilled(payload.num_prompt_tokens,
-                                                  len(payload.forks)) != AllocStatus.OK:
+            if self.scheduler.can_admit_prefilled(
+                    payload.num_prompt_tokens, len(payload.forks),
+                    len(payload.cached_block_ids)) != AllocStatus.OK:
                 return  # FIFO: later imports wait behind the head, as prompts do
             self._pending_imports.popleft()
             prompt = payload.token_ids[:payload.num_prompt_tokens]
@@ -368,7 +383,7 @@ class LLMEngine:
                            arrival_time=payload.arrival_time,
                            eos_token_id=self.tokenizer.eos_token_id)
             seq.processed = payload.num_prompt_tokens
-            self.scheduler.add_prefilled(seq)
+            self.scheduler.add_prefilled(seq, payload.cached_block_ids)
             # n > 1: the forks share the prompt's blocks (their copies run before the
             # next step's model, after the import below)
             group = [seq, *self.scheduler.fork_siblings(
@@ -379,8 +394,9 @@ class LLMEngine:
                 member.first_token_time = payload.first_token_time
                 self._requests[member.request_id] = member
             try:
-                self.runner.kv_cache.import_sequence(seq.block_table, seq.state_slot,
-                                                     payload.tensors)
+                self.runner.kv_cache.import_sequence(
+                    seq.block_table[payload.skipped_blocks:], seq.state_slot, payload.tensors)
+                self.scheduler.register_prefilled(seq)
             except Exception as exc:  # their blocks go back when the next pass sweeps them
                 cause = f"KV import failed on rank {self.rank}: {type(exc).__name__}: {exc}"
                 log.error("%s (request %s)", cause, seq.request_id)

@@ -244,6 +244,24 @@ class KVPayload:
     # "ring_k.{layer}"/"ring_v.{layer}" the sliding-window ring of that layer.
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     forks: list[ForkedChoice] = field(default_factory=list)
+    # Leading full blocks left out (prefix caching): the receiver holds them in its own
+    # cache, named by the prompt's block hashes; the tensors start after them.
+    skipped_blocks: int = 0
+    # receiver side: its cached blocks for the skipped prefix, referenced until import
+    cached_block_ids: list[int] = field(default_factory=list)
+
+    def without_prefix(self, num_blocks: int) -> KVPayload:
+        """The same payload without its first ``num_blocks`` full blocks of KV, for a
+        receiver whose prefix cache holds them (full-attention tensors only: a model
+        with a sliding-window ring keeps no prefix cache)."""
+        if num_blocks <= 0:
+            return self
+        if set(self.tensors) != {"k_blocks", "v_blocks"}:
+            raise KVPayloadError("only a payload of full-attention blocks can leave out a "
+                                 f"cached prefix (it holds {sorted(self.tensors)})")
+        tensors = {name: t[:, num_blocks:].contiguous() for name, t in self.tensors.items()}
+        return dataclasses.replace(self, tensors=tensors,
+                                   skipped_blocks=self.skipped_blocks + num_blocks)
 
     def without_lead(self) -> KVPayload:
         """The same prompt's KV led by its first fork (the lead was aborted)."""
@@ -283,6 +301,7 @@ class KVPayload:
             "tensors": specs,
             "tensor_bytes": offset,
             "forks": [[f.request_id, f.first_token_id, f.sampling] for f in self.forks],
+            "skipped_blocks": self.skipped_blocks,
         }
         packed = msgpack.packb(header, use_bin_type=True)
         return b"".join([_PREFIX.pack(MAGIC, VERSION, len(packed)), packed, *chunks])
@@ -327,6 +346,10 @@ class KVPayload:
         token_ids = _check_token_ids(fields.of_type("token_ids", list), vocab_size)
         sampling = _check_sampling(fields.of_type("sampling", dict), "sampling")
         forks = _check_forks(fields.of_type("forks", list), vocab_size, request_id)
+        skipped_blocks = fields.int_at_least("skipped_blocks", 0)
+        if skipped_blocks * block_size >= max(num_tokens, 1):
+            raise KVPayloadError(f"KV payload header field 'skipped_blocks' is {skipped_blocks}: "
+                                 f"more than the {num_tokens} prompt tokens' full blocks")
         arrival_time = fields.finite_number("arrival_time")
         first_token_time = (None if fields.get("first_token_time") is None
                             else fields.finite_number("first_token_time"))
@@ -354,6 +377,7 @@ class KVPayload:
             first_token_time=first_token_time,
             tensors=tensors,
             forks=forks,
+            skipped_blocks=skipped_blocks,
         )
 
     def check_compatible(self, *, model_fingerprint: str, dtype: str, block_size: int,

@@ -204,11 +204,13 @@ class KVCache:
             out["k_ring"], out["v_ring"] = self.read_ring(state_slot)
         return out
 
-    def check_import(self, tensors: dict[str, torch.Tensor], num_tokens: int) -> None:
-        """Validate a payload's tensors for ``num_tokens`` positions without writing.
+    def check_import(self, tensors: dict[str, torch.Tensor], num_tokens: int,
+                     skipped_blocks: int = 0) -> None:
+        """Validate a payload's tensors for ``num_tokens`` positions (less the first
+        ``skipped_blocks`` full blocks, which the receiver holds) without writing.
 
         Raises ValueError naming the tensor and the expected/actual shape or dtype."""
-        n = math.ceil(num_tokens / self.block_size)
+        n = math.ceil(num_tokens / self.block_size) - skipped_blocks
         want: dict[str, tuple[int, ...]] = {}
         if self.full_layers:
             shape = (len(self.full_layers), n, self.block_size, self.num_kv_heads, self.head_dim)

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 PAYLOAD, CAPACITY, TRANSPORT = "payload", "capacity", "transport"
+# the payload left out a prefix the receiver's cache no longer holds: send it whole
+CACHE_MISS = "cache_miss"
 
 
 @dataclass
@@ -93,6 +95,18 @@ class KVSecret:
     __str__ = __repr__
 
 
+def payload_without_prefix(data: bytes, num_blocks: int) -> bytes:
+    """A KV payload's bytes without its first ``num_blocks`` full blocks (the rank side
+    of ``deliver(..., skip_blocks)``; imports torch). One that cannot leave a prefix out
+    (a sliding-window ring) goes whole: the receiver then finds no blocks skipped."""
+    from pdserve.engine.kv_payload import KVPayload, KVPayloadError
+
+    try:
+        return KVPayload.from_bytes(data).without_prefix(num_blocks).to_bytes()
+    except KVPayloadError:
+        return data
+
+
 class KVTransport(ABC):
     """The router's side: deliver, release, discard."""
 
@@ -103,8 +117,12 @@ class KVTransport(ABC):
         self.num_deliveries = 0
 
     @abstractmethod
-    async def deliver(self, ticket: Any, src: Any, dst: Any) -> DeliveryResult:
-        """Import the payload behind ``ticket`` (exported by rank ``src``) on ``dst``."""
+    async def deliver(self, ticket: Any, src: Any, dst: Any,
+                      skip_blocks: int = 0) -> DeliveryResult:
+        """Import the payload behind ``ticket`` (exported by rank ``src``) on ``dst``;
+        ``skip_blocks``: leave out its first full blocks of KV, which ``dst``'s prefix
+        cache holds (the source cuts them, so they never cross the wire; ``dst``
+        answers CACHE_MISS if it no longer holds them)."""
 
     async def release(self, ticket: Any, src: Any) -> None:
         """The decode rank confirmed the import: the source may free the payload."""

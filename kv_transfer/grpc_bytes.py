@@ -63,6 +63,7 @@ from typing import Any
 
 import grpc
 from pdserve.kv_transfer.base import (
+    CACHE_MISS,
     CAPACITY,
     PAYLOAD,
     TRANSPORT,
@@ -70,6 +71,7 @@ from pdserve.kv_transfer.base import (
     KVSecret,
     KVTransport,
     RankEndpoint,
+    payload_without_prefix,
 )
 from pdserve.rpc import kv_transfer_pb2, kv_transfer_pb2_grpc
 
@@ -181,6 +183,9 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         if data is None:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"no KV payload for attempt {attempt!r} on this rank")
+        if request.skip_blocks:  # the receiver's cache holds that prefix: it stays here
+            data = await asyncio.get_running_loop().run_in_executor(
+                None, payload_without_prefix, data, request.skip_blocks)
         deadline = asyncio.get_running_loop().time() + ep.stream_timeout_s
         for chunk in chunks(attempt, data):
             await ep.bounded(context, lambda chunk=chunk: context.write(chunk), deadline, "fetch",
@@ -198,8 +203,9 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         loop = asyncio.get_running_loop()
         result = await loop.run_in_executor(ep.imports, ep.importer.import_prefilled, data)
         if not result.ok:
-            code = (grpc.StatusCode.RESOURCE_EXHAUSTED if result.kind == CAPACITY
-                    else grpc.StatusCode.INVALID_ARGUMENT)
+            code = {CAPACITY: grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    CACHE_MISS: grpc.StatusCode.FAILED_PRECONDITION}.get(
+                        result.kind, grpc.StatusCode.INVALID_ARGUMENT)
             await context.abort(code, result.error)
         return kv_transfer_pb2.PushResponse(request_id=result.attempt)
 
@@ -417,7 +423,8 @@ class GrpcBytesTransport(KVTransport):
                 address, options=CHANNEL_OPTIONS)
         return kv_transfer_pb2_grpc.KVTransferStub(channel)
 
-    async def deliver(self, ticket: Any, src: Any, dst: Any) -> DeliveryResult:
+    async def deliver(self, ticket: Any, src: Any, dst: Any,
+                      skip_blocks: int = 0) -> DeliveryResult:
         dst_address = dst.info.kv_address
         if not dst_address:
             return DeliveryResult(False, kind=TRANSPORT,
@@ -428,7 +435,8 @@ class GrpcBytesTransport(KVTransport):
         async def relay():
             nonlocal moved
             fetch = self._stub(src_address).Fetch(
-                kv_transfer_pb2.FetchRequest(request_id=attempt), timeout=self.stream_timeout_s,
+                kv_transfer_pb2.FetchRequest(request_id=attempt, skip_blocks=skip_blocks),
+                timeout=self.stream_timeout_s,
                 metadata=auth_metadata(self._secret, FETCH, attempt, src_address))
             async for chunk in fetch:
                 moved += len(chunk.data)
@@ -440,6 +448,7 @@ class GrpcBytesTransport(KVTransport):
                 metadata=auth_metadata(self._secret, PUSH, attempt, dst_address))
         except grpc.aio.AioRpcError as exc:
             kind = {grpc.StatusCode.RESOURCE_EXHAUSTED: CAPACITY,
+                    grpc.StatusCode.FAILED_PRECONDITION: CACHE_MISS,
                     grpc.StatusCode.INVALID_ARGUMENT: PAYLOAD}.get(exc.code(), TRANSPORT)
             return DeliveryResult(False, kind=kind, error=exc.details() or str(exc.code()))
         except asyncio.CancelledError:

@@ -13,21 +13,32 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.kv_transfer.base import CAPACITY, PAYLOAD, TRANSPORT, DeliveryResult, KVTransport
+from pdserve.kv_transfer.base import (
+    CACHE_MISS,
+    CAPACITY,
+    PAYLOAD,
+    TRANSPORT,
+    DeliveryResult,
+    KVTransport,
+    payload_without_prefix,
+)
 
 
 class InProcessTransport(KVTransport):
     name = "in_process"
 
-    async def deliver(self, ticket: Any, src: Any, dst: Any) -> DeliveryResult:
+    async def deliver(self, ticket: Any, src: Any, dst: Any,
+                      skip_blocks: int = 0) -> DeliveryResult:
         data = src.endpoint.get(ticket.locator)
         if data is None:
             return DeliveryResult(False, kind=TRANSPORT,
                                   error=f"no KV payload for attempt {ticket.attempt!r}")
+        if skip_blocks:
+            data = payload_without_prefix(data, skip_blocks)
         result = dst.import_prefilled(data)
         if not result.ok:
-            return DeliveryResult(False, kind=CAPACITY if result.kind == CAPACITY else PAYLOAD,
-                                  error=result.error)
+            return DeliveryResult(False, kind=result.kind if result.kind in (CAPACITY, CACHE_MISS)
+                                  else PAYLOAD, error=result.error)
         self._delivered(len(data))
         return DeliveryResult(True, attempt=result.attempt, nbytes=len(data))
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.kv_transfer.base import (
+    CACHE_MISS,
     CAPACITY,
     PAYLOAD,
     TRANSPORT,
@@ -38,16 +39,22 @@ class RayEndpoint(RankEndpoint):
 class RayObjectStoreTransport(KVTransport):
     name = "ray"
 
-    async def deliver(self, ticket: Any, src: Any, dst: Any) -> DeliveryResult:
+    async def deliver(self, ticket: Any, src: Any, dst: Any,
+                      skip_blocks: int = 0) -> DeliveryResult:
+        locator, nbytes = ticket.locator, ticket.nbytes
         try:
-            result = await dst.actor.import_prefilled.remote(ticket.locator)
+            if skip_blocks:  # cut on the source, into a new object: the prefix stays there
+                locator = src.actor.kv_without_prefix.remote(ticket.locator, skip_blocks)
+            result = await dst.actor.import_prefilled.remote(locator)
         except Exception as exc:  # the source died (object lost) or the destination did
             return DeliveryResult(False, kind=TRANSPORT, error=f"{type(exc).__name__}: {exc}")
         if not result.ok:
-            return DeliveryResult(False, kind=result.kind if result.kind in (PAYLOAD, CAPACITY)
-                                  else PAYLOAD, error=result.error)
-        self._delivered(ticket.nbytes)
-        return DeliveryResult(True, attempt=result.attempt, nbytes=ticket.nbytes)
+            return DeliveryResult(False, kind=result.kind if result.kind in (
+                PAYLOAD, CAPACITY, CACHE_MISS) else PAYLOAD, error=result.error)
+        if skip_blocks:
+            nbytes = result.nbytes or nbytes
+        self._delivered(nbytes)
+        return DeliveryResult(True, attempt=result.attempt, nbytes=nbytes)
 
     async def discard(self, ticket: Any, src: Any) -> None:
         # Dropping the last reference frees the object; nothing to tell the worker.

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+from pdserve.kv_transfer.base import payload_without_prefix
 from pdserve.rank.messages import (
     AddRequest,
     AdmitResult,
@@ -409,11 +410,18 @@ class EngineRank:
         try:
             attempt = self._call(lambda eng: eng.import_prefilled(payload))
         except Exception as exc:
-            kind = "capacity" if "Capacity" in type(exc).__name__ else "payload"
+            name = type(exc).__name__
+            kind = ("capacity" if "Capacity" in name else
+                    "cache_miss" if "CacheMiss" in name else "payload")
             return ImportResult(False, kind=kind, error=_error_text(exc))
         self._imported_at[attempt] = time.monotonic()
         self.timeline.imported(self.pool_name, self.rank, start, time.time())
-        return ImportResult(True, attempt=attempt)
+        return ImportResult(True, attempt=attempt, nbytes=len(payload))
+
+    def kv_without_prefix(self, payload: bytes, num_blocks: int) -> bytes:
+        """The ray transport's cut (``deliver(..., skip_blocks)``): this rank's payload
+        without the prefix the receiver's cache holds, as a new object."""
+        return payload_without_prefix(payload, num_blocks)
 
     def abort(self, attempt: str) -> bool:
         self.endpoint.release(attempt)

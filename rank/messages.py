@@ -121,8 +121,9 @@ class AdmitResult:
 class ImportResult:
     ok: bool
     attempt: str = ""
-    kind: str = ""  # on failure: "payload" | "capacity"
+    kind: str = ""  # on failure: "payload" | "capacity" | "cache_miss"
     error: str = ""
+    nbytes: int = 0  # the payload's size as it arrived
 
 
 @dataclass

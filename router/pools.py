@@ -192,13 +192,14 @@ class Pool:
             await asyncio.sleep(0.05)
 
     async def wait_for_decode(self, exclude: set[int], timeout_s: float,
-                              give_up: Callable[[], bool] = lambda: False) -> RankHandle | None:
-        """The decode rank with the most free blocks, waiting while the pool re-forms
+                              give_up: Callable[[], bool] = lambda: False,
+                              prompt_hashes: list[bytes] = ()) -> RankHandle | None:
+        """The best decode rank (``choose_decode``), waiting while the pool re-forms
         (None at once when `give_up()` turns true: the request ended meanwhile)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
-            rank = self.choose_decode(exclude)
+            rank = self.choose_decode(exclude, prompt_hashes)
             if rank is not None or loop.time() >= deadline or self.target == 0 or give_up():
                 return rank
             if not any(r.state != DEAD and r.uid not in exclude for r in self.ranks) \
@@ -206,12 +207,18 @@ class Pool:
                 return None  # nobody left to wait for
             await asyncio.sleep(0.05)
 
-    def choose_decode(self, exclude: set[int] = frozenset()) -> RankHandle | None:
+    def choose_decode(self, exclude: set[int] = frozenset(),
+                      prompt_hashes: list[bytes] = ()) -> RankHandle | None:
+        """The decode rank with the most room once the payload is in: free blocks
+        (less 8 per import on its way) plus, given the prompt's block names, the blocks
+        of its prefix the rank's cache holds (they are not sent, nor allocated)."""
         ranks = [r for r in self.ready() if r.uid not in exclude]
         if not ranks:
             return None
-        rank = max(ranks, key=lambda r: (r.free_blocks - 8 * r.pending_imports,
-                                         -len(r.inflight), -r.assigned, -r.uid))
+        rank = max(ranks, key=lambda r: (
+            r.free_blocks - 8 * r.pending_imports
+            + (r.cached_prefix_blocks(prompt_hashes) if prompt_hashes else 0),
+            -len(r.inflight), -r.assigned, -r.uid))
         rank.assigned += 1
         return rank
 

@@ -78,6 +78,7 @@ class RequestState:
     cached_tokens: int = 0  # prompt tokens its prefill took from a rank's prefix cache
     # its prompt's block names, pending on its entry rank until it leaves it (routing)
     pending_blocks: list = field(default_factory=list)
+    prompt_hashes: list = field(default_factory=list)  # the current attempt's prompt's
 
     def note_cached(self, num_cached_tokens: int) -> None:
         if num_cached_tokens > self.cached_tokens:

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 import ray
 from pdserve.kv_transfer import KVSecret, make_transport
-from pdserve.kv_transfer.base import PAYLOAD, TRANSPORT
+from pdserve.kv_transfer.base import CACHE_MISS, PAYLOAD, TRANSPORT
 from pdserve.rank.messages import AddRequest, ForkSpec, HandoffTicket, RankStats, StepReport
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
@@ -51,6 +51,7 @@ class RouterService:
         self.num_moves = 0
         self.num_lost_reports = 0
         self.num_handoffs_in_flight = 0
+        self.num_kv_blocks_skipped = 0  # KV blocks a decode rank's cache held: not sent
         self.metrics = RouterMetrics(self)
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
@@ -167,6 +168,8 @@ class RouterService:
             rank.outstanding_tokens += state.outstanding
             state.pending_blocks = prompt.hashes
             rank.add_pending(prompt.hashes)
+            for s in (state, *forks):  # what a decode rank may already hold of it
+                s.prompt_hashes = prompt.hashes
             started = [(state, add.attempt), *((s, s.attempt_key) for s in forks)]
             try:
                 result = await asyncio.wait_for(rank.actor.add_request.remote(add),
@@ -397,6 +400,8 @@ class RouterService:
         group = _HandoffGroup([c.attempt for c in ticket.choices])
         for choice in ticket.choices:
             state = self.tracker.by_attempt(choice.attempt)
+            if state is not None and not group.prompt_hashes:
+                group.prompt_hashes = state.prompt_hashes
             if state is None or state.finished or state.aborted:
                 continue
             if ticket.timings is not None:
@@ -447,9 +452,16 @@ class RouterService:
         last_error = ""
         pool = self.pools["decode"]
         started = time.monotonic()
+        hashes = group.prompt_hashes if self.config.routing == "cache_aware" else []
+        retry_whole: RankHandle | None = None  # its cache lost the prefix: send it all
         for _ in range(self.config.max_handoff_tries):
-            dst = await pool.wait_for_decode(tried, self.config.rank_wait_s,
-                                             lambda: not group.live)
+            if retry_whole is not None:
+                dst, skip, retry_whole = retry_whole, 0, None
+            else:
+                dst = await pool.wait_for_decode(tried, self.config.rank_wait_s,
+                                                 lambda: not group.live, hashes)
+                # the prefix the decode rank's cache holds stays on the prefill rank
+                skip = dst.cached_prefix_blocks(hashes) if dst is not None and hashes else 0
             if not group.live:
                 return
             if dst is None:
@@ -461,8 +473,9 @@ class RouterService:
             dst.pending_imports += 1
             try:
                 try:
-                    result = await asyncio.wait_for(self.transport.deliver(ticket, src, dst),
-                                                    self.config.handoff_timeout_s)
+                    result = await asyncio.wait_for(
+                        self.transport.deliver(ticket, src, dst, skip_blocks=skip),
+                        self.config.handoff_timeout_s)
                 except asyncio.TimeoutError:
                     # The import may still land: the attempts move, so a late one is stale.
                     for key in group.attempts:
@@ -475,7 +488,8 @@ class RouterService:
                 dst.pending_imports -= 1
             if result.ok:
                 took = time.monotonic() - started
-                self.metrics.handed_off(ticket.nbytes, took)
+                self.metrics.handed_off(result.nbytes or ticket.nbytes, took)
+                self.num_kv_blocks_skipped += skip
                 self._spawn(self.transport.release(ticket, src))
                 live, live_keys = group.live, group.live_attempts
                 for key in group.attempts:  # choices that ended meanwhile, or never joined
@@ -501,6 +515,10 @@ class RouterService:
                     self._finish(state, "error",
                                  f"KV payload rejected by {dst.name}: {result.error}")
                 return
+            if result.kind == CACHE_MISS:  # evicted since it said so: the whole payload
+                dst.cached_blocks.difference_update(hashes[:skip])
+                retry_whole = dst
+                continue
             if result.kind == TRANSPORT:
                 for key in group.attempts:  # in case half of it arrived
                     await self._abort_on(dst, key)
@@ -614,6 +632,7 @@ class _HandoffGroup:
         self.attempts = attempts  # every choice the payload carries, the lead first
         self.members: list[tuple[RequestState, str]] = []  # joined: (state, its attempt)
         self.decoding = False  # the payload reached a decode rank for at least one
+        self.prompt_hashes: list[bytes] = []  # the payload's prompt blocks' names
 
     @property
     def live(self) -> list[RequestState]:

@@ -128,23 +128,50 @@ class Scheduler:
         self._admit(seq)
         self.waiting.append(seq)
 
-    def can_admit_prefilled(self, num_tokens: int, num_forks: int = 0) -> AllocStatus:
-        """Room for a prefilled sequence of ``num_tokens`` and ``num_forks`` siblings
-        forked from it at once (each its own copy of a partial last block and a slot)."""
+    def can_admit_prefilled(self, num_tokens: int, num_forks: int = 0,
+                            num_held: int = 0) -> AllocStatus:
+        """Room for a prefilled sequence of ``num_tokens`` (``num_held`` of its blocks
+        already held: its cached prefix) and ``num_forks`` siblings forked from it at
+        once (each its own copy of a partial last block and a slot)."""
         return self._can_allocate_group(
-            self._ceil_blocks(num_tokens) + num_forks * self._partial_blocks(num_tokens),
-            1 + num_forks)
+            self._ceil_blocks(num_tokens) - num_held
+            + num_forks * self._partial_blocks(num_tokens), 1 + num_forks)
 
-    def add_prefilled(self, seq: Sequence) -> None:
-        """Own a sequence prefilled elsewhere: blocks for its processed positions and a
-        state slot, then it waits in `prompted` for S27 to admit it."""
-        status = self.can_admit_prefilled(seq.processed)
+    def add_prefilled(self, seq: Sequence, cached: list[int] = ()) -> None:
+        """Own a sequence prefilled elsewhere: blocks for its processed positions (its
+        ``cached`` prefix blocks first, already referenced: ``take_cached_prefix``) and
+        a state slot, then it waits in `prompted` for S27 to admit it."""
+        status = self.can_admit_prefilled(seq.processed, num_held=len(cached))
         if status != AllocStatus.OK:
             raise RuntimeError(f"cannot admit prefilled {seq.request_id!r}: {status.name}")
         self._admit(seq)
-        seq.block_table = self.blocks.allocate(self._ceil_blocks(seq.processed))
+        seq.block_table = list(cached) + self.blocks.allocate(
+            self._ceil_blocks(seq.processed) - len(cached))
+        seq.num_registered = len(cached)
         seq.state_slot = self.states.allocate_one()
         self.prompted.append((seq, False))
+
+    def take_cached_prefix(self, token_ids: list[int], num_blocks: int) -> list[int] | None:
+        """Prefix caching, a prefilled import's side: reference the cached blocks of the
+        first ``num_blocks`` full blocks of ``token_ids``; None (nothing taken) unless
+        all of them are cached."""
+        if not self.caching:
+            return None
+        hits = self.blocks.lookup(chain_hashes(token_ids, self.config.block_size, num_blocks))
+        if len(hits) < num_blocks:
+            return None
+        self.blocks.take(hits)
+        return hits
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        """Drop references taken by ``take_cached_prefix`` for an import that never ran."""
+        if block_ids:
+            self.blocks.free(block_ids)
+
+    def register_prefilled(self, seq: Sequence) -> None:
+        """Prefix caching: an imported prompt's blocks hold its KV now: name them."""
+        if self.caching:
+            self._register_full_blocks(seq)
 
     def release_handed_off(self, seq: Sequence) -> None:
         """The engine exported a handed-off sequence's KV: its blocks go back (S35)."""

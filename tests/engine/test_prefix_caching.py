@@ -69,3 +69,65 @@ def test_sliding_window_models_run_without_the_cache(model_dirs):
     assert not llm.engines[0].scheduler.caching
     llm_off = LLM(model_dirs["llama"], mode="normal", enable_prefix_caching=False)
     assert not llm_off.engines[0].scheduler.caching
+
+
+def _engine(model_dir, engine_type, **kw):
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
+
+    kw.setdefault("num_kv_blocks", 64)
+    return LLMEngine(EngineConfig(model_dir=model_dir, engine_type=engine_type, **kw))
+
+
+def _run(engine, limit=300):
+    tokens, handoffs = {}, []
+    for _ in range(limit):
+        if not engine.has_work():
+            return tokens, handoffs
+        step = engine.step()
+        for out in step.outputs:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        handoffs += step.handoffs
+    raise AssertionError("did not drain")
+
+
+def test_a_decode_rank_holding_the_prefix_imports_only_the_rest(model_dirs, hf_greedy):
+    """The hand-off leaves out the blocks the decode engine's cache holds (named when
+    it imported the first request); the rest imports into fresh blocks after them and
+    decodes to transformers' tokens. A prefix the cache lost is refused (CacheMissError)
+    with nothing taken."""
+    from pdserve.engine.engine import CacheMissError
+    from pdserve.engine.kv_payload import KVPayload
+
+    model_dir = model_dirs["llama"]
+    # 71 shared tokens: 4 full blocks (a seed whose greedy outputs hold no EOS, which
+    # the reference suppresses and ignore_eos keeps)
+    prompts = shared_prefix_prompts(seed=11, num=2)
+    want = hf_greedy(model_dir, prompts, GREEDY.max_tokens)
+    prefill, decode = _engine(model_dir, "prompt"), _engine(model_dir, "completion")
+    got = {}
+    for i, prompt in enumerate(prompts):
+        prefill.add_request(f"r{i}", prompt, GREEDY)
+        _, handoffs = _run(prefill)
+        h = handoffs[0]
+        payload = KVPayload.from_bytes(h.payload)
+        if i == 1:
+            assert h.num_cached_tokens == 64  # the prefill rank's own cache
+            whole = len(h.payload)
+            payload = payload.without_prefix(4)  # what the decode rank holds
+            assert len(payload.to_bytes()) < whole * 0.6
+        decode.import_prefilled(payload.to_bytes())
+        tokens, _ = _run(decode)
+        got[i] = [h.first_token_id] + tokens[f"r{i}"]
+    assert [got[0], got[1]] == want
+    assert decode.stats().cache_hit_tokens == 0  # imports are not prompt lookups
+    # a prefix it does not hold: refused, nothing held
+    prefill.add_request("r2", [1] + [5] * 70, GREEDY)
+    _, handoffs = _run(prefill)
+    free = decode.scheduler.num_free_blocks
+    with pytest.raises(CacheMissError):
+        decode.import_prefilled(KVPayload.from_bytes(handoffs[0].payload).without_prefix(4)
+                                .to_bytes())
+    assert decode.scheduler.num_free_blocks == free and not decode.has_work()
+    prefill.assert_drained()
+    decode.assert_drained()

@@ -62,7 +62,28 @@ def test_cache_aware_routing_sends_a_shared_prefix_to_the_rank_that_holds_it(
     # the rank said what it holds: the router's index matches the prompt's blocks
     ranks = router.service.pools["prefill"].ready()
     assert max(r.cached_prefix_blocks(_hashes(prompts[0], router)) for r in ranks) >= 25
+    # ... and so did the decode rank: the shared prefix crossed to it once
+    assert router.service.num_kv_blocks_skipped >= 5 * 25
     assert_drained(router)
+
+
+@pytest.mark.parametrize("transport", ["grpc", "ray"])
+def test_a_shared_prefix_crosses_to_the_decode_rank_once(make_router, reference, transport):
+    router = make_router(prefill=1, decode=1, kv_transport=transport)
+    try:
+        prompts = shared_prompts(3, seed=4)
+        moved = []
+        for prompt in prompts:
+            before = router.service.transport.bytes_moved
+            assert run_sequentially(router, [prompt])[0].token_ids == reference([prompt],
+                                                                                 MAX_TOKENS)[0]
+            moved.append(router.service.transport.bytes_moved - before)
+        # 400 shared tokens = 25 full blocks the decode rank already holds
+        assert router.service.num_kv_blocks_skipped == 2 * 25
+        assert moved[1] < 0.2 * moved[0] and moved[2] < 0.2 * moved[0], moved
+        assert_drained(router)
+    finally:
+        router.close()
 
 
 def _hashes(prompt, router):

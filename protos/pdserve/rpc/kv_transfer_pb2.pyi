@@ -5,10 +5,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class FetchRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "skip_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    skip_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., skip_blocks: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("request_id", "data")
