@@ -14,8 +14,11 @@ def test_example_file_loads():
     config = load_config(EXAMPLE)
     assert config.mode == "disaggregated" and config.kv_transport == "ray"
     assert config.prefill.resources == {"prefill": 1}
-    assert config.decode.engine == {"block_size": 16, "max_num_seqs": 64}
-    assert config.prefill.engine == {"block_size": 16, "max_num_seqs": 32}
+    assert config.routing == "cache_aware" and config.max_choices == 16
+    assert config.decode.engine == {"block_size": 16, "max_num_seqs": 64,
+                                    "enable_prefix_caching": True}
+    assert config.prefill.engine == {"block_size": 16, "max_num_seqs": 32,
+                                     "enable_prefix_caching": True}
 
 
 @pytest.mark.parametrize("data, needle", [
@@ -25,6 +28,10 @@ def test_example_file_loads():
     ({"kv_transport": "nccl"}, "kv_transport"),
     ({"max_queue_depth": 0}, "max_queue_depth"),
     ({"decode": {"replicas": -1}}, "replicas"),
+    ({"routing": "random"}, "routing"),
+    ({"max_choices": 0}, "max_choices"),
+    ({"max_choices": 257}, "max_choices"),
+    ({"prefix_overlap_weight": -1}, "prefix_overlap_weight"),
 ])
 def test_bad_config_names_the_field(data, needle):
     with pytest.raises(ValueError, match=needle):
