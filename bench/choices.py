@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from pdserve.bench.standalone import standalone_main
+
 MODES = ("disaggregated", "normal")
 
 
@@ -162,10 +164,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r["same_tokens"] for r in report["modes"].values()) else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_args(p)
-    return run(p.parse_args(argv))
+main = standalone_main(__doc__, add_args, run)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ import threading
 import time
 from pathlib import Path
 
+from pdserve.bench.standalone import standalone_main
+
 DEPLOYMENTS = {
     "disaggregated": {"mode": "disaggregated", "prefill": 1, "decode": 1},
     "normal": {"mode": "normal", "normal": 2},
@@ -367,10 +369,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_args(p)
-    return run(p.parse_args(argv))
+main = standalone_main(__doc__, add_args, run)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.bench.standalone import standalone_main
+
 MIB = 1 << 20
 MAGIC = b"PDKVBNCH"
 HEADER = 64  # MAGIC + request id (40 bytes, padded) + length (8) + crc (8)
@@ -320,10 +322,7 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_args(p)
-    return run(p.parse_args(argv))
+main = standalone_main(__doc__, add_args, run)
 
 
 if __name__ == "__main__":
