@@ -76,7 +76,7 @@ class LLMEngine:
         self._failed: dict[str, str] = {}
         # request id -> logprobs of the token it drew this step (only requests that asked).
         self._step_logprobs: dict = {}
-        self._draw_logprobs: dict = {}  # this step's draws (rows, then forks) -> logprobs
+        self._draw_logprobs: list | None = None  # this step's draws' (rows, then forks)
 
     # -- admission -------------------------------------------------------------------
 
@@ -174,7 +174,7 @@ class LLMEngine:
             self._note_scheduled(sched_out)
         run_started = time.perf_counter()
         self._step_logprobs = {}
-        self._draw_logprobs = {}
+        self._draw_logprobs = None
         try:
             sampled = self._execute(sched_out)
         except Exception as exc:
@@ -239,10 +239,10 @@ class LLMEngine:
             if row.sample and seq.forks:
                 slots = [next(extra) for _ in seq.forks]
                 fork_tokens[seq.request_id] = [sampled[i] for i in slots]
-                for (fork_id, _), i in zip(seq.forks, slots, strict=True):
-                    lp = self._draw_logprobs.get(i)
-                    if lp is not None:
-                        self._step_logprobs[fork_id] = lp
+                if self._draw_logprobs is not None:
+                    for (fork_id, _), i in zip(seq.forks, slots, strict=True):
+                        if self._draw_logprobs[i] is not None:
+                            self._step_logprobs[fork_id] = self._draw_logprobs[i]
         return sampled[:len(rows)], fork_tokens
 
     @staticmethod
@@ -274,7 +274,8 @@ class LLMEngine:
                 # The position of the token drawn: seeded draws stay the same when a
                 # request is recomputed elsewhere from its history.
                 output_index=len(row.seq.token_ids),
-                extra_draws=tuple(sp for _, sp in row.seq.forks) if row.sample else (),
+                extra_draws=(tuple(sp for _, sp in row.seq.forks)
+                             if row.seq.forks and row.sample else ()),
             )
             for row in sched_out.scheduled
         ]
@@ -283,7 +284,7 @@ class LLMEngine:
             self._step_logprobs = {row.seq.request_id: lp for row, lp in
                                    zip(sched_out.scheduled, logprobs, strict=False)
                                    if lp is not None}
-            self._draw_logprobs = dict(enumerate(logprobs))  # the forks' draws among them
+            self._draw_logprobs = logprobs  # the forks' draws follow the rows
         return tokens
 
     def _collect_outputs(self, result: StepResult) -> list[RequestOutput]:

@@ -335,11 +335,10 @@ class OpenAIFront:
         created = int(time.time())
         totals = [0] * len(states)
         chars = [0] * len(states)  # text streamed per choice: where a chunk's offsets start
-        async with contextlib.aclosing(merged_chunks(self.svc, states)) as chunks:
+        async with contextlib.aclosing(_choice_chunks(self.svc, states, totals)) as chunks:
             async for index, chunk in chunks:
-                totals[index] = chunk.num_completion_tokens or totals[index] + len(chunk.token_ids)
-                if chunk.finish_reason is not None and chunk.finish_reason not in ("stop", "length"):
-                    yield {"error": error_body(_finish_error(chunk))["error"]}
+                if index is None:  # a choice ended without its output: an error event
+                    yield chunk
                     continue
                 choice = {"index": index, "text": chunk.text, "logprobs": (
                     self._completion_logprobs(_Collected.of(chunk), c, chars[index])
@@ -430,11 +429,10 @@ class OpenAIFront:
                                         "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]}
         totals = [0] * len(states)
-        async with contextlib.aclosing(merged_chunks(self.svc, states)) as chunks:
+        async with contextlib.aclosing(_choice_chunks(self.svc, states, totals)) as chunks:
             async for index, chunk in chunks:
-                totals[index] = chunk.num_completion_tokens or totals[index] + len(chunk.token_ids)
-                if chunk.finish_reason is not None and chunk.finish_reason not in ("stop", "length"):
-                    yield {"error": error_body(_finish_error(chunk))["error"]}
+                if index is None:  # a choice ended without its output: an error event
+                    yield chunk
                     continue
                 delta = {"content": chunk.text} if chunk.text or chunk.finish_reason is None else {}
                 choice = {"index": index, "delta": delta, "logprobs": (
@@ -501,6 +499,19 @@ async def _collect(svc, state) -> _Collected:
             out.finish_reason, out.error = chunk.finish_reason, chunk.error
             out.num_completion_tokens = chunk.num_completion_tokens
     return out
+
+
+async def _choice_chunks(svc, states: list, totals: list[int]):
+    """The choices' chunks for an SSE stream, as (index, chunk), counting each choice's
+    tokens in ``totals``; a chunk that ends its choice with an error (abort, no rank)
+    comes as (None, its OpenAI error event)."""
+    async with contextlib.aclosing(merged_chunks(svc, states)) as chunks:
+        async for index, chunk in chunks:
+            totals[index] = chunk.num_completion_tokens or totals[index] + len(chunk.token_ids)
+            if chunk.finish_reason is not None and chunk.finish_reason not in ("stop", "length"):
+                yield None, {"error": error_body(_finish_error(chunk))["error"]}
+            else:
+                yield index, chunk
 
 
 def _top(entry) -> list[tuple[int, float]]:

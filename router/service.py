@@ -150,8 +150,10 @@ class RouterService:
                              f"after {state.attempt} attempts"
                              + (f" (last: {state.error_hint})" if state.error_hint else ""))
                 return
-            prompt = PromptBlocks.of(state.request.prompt_token_ids + state.tokens,
-                                     self.block_size)
+            computed = state.request.prompt_token_ids + state.tokens
+            prompt = (PromptBlocks.of(computed, self.block_size)  # hashed only to be matched
+                      if self.config.routing == "cache_aware"
+                      else PromptBlocks(len(computed), self.block_size, []))
             rank = await pool.wait_for_rank(self.config.rank_wait_s,
                                             lambda: state.finished or state.aborted, prompt)
             if state.finished or state.aborted:

@@ -464,8 +464,8 @@ class Scheduler:
         bs = self.config.block_size
         self.blocks.take(hits)
         seq.block_table = list(hits)
-        seq.processed = seq.num_registered = len(hits)
-        seq.processed *= bs
+        seq.num_registered = len(hits)
+        seq.processed = len(hits) * bs
         self.num_cache_queried_tokens += len(seq)
         self.num_cache_hit_tokens += seq.processed
         if seq.output_len == 0 and not seq.num_cached_tokens:  # its prompt, not a recompute
@@ -681,9 +681,8 @@ class Scheduler:
     def _can_allocate_group(self, num_blocks: int, num_states: int) -> AllocStatus:
         if num_states == 1:
             return self._can_allocate_with_state(num_blocks)
-        worst = max(self.blocks.can_allocate(num_blocks), self.states.can_allocate(num_states),
-                    key=lambda status: status.value)
-        return worst
+        return max(self.blocks.can_allocate(num_blocks), self.states.can_allocate(num_states),
+                   key=lambda status: status.value)
 
     def _partial_blocks(self, num_tokens: int) -> int:
         """1 if the last of ``num_tokens`` positions sits in a partly filled block."""

@@ -131,10 +131,10 @@ def test_cached_tokens_are_visible_over_http_state_and_metrics(routers, tiny_mod
     assert all(r.cache_queried_tokens >= r.cache_hit_tokens for r in ranks)
     assert last.timings.cached_prompt_tokens == last.usage.cached_prompt_tokens > 0
     metrics_port = router.server.metrics_port
-    if metrics_port:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
-                                      timeout=10).read().decode()
-        assert "pdserve_rank_prefix_cache_hit_tokens_total" in text
+    assert metrics_port
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
+                                  timeout=10).read().decode()
+    assert "pdserve_rank_prefix_cache_hit_tokens_total" in text
     assert_drained(router)
 
 
