@@ -23,7 +23,9 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict
+from typing import Any
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_payload import ForkedChoice, KVPayload, KVPayloadError, dtype_name
@@ -77,6 +79,10 @@ class LLMEngine:
         # request id -> logprobs of the token it drew this step (only requests that asked).
         self._step_logprobs: dict = {}
         self._draw_logprobs: list | None = None  # this step's draws' (rows, then forks)
+        # (request id, nbytes) -> a writable buffer a hand-off's payload is written into:
+        # the rank's KV transport lends its own (shared memory) so that the blocks are
+        # gathered straight into the bytes it hands over
+        self.payload_buffer: Callable[[str, int], Any] = _new_payload_buffer
 
     # -- admission -------------------------------------------------------------------
 
@@ -100,12 +106,22 @@ class LLMEngine:
             self._unforked[fork_id] = seq
         self.scheduler.add(seq)
 
-    def import_prefilled(self, data: bytes | KVPayload) -> str:
-        """Check a payload completely, then queue it until its blocks can be allocated."""
+    def import_prefilled(self, data: Any, *, borrowed: bool = False,
+                         skip_blocks: int = 0) -> str:
+        """Check a payload completely, then queue it until its blocks can be allocated;
+        one that finds room is written into its blocks at once.
+
+        ``data``: the payload's bytes (its tensors stay views of them) or a KVPayload.
+        ``borrowed``: the bytes are the sender's and may be reused once this returns, so
+        a payload that must wait for room takes a copy of its tensors first.
+        ``skip_blocks``: leave out the first full blocks, which this engine's prefix
+        cache holds (the receiver's side of a cut)."""
         if self.engine_type != EngineType.COMPLETION:
             raise TypeError("only a COMPLETION engine imports prefilled requests")
         payload = data if isinstance(data, KVPayload) else KVPayload.from_bytes(
             data, vocab_size=self.runner.vocab_size)
+        if skip_blocks:
+            payload = payload.without_prefix(skip_blocks)
         payload.check_compatible(
             model_fingerprint=self.runner.model_fingerprint, dtype=dtype_name(self.runner.dtype),
             block_size=self.config.block_size, num_layers=self.runner.num_layers)
@@ -132,6 +148,9 @@ class LLMEngine:
         for request_id in ids:
             self._requests[request_id] = None  # type: ignore[assignment]  # id reserved
         self._pending_imports.append(payload)
+        self._admit_imports()
+        if borrowed and any(p is payload for p in self._pending_imports):
+            payload.tensors = {name: t.clone() for name, t in payload.tensors.items()}
         return payload.request_id
 
     def abort(self, request_id: str) -> bool:
@@ -348,20 +367,24 @@ class LLMEngine:
         """One payload for the choices of one prompt that go on (n > 1: they share the
         prompt's KV); the first of them leads, the others travel as its forks."""
         seq, others = group[0], group[1:]
-        tensors = self.runner.kv_cache.export_sequence(seq.block_table, seq.state_slot, seq.prompt_len)
+        kv_cache = self.runner.kv_cache
         payload = KVPayload(
             request_id=seq.request_id, model_fingerprint=self.runner.model_fingerprint,
             dtype=dtype_name(self.runner.dtype), block_size=self.config.block_size,
             num_layers=self.runner.num_layers, token_ids=list(seq.token_ids),
             num_prompt_tokens=seq.prompt_len, sampling=asdict(seq.sampling),
             arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
-            tensors=tensors,
             forks=[ForkedChoice(o.request_id, o.token_ids[-1], asdict(o.sampling))
                    for o in others])
+        # the blocks are gathered straight into the buffer the transport hands over
+        layout = payload.layout(kv_cache.export_shapes(seq.prompt_len))
+        buffer = self.payload_buffer(seq.request_id, layout.nbytes)
+        kv_cache.export_into(seq.block_table, seq.state_slot, seq.prompt_len,
+                             layout.write(buffer))
         for member in group:
             self.scheduler.release_handed_off(member)
             self._requests.pop(member.request_id, None)
-        return HandOff(seq.request_id, seq.token_ids[-1], payload.to_bytes(), seq.prompt_len,
+        return HandOff(seq.request_id, seq.token_ids[-1], buffer, seq.prompt_len,
                        arrival_time=seq.arrival_time,
                        first_scheduled_time=seq.first_scheduled_time,
                        first_token_time=seq.first_token_time,
@@ -476,3 +499,7 @@ def _handoff_groups(handed_off: list[Sequence]) -> list[list[Sequence]]:
 
 _KIND_NAMES = {StepKind.PROMPT: "prompt", StepKind.DECODE: "decode",
                StepKind.EMPTY_PROMPT: "empty_prompt"}
+
+
+def _new_payload_buffer(request_id: str, nbytes: int) -> bytearray:
+    return bytearray(nbytes)

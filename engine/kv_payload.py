@@ -6,7 +6,13 @@ Layout of one payload (all integers little-endian):
 
 The header names every tensor with its dtype, shape, offset and length inside the
 tensor section, so a receiver can check a payload completely before it allocates
-anything, and a truncated payload is caught by arithmetic rather than by a crash.
+anything, and a truncated payload is caught by arithmetic rather than by a crash. The
+header is padded (its ``pad`` field) so that the tensor section starts 64-byte aligned.
+
+No copies of its own: a sender lays the payload out first (``KVPayload.layout``) and
+gathers its KV blocks straight into the tensor section of whatever buffer its transport
+hands over (``PayloadLayout.write``); a receiver's tensors are views of the bytes it was
+given (``from_bytes``), which the engine scatters straight into its blocks.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import struct
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +39,7 @@ MAX_TOKEN_IDS = 1 << 22  # token_ids: prompt plus first token
 MAX_TENSORS = 1024
 MAX_TENSOR_DIMS = 8
 _MAX_MAP_LEN = 1024  # the header and its sampling dict hold a dozen keys each
+ALIGN = 64  # the tensor section's start, in bytes from the payload's first byte
 
 _DTYPES = {
     "float32": torch.float32,
@@ -259,7 +267,7 @@ class KVPayload:
         if set(self.tensors) != {"k_blocks", "v_blocks"}:
             raise KVPayloadError("only a payload of full-attention blocks can leave out a "
                                  f"cached prefix (it holds {sorted(self.tensors)})")
-        tensors = {name: t[:, num_blocks:].contiguous() for name, t in self.tensors.items()}
+        tensors = {name: t[:, num_blocks:] for name, t in self.tensors.items()}  # views
         return dataclasses.replace(self, tensors=tensors,
                                    skipped_blocks=self.skipped_blocks + num_blocks)
 
@@ -278,14 +286,14 @@ class KVPayload:
     def first_token_id(self) -> int:
         return self.token_ids[-1]
 
-    def to_bytes(self) -> bytes:
-        specs, chunks, offset = [], [], 0
-        for name, tensor in self.tensors.items():
-            raw = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
-            data = raw.numpy().tobytes()
-            specs.append([name, dtype_name(tensor.dtype), list(tensor.shape), offset, len(data)])
-            chunks.append(data)
-            offset += len(data)
+    def layout(self, shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> PayloadLayout:
+        """Where each tensor of ``shapes`` (name -> dtype, shape) goes in this payload's
+        bytes, and the header that says so; ``self.tensors`` is not read."""
+        specs, offset = [], 0
+        for name, (dtype, shape) in shapes.items():
+            nbytes = math.prod(shape) * dtype.itemsize
+            specs.append(_TensorSpec(name, dtype_name(dtype), tuple(shape), offset, nbytes))
+            offset += nbytes
         header = {
             "request_id": self.request_id,
             "model_fingerprint": self.model_fingerprint,
@@ -298,13 +306,32 @@ class KVPayload:
             "arrival_time": self.arrival_time,
             "first_token_time": self.first_token_time,
             "layout": "token-major [tokens, kv_heads, head_dim] per layer; ring [ring_len, kv_heads, head_dim]",
-            "tensors": specs,
+            "tensors": [[s.name, s.dtype, list(s.shape), s.offset, s.nbytes] for s in specs],
             "tensor_bytes": offset,
             "forks": [[f.request_id, f.first_token_id, f.sampling] for f in self.forks],
             "skipped_blocks": self.skipped_blocks,
+            "pad": b"",
         }
         packed = msgpack.packb(header, use_bin_type=True)
-        return b"".join([_PREFIX.pack(MAGIC, VERSION, len(packed)), packed, *chunks])
+        pad = -(_PREFIX.size + len(packed)) % ALIGN
+        if pad:  # an empty bin and one of up to 255 bytes both take a 2-byte marker
+            header["pad"] = bytes(pad)
+            packed = msgpack.packb(header, use_bin_type=True)
+        head = _PREFIX.pack(MAGIC, VERSION, len(packed)) + packed
+        return PayloadLayout(head, specs)
+
+    def to_bytes(self) -> bytes:
+        return bytes(self.encode())
+
+    def encode(self, buffer: Any = None) -> Any:
+        """This payload written into ``buffer`` (a writable buffer of exactly
+        ``layout(...).nbytes`` bytes; default a new bytearray), which is returned."""
+        layout = self.layout({n: (t.dtype, tuple(t.shape)) for n, t in self.tensors.items()})
+        if buffer is None:
+            buffer = bytearray(layout.nbytes)
+        for name, view in layout.write(buffer).items():
+            view.copy_(self.tensors[name])
+        return buffer
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview, *,
@@ -355,15 +382,7 @@ class KVPayload:
                             else fields.finite_number("first_token_time"))
         specs = _check_tensor_specs(fields.of_type("tensors", list), tensor_bytes)
 
-        tensors = {}
-        for spec in specs:
-            torch_dtype = _DTYPES[spec.dtype]
-            if spec.nbytes == 0:  # torch.frombuffer refuses an empty buffer
-                tensors[spec.name] = torch.empty(spec.shape, dtype=torch_dtype)
-                continue
-            start = body + spec.offset
-            raw = torch.frombuffer(bytearray(data[start : start + spec.nbytes]), dtype=torch.uint8)
-            tensors[spec.name] = raw.view(torch_dtype).reshape(spec.shape)
+        tensors = _views(data, body, specs)
         return cls(
             request_id=request_id,
             model_fingerprint=model_fingerprint,
@@ -398,3 +417,43 @@ class KVPayload:
                 f"KV payload token_ids has {len(self.token_ids)} ids, expected prompt "
                 f"({self.num_prompt_tokens}) plus one first token"
             )
+
+
+@dataclass(frozen=True)
+class PayloadLayout:
+    """A payload's bytes before its tensors are filled in: the prefix and header
+    (``head``), then each tensor at ``len(head) + spec.offset``."""
+
+    head: bytes
+    specs: list[_TensorSpec]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.head) + sum(spec.nbytes for spec in self.specs)
+
+    def write(self, buffer: Any) -> dict[str, torch.Tensor]:
+        """Write the head into ``buffer`` (writable, exactly ``nbytes`` long) and return
+        its tensors as views of it, for the sender to fill."""
+        view = memoryview(buffer).cast("B")
+        if len(view) != self.nbytes:
+            raise ValueError(f"a KV payload of {self.nbytes} bytes cannot be written into a "
+                             f"buffer of {len(view)}")
+        view[:len(self.head)] = self.head
+        return _views(view, len(self.head), self.specs)
+
+
+def _views(data: Any, start: int, specs: list[_TensorSpec]) -> dict[str, torch.Tensor]:
+    """Each spec's tensor as a view of ``data`` (its offsets count from ``start``)."""
+    tensors = {}
+    with warnings.catch_warnings():  # a read-only buffer: the receiver only reads it
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        for spec in specs:
+            torch_dtype = _DTYPES[spec.dtype]
+            if spec.nbytes == 0:  # torch.frombuffer refuses an empty buffer
+                tensors[spec.name] = torch.empty(spec.shape, dtype=torch_dtype)
+                continue
+            flat = torch.frombuffer(data, dtype=torch_dtype,
+                                    count=spec.nbytes // torch_dtype.itemsize,
+                                    offset=start + spec.offset)
+            tensors[spec.name] = flat.view(spec.shape)
+    return tensors

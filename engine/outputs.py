@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -57,7 +58,7 @@ class HandOff:
 
     request_id: str
     first_token_id: int
-    payload: bytes
+    payload: Any  # its bytes, in the buffer ``LLMEngine.payload_buffer`` lent
     num_prompt_tokens: int
     # Engine-clock seconds (time.monotonic), as in RequestOutput: admitted, first prompt
     # chunk scheduled, first token sampled.

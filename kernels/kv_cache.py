@@ -15,11 +15,14 @@ Layout (per layer ``l``):
 
 KV hand-off (the lead's export/import builds on these):
 
-- ``export_sequence(block_ids, state_slot, num_tokens) -> dict[str, Tensor]``:
+- ``export_shapes(num_tokens, first_block=0) -> {name: (dtype, shape)}``:
   ``"k_blocks"``/``"v_blocks"``: ``[num_full_layers, n, block_size, H, D]`` for the
-  first ``n = ceil(num_tokens / block_size)`` ids of ``block_ids``;
+  blocks ``first_block .. ceil(num_tokens / block_size) - 1`` of a block table;
   ``"k_ring"``/``"v_ring"``: ``[num_ring_layers, ring_len, H, D]`` for the slot
-  (present only when the model has such layers). Tensors are fresh copies.
+  (present only when the model has such layers).
+- ``export_into(block_ids, state_slot, num_tokens, out, first_block=0)``: gathers
+  those tensors straight into ``out`` (CPU tensors of those shapes, e.g. views of a
+  payload's buffer: one copy); ``export_sequence(...)`` returns fresh tensors.
 - ``import_sequence(block_ids, state_slot, tensors)``: writes such a dict into
   this cache's ``block_ids`` (``len >= n``) and ``state_slot``; shapes are checked
   and errors name the tensor and the expected/actual shape.
@@ -191,17 +194,49 @@ class KVCache:
             self.v_ring[i][dst] = self.v_ring[i][src]
 
     # ---- whole sequence (KV hand-off) ----------------------------------------
-    def export_sequence(
-        self, block_ids: list[int], state_slot: int, num_tokens: int
-    ) -> dict[str, torch.Tensor]:
+    def export_shapes(self, num_tokens: int, first_block: int = 0,
+                      ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        n = math.ceil(num_tokens / self.block_size) - first_block
+        if n < 0:
+            raise ValueError(f"{num_tokens} tokens have no block {first_block}")
+        out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        if self.full_layers:
+            shape = (len(self.full_layers), n, self.block_size, self.num_kv_heads, self.head_dim)
+            out["k_blocks"] = out["v_blocks"] = (self.dtype, shape)
+        if self.ring_layers:
+            shape = (len(self.ring_layers), self.ring_len, self.num_kv_heads, self.head_dim)
+            out["k_ring"] = out["v_ring"] = (self.dtype, shape)
+        return out
+
+    def export_into(self, block_ids: list[int], state_slot: int, num_tokens: int,
+                    out: dict[str, torch.Tensor], first_block: int = 0) -> None:
         n = math.ceil(num_tokens / self.block_size)
         if n > len(block_ids):
             raise ValueError(f"{num_tokens} tokens need {n} blocks, block table has {len(block_ids)}")
-        out: dict[str, torch.Tensor] = {}
+        want = self.export_shapes(num_tokens, first_block)
+        if set(out) != set(want):
+            raise ValueError(f"KV export: expected tensors {sorted(want)}, got {sorted(out)}")
+        for name, (dtype, shape) in want.items():
+            _check(name, out[name], shape)
+            if out[name].dtype != dtype:
+                raise ValueError(f"KV tensor {name!r}: expected dtype {dtype}, got {out[name].dtype}")
         if self.full_layers:
-            out["k_blocks"], out["v_blocks"] = self.read_blocks(block_ids[:n])
+            idx = self._ids(block_ids[first_block:n])
+            for key, layers in (("k_blocks", self.k_blocks), ("v_blocks", self.v_blocks)):
+                for n_layer, i in enumerate(self.full_layers):
+                    _gather_into(out[key][n_layer], layers[i], idx)
         if self.ring_layers:
-            out["k_ring"], out["v_ring"] = self.read_ring(state_slot)
+            rows = self._ring_rows(state_slot)
+            for key, rings in (("k_ring", self.k_ring), ("v_ring", self.v_ring)):
+                for n_layer, i in enumerate(self.ring_layers):
+                    out[key][n_layer].copy_(rings[i][rows])
+
+    def export_sequence(
+        self, block_ids: list[int], state_slot: int, num_tokens: int
+    ) -> dict[str, torch.Tensor]:
+        out = {name: torch.empty(shape, dtype=dtype)
+               for name, (dtype, shape) in self.export_shapes(num_tokens).items()}
+        self.export_into(block_ids, state_slot, num_tokens, out)
         return out
 
     def check_import(self, tensors: dict[str, torch.Tensor], num_tokens: int,
@@ -246,6 +281,14 @@ class KVCache:
                 if key not in tensors:
                     raise ValueError(f"KV import: tensor {key!r} missing")
             self.write_ring(state_slot, tensors["k_ring"], tensors["v_ring"])
+
+
+def _gather_into(out: torch.Tensor, blocks: torch.Tensor, idx: torch.Tensor) -> None:
+    """``out[j] = blocks[idx[j]]``: straight into ``out`` when both live on the CPU."""
+    if blocks.device == out.device and blocks.dtype == out.dtype:
+        torch.index_select(blocks, 0, idx, out=out)
+    else:  # a device cache: gather there, then one copy to the host
+        out.copy_(blocks.index_select(0, idx))
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:

@@ -1,7 +1,8 @@
 """KV transports: how a prefilled payload gets from a prefill rank to a decode rank.
 
-One module per backend, each holding all its sides (see base.py): ``ray`` (object
-store, default), ``grpc`` (bytes through the router, chunked) and ``in_process``
+One module per backend, each holding all its sides (see base.py): ``ray`` (shared
+memory on one node, the object store across nodes; default), ``grpc`` (bytes through
+the router, chunked) and ``in_process``
 (ranks in one process: tests). ``grpc`` authenticates every transfer with the
 cluster's ``KVSecret`` (see grpc_bytes.py); the others ignore ``secret``.
 """
@@ -33,15 +34,17 @@ def make_transport(name: str, secret: KVSecret | None = None) -> KVTransport:
 
 
 def make_endpoint(name: str, importer: Any, host: str, *, secret: KVSecret | None = None,
-                  max_push_bytes: int | None = None) -> RankEndpoint:
+                  max_push_bytes: int | None = None, staging_bytes: int = 0) -> RankEndpoint:
     """A rank's side of transport ``name``; ``importer.import_prefilled`` receives.
 
     ``grpc``: without ``secret`` the endpoint refuses every request; ``max_push_bytes``
-    bounds a pushed payload (default: ``grpc_bytes.DEFAULT_MAX_PUSH_BYTES``)."""
+    bounds a pushed payload (default: ``grpc_bytes.DEFAULT_MAX_PUSH_BYTES``).
+    ``ray``: ``staging_bytes`` bounds the shared memory a sender keeps for payloads on
+    their way (0: none, every payload goes through the object store)."""
     if name == "ray":
         from pdserve.kv_transfer.ray_store import RayEndpoint
 
-        return RayEndpoint()
+        return RayEndpoint(staging_bytes)
     if name == "grpc":
         from pdserve.kv_transfer.grpc_bytes import GrpcEndpoint
 

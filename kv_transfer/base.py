@@ -95,7 +95,7 @@ class KVSecret:
     __str__ = __repr__
 
 
-def payload_without_prefix(data: bytes, num_blocks: int) -> bytes:
+def payload_without_prefix(data: Any, num_blocks: int) -> bytes:
     """A KV payload's bytes without its first ``num_blocks`` full blocks (the rank side
     of ``deliver(..., skip_blocks)``; imports torch). One that cannot leave a prefix out
     (a sliding-window ring) goes whole: the receiver then finds no blocks skipped."""
@@ -151,7 +151,16 @@ class RankEndpoint:
         # export/release run on the rank's threads, get on a server's (grpc)
         self._payloads_lock = threading.Lock()
 
-    def export(self, attempt: str, payload: bytes) -> Any:
+    def payload_buffer(self, attempt: str, nbytes: int) -> Any:
+        """A writable buffer of ``nbytes`` for the engine to write ``attempt``'s payload
+        into (a transport with memory of its own to share lends that)."""
+        return bytearray(nbytes)
+
+    def forget_unexported(self) -> None:
+        """Buffers lent for payloads whose export failed go back (after each step)."""
+        return None
+
+    def export(self, attempt: str, payload: Any) -> Any:
         with self._payloads_lock:
             self._expire()
             self._payloads[attempt] = (time.monotonic(), payload)

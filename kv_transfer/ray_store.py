@@ -1,26 +1,40 @@
-"""KV through Ray's object store, all sides.
+"""KV through shared memory on one node, through Ray's object store across nodes; all sides.
 
-1. Export (prefill rank): ``ray.put`` of the payload as a uint8 array; the locator is
-   the ObjectRef, owned by the prefill rank's process.
-2. Deliver (router): the decode rank gets the ref as an argument of
-   ``import_prefilled``; Ray resolves it (a read-only view of the shared object store on
-   one node: no copy; Ray's node-to-node transfer across nodes). The router only ever
-   holds the reference, never the bytes. ``skip_blocks``: the source cuts the prefix
-   the receiver's cache holds into a new object first (``EngineRank.kv_without_prefix``).
+1. Export (prefill rank): the engine gathers the payload's blocks straight into a
+   shared-memory segment the rank's ``RayEndpoint`` lends it (``payload_buffer``; see
+   shared_memory.py); the locator is a ``SharedPayload`` (pid, fd, inode, generation).
+   A payload the staging area has no room for is ``ray.put`` as a uint8 array instead;
+   its locator is the ObjectRef, owned by the prefill rank's process.
+2. Deliver (router): a decode rank on the sender's node maps the segment
+   (``EngineRank.import_shared``) and imports from it. Any other decode rank, or one that
+   cannot map it, gets an object the source makes of the bytes
+   (``EngineRank.kv_object``) as an argument of ``import_prefilled``: Ray resolves it
+   (node-to-node transfer across nodes; a read-only view of the shared store on one
+   node). The router only ever holds the locator, never the bytes. ``skip_blocks``: on
+   the shared path the receiver leaves the prefix out itself (nothing is copied for
+   it); otherwise the source cuts it into the object it makes.
+3. Import (decode rank): the payload's tensors are views of the mapped bytes; an import
+   that finds room is scattered into its blocks at once; one that must wait takes a
+   private copy first, since the segment is reused once the import is confirmed. After
+   the copy the receiver checks the segment's generation again and refuses (TRANSPORT)
+   an import whose bytes the sender reused meanwhile.
+4. Release / discard: the router tells the source (``release_kv``) once the import is
+   confirmed or the request ended; the segment is then reused for the next payload. An
+   object-store payload goes when the router drops its last reference.
 
-Copies of the KV bytes on one node: the engine's export gathers the blocks (1) and
-frames them as bytes (2: per tensor, then joined); ``ray.put`` copies them into the
-object store (1); delivery copies nothing (the receiver maps the object; bytes would be
-copied out, which is why the payload travels as an array); the import copies each
-tensor out of the mapped buffer (1) and scatters it into the cache's blocks (1).
-3. Release / discard: the router drops its reference once the import is confirmed (or
-   the request ended), which frees the object. Until then the ref keeps it alive, so a
-   failed or timed-out delivery can be retried; if the prefill rank died, the object is
-   lost with it and the request is re-prefilled elsewhere.
+Copies of the KV bytes (``COPIES``):
+- one node, shared memory: gather into the segment (1); scatter into the receiver's
+  blocks (1): 2 in all (3 when the import must wait for room: a private copy).
+- object store (across nodes, or no room to stage): gather (1); ``ray.put`` or the
+  source's object of the staged bytes (1); Ray's transfer between nodes (1, none on one
+  node); scatter (1).
+If the prefill rank dies, its segments and objects go with it and the request is
+re-prefilled elsewhere.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from pdserve.kv_transfer.base import (
@@ -31,11 +45,37 @@ from pdserve.kv_transfer.base import (
     DeliveryResult,
     KVTransport,
     RankEndpoint,
+    payload_without_prefix,
 )
+from pdserve.kv_transfer.shared_memory import (
+    SharedPayload,
+    SharedPayloadReader,
+    SharedPayloadUnavailable,
+    StagingArea,
+)
+
+# what import_shared answers when it cannot map the sender's segment: use the object path
+UNREACHABLE = "unreachable"
+RELEASE_TIMEOUT_S = 10.0
+COPIES = {"shared memory (one node)": 2, "object store, one node": 3,
+          "object store, across nodes": 4}
 
 
 class RayEndpoint(RankEndpoint):
-    def export(self, attempt: str, payload: bytes) -> Any:
+    """A rank's side: lends staging segments (sender), maps senders' ones (receiver)."""
+
+    def __init__(self, staging_bytes: int = 0, max_age_s: float = 600.0) -> None:
+        super().__init__(max_age_s)
+        self.staging = StagingArea(staging_bytes, _node_id(), max_age_s)
+        self.reader = SharedPayloadReader()
+
+    def payload_buffer(self, attempt: str, nbytes: int) -> Any:
+        return self.staging.lend(attempt, nbytes) or bytearray(nbytes)
+
+    def export(self, attempt: str, payload: Any) -> Any:
+        shared = self.staging.export(attempt)
+        if shared is not None:
+            return shared
         import numpy as np
         import ray
 
@@ -43,8 +83,46 @@ class RayEndpoint(RankEndpoint):
         # view of the shared object store (zero-copy on one node); bytes it copies out.
         return ray.put(np.frombuffer(payload, dtype=np.uint8))
 
+    def object_for(self, attempt: str, skip_blocks: int = 0) -> Any:
+        """A staged payload's bytes as an array, for a receiver that cannot map them
+        (Ray copies the array into the object store as this returns)."""
+        import numpy as np
+
+        view = self.staging.view(attempt)
+        if view is None:
+            raise KeyError(f"no staged KV payload for attempt {attempt!r} (released or expired)")
+        data = payload_without_prefix(view, skip_blocks) if skip_blocks else view
+        return np.frombuffer(data, dtype=np.uint8)
+
+    def open_shared(self, locator: SharedPayload) -> memoryview:
+        if not isinstance(locator, SharedPayload):
+            raise SharedPayloadUnavailable(f"not a shared payload locator: {type(locator).__name__}")
+        return self.reader.open(locator)
+
+    def still_valid(self, locator: SharedPayload) -> bool:
+        return self.reader.still_valid(locator)
+
     def release(self, attempt: str) -> None:
-        return None  # the object goes when the router's last reference does
+        self.staging.release(attempt)  # an object-store payload goes with the router's ref
+
+    def forget_unexported(self) -> None:
+        self.staging.forget_unexported()
+
+    def __len__(self) -> int:
+        return len(self.staging)
+
+    def close(self) -> None:
+        self.staging.close()
+        self.reader.close()
+
+
+def _node_id() -> str:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+    except Exception:  # outside a Ray worker: no node to share with
+        return ""
 
 
 class RayObjectStoreTransport(KVTransport):
@@ -54,19 +132,36 @@ class RayObjectStoreTransport(KVTransport):
                       skip_blocks: int = 0) -> DeliveryResult:
         locator, nbytes = ticket.locator, ticket.nbytes
         try:
-            if skip_blocks:  # cut on the source, into a new object: the prefix stays there
-                locator = src.actor.kv_without_prefix.remote(ticket.locator, skip_blocks)
-            result = await dst.actor.import_prefilled.remote(locator)
-        except Exception as exc:  # the source died (object lost) or the destination did
+            result = None
+            if isinstance(locator, SharedPayload):
+                dst_node = getattr(getattr(dst, "info", None), "node_id", None)
+                if locator.node_id and dst_node == locator.node_id:
+                    result = await dst.actor.import_shared.remote(locator, skip_blocks)
+                    if not result.ok and result.kind == UNREACHABLE:
+                        result = None
+                if result is None:  # another node, or it could not map the segment
+                    obj = src.actor.kv_object.remote(ticket.attempt, skip_blocks)
+                    result = await dst.actor.import_prefilled.remote(obj)
+            else:
+                if skip_blocks:  # cut on the source, into a new object: the prefix stays there
+                    locator = src.actor.kv_without_prefix.remote(ticket.locator, skip_blocks)
+                result = await dst.actor.import_prefilled.remote(locator)
+        except Exception as exc:  # the source died (payload lost) or the destination did
             return DeliveryResult(False, kind=TRANSPORT, error=f"{type(exc).__name__}: {exc}")
         if not result.ok:
             return DeliveryResult(False, kind=result.kind if result.kind in (
-                PAYLOAD, CAPACITY, CACHE_MISS) else PAYLOAD, error=result.error)
+                PAYLOAD, CAPACITY, CACHE_MISS, TRANSPORT) else PAYLOAD, error=result.error)
         if skip_blocks:
             nbytes = result.nbytes or nbytes
         self._delivered(nbytes)
         return DeliveryResult(True, attempt=result.attempt, nbytes=nbytes)
 
     async def discard(self, ticket: Any, src: Any) -> None:
-        # Dropping the last reference frees the object; nothing to tell the worker.
-        return None
+        # An object goes with the router's last reference; a staged segment is the
+        # source's to reuse, so it must be told (a dead source freed it already).
+        if isinstance(ticket.locator, SharedPayload):
+            try:
+                await asyncio.wait_for(src.actor.release_kv.remote(ticket.attempt),
+                                       RELEASE_TIMEOUT_S)
+            except Exception:
+                pass

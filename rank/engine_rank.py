@@ -196,7 +196,10 @@ class EngineRank:
         self._nonce = ""  # the current group's store nonce (never logged)
         self.endpoint = make_endpoint(
             kv_transport, self, _node_ip(), secret=kv_secret,
-            max_push_bytes=self.max_kv_payload_bytes() if kv_transport == "grpc" else None)
+            max_push_bytes=self.max_kv_payload_bytes() if kv_transport == "grpc" else None,
+            staging_bytes=self.kv_staging_bytes())
+        if self.engine_type == "prompt" and hasattr(self.engine, "payload_buffer"):
+            self.engine.payload_buffer = self.endpoint.payload_buffer
         self.kv_address: str | None = self.endpoint.address
 
     def __repr__(self) -> str:  # Ray shows it; nothing secret in it
@@ -217,6 +220,14 @@ class EngineRank:
         blocks = -(-tokens // block_size)
         ring = cache.ring_bytes() // max(1, int(cache.num_state_slots))
         return max_payload_bytes(tokens, blocks * cache.bytes_per_block() + ring)
+
+    def kv_staging_bytes(self) -> int:
+        """Shared memory a PROMPT rank may keep for payloads on their way: as much as its
+        KV cache holds (payloads beyond that go through the object store)."""
+        cache = getattr(getattr(self.engine, "runner", None), "kv_cache", None)
+        if self.engine_type != "prompt" or cache is None or not hasattr(cache, "bytes_per_block"):
+            return 0
+        return int(cache.num_blocks) * cache.bytes_per_block() + cache.ring_bytes()
 
     # -- identity and rendezvous -----------------------------------------------------
 
@@ -404,11 +415,14 @@ class EngineRank:
             return AdmitResult(False, _error_text(exc))
         return AdmitResult(True)
 
-    def import_prefilled(self, payload: bytes) -> ImportResult:
-        """The receive side of every transport: check the payload whole, then queue it."""
+    def import_prefilled(self, payload: Any, *, borrowed: bool = False,
+                         skip_blocks: int = 0) -> ImportResult:
+        """The receive side of every transport: check the payload whole, then queue it
+        (see ``LLMEngine.import_prefilled`` for ``borrowed`` and ``skip_blocks``)."""
         start = time.time()
         try:
-            attempt = self._call(lambda eng: eng.import_prefilled(payload))
+            attempt = self._call(lambda eng: eng.import_prefilled(
+                payload, borrowed=borrowed, skip_blocks=skip_blocks))
         except Exception as exc:
             name = type(exc).__name__
             kind = ("capacity" if "Capacity" in name else
@@ -416,7 +430,36 @@ class EngineRank:
             return ImportResult(False, kind=kind, error=_error_text(exc))
         self._imported_at[attempt] = time.monotonic()
         self.timeline.imported(self.pool_name, self.rank, start, time.time())
-        return ImportResult(True, attempt=attempt, nbytes=len(payload))
+        nbytes = len(payload)
+        if skip_blocks:  # the prefix it left out was never read
+            cache = self.engine.runner.kv_cache
+            nbytes = max(0, nbytes - skip_blocks * cache.bytes_per_block())
+        return ImportResult(True, attempt=attempt, nbytes=nbytes)
+
+    def import_shared(self, locator: Any, skip_blocks: int = 0) -> ImportResult:
+        """The ray transport's receive side on one node: map the sender's segment and
+        import from it (answers ``unreachable`` when it cannot be mapped)."""
+        from pdserve.kv_transfer.ray_store import UNREACHABLE
+        from pdserve.kv_transfer.shared_memory import SharedPayloadUnavailable
+
+        try:
+            view = self.endpoint.open_shared(locator)
+        except (SharedPayloadUnavailable, AttributeError) as exc:
+            return ImportResult(False, kind=UNREACHABLE, error=_error_text(exc))
+        result = self.import_prefilled(view, borrowed=True, skip_blocks=skip_blocks)
+        del view
+        if result.ok and not self.endpoint.still_valid(locator):
+            self.abort(result.attempt)  # it read bytes the sender had reused meanwhile
+            return ImportResult(False, kind="transport",
+                                error="the sender reused the KV segment while it was read")
+        if not result.ok and result.kind == "payload" and not self.endpoint.still_valid(locator):
+            return ImportResult(False, kind="transport",
+                                error="the sender reused the KV segment while it was read")
+        return result
+
+    def kv_object(self, attempt: str, skip_blocks: int = 0) -> Any:
+        """The ray transport's object path for a staged payload (another node)."""
+        return self.endpoint.object_for(attempt, skip_blocks)
 
     def kv_without_prefix(self, payload: bytes, num_blocks: int) -> bytes:
         """The ray transport's cut (``deliver(..., skip_blocks)``): this rank's payload
@@ -444,6 +487,7 @@ class EngineRank:
                    for o in out.outputs]
         hs = time.time() if out.handoffs else 0.0
         handoffs = [self._export(h) for h in out.handoffs]
+        self.endpoint.forget_unexported()  # what a failed export was lent
         self.timeline.step(self.pool_name, self.rank, out, end, hs, time.time() if hs else 0.0)
         if self.engine_type == "normal" or self._imported_at:
             self._add_timings(out, outputs)

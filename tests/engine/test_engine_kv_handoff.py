@@ -131,3 +131,41 @@ def test_abort_of_pending_import_reports_abort(model_dirs, handoffs):
     reasons = {o.request_id: o.finish_reason for o in outputs if o.finished}
     assert reasons[handoffs[-1].request_id] == "abort"
     completion.assert_drained()
+
+
+def tokens_by_request(outputs):
+    tokens = {}
+    for o in outputs:
+        tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return tokens
+
+
+def test_an_import_with_room_is_written_into_its_blocks_at_once(model_dirs, handoffs):
+    completion = engine(model_dirs["mistral-swa"], "completion")
+    free_before = completion.scheduler.num_free_blocks
+    data = bytearray(handoffs[0].payload)
+    completion.import_prefilled(data, borrowed=True)
+    assert not completion._pending_imports  # admitted: nothing refers to the bytes now
+    assert completion.scheduler.num_free_blocks < free_before
+    data[:] = bytes(len(data))  # the sender reuses its buffer
+    reference = engine(model_dirs["mistral-swa"], "completion")
+    reference.import_prefilled(handoffs[0].payload)
+    got, want = (tokens_by_request(drain(e)[0]) for e in (completion, reference))
+    assert got == want and len(want[handoffs[0].request_id]) == GREEDY.max_tokens - 1
+    completion.assert_drained()
+
+
+def test_a_borrowed_import_that_must_wait_keeps_a_copy_of_its_bytes(model_dirs, handoffs):
+    # Room for about one request at a time: the later ones wait, and their senders'
+    # buffers are overwritten right after each import returns.
+    completion = engine(model_dirs["mistral-swa"], "completion", num_kv_blocks=32)
+    reference = engine(model_dirs["mistral-swa"], "completion", num_kv_blocks=32)
+    for h in handoffs:
+        data = bytearray(h.payload)
+        completion.import_prefilled(data, borrowed=True)
+        data[:] = bytes(len(data))
+        reference.import_prefilled(h.payload)
+    assert len(completion._pending_imports) >= 1
+    got, want = (tokens_by_request(drain(e)[0]) for e in (completion, reference))
+    assert got == want and set(got) == {h.request_id for h in handoffs}
+    completion.assert_drained()

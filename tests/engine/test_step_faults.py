@@ -90,7 +90,7 @@ def test_a_failed_kv_export_and_import_end_with_error_and_leak_nothing(model_dir
     def broken_export(*a, **k):
         raise RuntimeError("export broke")
 
-    prompt.runner.kv_cache.export_sequence = broken_export
+    prompt.runner.kv_cache.export_into = broken_export
     prompt.add_request("x", list(range(3, 20)), GREEDY)
     out = prompt.step()
     assert out.handoffs == [] and out.outputs[0].finish_reason == "error"
