@@ -16,7 +16,11 @@ Reported per size, medians over --repeats:
 - `deliver`: bytes / time of `transport.deliver` as the router sees it;
 - `handoff`: bytes / (export time inside the source + deliver time);
 - `memcpy`: one copy of the same bytes between two preallocated buffers in this
-  process; `memcpy_alloc`: `bytes(buf)` (allocate + copy), the cost of a fresh buffer.
+  process; `memcpy_alloc`: `bytes(buf)` (allocate + copy), the cost of a fresh buffer;
+- `grpc_ceiling` (with `grpc`): what gRPC itself moves here, the transport's ceiling: one
+  bare client-streaming `Push` over loopback to a `grpc.aio` server in this process, with
+  the transport's channel options, chunk size and serialized `KVChunk` messages, and no
+  authorization, relay, checks or join (the server only counts the bytes).
 Ratios are transport / memcpy, measured in the same run (shared machines are noisy).
 """
 
@@ -174,6 +178,53 @@ def memcpy_seconds(nbytes: int, repeats: int) -> tuple[list[float], list[float]]
     return copy, alloc
 
 
+async def grpc_ceiling_seconds(sizes_mib: list[float], repeats: int) -> dict[float, list[float]]:
+    """Seconds per size (after one warm-up) of a bare gRPC stream of that many bytes: the
+    grpc transport's chunks (`encoded_chunks`: CHUNK_BYTES each) pushed over loopback
+    through CHANNEL_OPTIONS to a minimal in-process `grpc.aio` server of the KV service's
+    `Push`, which counts the chunks' data and answers (no MAC, relay, checks or join)."""
+    import grpc
+    import numpy as np
+    from pdserve.kv_transfer import grpc_bytes as gb
+    from pdserve.rpc import kv_transfer_pb2 as pb
+
+    async def push(chunks, context):
+        n = 0
+        async for raw in chunks:
+            n += len(gb.decode_chunk(raw)[1])  # a view: nothing copied
+        return pb.PushResponse(request_id=str(n))
+
+    server = grpc.aio.server(options=gb.CHANNEL_OPTIONS)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(gb.SERVICE, {
+        "Push": grpc.stream_unary_rpc_method_handler(
+            push, request_deserializer=None,
+            response_serializer=pb.PushResponse.SerializeToString)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=gb.CHANNEL_OPTIONS)
+    call = channel.stream_unary(f"/{gb.SERVICE}/Push", request_serializer=None,
+                                response_deserializer=pb.PushResponse.FromString)
+    out: dict[float, list[float]] = {}
+    try:
+        for size in sizes_mib:
+            nbytes = int(size * MIB)
+            data = np.random.default_rng(2).bytes(nbytes)
+            times = []
+            for i in range(repeats + 1):  # the first is a warm-up
+                t = time.perf_counter()
+                reply = await call(gb.encoded_chunks(f"ceiling-{i}", data))
+                dt = time.perf_counter() - t
+                if int(reply.request_id) != nbytes:
+                    raise RuntimeError(f"grpc ceiling: {reply.request_id} bytes of {nbytes}")
+                if i:
+                    times.append(dt)
+            out[size] = times
+    finally:
+        await channel.close()
+        await server.stop(None)
+    return out
+
+
 async def _measure_transport(name: str, sizes_mib: list[float], repeats: int) -> dict:
     import ray
     from pdserve.kv_transfer import KVSecret, make_transport
@@ -252,6 +303,12 @@ def measure(sizes_mib: list[float], transports: list[str] | tuple[str, ...] = TR
         result["seconds"][f"{name}_export"] = [m["export_s"][s] for s in sizes_mib]
         for kind, bws in (("deliver", deliver), ("handoff", handoff)):
             result["ratio_to_memcpy"][f"{name}_{kind}"] = [b / c for b, c in zip(bws, copy_bw, strict=False)]
+    if "grpc" in transports:  # the grpc transport's own ceiling: gRPC alone, one hop
+        ceiling_s = asyncio.run(grpc_ceiling_seconds(list(sizes_mib), repeats))
+        ceiling = [size / med(ceiling_s[size]) for size in sizes_mib]
+        result["bandwidth_mib_s"]["grpc_ceiling"] = ceiling
+        result["seconds"]["grpc_ceiling"] = [ceiling_s[s] for s in sizes_mib]
+        result["ratio_to_memcpy"]["grpc_ceiling"] = [b / c for b, c in zip(ceiling, copy_bw, strict=False)]
     return result
 
 

@@ -10,6 +10,11 @@ A request's life inside an engine:
    prompt's KV when it completes (S34), each with its own first token drawn from the
    same logits. A PROMPT engine hands all of them off in one payload; the COMPLETION
    engine imports it once and forks them again.
+   KV streaming (``stream_kv``): a PROMPT engine exports the full blocks each prompt
+   chunk completes as a payload of kind "chunk" (``StepOutputs.kv_chunks``) while the
+   rest of the prompt computes; the COMPLETION engine writes each chunk into blocks it
+   reserves for the request (a partial import), and the hand-off's payload then leaves
+   those blocks out.
 2. `step()`: schedule -> run the model on the scheduled rows (or nothing, for an
    empty step) -> process outputs -> report per-request outputs.
 3. A PROMPT engine exports each completed prompt as a KV payload (a HandOff) and
@@ -30,7 +35,14 @@ from typing import Any
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_payload import ForkedChoice, KVPayload, KVPayloadError, dtype_name
 from pdserve.engine.model_runner import ModelRunner, RunnerRow
-from pdserve.engine.outputs import EngineStats, HandedOffFork, HandOff, RequestOutput, StepOutputs
+from pdserve.engine.outputs import (
+    EngineStats,
+    HandedOffFork,
+    HandOff,
+    KVChunk,
+    RequestOutput,
+    StepOutputs,
+)
 from pdserve.scheduler.block_pool import AllocStatus
 from pdserve.scheduler.config import EngineType
 from pdserve.scheduler.output import SchedulerOutput, StepKind, StepResult
@@ -48,6 +60,22 @@ class NoCapacityError(ValueError):
 
 class CacheMissError(ValueError):
     """A payload that left out a prefix this engine's cache does not hold."""
+
+
+# A partial import nobody continued for this long frees its blocks (its router or
+# prefill rank is gone; a live stream sends its next chunk or its hand-off sooner).
+PARTIAL_IMPORT_MAX_AGE_S = 120.0
+
+
+class _PartialImport:
+    """KV streamed ahead of a request's hand-off: blocks reserved and written here."""
+
+    __slots__ = ("block_ids", "token_ids", "updated")
+
+    def __init__(self) -> None:
+        self.block_ids: list[int] = []
+        self.token_ids: list[int] = []  # the tokens of those blocks
+        self.updated = time.monotonic()
 
 
 class LLMEngine:
@@ -83,14 +111,18 @@ class LLMEngine:
         # the rank's KV transport lends its own (shared memory) so that the blocks are
         # gathered straight into the bytes it hands over
         self.payload_buffer: Callable[[str, int], Any] = _new_payload_buffer
+        self._streamed: dict[str, int] = {}  # PROMPT: request id -> blocks streamed ahead
+        self._partial: dict[str, _PartialImport] = {}  # COMPLETION: by the streamed attempt
 
     # -- admission -------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling: SamplingParams, arrival_time: float | None = None,
-                    forks: list[tuple[str, SamplingParams]] | tuple = ()) -> None:
+                    forks: list[tuple[str, SamplingParams]] | tuple = (),
+                    stream_kv: bool = False) -> None:
         """``forks``: (request id, sampling) of each further choice of the same prompt
-        (n > 1), prefilled once with this one."""
+        (n > 1), prefilled once with this one. ``stream_kv`` (PROMPT): stream the
+        prompt's KV ahead in chunks as it computes (not for sliding-window models)."""
         if self.engine_type == EngineType.COMPLETION:
             raise TypeError("a COMPLETION engine takes prefilled requests (import_prefilled)")
         self._check_new_ids([request_id, *(fork_id for fork_id, _ in forks)])
@@ -100,6 +132,9 @@ class LLMEngine:
         seq = Sequence(request_id, prompt_token_ids, sampling, arrival_time=arrival_time,
                        eos_token_id=self.tokenizer.eos_token_id)
         seq.forks = list(forks)
+        if stream_kv and self.engine_type == EngineType.PROMPT \
+                and not self.runner.kv_cache.ring_layers:
+            self._streamed[request_id] = 0
         self._requests[request_id] = seq
         for fork_id, _ in forks:
             self._requests[fork_id] = None  # type: ignore[assignment]  # id reserved
@@ -125,6 +160,8 @@ class LLMEngine:
         payload.check_compatible(
             model_fingerprint=self.runner.model_fingerprint, dtype=dtype_name(self.runner.dtype),
             block_size=self.config.block_size, num_layers=self.runner.num_layers)
+        if payload.kind == "chunk":
+            return self._import_chunk(payload)
         ids = [payload.request_id, *(fork.request_id for fork in payload.forks)]
         self._check_new_ids(ids)
         skipped = payload.skipped_blocks
@@ -137,14 +174,8 @@ class LLMEngine:
         for i, fork in enumerate(payload.forks):
             fork.sampling = _payload_sampling(fork.sampling, f"forks[{i}].sampling")
         self.runner.kv_cache.check_import(payload.tensors, payload.num_prompt_tokens, skipped)
-        if skipped:  # the prefix it left out must be in this engine's cache: held from now
-            held = self.scheduler.take_cached_prefix(
-                payload.token_ids[:payload.num_prompt_tokens], skipped)
-            if held is None:
-                raise CacheMissError(
-                    f"request {payload.request_id!r} left out {skipped} blocks of KV this "
-                    "engine's prefix cache does not hold (any more): send them")
-            payload.cached_block_ids = held
+        if skipped:  # the prefix it left out must be here (streamed or cached): held from now
+            payload.cached_block_ids = self._take_skipped_prefix(payload)
         for request_id in ids:
             self._requests[request_id] = None  # type: ignore[assignment]  # id reserved
         self._pending_imports.append(payload)
@@ -153,7 +184,75 @@ class LLMEngine:
             payload.tensors = {name: t.clone() for name, t in payload.tensors.items()}
         return payload.request_id
 
+    def _take_skipped_prefix(self, payload: KVPayload) -> list[int]:
+        """The blocks of a payload's left-out prefix: its chunks' (a partial import), or
+        this engine's prefix cache's; referenced from now on."""
+        skipped, prompt = payload.skipped_blocks, payload.token_ids[:payload.num_prompt_tokens]
+        partial = self._partial.get(payload.stream_of) if payload.stream_of else None
+        if partial is not None and len(partial.block_ids) >= skipped:
+            if prompt[:len(partial.token_ids)] != partial.token_ids:
+                raise KVPayloadError(f"request {payload.request_id!r}: its prompt differs from "
+                                     f"the tokens its streamed KV chunks carried")
+            del self._partial[payload.stream_of]
+            self.scheduler.release_blocks(partial.block_ids[skipped:])
+            return partial.block_ids[:skipped]
+        held = self.scheduler.take_cached_prefix(prompt, skipped)
+        if held is None:
+            raise CacheMissError(
+                f"request {payload.request_id!r} left out {skipped} blocks of KV this engine "
+                "holds neither from streamed chunks nor in its prefix cache: send them")
+        return held
+
+    def _import_chunk(self, chunk: KVPayload) -> str:
+        """Write a streamed chunk into blocks reserved for its request, in order."""
+        if self.runner.kv_cache.ring_layers:
+            raise KVPayloadError("a sliding-window model takes no streamed KV chunks")
+        partial = self._partial.get(chunk.stream_of)
+        have = len(partial.block_ids) if partial is not None else 0
+        if chunk.skipped_blocks != have:
+            raise KVPayloadError(f"KV chunk {chunk.request_id!r} starts at block "
+                                 f"{chunk.skipped_blocks}, but {have} blocks of "
+                                 f"{chunk.stream_of!r} arrived before it")
+        if partial is not None and chunk.token_ids[:have * self.config.block_size] \
+                != partial.token_ids:
+            raise KVPayloadError(f"KV chunk {chunk.request_id!r}: its tokens differ from the "
+                                 "chunks before it")
+        if chunk.stream_of in self._requests:
+            raise KVPayloadError(f"request {chunk.stream_of!r} is already here: no more chunks")
+        self.runner.kv_cache.check_import(chunk.tensors, chunk.num_prompt_tokens, have)
+        num_blocks = chunk.num_prompt_tokens // self.config.block_size - have
+        block_ids = self.scheduler.reserve_blocks(num_blocks)
+        if block_ids is None:
+            raise NoCapacityError(f"no room for {num_blocks} blocks of streamed KV of "
+                                  f"{chunk.stream_of!r}")
+        try:
+            self.runner.kv_cache.write_blocks(block_ids, chunk.tensors["k_blocks"],
+                                              chunk.tensors["v_blocks"])
+        except Exception:
+            self.scheduler.release_blocks(block_ids)
+            raise
+        if partial is None:
+            partial = self._partial[chunk.stream_of] = _PartialImport()
+        partial.block_ids += block_ids
+        partial.token_ids = list(chunk.token_ids)
+        partial.updated = time.monotonic()
+        return chunk.request_id
+
+    def _drop_partial(self, stream_of: str) -> bool:
+        partial = self._partial.pop(stream_of, None)
+        if partial is not None:
+            self.scheduler.release_blocks(partial.block_ids)
+        return partial is not None
+
+    def _expire_partials(self) -> None:
+        cutoff = time.monotonic() - PARTIAL_IMPORT_MAX_AGE_S
+        for stream_of in [k for k, p in self._partial.items() if p.updated < cutoff]:
+            log.warning("streamed KV of %s expired: no hand-off followed its chunks", stream_of)
+            self._drop_partial(stream_of)
+
     def abort(self, request_id: str) -> bool:
+        if self._drop_partial(request_id) and request_id not in self._requests:
+            return True
         if request_id not in self._requests:
             return False
         parent = self._unforked.pop(request_id, None)
@@ -187,6 +286,8 @@ class LLMEngine:
         (a collective timing out, a broken invariant) does escape: the rank's group
         must re-form."""
         started = time.perf_counter()
+        if self._partial:
+            self._expire_partials()
         self._admit_imports()
         sched_out = self.scheduler.schedule()
         if sched_out.kind == StepKind.PROMPT and sched_out.scheduled:
@@ -206,6 +307,7 @@ class LLMEngine:
         for child in result.forked:
             self._unforked.pop(child.request_id, None)
             self._requests[child.request_id] = child
+        kv_chunks = self._stream_ahead(sched_out) if self._streamed else []
         handoffs = []
         for group in _handoff_groups(result.handed_off):
             try:
@@ -213,6 +315,8 @@ class LLMEngine:
             except Exception as exc:
                 self._fail_handoff(group, exc, result)
         outputs = self._collect_outputs(result)
+        if self._streamed:  # requests that ended before their hand-off
+            self._streamed = {k: n for k, n in self._streamed.items() if k in self._requests}
         self.num_steps += 1
         if sched_out.is_empty:
             self.num_empty_steps += 1
@@ -221,7 +325,7 @@ class LLMEngine:
                            duration_s=time.perf_counter() - started,
                            num_rows=len(sched_out.scheduled),
                            cache_events=self.scheduler.blocks.drain_events()
-                           if self.scheduler.caching else [])
+                           if self.scheduler.caching else [], kv_chunks=kv_chunks)
 
     def _abandon(self, sched_out: SchedulerOutput, exc: BaseException) -> list[int]:
         """The model run failed: abort every scheduled sequence so that processing the
@@ -363,11 +467,54 @@ class LLMEngine:
 
     # -- KV hand-off -----------------------------------------------------------------
 
+    def _stream_ahead(self, sched_out: SchedulerOutput) -> list[KVChunk]:
+        """Chunks of the full blocks this prompt step completed, for streaming prompts
+        that are not done yet (a done one hands its remaining blocks off)."""
+        if sched_out.kind != StepKind.PROMPT:
+            return []
+        chunks, block_size = [], self.config.block_size
+        for row in sched_out.scheduled:
+            seq = row.seq
+            sent = self._streamed.get(seq.request_id)
+            if sent is None or seq.is_finished or seq.processed >= seq.prompt_len:
+                continue
+            full = seq.processed // block_size
+            if full <= sent:
+                continue
+            key = f"{seq.request_id}/kv{sent}"
+            chunk = KVPayload(
+                request_id=key, model_fingerprint=self.runner.model_fingerprint,
+                dtype=dtype_name(self.runner.dtype), block_size=block_size,
+                num_layers=self.runner.num_layers, token_ids=seq.token_ids[:full * block_size],
+                num_prompt_tokens=full * block_size, sampling={}, skipped_blocks=sent,
+                kind="chunk", stream_of=seq.request_id)
+            try:
+                buffer = self._export_payload(chunk, seq, full * block_size, sent, key)
+            except Exception as exc:  # what went ahead stays needed; the rest goes at hand-off
+                log.warning("streaming KV of %s stopped: %s: %s", seq.request_id,
+                            type(exc).__name__, exc)
+                continue
+            self._streamed[seq.request_id] = full
+            chunks.append(KVChunk(seq.request_id, key, sent, full - sent, buffer))
+        return chunks
+
+    def _export_payload(self, payload: KVPayload, seq: Sequence, num_tokens: int,
+                        first_block: int, key: str) -> Any:
+        """Gather ``seq``'s blocks from ``first_block`` on straight into the buffer the
+        transport lends for ``payload``."""
+        kv_cache = self.runner.kv_cache
+        layout = payload.layout(kv_cache.export_shapes(num_tokens, first_block))
+        buffer = self.payload_buffer(key, layout.nbytes)
+        kv_cache.export_into(seq.block_table, seq.state_slot, num_tokens, layout.write(buffer),
+                             first_block)
+        return buffer
+
     def _hand_off(self, group: list[Sequence]) -> HandOff:
         """One payload for the choices of one prompt that go on (n > 1: they share the
         prompt's KV); the first of them leads, the others travel as its forks."""
         seq, others = group[0], group[1:]
-        kv_cache = self.runner.kv_cache
+        stream_of = seq.fork_of or seq.request_id  # a fork leads when its parent stopped
+        streamed = self._streamed.pop(stream_of, 0)
         payload = KVPayload(
             request_id=seq.request_id, model_fingerprint=self.runner.model_fingerprint,
             dtype=dtype_name(self.runner.dtype), block_size=self.config.block_size,
@@ -375,12 +522,9 @@ class LLMEngine:
             num_prompt_tokens=seq.prompt_len, sampling=asdict(seq.sampling),
             arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
             forks=[ForkedChoice(o.request_id, o.token_ids[-1], asdict(o.sampling))
-                   for o in others])
-        # the blocks are gathered straight into the buffer the transport hands over
-        layout = payload.layout(kv_cache.export_shapes(seq.prompt_len))
-        buffer = self.payload_buffer(seq.request_id, layout.nbytes)
-        kv_cache.export_into(seq.block_table, seq.state_slot, seq.prompt_len,
-                             layout.write(buffer))
+                   for o in others],
+            skipped_blocks=streamed, stream_of=stream_of if streamed else "")
+        buffer = self._export_payload(payload, seq, seq.prompt_len, streamed, seq.request_id)
         for member in group:
             self.scheduler.release_handed_off(member)
             self._requests.pop(member.request_id, None)
@@ -392,7 +536,8 @@ class LLMEngine:
                        forks=[HandedOffFork(o.request_id, o.token_ids[-1],
                                             self._step_logprobs.get(o.request_id))
                               for o in others],
-                       num_cached_tokens=seq.num_cached_tokens)
+                       num_cached_tokens=seq.num_cached_tokens,
+                       streamed_blocks=streamed, stream_of=stream_of if streamed else "")
 
     def _admit_imports(self) -> None:
         while self._pending_imports:
@@ -460,6 +605,8 @@ class LLMEngine:
         assert not self.has_work(), "engine still has work"
         assert not self._requests, f"requests still registered: {sorted(self._requests)}"
         assert not self._unforked, f"forks never made: {sorted(self._unforked)}"
+        assert not self._partial, f"streamed KV never imported: {sorted(self._partial)}"
+        assert not self._streamed, f"streams never handed off: {sorted(self._streamed)}"
         self.scheduler.assert_drained()
 
     def stats(self) -> EngineStats:

@@ -29,7 +29,8 @@ import torch
 from pdserve.scheduler.sampling_params import MAX_CHOICES
 
 MAGIC = b"PDKV"
-VERSION = 2  # 2: forks (n > 1)
+VERSION = 3  # 2: forks (n > 1); 3: kind and stream_of (streamed chunks)
+KINDS = ("prefilled", "chunk")
 _PREFIX = struct.Struct("<4sHI")
 
 # Bounds that keep a corrupt or hostile payload from making the receiver allocate much
@@ -255,6 +256,13 @@ class KVPayload:
     # Leading full blocks left out (prefix caching): the receiver holds them in its own
     # cache, named by the prompt's block hashes; the tensors start after them.
     skipped_blocks: int = 0
+    # "prefilled": a whole prefilled request (less its skipped prefix). "chunk": the KV of
+    # blocks ``skipped_blocks ..`` of a prompt still being prefilled, streamed ahead of its
+    # "prefilled" payload; ``token_ids`` are then the tokens of its blocks (no first token).
+    kind: str = "prefilled"
+    # the attempt whose prompt streamed in chunks: a chunk's, and the "prefilled" payload
+    # that follows them (its skipped prefix is what they carried); "" if none streamed
+    stream_of: str = ""
     # receiver side: its cached blocks for the skipped prefix, referenced until import
     cached_block_ids: list[int] = field(default_factory=list)
 
@@ -310,6 +318,8 @@ class KVPayload:
             "tensor_bytes": offset,
             "forks": [[f.request_id, f.first_token_id, f.sampling] for f in self.forks],
             "skipped_blocks": self.skipped_blocks,
+            "kind": self.kind,
+            "stream_of": self.stream_of,
             "pad": b"",
         }
         packed = msgpack.packb(header, use_bin_type=True)
@@ -374,6 +384,15 @@ class KVPayload:
         sampling = _check_sampling(fields.of_type("sampling", dict), "sampling")
         forks = _check_forks(fields.of_type("forks", list), vocab_size, request_id)
         skipped_blocks = fields.int_at_least("skipped_blocks", 0)
+        kind = fields.of_type("kind", str)
+        if kind not in KINDS:
+            raise KVPayloadError(f"KV payload header field 'kind' must be one of {KINDS}, "
+                                 f"got {kind!r:.50}")
+        stream_of = fields.of_type("stream_of", str)
+        if kind == "chunk" and (not stream_of or num_tokens % block_size or forks):
+            raise KVPayloadError("KV payload of kind 'chunk' needs 'stream_of', whole blocks "
+                                 f"('num_tokens' {num_tokens} is not a multiple of "
+                                 f"{block_size}) and no forks")
         if skipped_blocks * block_size >= max(num_tokens, 1):
             raise KVPayloadError(f"KV payload header field 'skipped_blocks' is {skipped_blocks}: "
                                  f"more than the {num_tokens} prompt tokens' full blocks")
@@ -397,6 +416,8 @@ class KVPayload:
             tensors=tensors,
             forks=forks,
             skipped_blocks=skipped_blocks,
+            kind=kind,
+            stream_of=stream_of,
         )
 
     def check_compatible(self, *, model_fingerprint: str, dtype: str, block_size: int,
@@ -412,7 +433,11 @@ class KVPayload:
                 raise KVPayloadError(
                     f"KV payload {field_name} mismatch: payload has {theirs!r}, this engine {mine!r}"
                 )
-        if len(self.token_ids) != self.num_prompt_tokens + 1:
+        if self.kind == "chunk":
+            if len(self.token_ids) != self.num_prompt_tokens:
+                raise KVPayloadError(f"KV chunk token_ids has {len(self.token_ids)} ids, expected "
+                                     f"the {self.num_prompt_tokens} tokens of its blocks")
+        elif len(self.token_ids) != self.num_prompt_tokens + 1:
             raise KVPayloadError(
                 f"KV payload token_ids has {len(self.token_ids)} ids, expected prompt "
                 f"({self.num_prompt_tokens}) plus one first token"

@@ -68,6 +68,22 @@ class HandOff:
     first_token_logprobs: TokenLogprobs | None = None  # when the request asked for them
     forks: list[HandedOffFork] = field(default_factory=list)  # the payload's other choices
     num_cached_tokens: int = 0  # prompt tokens its prefill took from the prefix cache
+    # KV streaming: the payload leaves out the first ``streamed_blocks`` blocks, which
+    # went ahead in chunks of ``stream_of`` (the attempt the prompt was admitted under)
+    streamed_blocks: int = 0
+    stream_of: str = ""
+
+
+@dataclass
+class KVChunk:
+    """KV of blocks ``first_block .. first_block + num_blocks - 1`` of a prompt still
+    being prefilled, streamed ahead of its hand-off (a payload of kind "chunk")."""
+
+    stream_of: str  # the request whose prompt it is
+    key: str  # the chunk's own id: "<request id>/kv<first block>"
+    first_block: int
+    num_blocks: int
+    payload: Any
 
 
 @dataclass
@@ -80,6 +96,7 @@ class StepOutputs:
     num_rows: int = 0  # sequences scheduled (0 for an empty step)
     # Prefix caching: (stored?, block hash) in order, as hashes came and went this step
     cache_events: list[tuple[bool, bytes]] = field(default_factory=list)
+    kv_chunks: list[KVChunk] = field(default_factory=list)  # KV streamed ahead this step
 
 
 @dataclass

@@ -50,6 +50,7 @@ from pdserve.rank.messages import (
     HandedOffChoice,
     HandoffTicket,
     ImportResult,
+    KVChunkTicket,
     PollReply,
     RankInfo,
     RankStats,
@@ -410,7 +411,8 @@ class EngineRank:
         try:
             self._call(lambda eng: eng.add_request(
                 request.attempt, list(request.prompt_token_ids), request.sampling,
-                arrival_time=arrival, forks=[(f.attempt, f.sampling) for f in request.forks]))
+                arrival_time=arrival, forks=[(f.attempt, f.sampling) for f in request.forks],
+                stream_kv=getattr(request, "stream_kv", False)))
         except (ValueError, TypeError, RuntimeError) as exc:
             return AdmitResult(False, _error_text(exc))
         return AdmitResult(True)
@@ -477,7 +479,8 @@ class EngineRank:
         end = time.time()
         self._count_failures(out)
         cache_events = getattr(out, "cache_events", None) or []
-        if not out.outputs and not out.handoffs and not cache_events:
+        out_chunks = getattr(out, "kv_chunks", None) or []
+        if not out.outputs and not out.handoffs and not cache_events and not out_chunks:
             self.timeline.step(self.pool_name, self.rank, out, end)
             return
         outputs = [TokenReport(o.request_id, list(o.new_token_ids), o.num_output_tokens,
@@ -486,13 +489,16 @@ class EngineRank:
                                num_cached_tokens=getattr(o, "num_cached_tokens", 0))
                    for o in out.outputs]
         hs = time.time() if out.handoffs else 0.0
+        kv_chunks = [KVChunkTicket(c.key, c.stream_of, c.first_block, c.num_blocks,
+                                   len(c.payload), self.endpoint.export(c.key, c.payload))
+                     for c in out_chunks]
         handoffs = [self._export(h) for h in out.handoffs]
         self.endpoint.forget_unexported()  # what a failed export was lent
         self.timeline.step(self.pool_name, self.rank, out, end, hs, time.time() if hs else 0.0)
         if self.engine_type == "normal" or self._imported_at:
             self._add_timings(out, outputs)
         with self._cond:
-            self._reports.append(StepReport(out.kind, outputs, handoffs, cache_events))
+            self._reports.append(StepReport(out.kind, outputs, handoffs, cache_events, kv_chunks))
             self._cond.notify_all()
 
     def _count_failures(self, out: Any) -> None:
@@ -532,7 +538,9 @@ class EngineRank:
                              forks=[HandedOffChoice(f.request_id, int(f.first_token_id),
                                                     f.first_token_logprobs)
                                     for f in getattr(handoff, "forks", ())],
-                             num_cached_tokens=getattr(handoff, "num_cached_tokens", 0))
+                             num_cached_tokens=getattr(handoff, "num_cached_tokens", 0),
+                             streamed_blocks=getattr(handoff, "streamed_blocks", 0),
+                             stream_of=getattr(handoff, "stream_of", ""))
 
     def _on_error(self, exc: BaseException) -> None:
         self._loop_error = self._redact(_error_text(exc))

@@ -103,6 +103,8 @@ class AddRequest:
     # n > 1: the other choices of this prompt, prefilled once with it (their first
     # tokens drawn from the same logits) and handed off in the same payload.
     forks: list[ForkSpec] = field(default_factory=list)
+    # PROMPT: stream the prompt's KV ahead in chunks while it computes (KVChunkTicket)
+    stream_kv: bool = False
 
 
 @dataclass
@@ -161,6 +163,11 @@ class HandoffTicket:
     # n > 1: the other choices in the same payload, each with its own first token
     forks: list[HandedOffChoice] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens its prefill took from the prefix cache
+    # KV streaming: the payload leaves out the first ``streamed_blocks`` blocks, which went
+    # ahead as the chunks of attempt ``stream_of`` (KVChunkTicket); a decode rank needs
+    # them all before this payload
+    streamed_blocks: int = 0
+    stream_of: str = ""
 
     @property
     def choices(self) -> list[HandedOffChoice]:
@@ -177,6 +184,20 @@ class HandedOffChoice:
 
 
 @dataclass
+class KVChunkTicket:
+    """KV streamed ahead of a hand-off: blocks ``first_block ..`` of attempt
+    ``stream_of``'s prompt, exported under its own key ``attempt`` (what the transport
+    moves, releases and discards, as for a HandoffTicket)."""
+
+    attempt: str
+    stream_of: str
+    first_block: int
+    num_blocks: int
+    nbytes: int
+    locator: Any
+
+
+@dataclass
 class StepReport:
     kind: str
     outputs: list[TokenReport] = field(default_factory=list)
@@ -184,6 +205,7 @@ class StepReport:
     # Prefix caching: (stored?, block hash) as the rank's cache changed, in order; the
     # router's index of which rank holds which prefix (cache-aware routing)
     cache_events: list[tuple[bool, bytes]] = field(default_factory=list)
+    kv_chunks: list[KVChunkTicket] = field(default_factory=list)  # in the order made
 
 
 @dataclass

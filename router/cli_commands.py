@@ -81,6 +81,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="how a prompt's rank is chosen (default cache_aware: fewest prompt "
                    "tokens to compute before its first token, the rank's prefix cache "
                    "counted)")
+    p.add_argument("--no-kv-streaming", action="store_true", default=None,
+                   help="hand each prompt's KV off whole after its last chunk (default: "
+                   "stream it to the decode rank chunk by chunk while it computes)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="ranks recompute every prompt from its first token")
     p.add_argument("--auth-token-file", default=None,
@@ -126,7 +129,8 @@ def serve_config(args: argparse.Namespace):
            "http_port": args.http_port, "served_model_name": args.served_model_name,
            "auth_token_file": args.auth_token_file, "admin_token_file": args.admin_token_file,
            "tls_cert_file": args.tls_cert_file, "tls_key_file": args.tls_key_file,
-           "insecure": args.insecure}
+           "insecure": args.insecure,
+           "kv_streaming": False if getattr(args, "no_kv_streaming", None) else None}
     if args.config:
         config = load_config(args.config)
     else:

@@ -44,6 +44,10 @@ class RouterConfig:
     # `port` is 0); 0 turns it off.
     metrics_port: int | None = None
     kv_transport: str = "ray"
+    # Disaggregated: a prompt that takes several prefill steps streams the KV of each
+    # step's full blocks to its decode rank while the rest computes, so the hand-off
+    # after its last chunk carries only that chunk (router/service.py, _KVStream).
+    kv_streaming: bool = True
     # How a prompt's rank is chosen (router/pools.py, Pool.choose_prefill): cache_aware
     # scores each rank by the prompt tokens it would compute before this request's
     # first token (its queue plus the prompt minus its cached prefix); least_loaded
@@ -123,6 +127,8 @@ class RouterConfig:
         if not 0 <= self.prefix_overlap_weight <= 100:
             raise ValueError("prefix_overlap_weight must be in [0, 100], got "
                              f"{self.prefix_overlap_weight}")
+        if not isinstance(self.kv_streaming, bool):
+            raise ValueError(f"kv_streaming must be true or false, got {self.kv_streaming!r}")
         if self.kv_transport not in TRANSPORTS:
             raise ValueError(f"kv_transport must be one of {TRANSPORTS}, got {self.kv_transport!r}")
         if self.max_queue_depth < 1:

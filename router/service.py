@@ -18,9 +18,17 @@ from typing import Any
 import grpc
 import ray
 from pdserve.kv_transfer import KVSecret, make_transport
-from pdserve.kv_transfer.base import CACHE_MISS, PAYLOAD, TRANSPORT
-from pdserve.rank.messages import AddRequest, ForkSpec, HandoffTicket, RankStats, StepReport
+from pdserve.kv_transfer.base import CACHE_MISS, PAYLOAD, TRANSPORT, DeliveryResult
+from pdserve.rank.messages import (
+    AddRequest,
+    ForkSpec,
+    HandoffTicket,
+    KVChunkTicket,
+    RankStats,
+    StepReport,
+)
 from pdserve.router.config import RouterConfig
+from pdserve.router.kv_stream import KVStream, send_chunks
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pools import DEAD, Pool, PromptBlocks, RankHandle
 from pdserve.router.requests import DECODE, HANDOFF, PREFILL, QUEUED, RequestState, RequestTracker
@@ -52,6 +60,8 @@ class RouterService:
         self.num_lost_reports = 0
         self.num_handoffs_in_flight = 0
         self.num_kv_blocks_skipped = 0  # KV blocks a decode rank's cache held: not sent
+        self.num_kv_chunks_streamed = 0  # chunks that reached a decode rank ahead of time
+        self._streams: dict[str, KVStream] = {}  # attempt -> its KV streamed ahead
         self.metrics = RouterMetrics(self)
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
@@ -165,6 +175,7 @@ class RouterService:
             add = self._begin_on(rank, state)
             add.forks = [ForkSpec(self._begin_on(rank, s).attempt, s.request.sampling)
                          for s in forks]
+            add.stream_kv = self.disaggregated and self.config.kv_streaming
             # what the rank computes: the prompt past the prefix its cache holds
             state.outstanding = len(add.prompt_token_ids) - prompt.cached_tokens
             rank.outstanding_tokens += state.outstanding
@@ -220,6 +231,8 @@ class RouterService:
         for rank in _ranks_of(state):
             if old in rank.inflight and rank.state != DEAD:
                 self._spawn(self._abort_on(rank, old))
+        if state.stage != HANDOFF:  # in a hand-off, its delivery task closes the stream
+            self._drop_stream(old)
         self._leave(state.prefill_rank, state)
         self._leave(state.decode_rank, state)
         state.prefill_rank = state.decode_rank = None
@@ -246,6 +259,8 @@ class RouterService:
 
     def _finish(self, state: RequestState, reason: str, error: str | None = None,
                 token_ids: list[int] | None = None, logprobs: list | None = None) -> None:
+        if state.stage != HANDOFF:
+            self._drop_stream(state.attempt_key)
         state.finish(reason, error, token_ids, logprobs)
         self._leave(state.prefill_rank, state)
         self._leave(state.decode_rank, state)
@@ -385,16 +400,76 @@ class RouterService:
                 self._finish(state, out.finish_reason, out.error, out.token_ids, out.logprobs)
             else:
                 state.push(out.token_ids, out.logprobs)
+        for chunk in step.kv_chunks:
+            self._take_chunk(rank, chunk)
         for ticket in step.handoffs:
             group = self._take_handoff(rank, ticket)
             if not group.live:
                 self._spawn(self.transport.discard(ticket, rank))
+                if ticket.stream_of:
+                    self._drop_stream(ticket.stream_of)
                 continue
             for state, _ in group.members:
                 state.stage = HANDOFF
                 state.handoff_group = [s for s, _ in group.members]
             rank.exports.add(ticket.attempt)
             self._spawn(self._hand_off(group, rank, ticket))
+
+    # -- KV streamed ahead (router/kv_stream.py) -----------------------------------
+
+    def _take_chunk(self, rank: RankHandle, chunk: KVChunkTicket) -> None:
+        state = self.tracker.by_attempt(chunk.stream_of)
+        if state is None or not _waits_on(state, chunk.stream_of) \
+                or state.prefill_rank is not rank:
+            self._spawn(self.transport.discard(chunk, rank))  # its attempt ended or moved
+            return
+        stream = self._streams.get(chunk.stream_of)
+        if stream is None:
+            stream = self._streams[chunk.stream_of] = KVStream(chunk.stream_of, rank)
+        stream.chunks.append(chunk)
+        if not stream.broken:
+            self._spawn(self._stream_ahead(stream))
+
+    async def _stream_ahead(self, stream: KVStream) -> None:
+        """Deliver the chunks that arrived so far to the stream's decode rank."""
+        async with stream.lock:
+            if stream.closed or stream.broken or stream.handing_off:
+                return
+            if stream.dst is None:
+                stream.dst = self.pools["decode"].choose_decode()
+                if stream.dst is None:
+                    stream.broken = True  # no decode rank now: the hand-off sends them all
+                    return
+            before = stream.delivered
+            result = await send_chunks(self.transport, stream, stream.dst,
+                                       self.config.handoff_timeout_s, self._abort_on)
+            if result.ok:
+                self.num_kv_chunks_streamed += stream.delivered - before
+            else:
+                stream.broken = True
+                log.info("streaming KV of %s stopped: %s: %s", stream.attempt, result.kind,
+                         result.error)
+
+    def _drop_stream(self, attempt: str) -> None:
+        if attempt in self._streams:
+            self._spawn(self._close_stream(attempt, imported=False))
+
+    async def _close_stream(self, attempt: str, imported: bool) -> None:
+        """The chunks go from the prefill rank; unless a hand-off imported them, the
+        decode rank's partial import goes too."""
+        stream = self._streams.pop(attempt, None)
+        if stream is None:
+            return
+        async with stream.lock:  # after a delivery in progress
+            stream.closed = True
+            dst, partial = stream.dst, stream.delivered > 0
+        for chunk in stream.chunks:
+            if imported:
+                self._spawn(self.transport.release(chunk, stream.src))
+            else:
+                self._spawn(self.transport.discard(chunk, stream.src))
+        if not imported and partial and dst is not None and dst.state != DEAD:
+            await self._abort_on(dst, attempt)
 
     def _take_handoff(self, rank: RankHandle, ticket: HandoffTicket) -> _HandoffGroup:
         """Stream each choice's first token (before any KV moves); the ones that go on
@@ -445,6 +520,8 @@ class RouterService:
             try:
                 if not group.decoding:
                     await self.transport.discard(ticket, src)
+                if ticket.stream_of:
+                    await self._close_stream(ticket.stream_of, imported=group.decoding)
             finally:
                 self.num_handoffs_in_flight -= 1
 
@@ -455,10 +532,21 @@ class RouterService:
         pool = self.pools["decode"]
         started = time.monotonic()
         hashes = group.prompt_hashes if self.config.routing == "cache_aware" else []
+        stream = self._streams.get(ticket.stream_of) if ticket.streamed_blocks else None
+        if ticket.streamed_blocks and (stream is None or stream.num_blocks != ticket.streamed_blocks):
+            for state in group.live:  # its payload is incomplete without them
+                self._move(state, "the KV chunks streamed ahead of its hand-off were lost")
+            return
+        if stream is not None:
+            stream.handing_off = True
+            hashes = []  # the payload already leaves out what went ahead
         retry_whole: RankHandle | None = None  # its cache lost the prefix: send it all
         for _ in range(self.config.max_handoff_tries):
             if retry_whole is not None:
                 dst, skip, retry_whole = retry_whole, 0, None
+            elif stream is not None and stream.dst is not None and not stream.broken \
+                    and stream.dst.state != DEAD and stream.dst.uid not in tried:
+                dst, skip = stream.dst, 0  # it holds the chunks already
             else:
                 dst = await pool.wait_for_decode(tried, self.config.rank_wait_s,
                                                  lambda: not group.live, hashes)
@@ -475,9 +563,7 @@ class RouterService:
             dst.pending_imports += 1
             try:
                 try:
-                    result = await asyncio.wait_for(
-                        self.transport.deliver(ticket, src, dst, skip_blocks=skip),
-                        self.config.handoff_timeout_s)
+                    result = await self._deliver_to(ticket, src, dst, skip, stream)
                 except asyncio.TimeoutError:
                     # The import may still land: the attempts move, so a late one is stale.
                     for key in group.attempts:
@@ -510,6 +596,10 @@ class RouterService:
             for key in group.attempts:
                 dst.inflight.discard(key)
             last_error = result.error
+            if stream is not None and stream.dst is dst:  # what it took of the chunks goes
+                async with stream.lock:
+                    await self._abort_on(dst, stream.attempt)
+                    stream.dst, stream.delivered = None, 0
             if not group.live:
                 return
             if result.kind == PAYLOAD:
@@ -532,6 +622,18 @@ class RouterService:
         for state in group.live:
             self._move(state, "no decode rank could take the prefilled request"
                        + (f" (last: {last_error})" if last_error else ""))
+
+    async def _deliver_to(self, ticket: HandoffTicket, src: RankHandle, dst: RankHandle,
+                          skip: int, stream: KVStream | None) -> DeliveryResult:
+        """The payload to ``dst``, after every chunk that went ahead of it."""
+        if stream is not None:
+            async with stream.lock:
+                sent = await send_chunks(self.transport, stream, dst,
+                                         self.config.handoff_timeout_s, self._abort_on)
+            if not sent.ok:
+                return sent
+        return await asyncio.wait_for(self.transport.deliver(ticket, src, dst, skip_blocks=skip),
+                                      self.config.handoff_timeout_s)
 
     async def _rank_died(self, pool: Pool, rank: RankHandle, why: str) -> None:
         if rank.state == DEAD:

@@ -163,6 +163,14 @@ class Scheduler:
         self.blocks.take(hits)
         return hits
 
+    def reserve_blocks(self, num_blocks: int) -> list[int] | None:
+        """Blocks for KV streamed ahead of its request (a COMPLETION engine's partial
+        import), referenced until ``add_prefilled`` takes them or ``release_blocks``;
+        None without room."""
+        if self.blocks.can_allocate(num_blocks) != AllocStatus.OK:
+            return None
+        return self.blocks.allocate(num_blocks)
+
     def release_blocks(self, block_ids: list[int]) -> None:
         """Drop references taken by ``take_cached_prefix`` for an import that never ran."""
         if block_ids:

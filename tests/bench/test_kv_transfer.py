@@ -34,7 +34,7 @@ def test_both_transports_beside_memcpy(ray_session, tmp_path):
     assert r["sizes_mib"] == [0.25, 1.0]
     bw = r["bandwidth_mib_s"]
     assert set(bw) == {"memcpy", "memcpy_alloc", "ray_deliver", "ray_handoff", "grpc_deliver",
-                       "grpc_handoff"}
+                       "grpc_handoff", "grpc_ceiling"}
     for name, values in bw.items():
         assert len(values) == 2 and all(v > 0 for v in values), name
     for name, ratios in r["ratio_to_memcpy"].items():
@@ -43,5 +43,7 @@ def test_both_transports_beside_memcpy(ray_session, tmp_path):
     for t in ("ray", "grpc"):
         assert all(h <= d * 1.0001 for h, d in zip(bw[f"{t}_handoff"], bw[f"{t}_deliver"],
                                                    strict=True))
+    assert "grpc_ceiling" in kv_transfer.format_table(r)  # gRPC alone, beside the transport
+    assert len(r["seconds"]["grpc_ceiling"]) == 2 and all(len(s) == 1 for s in r["seconds"]["grpc_ceiling"])
     assert (tmp_path / "kv.png").stat().st_size > 10_000
     assert ray_session.is_initialized()  # the session's Ray was reused, not shut down

@@ -12,7 +12,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "router" / "serve.example.yaml"
 
 def test_example_file_loads():
     config = load_config(EXAMPLE)
-    assert config.mode == "disaggregated" and config.kv_transport == "ray"
+    assert config.mode == "disaggregated" and config.kv_transport == "ray" and config.kv_streaming
     assert config.prefill.resources == {"prefill": 1}
     assert config.routing == "cache_aware" and config.max_choices == 16
     assert config.decode.engine == {"block_size": 16, "max_num_seqs": 64,
@@ -26,6 +26,7 @@ def test_example_file_loads():
     ({"prefill": {"replica": 2}}, "replica"),
     ({"mode": "both"}, "mode"),
     ({"kv_transport": "nccl"}, "kv_transport"),
+    ({"kv_streaming": "yes"}, "kv_streaming"),
     ({"max_queue_depth": 0}, "max_queue_depth"),
     ({"decode": {"replicas": -1}}, "replicas"),
     ({"routing": "random"}, "routing"),

@@ -274,6 +274,107 @@ def test_the_router_maps_refusals_to_their_kinds(endpoint, secret):
             endpoint.release(a)
 
 
+def test_chunks_on_the_wire_are_kvchunk_messages():
+    """encode_chunk/decode_chunk speak kv_transfer.proto's KVChunk exactly."""
+    from pdserve.kv_transfer.grpc_bytes import decode_chunk, encode_chunk, encoded_chunks
+
+    for attempt, data in (("a7.1", b"\x00\x01" * 300), ("", b"x" * 200_000), ("\u00e9.2", b""),
+                          ("", b"")):
+        raw = encode_chunk(attempt, data)
+        assert raw == pb.KVChunk(request_id=attempt, data=data).SerializeToString()
+        assert decode_chunk(raw) == (attempt, data)
+    # as the protobuf runtime reads it: unknown fields skipped, the last occurrence wins
+    unknown = b"\x18\x05" + b"\x25\x00\x00\x00\x00" + b"\x29" + b"\x00" * 8 + b"\x32\x02hi"
+    raw = encode_chunk("old.1", b"first") + unknown + encode_chunk("new.1", b"second")
+    parsed = pb.KVChunk.FromString(raw)
+    assert decode_chunk(raw) == (parsed.request_id, parsed.data) == ("new.1", b"second")
+    for bad in (b"\x12\x05abc", b"\x12", b"\x0a\x02\xff\xfe", b"\x00\x00", b"\x1b",
+                b"\x12" + b"\xff" * 11, b"\x25\x00"):
+        with pytest.raises(ValueError):
+            decode_chunk(bad)
+    with pytest.raises(ValueError, match="wire type"):  # stricter: the runtime keeps it unknown
+        decode_chunk(b"\x10\x01")  # field 2 (data) as a varint
+    data = bytes(range(256)) * 20_000  # 5 MB: 5 chunks, the last one short
+    pieces = list(encoded_chunks("big.1", data))
+    assert len(pieces) == 5 and [decode_chunk(c)[0] for c in pieces] == ["big.1", "", "", "", ""]
+    assert b"".join(bytes(decode_chunk(c)[1]) for c in pieces) == data
+
+
+def test_a_payload_of_many_chunks_is_relayed_intact(secret):
+    """A payload several times CHUNK_BYTES goes prefill rank -> router -> decode rank
+    byte for byte; the same push over the decode rank's limit is still refused."""
+    import asyncio
+    import hashlib
+
+    from pdserve.kv_transfer.grpc_bytes import CHUNK_BYTES
+
+    class Keeper(FakeImporter):
+        def import_prefilled(self, data):
+            self.digest = hashlib.sha256(data).hexdigest()
+            return super().import_prefilled(data)
+
+    class Rank:
+        def __init__(self, address):
+            self.info = type("Info", (), {"kv_address": address})()
+
+    class Ticket:
+        def __init__(self, address, attempt):
+            self.locator = (address, attempt)
+
+    size = 5 * CHUNK_BYTES + 12_345
+    src = GrpcEndpoint(FakeImporter(), "127.0.0.1", secret)
+    dst = GrpcEndpoint(Keeper(), "127.0.0.1", secret, max_push_bytes=size + 4096)
+    small = GrpcEndpoint(Keeper(), "127.0.0.1", secret, max_push_bytes=size // 2)
+
+    async def deliver(to, attempt):
+        transport = GrpcBytesTransport(secret)
+        try:
+            return await transport.deliver(Ticket(src.address, attempt), Rank(src.address),
+                                           Rank(to.address))
+        finally:
+            await transport.close()
+
+    try:
+        attempt = fresh("big")
+        body = bytes(range(251)) * (size // 251 + 1)
+        header = msgpack.packb({"request_id": attempt, "tensor_bytes": size}, use_bin_type=True)
+        payload = struct.pack("<4sHI", b"PDKV", VERSION, len(header)) + header + body[:size]
+        src.export(attempt, payload)
+        result = asyncio.run(deliver(dst, attempt))
+        assert result.ok and result.attempt == attempt and result.nbytes == len(payload), result
+        assert dst.importer.imported == [(attempt, len(payload))]
+        assert dst.importer.digest == hashlib.sha256(payload).hexdigest()
+        refused = asyncio.run(deliver(small, attempt))  # by what the header promises
+        assert not refused.ok and small.importer.imported == [], refused
+        # (an abort while the router still has chunks in flight can reach it as gRPC's own
+        # INTERNAL now and then, then reported as a transport failure)
+        if refused.kind == "capacity":
+            assert str(size // 2) in refused.error, refused
+        else:
+            assert refused.kind == "transport", refused
+    finally:
+        for ep in (src, dst, small):
+            ep.close()
+
+
+def test_a_malformed_chunk_is_refused_before_the_importer(endpoint, secret):
+    attempt = fresh()
+    channel = grpc.insecure_channel(endpoint.address, options=CHANNEL_OPTIONS)
+    raw_push = channel.stream_unary("/pdserve.rpc.KVTransfer/Push", request_serializer=None,
+                                    response_deserializer=pb.PushResponse.FromString)
+    try:
+        raw_push(iter([b"\x12\x40" + b"short"]), timeout=20,
+                 metadata=auth_metadata(secret, PUSH, attempt, endpoint.address))
+    except grpc.RpcError as exc:
+        code, details = exc.code(), exc.details()
+    else:
+        code, details = None, ""
+    finally:
+        channel.close()
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "malformed" in details, details
+    assert all(a != attempt for a, _ in endpoint.importer.imported)
+
+
 # -- limits on streams -----------------------------------------------------------------
 
 

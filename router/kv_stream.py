@@ -1,0 +1,74 @@
+"""KV streamed ahead of a hand-off, the router's side.
+
+A prompt that takes several prefill steps (``AddRequest.stream_kv``) exports the full
+blocks each step completes as a chunk (a ``KVChunkTicket``) while the rest computes.
+
+1. The first chunk picks the decode rank the request will most likely decode on
+   (``Pool.choose_decode``); each chunk is delivered there as it arrives, in order, one
+   at a time (``KVStream.lock``), through the same transport as a hand-off. The decode
+   rank writes it into blocks it reserves for the request (a partial import).
+2. The hand-off's payload leaves out every streamed block. Its delivery first makes
+   its decode rank hold every chunk (``send_chunks``: nothing, if the early deliveries
+   all landed there; all of them again, on any other rank), then delivers the payload.
+3. A chunk that fails stops the early deliveries (``broken``) and frees the partial
+   import; the hand-off then sends every chunk again with its payload, so a failure
+   costs time, never tokens.
+4. The chunks stay on the prefill rank until the hand-off is confirmed (``release``)
+   or the attempt ends or moves (``discard``, and the decode rank's partial import is
+   aborted); a decode rank also drops a partial import nobody continued within
+   ``PARTIAL_IMPORT_MAX_AGE_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.kv_transfer.base import TRANSPORT, DeliveryResult, KVTransport
+
+
+@dataclass(eq=False)
+class KVStream:
+    """One attempt's chunks, from its prefill rank ``src``, and which of them ``dst``
+    holds (the first ``delivered``)."""
+
+    attempt: str
+    src: Any
+    chunks: list[Any] = field(default_factory=list)
+    dst: Any = None
+    delivered: int = 0
+    broken: bool = False  # early deliveries stopped; the hand-off sends what is missing
+    handing_off: bool = False  # the hand-off's delivery took over
+    closed: bool = False
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(chunk.num_blocks for chunk in self.chunks)
+
+
+async def send_chunks(transport: KVTransport, stream: KVStream, dst: Any, timeout_s: float,
+                      abort_on) -> DeliveryResult:
+    """Make ``dst`` hold every chunk of ``stream`` so far, in order (call with
+    ``stream.lock`` held). A failure aborts what ``dst`` took of it (``abort_on(rank,
+    attempt)``) and is returned as the transport reported it."""
+    if stream.dst is not dst:
+        if stream.dst is not None and stream.delivered:
+            await abort_on(stream.dst, stream.attempt)  # its partial import is not needed
+        stream.dst, stream.delivered = dst, 0
+    moved = 0
+    while stream.delivered < len(stream.chunks):
+        chunk = stream.chunks[stream.delivered]
+        try:
+            result = await asyncio.wait_for(transport.deliver(chunk, stream.src, dst), timeout_s)
+        except asyncio.TimeoutError:
+            result = DeliveryResult(False, kind=TRANSPORT,
+                                    error=f"a KV chunk took longer than {timeout_s:g}s")
+        if not result.ok:
+            await abort_on(dst, stream.attempt)
+            stream.dst, stream.delivered = None, 0
+            return result
+        stream.delivered += 1
+        moved += result.nbytes or chunk.nbytes
+    return DeliveryResult(True, nbytes=moved)

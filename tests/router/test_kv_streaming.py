@@ -1,0 +1,108 @@
+"""KV streamed ahead of the hand-off, through the service: prompts that take several
+prefill steps send each step's full blocks to their decode rank while the rest computes;
+outputs stay the offline LLM's on both transports, a rank killed mid-stream costs no
+tokens, and afterwards nothing is held anywhere."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import ray
+from pdserve.router.client import AsyncClient, Client
+
+MAX_TOKENS = 8
+# the prefill ranks take a prompt 64 tokens a step: a 300-token prompt streams 4 chunks
+ENGINE = dict(num_kv_blocks=256, max_num_batched_tokens=64)
+
+
+def long_prompts(num: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(3, 4000) for _ in range(250 + 7 * i)] for i in range(num)]
+
+
+async def _generate_all(router, prompts, delay_s=0.0):
+    async with AsyncClient(router.address, timeout=120) as client:
+        async def one(i):
+            await asyncio.sleep(delay_s * i)
+            return await client.generate(prompts[i], max_tokens=MAX_TOKENS, temperature=0,
+                                         ignore_eos=True)
+
+        return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+
+def assert_drained(router) -> None:
+    stats = router.wait_drained()
+    for ranks in stats.values():
+        for r in ranks:
+            assert r["num_free_blocks"] == r["num_total_blocks"], r
+    assert router.drained_errors() == []
+    assert router.service._streams == {}
+
+
+@pytest.mark.parametrize("transport", ["ray", "grpc"])
+def test_long_prompts_stream_their_kv_and_decode_the_offline_tokens(make_router, reference,
+                                                                    transport):
+    router = make_router(prefill=1, decode=1, kv_transport=transport, engine=ENGINE)
+    try:
+        prompts = long_prompts(6, seed=11)
+        outs = asyncio.run(_generate_all(router, prompts, delay_s=0.05))
+        assert [o.token_ids for o in outs] == reference(prompts, MAX_TOKENS)
+        assert router.service.num_kv_chunks_streamed >= 3 * len(prompts)
+        assert_drained(router)
+    finally:
+        router.close()
+
+
+def test_a_streamed_hand_off_carries_only_the_last_chunks_blocks(make_router, reference):
+    prompts = long_prompts(3, seed=12)
+    results = {}
+    for streaming in (True, False):
+        router = make_router(prefill=1, decode=1, kv_streaming=streaming, engine=ENGINE)
+        try:
+            with Client(router.address, timeout=60) as client:
+                last = [list(client.stream(p, max_tokens=MAX_TOKENS, temperature=0,
+                                           ignore_eos=True)) for p in prompts]
+            tokens = [[t for msg in msgs for t in msg.token_ids] for msgs in last]
+            results[streaming] = (tokens, [msgs[-1].timings.kv_bytes for msgs in last],
+                                  router.service.num_kv_chunks_streamed)
+            assert_drained(router)
+        finally:
+            router.close()
+    want = reference(prompts, MAX_TOKENS)
+    assert results[True][0] == results[False][0] == want
+    assert results[False][2] == 0 and results[True][2] >= 3 * len(prompts)
+    for streamed, whole in zip(results[True][1], results[False][1], strict=True):
+        assert 0 < streamed < 0.4 * whole, (streamed, whole)  # 64 of ~260 tokens
+
+
+@pytest.mark.parametrize("pool_name", ["decode", "prefill"])
+def test_a_rank_killed_mid_stream_costs_no_tokens(make_router, reference, pool_name):
+    router = make_router(prefill=2, decode=2, collective_timeout_s=3.0, engine=ENGINE)
+    try:
+        prompts = long_prompts(10, seed=5 if pool_name == "decode" else 6)
+        want = reference(prompts, MAX_TOKENS)
+        service = router.service
+
+        async def run():
+            task = asyncio.ensure_future(_generate_all(router, prompts, delay_s=0.05))
+            victim = None
+            for _ in range(3000):  # a rank in the middle of a stream of chunks
+                streams = [s for s in service._streams.values() if s.delivered and not s.closed]
+                if streams:
+                    victim = streams[0].dst if pool_name == "decode" else streams[0].src
+                    if victim is not None:
+                        break
+                await asyncio.sleep(0.005)
+            assert victim is not None, "no stream of chunks was ever in flight"
+            ray.kill(victim.actor, no_restart=True)
+            return victim, await task
+
+        victim, outs = asyncio.run(run())
+        assert [o.finish_reason for o in outs] == ["length"] * len(prompts)
+        assert [o.token_ids for o in outs] == want
+        assert victim.state == "dead"
+        assert_drained(router)
+    finally:
+        router.close()
