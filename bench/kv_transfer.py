@@ -3,18 +3,20 @@
     pdserve bench kv-transfer                       # 1, 16, 64 MiB; ray and grpc
     pdserve bench kv-transfer --sizes 1,4,16,64,256 --repeats 5
 
-Runs the real transports (`pdserve.kv_transfer`) between two small
-Ray actors of this module that stand in for a prefill rank and a decode rank: the
-source exports a payload exactly as an engine rank does (through the transport's
-own `RankEndpoint`: `ray.put` for `ray`, kept and served over gRPC for `grpc`), this process plays
-the router and calls `transport.deliver(ticket, src, dst)`, and the destination's
-`import_prefilled` checks the bytes arrived intact (length, request id, a strided
-checksum) without copying them again. The engine's own KV export/import (tensors to
-bytes and back) is not part of this measurement.
+Runs the real transports (`pdserve.kv_transfer`) between two Ray actors of this module
+that stand in for a prefill rank and a decode rank, each with a real KV cache of the
+built-in model's shape: the source lays a payload out and gathers a prompt's scattered
+blocks straight into the buffer its transport lends (`write_payload`, as the engine
+does; `ray`: a shared-memory segment, `grpc`: its own buffer, served over gRPC), this
+process plays the router and calls `transport.deliver(ticket, src, dst)`, and the
+destination parses the payload and scatters it into its own blocks (as a decode rank
+does; a checksum of the blocks it wrote is compared with the source's). Only the model
+and the scheduler are left out.
 
 Reported per size, medians over --repeats:
 - `deliver`: bytes / time of `transport.deliver` as the router sees it;
-- `handoff`: bytes / (export time inside the source + deliver time);
+- `handoff`: bytes / (export time inside the source + deliver time): export + deliver +
+  import, the whole hand-off;
 - `memcpy`: one copy of the same bytes between two preallocated buffers in this
   process; `memcpy_alloc`: `bytes(buf)` (allocate + copy), the cost of a fresh buffer;
 - `grpc_ceiling` (with `grpc`): what gRPC itself moves here, the transport's ceiling: one
@@ -32,111 +34,137 @@ import os
 import statistics
 import sys
 import time
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.bench.standalone import standalone_main
 
 MIB = 1 << 20
-MAGIC = b"PDKVBNCH"
-HEADER = 64  # MAGIC + request id (40 bytes, padded) + length (8) + crc (8)
-STRIDE = 4096
 DEFAULT_SIZES = (1, 16, 64)
 TRANSPORTS = ("ray", "grpc")
 
 
-def make_body(request_id: str, nbytes: int, seed: int = 0) -> bytes:
-    """`nbytes` bytes: a header naming the request and a checksum, then random bytes."""
-    import numpy as np
-
-    if nbytes < HEADER:
-        raise ValueError(f"payload must be >= {HEADER} bytes, got {nbytes}")
-    body = np.random.default_rng(seed).bytes(nbytes - HEADER)
-    rid = request_id.encode()[:40].ljust(40, b"\0")
-    crc = zlib.crc32(body[::STRIDE])
-    return MAGIC + rid + nbytes.to_bytes(8, "little") + crc.to_bytes(8, "little") + body
+# The stand-in ranks' KV cache: the built-in tiny model's shape (4 layers, 2 KV heads of
+# 64 dims, fp32, 16-token blocks): 64 KiB a block, 4 KiB a token.
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 2, 64, 16
+BLOCK_BYTES = 2 * LAYERS * BLOCK_SIZE * KV_HEADS * HEAD_DIM * 4
 
 
-def frame(request_id: str, body: bytes) -> bytes:
-    """`body` framed as a KV payload (engine/kv_payload.py's prefix and header fields the
-    transports read: `request_id`, `tensor_bytes`), so the gRPC service's checks apply."""
-    import msgpack
-    from pdserve.engine.kv_payload import _PREFIX, VERSION
-    from pdserve.engine.kv_payload import MAGIC as KV_MAGIC
-
-    header = msgpack.packb({"request_id": request_id, "tensor_bytes": len(body)},
-                           use_bin_type=True)
-    return b"".join([_PREFIX.pack(KV_MAGIC, VERSION, len(header)), header, body])
+def num_blocks_for(nbytes: int) -> int:
+    return max(1, nbytes // BLOCK_BYTES)
 
 
-def make_payload(request_id: str, nbytes: int, seed: int = 0) -> bytes:
-    """A framed payload whose body is `nbytes` checksummed bytes."""
-    return frame(request_id, make_body(request_id, nbytes, seed))
+def kv_cache(num_blocks: int, seed: int | None):
+    """A KV cache of ``num_blocks`` usable blocks (random contents with ``seed``)."""
+    import torch
+    from pdserve.kernels.kv_cache import KVCache
+
+    cache = KVCache(LAYERS, KV_HEADS, HEAD_DIM, num_blocks + 1, BLOCK_SIZE)
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        for layer in (*cache.k_blocks, *cache.v_blocks):
+            layer.copy_(torch.randn(layer.shape, generator=g))
+    return cache
 
 
-def check_payload(payload) -> str:
-    """The request id of an intact payload; ValueError otherwise."""
-    import msgpack
-    from pdserve.engine.kv_payload import _PREFIX
-
-    view = memoryview(payload)
-    if len(view) < _PREFIX.size:
-        raise ValueError("not a KV payload")
-    _, _, header_len = _PREFIX.unpack(bytes(view[:_PREFIX.size]))
-    header = msgpack.unpackb(bytes(view[_PREFIX.size:_PREFIX.size + header_len]))
-    view = view[_PREFIX.size + header_len:]
-    if len(view) < HEADER or bytes(view[:8]) != MAGIC:
-        raise ValueError("not a benchmark payload")
-    rid = bytes(view[8:48]).rstrip(b"\0").decode()
-    if rid != header["request_id"][:40]:
-        raise ValueError(f"the header names {header['request_id']!r}, the body {rid!r}")
-    n = int.from_bytes(view[48:56], "little")
-    if n != len(view):
-        raise ValueError(f"{rid}: {len(view)} bytes arrived, {n} were sent")
-    if zlib.crc32(bytes(view[HEADER::STRIDE])) != int.from_bytes(view[56:64], "little"):
-        raise ValueError(f"{rid}: checksum mismatch")
-    return rid
+def block_checksum(cache, block_ids: list[int]) -> float:
+    """What arrived, cheaply: the sum of K and V of the first and last of ``block_ids``."""
+    ends = [block_ids[0], block_ids[-1]]
+    return float(sum(layer[ends].double().sum() for layer in (*cache.k_blocks, *cache.v_blocks)))
 
 
 class PayloadRank:
-    """Stands in for an engine rank on either end of a hand-off (a Ray actor)."""
+    """Stands in for an engine rank on either end of a hand-off (a Ray actor), with a
+    real KV cache: the source gathers a prompt's blocks into the buffer its transport
+    lends (``write_payload``, as the engine does), the destination parses the payload
+    and scatters it into its own blocks (``KVCache.import_sequence``), as a decode rank
+    does; only the model and the scheduler are left out."""
 
-    def __init__(self, kv_transport: str, secret: Any = None) -> None:
+    def __init__(self, kv_transport: str, secret: Any = None, staging_bytes: int = 0) -> None:
         from pdserve.kv_transfer import make_endpoint
 
-        self._payloads: dict[int, bytes] = {}
-        self.endpoint = make_endpoint(kv_transport, self, "127.0.0.1", secret=secret)
+        self.endpoint = make_endpoint(kv_transport, self, "127.0.0.1", secret=secret,
+                                      staging_bytes=staging_bytes)
+        self._cache: Any = None
+        self._tables: dict[str, list[int]] = {}
         self.imported = 0
 
     def info(self) -> Any:
-        return _Info(os.getpid(), self.endpoint.address)
+        node_id = ""
+        try:
+            import ray
 
-    def export(self, request_id: str, nbytes: int, kv_transport: str) -> tuple[Any, float]:
-        """(ticket, seconds the export took): what EngineRank._export does."""
+            node_id = ray.get_runtime_context().get_node_id()
+        except Exception:
+            pass
+        return _Info(os.getpid(), self.endpoint.address, node_id)
+
+    def _cache_for(self, num_blocks: int, seed: int | None):
+        if self._cache is None or self._cache.num_blocks - 1 < num_blocks:
+            self._cache = kv_cache(num_blocks, seed)
+        return self._cache
+
+    def _table(self, num_blocks: int, seed: int) -> list[int]:
+        import random
+
+        ids = list(range(1, num_blocks + 1))
+        random.Random(seed).shuffle(ids)  # a prompt's blocks lie anywhere in the pool
+        return ids
+
+    def export(self, request_id: str, nbytes: int, kv_transport: str) -> tuple[Any, float, float]:
+        """(ticket, seconds the export took, checksum of what it sent): what the engine's
+        hand-off and EngineRank._export do."""
+        from pdserve.engine.kv_payload import KVPayload, write_payload
         from pdserve.rank.messages import HandoffTicket
 
-        base = self._payloads.get(nbytes)
-        if base is None:
-            base = self._payloads[nbytes] = make_body("x", nbytes)
-        # Same bytes, this request's id in the headers (untimed: the engine made them).
-        rid = request_id.encode()[:40].ljust(40, b"\0")
-        payload = frame(request_id, base[:8] + rid + base[48:])
+        n = num_blocks_for(nbytes)
+        cache = self._cache_for(n, seed=0)
+        table = self._table(n, seed=len(request_id))
+        tokens = n * BLOCK_SIZE
+        payload = KVPayload(request_id, "bench", "float32", BLOCK_SIZE, LAYERS,
+                            token_ids=[7] * tokens + [8], num_prompt_tokens=tokens, sampling={})
         start = time.perf_counter()
-        locator = self.endpoint.export(request_id, payload)
+        buffer = write_payload(payload, cache, table, 0, tokens, self.endpoint.payload_buffer,
+                               request_id)
+        locator = self.endpoint.export(request_id, buffer)
         took = time.perf_counter() - start
-        return HandoffTicket(request_id, 0, 0, len(payload), locator), took
+        return (HandoffTicket(request_id, 0, tokens, len(buffer), locator), took,
+                block_checksum(cache, table))
 
     # the engine-rank methods the transports call
-    def import_prefilled(self, payload) -> Any:
+    def import_prefilled(self, payload, borrowed: bool = False, skip_blocks: int = 0) -> Any:
+        from pdserve.engine.kv_payload import KVPayload, KVPayloadError
         from pdserve.rank.messages import ImportResult
 
         try:
-            rid = check_payload(payload)
-        except ValueError as exc:
+            kv = KVPayload.from_bytes(payload)
+        except KVPayloadError as exc:
             return ImportResult(False, kind="payload", error=str(exc))
+        n = kv.tensors["k_blocks"].shape[1]
+        cache = self._cache_for(n, seed=None)
+        table = self._table(n, seed=7)
+        cache.import_sequence(table, 0, kv.tensors)
+        self._tables[kv.request_id] = table
         self.imported += 1
-        return ImportResult(True, attempt=rid)
+        return ImportResult(True, attempt=kv.request_id, nbytes=len(payload))
+
+    def import_shared(self, locator, skip_blocks: int = 0) -> Any:
+        from pdserve.rank.messages import ImportResult
+
+        try:
+            view = self.endpoint.open_shared(locator)
+        except OSError as exc:
+            return ImportResult(False, kind="unreachable", error=str(exc))
+        result = self.import_prefilled(view, borrowed=True)
+        if result.ok and not self.endpoint.still_valid(locator):
+            return ImportResult(False, kind="transport", error="segment reused while read")
+        return result
+
+    def kv_object(self, attempt: str, skip_blocks: int = 0) -> Any:
+        return self.endpoint.object_for(attempt, skip_blocks)
+
+    def checksum(self, request_id: str) -> float:
+        return block_checksum(self._cache, self._tables.pop(request_id))
 
     def release_kv(self, request_id: str) -> None:
         self.endpoint.release(request_id)
@@ -149,6 +177,7 @@ class PayloadRank:
 class _Info:
     pid: int
     kv_address: str | None
+    node_id: str = ""
 
 
 @dataclass
@@ -232,7 +261,10 @@ async def _measure_transport(name: str, sizes_mib: list[float], repeats: int) ->
     secret = KVSecret.generate() if name == "grpc" else None
     transport = make_transport(name, secret=secret)
     actor_cls = ray.remote(num_cpus=0)(PayloadRank)
-    src_a, dst_a = actor_cls.remote(name, secret), actor_cls.remote(name, secret)
+    # the source stages up to two payloads of the largest size (ray: shared memory)
+    staging = 2 * int(max(sizes_mib) * MIB) + (4 << 20)
+    src_a = actor_cls.remote(name, secret, staging)
+    dst_a = actor_cls.remote(name, secret)
     out = {"deliver_s": {}, "export_s": {}}
     try:
         src_info, dst_info = await asyncio.gather(src_a.info.remote(), dst_a.info.remote())
@@ -242,7 +274,7 @@ async def _measure_transport(name: str, sizes_mib: list[float], repeats: int) ->
             deliver, export = [], []
             for i in range(repeats + 1):  # the first is a warm-up
                 rid = f"{name}-{size:g}-{i}"
-                ticket, export_s = await src_a.export.remote(rid, nbytes, name)
+                ticket, export_s, sent = await src_a.export.remote(rid, nbytes, name)
                 t = time.perf_counter()
                 res = await transport.deliver(ticket, src, dst)
                 dt = time.perf_counter() - t
@@ -253,6 +285,8 @@ async def _measure_transport(name: str, sizes_mib: list[float], repeats: int) ->
                     raise RuntimeError(f"{name}: relayed {res.nbytes} bytes of {ticket.nbytes}")
                 if res.attempt != rid:
                     raise RuntimeError(f"{name}: delivered {res.attempt!r}, sent {rid!r}")
+                if await dst_a.checksum.remote(rid) != sent:
+                    raise RuntimeError(f"{name}: the KV blocks of {rid} arrived changed")
                 await transport.release(ticket, src)
                 del ticket
                 if i:
@@ -333,8 +367,9 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.bench.serve import write_json
 
     sizes = [float(s) for s in args.sizes.replace(",", " ").split()]
-    if not sizes or any(s <= 0 or s * MIB < HEADER for s in sizes):
-        print("error: --sizes must be positive MiB values", file=sys.stderr)
+    if not sizes or any(s * MIB < BLOCK_BYTES for s in sizes):
+        print(f"error: --sizes must be MiB values of at least one block "
+              f"({BLOCK_BYTES / MIB:g} MiB)", file=sys.stderr)
         return 2
     transports = [t for t in args.transports.replace(",", " ").split()]
     started = False

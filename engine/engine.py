@@ -33,7 +33,13 @@ from dataclasses import asdict
 from typing import Any
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_payload import ForkedChoice, KVPayload, KVPayloadError, dtype_name
+from pdserve.engine.kv_payload import (
+    ForkedChoice,
+    KVPayload,
+    KVPayloadError,
+    dtype_name,
+    write_payload,
+)
 from pdserve.engine.model_runner import ModelRunner, RunnerRow
 from pdserve.engine.outputs import (
     EngineStats,
@@ -502,12 +508,8 @@ class LLMEngine:
                         first_block: int, key: str) -> Any:
         """Gather ``seq``'s blocks from ``first_block`` on straight into the buffer the
         transport lends for ``payload``."""
-        kv_cache = self.runner.kv_cache
-        layout = payload.layout(kv_cache.export_shapes(num_tokens, first_block))
-        buffer = self.payload_buffer(key, layout.nbytes)
-        kv_cache.export_into(seq.block_table, seq.state_slot, num_tokens, layout.write(buffer),
-                             first_block)
-        return buffer
+        return write_payload(payload, self.runner.kv_cache, seq.block_table, seq.state_slot,
+                             num_tokens, self.payload_buffer, key, first_block)
 
     def _hand_off(self, group: list[Sequence]) -> HandOff:
         """One payload for the choices of one prompt that go on (n > 1: they share the

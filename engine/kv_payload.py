@@ -322,11 +322,10 @@ class KVPayload:
             "stream_of": self.stream_of,
             "pad": b"",
         }
-        packed = msgpack.packb(header, use_bin_type=True)
+        packed = msgpack.packb(header, use_bin_type=True)  # ends with pad's b"\xc4\x00"
         pad = -(_PREFIX.size + len(packed)) % ALIGN
-        if pad:  # an empty bin and one of up to 255 bytes both take a 2-byte marker
-            header["pad"] = bytes(pad)
-            packed = msgpack.packb(header, use_bin_type=True)
+        if pad:  # a bin of up to 255 bytes keeps its 2-byte marker: only the length grows
+            packed = packed[:-1] + bytes([pad]) + bytes(pad)
         head = _PREFIX.pack(MAGIC, VERSION, len(packed)) + packed
         return PayloadLayout(head, specs)
 
@@ -482,3 +481,15 @@ def _views(data: Any, start: int, specs: list[_TensorSpec]) -> dict[str, torch.T
                                     offset=start + spec.offset)
             tensors[spec.name] = flat.view(spec.shape)
     return tensors
+
+
+def write_payload(payload: KVPayload, kv_cache: Any, block_table: list[int], state_slot: int,
+                  num_tokens: int, buffer_for: Any, key: str, first_block: int = 0) -> Any:
+    """Lay ``payload`` out and gather its KV (the blocks of ``block_table`` from
+    ``first_block`` on, and the slot's rings) straight into the buffer
+    ``buffer_for(key, nbytes)`` returns (a transport's own memory): one copy. Returns
+    that buffer, filled."""
+    layout = payload.layout(kv_cache.export_shapes(num_tokens, first_block))
+    buffer = buffer_for(key, layout.nbytes)
+    kv_cache.export_into(block_table, state_slot, num_tokens, layout.write(buffer), first_block)
+    return buffer

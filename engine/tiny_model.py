@@ -108,7 +108,8 @@ def train_tokenizer(vocab_size: int = VOCAB_SIZE):
     return tok
 
 
-def model_config(variant: str = "llama", size: str = "tiny") -> dict:
+def model_config(variant: str = "llama", size: str = "tiny",
+                 max_position_embeddings: int = 2048) -> dict:
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
     if size not in SIZES:
@@ -125,7 +126,7 @@ def model_config(variant: str = "llama", size: str = "tiny") -> dict:
         "num_key_value_heads": kv_heads,
         "head_dim": hidden // heads,
         "hidden_act": "silu",
-        "max_position_embeddings": 2048,
+        "max_position_embeddings": max_position_embeddings,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
@@ -177,11 +178,13 @@ def random_weights(cfg: dict, seed: int = SEED) -> dict[str, torch.Tensor]:
     return w
 
 
-def make_tiny_model(path: str | os.PathLike, variant: str = "llama", size: str = "tiny") -> Path:
-    """Write the built-in model folder at ``path`` (created if needed) and return it."""
+def make_tiny_model(path: str | os.PathLike, variant: str = "llama", size: str = "tiny",
+                    max_position_embeddings: int = 2048) -> Path:
+    """Write the built-in model folder at ``path`` (created if needed) and return it;
+    ``max_position_embeddings``: a longer context than the built-in 2048 (same weights)."""
     from safetensors.torch import save_file
 
-    cfg = model_config(variant, size)
+    cfg = model_config(variant, size, max_position_embeddings)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer()

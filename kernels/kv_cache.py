@@ -38,6 +38,8 @@ KV hand-off (the lead's export/import builds on these):
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 
 import torch
@@ -148,8 +150,8 @@ class KVCache:
         _check("v_blocks", v, shape)
         self.version += 1
         for n, i in enumerate(self.full_layers):
-            self.k_blocks[i].index_copy_(0, idx, k[n].to(self.device, self.dtype))
-            self.v_blocks[i].index_copy_(0, idx, v[n].to(self.device, self.dtype))
+            _scatter_into(self.k_blocks[i], idx, k[n].to(self.device, self.dtype))
+            _scatter_into(self.v_blocks[i], idx, v[n].to(self.device, self.dtype))
 
     def copy_block(self, src: int, dst: int) -> None:
         self.version += 1
@@ -283,12 +285,56 @@ class KVCache:
             self.write_ring(state_slot, tensors["k_ring"], tensors["v_ring"])
 
 
+@functools.cache
+def _copy_kernels() -> ctypes.CDLL | None:
+    """kv_copy.c (streaming-store block copies), built for any CPU; None: torch's."""
+    from pdserve.kernels import cbuild
+
+    lib = cbuild.load("kv_copy", avx512=False)
+    if lib is not None:
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        for fn in (lib.kv_gather, lib.kv_scatter):
+            fn.argtypes, fn.restype = [p, p, p, i64, i64], None
+    return lib
+
+
+def _by_kernel(blocks: torch.Tensor, rows: torch.Tensor, idx: torch.Tensor) -> ctypes.CDLL | None:
+    """The C kernels, when both sides are contiguous CPU tensors of one dtype and every
+    index names a block of ``blocks`` (the kernel does not check)."""
+    if not (blocks.device.type == rows.device.type == idx.device.type == "cpu"
+            and blocks.dtype == rows.dtype and idx.dtype == torch.int64
+            and blocks.is_contiguous() and rows.is_contiguous() and idx.is_contiguous()
+            and rows.shape[1:] == blocks.shape[1:] and rows.shape[0] == idx.shape[0]):
+        return None
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= blocks.shape[0]):
+        raise IndexError(f"block ids outside [0, {blocks.shape[0]})")
+    return _copy_kernels()
+
+
+def _row_bytes(blocks: torch.Tensor) -> int:
+    return blocks[0].numel() * blocks.element_size()
+
+
 def _gather_into(out: torch.Tensor, blocks: torch.Tensor, idx: torch.Tensor) -> None:
     """``out[j] = blocks[idx[j]]``: straight into ``out`` when both live on the CPU."""
-    if blocks.device == out.device and blocks.dtype == out.dtype:
+    lib = _by_kernel(blocks, out, idx)
+    if lib is not None:
+        lib.kv_gather(out.data_ptr(), blocks.data_ptr(), idx.data_ptr(), idx.numel(),
+                      _row_bytes(blocks))
+    elif blocks.device == out.device and blocks.dtype == out.dtype:
         torch.index_select(blocks, 0, idx, out=out)
     else:  # a device cache: gather there, then one copy to the host
         out.copy_(blocks.index_select(0, idx))
+
+
+def _scatter_into(blocks: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> None:
+    """``blocks[idx[j]] = rows[j]`` (``rows`` may be a read-only view of a payload)."""
+    lib = _by_kernel(blocks, rows, idx)
+    if lib is not None:
+        lib.kv_scatter(blocks.data_ptr(), rows.data_ptr(), idx.data_ptr(), idx.numel(),
+                       _row_bytes(blocks))
+    else:
+        blocks.index_copy_(0, idx, rows)
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:

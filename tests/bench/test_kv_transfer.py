@@ -6,24 +6,21 @@ import json
 
 import pytest
 from pdserve.bench import kv_transfer
-from pdserve.bench.kv_transfer import HEADER, STRIDE, check_payload, make_payload
+from pdserve.bench.kv_transfer import BLOCK_BYTES, PayloadRank
 
 
-def test_payload_is_checked_end_to_end():
-    p = make_payload("req-7", 1 << 16)
-    framing = len(p) - (1 << 16)  # the KV payload prefix and header around the body
-    assert 0 < framing < 128 and check_payload(p) == "req-7"
-    from pdserve.kv_transfer.grpc_bytes import peek_header
-
-    assert peek_header(p) == ("req-7", len(p))  # what the gRPC KV service checks
-    bad = bytearray(p)
-    bad[framing + HEADER + 3 * STRIDE] ^= 0xFF
-    with pytest.raises(ValueError, match="checksum"):
-        check_payload(bytes(bad))
-    with pytest.raises(ValueError, match="arrived"):
-        check_payload(p[:-1])
-    with pytest.raises(ValueError):
-        check_payload(b"not a payload" * 10)
+def test_the_stand_in_ranks_move_real_kv_blocks_and_notice_a_change():
+    src, dst = PayloadRank("in_process"), PayloadRank("in_process")
+    ticket, took, sent = src.export("req-7", 40 * BLOCK_BYTES, "in_process")
+    assert took > 0 and ticket.nbytes > 40 * BLOCK_BYTES  # the blocks plus the header
+    payload = src.endpoint.get("req-7")
+    assert dst.import_prefilled(payload).ok
+    assert dst.checksum("req-7") == sent  # the blocks it scattered are the ones gathered
+    changed = bytearray(payload)
+    changed[-5] ^= 0xFF  # a byte of the last block
+    assert dst.import_prefilled(changed).ok
+    assert dst.checksum("req-7") != sent
+    assert not dst.import_prefilled(b"not a payload").ok
 
 
 def test_both_transports_beside_memcpy(ray_session, tmp_path):

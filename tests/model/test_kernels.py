@@ -212,3 +212,29 @@ def test_greedy_equals_argmax_including_ties_infinities_and_nan():
     assert greedy(x).dtype == torch.long
     half = torch.randn(4, 33, generator=g).to(torch.bfloat16)  # other dtypes: argmax itself
     assert torch.equal(greedy(half), half.argmax(-1))
+
+
+@pytest.mark.parametrize("num_blocks", [3, 300])  # 300: > 1 MiB, the streaming-store path
+def test_kv_block_copies_equal_torch_and_refuse_bad_ids(num_blocks):
+    from pdserve.kernels import kv_cache as kvc
+
+    if kvc._copy_kernels() is None:
+        pytest.skip("no C compiler: the torch path is the only one")
+    cache = kvc.KVCache(2, 2, 64, num_blocks * 2 + 1, 16)
+    g = torch.Generator().manual_seed(3)
+    for layer in (*cache.k_blocks, *cache.v_blocks):
+        layer.copy_(torch.randn(layer.shape, generator=g))
+    ids = torch.randperm(num_blocks * 2, generator=g)[:num_blocks].add(1).tolist()
+    out = cache.export_sequence(ids, 0, num_blocks * 16)
+    for n, i in enumerate(cache.full_layers):
+        assert torch.equal(out["k_blocks"][n], cache.k_blocks[i][ids])
+        assert torch.equal(out["v_blocks"][n], cache.v_blocks[i][ids])
+    other = kvc.KVCache(2, 2, 64, num_blocks * 2 + 1, 16)
+    dest = list(reversed(range(1, num_blocks + 1)))
+    other.import_sequence(dest, 0, out)
+    for n, i in enumerate(other.full_layers):
+        assert torch.equal(other.k_blocks[i][dest], out["k_blocks"][n])
+        assert torch.equal(other.v_blocks[i][0], torch.zeros_like(other.v_blocks[i][0]))
+    with pytest.raises(IndexError):
+        other.write_blocks([0] * (num_blocks - 1) + [num_blocks * 2 + 1],
+                           out["k_blocks"], out["v_blocks"])
