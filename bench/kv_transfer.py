@@ -346,6 +346,122 @@ def measure(sizes_mib: list[float], transports: list[str] | tuple[str, ...] = TR
     return result
 
 
+# ---- the hand-off's share of the time to the second token --------------------------------
+
+LONG_CONTEXT = 32768  # the built-in model, copied with a context that fits 16k prompts
+
+
+def long_context_model(size: str = "tiny") -> str:
+    """The built-in model (``size``: tiny, or small: 768 x 12 layers) with a context of
+    LONG_CONTEXT (same weights otherwise), made once into the model cache."""
+    from pdserve.engine.tiny_model import make_tiny_model
+    from pdserve.router.cli_commands import default_model_dir
+
+    path = default_model_dir().with_name(f"{size}-llama-{LONG_CONTEXT}")
+    if not (path / "model.safetensors").is_file():
+        make_tiny_model(path, size=size, max_position_embeddings=LONG_CONTEXT)
+    return str(path)
+
+
+def _share_config(model_dir: str, max_tokens: int, chunk_tokens: int, folder: str) -> str:
+    """A `pdserve serve --config` file: 1 prefill + 1 decode rank that hold one such
+    prompt, prefilling ``chunk_tokens`` a step."""
+    import json
+    from pathlib import Path
+
+    engine = dict(num_kv_blocks=max_tokens // 16 + 64, max_num_seqs=4, block_size=16,
+                  max_num_batched_tokens=chunk_tokens, max_model_len=max_tokens + 64)
+    config = {"model_dir": model_dir, "engine": engine,
+              "prefill": {"replicas": 1, "num_cpus": 0.5, "resources": {"prefill": 1}},
+              "decode": {"replicas": 1, "num_cpus": 0.5, "resources": {"decode": 1}}}
+    path = Path(folder) / "share.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    return str(path)
+
+
+def _time_to_second_token(address: str, prompt: list[int]) -> dict:
+    from pdserve.router.client import Client
+
+    with Client(address, timeout=600) as client:
+        start = time.perf_counter()
+        stamps, last = [], None
+        for msg in client.stream(prompt, max_tokens=2, temperature=0, ignore_eos=True):
+            now = time.perf_counter()
+            stamps += [now] * len(msg.token_ids)
+            last = msg
+    if last is None or last.finish_reason != "length" or len(stamps) != 2:
+        raise RuntimeError(f"a {len(prompt)}-token prompt did not give 2 tokens: "
+                           f"{getattr(last, 'finish_reason', None)} {getattr(last, 'error', '')}")
+    return {"ttft_s": stamps[0] - start, "ttst_s": stamps[1] - start,
+            "first_to_second_s": stamps[1] - stamps[0],
+            "handoff_s": last.timings.kv_handoff_ms / 1e3, "kv_bytes": last.timings.kv_bytes}
+
+
+def measure_handoff_share(prompt_tokens: list[int], repeats: int, chunk_tokens: int = 512,
+                          model_size: str = "tiny") -> dict:
+    """Per prompt length, with KV streaming on and off (two `pdserve serve` processes of
+    1 prefill + 1 decode rank, ray transport, side by side, alternating; fresh random
+    prompts: no cache hits): the time to the first and second token at a client, the
+    router's hand-off time, and the hand-off's share of the time to the second token."""
+    import contextlib
+    import random
+    import tempfile
+
+    from pdserve.bench.compare_modes import subprocess_router
+
+    model = long_context_model(model_size)
+    rng = random.Random(0)
+    modes = {"streamed": (), "whole": ("--no-kv-streaming",)}
+    runs: dict = {mode: {n: [] for n in prompt_tokens} for mode in modes}
+    with tempfile.TemporaryDirectory() as folder, contextlib.ExitStack() as stack:
+        config = _share_config(model, max(prompt_tokens), chunk_tokens, folder)
+        addresses = {mode: stack.enter_context(subprocess_router(
+            {"mode": "disaggregated", "prefill": 1, "decode": 1}, model=model,
+            extra_args=("--config", config, *flags))) for mode, flags in modes.items()}
+        for n in prompt_tokens:
+            for i in range(repeats + 1):  # the first of each is a warm-up
+                for mode, address in addresses.items():
+                    prompt = [1] + [rng.randrange(3, 4000) for _ in range(n - 1)]
+                    row = _time_to_second_token(address, prompt)
+                    if i:
+                        runs[mode][n].append(row)
+            print(f"  {n} tokens: done", flush=True)
+    med = statistics.median
+    out: dict = {"prompt_tokens": list(prompt_tokens), "chunk_tokens": chunk_tokens,
+                 "repeats": repeats, "model_size": model_size, "modes": {}}
+    for mode, by_n in runs.items():
+        rows = out["modes"][mode] = {}
+        for key in ("ttft_s", "ttst_s", "first_to_second_s", "handoff_s", "kv_bytes"):
+            rows[key] = [med(r[key] for r in by_n[n]) for n in prompt_tokens]
+        rows["handoff_share_of_ttst"] = [med(r["handoff_s"] / r["ttst_s"] for r in by_n[n])
+                                         for n in prompt_tokens]
+    return out
+
+
+def format_share(share: dict) -> str:
+    lines = [f"hand-off share of the time to the second token ({share['model_size']} model, "
+             f"prefill chunks of {share['chunk_tokens']} tokens; medians, ms):",
+             f"{'tokens':>8} {'mode':>9} {'TTFT':>8} {'to 2nd':>8} {'1st->2nd':>9} "
+             f"{'hand-off':>9} {'share':>6} {'KV MiB':>7}"]
+    for i, n in enumerate(share["prompt_tokens"]):
+        for mode, rows in share["modes"].items():
+            lines.append(f"{n:>8} {mode:>9} {1e3 * rows['ttft_s'][i]:>8.1f} "
+                         f"{1e3 * rows['ttst_s'][i]:>8.1f} {1e3 * rows['first_to_second_s'][i]:>9.1f} "
+                         f"{1e3 * rows['handoff_s'][i]:>9.1f} {rows['handoff_share_of_ttst'][i]:>6.2f} "
+                         f"{rows['kv_bytes'][i] / MIB:>7.2f}")
+        streamed, whole = share["modes"]["streamed"], share["modes"]["whole"]
+        lines.append(f"{'':>8} streamed 1st->2nd / whole hand-off: "
+                     f"{streamed['first_to_second_s'][i] / whole['handoff_s'][i]:.2f}")
+    return "\n".join(lines)
+
+
+def copies_per_path() -> dict[str, dict[str, int]]:
+    """Copies of the KV bytes per transport path, as each transport's docstring counts."""
+    from pdserve.kv_transfer import grpc_bytes, ray_store
+
+    return {"ray": dict(ray_store.COPIES), "grpc": dict(grpc_bytes.COPIES)}
+
+
 # ---- command line ----------------------------------------------------------------------
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -353,6 +469,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="payload sizes in MiB (default %(default)s; up to 256)")
     p.add_argument("--transports", default=",".join(TRANSPORTS))
     p.add_argument("--repeats", type=int, default=3, help="timed hand-offs per size")
+    p.add_argument("--prompt-tokens", default="1024,4096,16384",
+                   help="prompt lengths for the hand-off's share of the time to the second "
+                   "token, through the service with KV streaming on and off ('none': skip)")
+    p.add_argument("--chunk-tokens", type=int, default=512,
+                   help="prefill tokens per step for those (a prompt streams one chunk a step)")
+    p.add_argument("--share-repeats", type=int, default=3, help="requests per prompt length")
+    p.add_argument("--share-model-size", choices=["tiny", "small"], default="tiny",
+                   help="the built-in model's size for those (small: 768 x 12 layers, 24 KiB "
+                   "of KV a token)")
     p.add_argument("--ray-address", default=None,
                    help="join this Ray cluster (default: an embedded local Ray)")
     p.add_argument("--result-file", default="results/bench_kv_transfer.json")
@@ -372,6 +497,16 @@ def run(args: argparse.Namespace) -> int:
               f"({BLOCK_BYTES / MIB:g} MiB)", file=sys.stderr)
         return 2
     transports = [t for t in args.transports.replace(",", " ").split()]
+    share_tokens: list[int] = []
+    if args.prompt_tokens.strip().lower() not in ("", "none"):
+        try:
+            share_tokens = [int(t) for t in args.prompt_tokens.replace(",", " ").split()]
+        except ValueError:
+            share_tokens = [0]
+        if any(not 16 <= t <= LONG_CONTEXT - 64 for t in share_tokens) or args.chunk_tokens < 16:
+            print(f"error: --prompt-tokens must be token counts in [16, {LONG_CONTEXT - 64}] "
+                  "(or 'none'), --chunk-tokens >= 16", file=sys.stderr)
+            return 2
     started = False
     if not ray.is_initialized():
         if args.ray_address:
@@ -383,6 +518,11 @@ def run(args: argparse.Namespace) -> int:
         started = True
     try:
         result = measure(sizes, transports, args.repeats)
+        result["copies"] = copies_per_path()
+        if share_tokens:
+            print("the hand-off's share of the time to the second token ...", flush=True)
+            result["handoff_share"] = measure_handoff_share(
+                share_tokens, args.share_repeats, args.chunk_tokens, args.share_model_size)
     except (ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -390,6 +530,8 @@ def run(args: argparse.Namespace) -> int:
         if started:
             ray.shutdown()
     print(format_table(result), flush=True)
+    if "handoff_share" in result:
+        print(format_share(result["handoff_share"]), flush=True)
     write_json(args.result_file, result)
     if not args.no_plot:
         from pdserve.bench.plots import plot_kv_transfer
@@ -411,6 +553,9 @@ def format_table(result: dict) -> str:
     lines.append("ratio to memcpy:")
     for name, ratios in result["ratio_to_memcpy"].items():
         lines.append(f"  {name:<16} " + " ".join(f"{r:.3f}" for r in ratios))
+    for transport, paths in result.get("copies", {}).items():
+        lines.append(f"copies of the KV bytes, {transport}: " + "; ".join(
+            f"{path}: {n}" for path, n in paths.items()))
     return "\n".join(lines)
 
 

@@ -96,6 +96,10 @@ from pdserve.rpc import kv_transfer_pb2, kv_transfer_pb2_grpc
 # 64), took the relay from a median ~395 to ~440 MiB/s with less spread; BDP probing on
 # instead was no better and as noisy. All of it stays within MAX_MESSAGE_BYTES.
 CHUNK_BYTES = 1 << 20
+# Copies of the KV bytes in pdserve's own code (gRPC core adds its own socket buffers):
+# the engine's gather into the payload (1), Fetch's serialized chunks (1), the Push
+# side's append (1), the import's scatter into blocks (1); the router relays as is.
+COPIES = {"prefill -> router -> decode": 4}
 MAX_MESSAGE_BYTES = 16 << 20
 FLOW_WINDOW_BYTES = 16 << 20
 CHANNEL_OPTIONS = [
