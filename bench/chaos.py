@@ -14,8 +14,9 @@ After each scenario (`check_invariants`):
   cancel / deadline), none hung;
 - every token a client saw is the offline engine's greedy token at that position (no
   token twice, none lost, none from another request);
-- the router holds no request state and no payload ticket (so no Ray object is kept
-  alive by it), every rank has all its blocks and state slots free and no KV payload
+- the router holds no request state, no payload ticket (so no Ray object is kept
+  alive by it) and no KV stream, every rank has all its blocks and state slots free
+  (no partial import of streamed KV either) and no KV payload
   left, no rank is draining, and the pools are back at size.
 The test suite runs some of these (`tests/chaos/`); this tool runs many more.
 """
@@ -40,6 +41,15 @@ PROMPTS = (
     "In the beginning", "for i in range(10):", "The capital of France is", "1, 2, 3, 4,",
 )
 MAX_TOKENS = 40
+# Every fourth request sends a long version of its prompt (50-350 tokens): the prefill
+# ranks take 64 tokens a step (chaos_router_config), so it streams its KV in chunks to
+# its decode rank while it computes, and kills and resizes land mid-stream too.
+LONG_EVERY = 4
+LONG_REPEATS = 15
+
+
+def long_prompt(prompt: str) -> str:
+    return " ".join([prompt] * LONG_REPEATS)
 ACTIONS = ("complete", "complete", "complete", "cancel", "abort", "deadline", "reuse")
 EVENTS = ("none", "none", "kill_prefill", "kill_decode", "scale_decode", "scale_prefill")
 
@@ -73,7 +83,10 @@ def make_scenario(seed: int, *, min_requests: int = 4, max_requests: int = 10,
         action = rng.choice(ACTIONS)
         if action == "reuse" and last_cancel is None:
             action = "complete"
-        plan = RequestPlan(i, rng.choice(PROMPTS), rng.randint(4, MAX_TOKENS), action,
+        prompt = rng.choice(PROMPTS)
+        if i % LONG_EVERY == LONG_EVERY - 1:
+            prompt = long_prompt(prompt)
+        plan = RequestPlan(i, prompt, rng.randint(4, MAX_TOKENS), action,
                            start_s=round(rng.uniform(0.0, 0.6), 3),
                            after_messages=rng.randint(1, 4))
         if action in ("cancel", "abort") or rng.random() < 0.3:
@@ -117,6 +130,7 @@ class ScenarioResult:
     moves: int = 0         # attempts the router restarted elsewhere (what the chaos caused)
     rank_failures: int = 0
     label_retries: int = 0  # ALREADY_EXISTS before a just-cancelled label was free
+    chunks_streamed: int = 0  # KV chunks that reached a decode rank ahead of their hand-off
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -139,7 +153,8 @@ class Reference:
             from pdserve.scheduler.sampling_params import SamplingParams
 
             sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-            for p, out in zip(PROMPTS, self.llm.generate(list(PROMPTS), sp, use_tqdm=False),
+            prompts = [*PROMPTS, *map(long_prompt, PROMPTS)]
+            for p, out in zip(prompts, self.llm.generate(prompts, sp, use_tqdm=False),
                               strict=True):
                 self._tokens[p] = list(out.token_ids)
         return self._tokens[prompt]
@@ -228,7 +243,7 @@ async def run_scenario(harness: Any, reference: Reference, plan: ScenarioPlan,
 
     started = time.monotonic()
     svc = harness.service
-    moves, failures = svc.num_moves, svc.num_rank_failures
+    moves, failures, chunks = svc.num_moves, svc.num_rank_failures, svc.num_kv_chunks_streamed
     outcomes = [RequestOutcome(p.index, p.action) for p in plan.requests]
     cancelled: dict[int, asyncio.Event] = {}
     previous_cancel = None
@@ -261,6 +276,7 @@ async def run_scenario(harness: Any, reference: Reference, plan: ScenarioPlan,
     result.seconds = time.monotonic() - started
     result.moves = svc.num_moves - moves
     result.rank_failures = svc.num_rank_failures - failures
+    result.chunks_streamed = svc.num_kv_chunks_streamed - chunks
     result.label_retries = sum(o.retries for o in outcomes)
     return result
 
@@ -344,6 +360,9 @@ def restore_and_check(harness: Any, sizes: dict[str, int], result: ScenarioResul
     for err in harness.drained_errors():
         result.leaked += 1
         result.problems.append(err)
+    if svc._streams:  # KV streamed ahead of a hand-off that never came
+        result.leaked += 1
+        result.problems.append(f"router still holds KV streams of {sorted(svc._streams)}")
     if svc.num_handoffs_in_flight:  # each holds a payload's ticket (a Ray object ref)
         result.leaked += 1
         result.problems.append(f"{svc.num_handoffs_in_flight} hand-offs still hold payloads")
@@ -360,7 +379,8 @@ def chaos_router_config(model_dir: str, transport: str, *, fault_rate: float = 0
     from pdserve.rank.fault_injection import FaultyEngineFactory
     from pdserve.router.config import PoolConfig, RouterConfig
 
-    engine = dict(num_kv_blocks=128, max_num_seqs=32, block_size=16)
+    # 64 prefill tokens a step: a long prompt streams its KV ahead in chunks
+    engine = dict(num_kv_blocks=256, max_num_seqs=32, block_size=16, max_num_batched_tokens=64)
     return RouterConfig(
         model_dir=model_dir, port=0, metrics_port=0, kv_transport=transport,
         prefill=PoolConfig("prefill", replicas=prefill, num_cpus=0.25, resources={"prefill": 1},
@@ -379,7 +399,7 @@ def summarize(results: list[ScenarioResult]) -> dict:
                            "requests": sum(r.num_requests for r in results),
                            "failed_scenarios": sum(not r.ok for r in results)}
     out.update({k: sum(getattr(r, k) for r in results)
-                for k in (*keys, "moves", "rank_failures", "label_retries")})
+                for k in (*keys, "moves", "rank_failures", "label_retries", "chunks_streamed")})
     by_event: dict[str, int] = {}
     for r in results:
         by_event[r.event] = by_event.get(r.event, 0) + 1

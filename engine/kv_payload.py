@@ -348,9 +348,10 @@ class KVPayload:
         """Decode a payload, checking all of its header before copying any tensor bytes.
 
         With ``vocab_size``, every token id must lie in [0, vocab_size). Anything wrong
-        raises KVPayloadError naming the field or tensor.
+        raises KVPayloadError naming the field or tensor. ``data`` may also be a 1-D
+        uint8 tensor (see ``from_tensor``).
         """
-        data = memoryview(data).cast("B")
+        data = _DeviceBytes(data) if isinstance(data, torch.Tensor) else memoryview(data).cast("B")
         if len(data) < _PREFIX.size:
             raise KVPayloadError(f"KV payload truncated: {len(data)} bytes, no header")
         magic, version, header_len = _PREFIX.unpack(data[: _PREFIX.size])
@@ -419,6 +420,13 @@ class KVPayload:
             stream_of=stream_of,
         )
 
+    @classmethod
+    def from_tensor(cls, data: torch.Tensor, *, vocab_size: int | None = None) -> KVPayload:
+        """Decode a payload held in a contiguous 1-D uint8 tensor on any device (the
+        ``device`` KV transport's buffers): the same checks as ``from_bytes``, its header
+        read from a small CPU copy of the first bytes, its tensors views of ``data``."""
+        return cls.from_bytes(data, vocab_size=vocab_size)
+
     def check_compatible(self, *, model_fingerprint: str, dtype: str, block_size: int,
                          num_layers: int) -> None:
         """Raise KVPayloadError naming the first field that does not match the receiver."""
@@ -457,7 +465,16 @@ class PayloadLayout:
 
     def write(self, buffer: Any) -> dict[str, torch.Tensor]:
         """Write the head into ``buffer`` (writable, exactly ``nbytes`` long) and return
-        its tensors as views of it, for the sender to fill."""
+        its tensors as views of it, for the sender to fill. ``buffer`` may also be a
+        contiguous 1-D uint8 tensor on any device: the head is copied in, and the views
+        are tensors on that device."""
+        if isinstance(buffer, torch.Tensor):
+            _check_byte_tensor(buffer)
+            if buffer.numel() != self.nbytes:
+                raise ValueError(f"a KV payload of {self.nbytes} bytes cannot be written into a "
+                                 f"tensor of {buffer.numel()} bytes")
+            buffer[:len(self.head)].copy_(torch.frombuffer(bytearray(self.head), dtype=torch.uint8))
+            return _views(_DeviceBytes(buffer), len(self.head), self.specs)
         view = memoryview(buffer).cast("B")
         if len(view) != self.nbytes:
             raise ValueError(f"a KV payload of {self.nbytes} bytes cannot be written into a "
@@ -466,8 +483,44 @@ class PayloadLayout:
         return _views(view, len(self.head), self.specs)
 
 
+def _check_byte_tensor(data: torch.Tensor) -> None:
+    if data.dtype != torch.uint8 or data.dim() != 1 or not data.is_contiguous():
+        raise KVPayloadError(f"a KV payload tensor must be contiguous 1-D uint8, got "
+                             f"{data.dtype} of shape {tuple(data.shape)}")
+
+
+class _DeviceBytes:
+    """A payload in a uint8 tensor, read like bytes: slices are small CPU copies (the
+    prefix and header); ``_views`` makes its tensors views of the tensor itself."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        _check_byte_tensor(tensor)
+        self.tensor = tensor
+
+    def __len__(self) -> int:
+        return self.tensor.numel()
+
+    def __getitem__(self, index: slice) -> memoryview:
+        return memoryview(self.tensor[index].cpu().numpy()).cast("B")
+
+    def views(self, start: int, specs: list[_TensorSpec]) -> dict[str, torch.Tensor]:
+        out = {}
+        for spec in specs:
+            torch_dtype = _DTYPES[spec.dtype]
+            begin = start + spec.offset
+            flat = self.tensor[begin:begin + spec.nbytes]
+            try:
+                out[spec.name] = flat.view(torch_dtype).view(spec.shape)
+            except RuntimeError as exc:  # an offset not a multiple of the element size
+                raise KVPayloadError(f"KV payload tensor {spec.name!r} cannot be viewed as "
+                                     f"{spec.dtype} at byte {begin}: {exc}") from None
+        return out
+
+
 def _views(data: Any, start: int, specs: list[_TensorSpec]) -> dict[str, torch.Tensor]:
     """Each spec's tensor as a view of ``data`` (its offsets count from ``start``)."""
+    if isinstance(data, _DeviceBytes):
+        return data.views(start, specs)
     tensors = {}
     with warnings.catch_warnings():  # a read-only buffer: the receiver only reads it
         warnings.filterwarnings("ignore", message="The given buffer is not writable")

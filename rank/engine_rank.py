@@ -27,6 +27,11 @@ Also:
   gloo only; see `open_group_store` for what torch allows).
 - the `grpc` KV endpoint authenticates every transfer with the cluster's `KVSecret`,
   given to the constructor by the router through Ray (see kv_transfer/grpc_bytes.py).
+- the `device` KV transport gives each (prefill rank, decode rank) pair a two-rank
+  torch.distributed group of its own (NCCL between GPUs, gloo otherwise), formed by the
+  router on first use through `kv_pair_open` / `kv_pair_join` and used by `kv_send` /
+  `kv_receive` (see kv_transfer/torch_dist.py); a prompt rank's engine then gathers its
+  payloads into tensors on its own device.
 
 Nothing here imports torch at module import time, so the router can reference the
 actor classes without pulling torch into its process.
@@ -198,7 +203,8 @@ class EngineRank:
         self.endpoint = make_endpoint(
             kv_transport, self, _node_ip(), secret=kv_secret,
             max_push_bytes=self.max_kv_payload_bytes() if kv_transport == "grpc" else None,
-            staging_bytes=self.kv_staging_bytes())
+            staging_bytes=self.kv_staging_bytes(),
+            device=self.kv_device() if kv_transport == "device" else None)
         if self.engine_type == "prompt" and hasattr(self.engine, "payload_buffer"):
             self.engine.payload_buffer = self.endpoint.payload_buffer
         self.kv_address: str | None = self.endpoint.address
@@ -222,6 +228,20 @@ class EngineRank:
         ring = cache.ring_bytes() // max(1, int(cache.num_state_slots))
         return max_payload_bytes(tokens, blocks * cache.bytes_per_block() + ring)
 
+    def kv_device(self) -> str:
+        """Where this rank's KV cache lives ("cpu", "cuda:0"; the configured device when
+        the engine does not say)."""
+        cache = getattr(getattr(self.engine, "runner", None), "kv_cache", None)
+        device = getattr(cache, "device", None)
+        if device is not None:
+            return str(device)
+        device = self.engine_config.get("device") or "cpu"
+        if device == "cuda":
+            import torch
+
+            device = f"cuda:{torch.cuda.current_device()}"
+        return str(device)
+
     def kv_staging_bytes(self) -> int:
         """Shared memory a PROMPT rank may keep for payloads on their way: as much as its
         KV cache holds (payloads beyond that go through the object store)."""
@@ -243,13 +263,22 @@ class EngineRank:
             node_id = ray.get_runtime_context().get_node_id()
         except Exception:  # not inside Ray (unit tests)
             pass
+        device, gpu_uuid = self.kv_device(), ""
+        if device.startswith("cuda"):
+            import torch
+
+            try:
+                gpu_uuid = str(torch.cuda.get_device_properties(torch.device(device)).uuid)
+            except Exception:  # unknown: the device transport then stays on gloo
+                pass
         return RankInfo(
             pool=self.pool_name, engine_type=self.engine_type, pid=os.getpid(), node_id=node_id,
             host=_node_ip(), max_model_len=int(eng.max_model_len),
             vocab_size=int(getattr(getattr(eng, "runner", None), "vocab_size", None)
                            or tok.vocab_size),
             eos_token_id=tok.eos_token_id, block_size=int(self.engine_config.get("block_size", 16)),
-            num_total_blocks=stats.num_total_blocks, kv_address=self.kv_address)
+            num_total_blocks=stats.num_total_blocks, kv_address=self.kv_address,
+            device=device, gpu_uuid=gpu_uuid)
 
     def ping(self) -> int:
         """Answers at once (no engine lock): the controller's liveness check."""
@@ -467,6 +496,51 @@ class EngineRank:
         """The ray transport's cut (``deliver(..., skip_blocks)``): this rank's payload
         without the prefix the receiver's cache holds, as a new object."""
         return payload_without_prefix(payload, num_blocks)
+
+    # The device transport (kv_transfer/torch_dist.py): a pair group per (prefill rank,
+    # decode rank), formed by the router on first use (this rank hosts its store when it
+    # is the source: kv_pair_open; both join: kv_pair_join), then one kv_send on the
+    # source and one kv_receive on the destination per payload, called concurrently.
+    # Each answers an ImportResult and never raises (a failure is kind "transport").
+
+    def kv_pair_open(self, pair: str, timeout_s: float) -> str:
+        """Source: host pair ``pair``'s store on this node; its tcp:// address."""
+        return self.endpoint.open_pair(pair, timeout_s)
+
+    def kv_pair_join(self, pair: str, address: str, rank: int, nonce: str, backend: str,
+                     timeout_s: float) -> str:
+        """Join pair ``pair``'s group (rank 0: source, 1: destination); "" once formed,
+        else what failed (the nonce never shown)."""
+        try:
+            self.endpoint.join_pair(pair, address, rank, nonce, backend, timeout_s)
+        except Exception as exc:
+            return _error_text(exc).replace(nonce, "<nonce>")
+        return ""
+
+    def kv_send(self, pair: str, attempt: str, skip_blocks: int, timeout_s: float) -> ImportResult:
+        """Source: send ``attempt``'s payload over pair ``pair`` (its first ``skip_blocks``
+        blocks cut off here first); ``nbytes``: what crossed."""
+        try:
+            nbytes = self.endpoint.send(pair, attempt, skip_blocks, timeout_s)
+        except Exception as exc:
+            return ImportResult(False, kind="transport",
+                                error=self.endpoint.redact(_error_text(exc)))
+        return ImportResult(True, attempt=attempt, nbytes=nbytes)
+
+    def kv_receive(self, pair: str, nbytes: int, skip_blocks: int,
+                   timeout_s: float) -> ImportResult:
+        """Destination: receive one payload over pair ``pair`` (a tensor on this rank's
+        device) and import it (the source cut any ``skip_blocks`` already)."""
+        try:
+            data = self.endpoint.receive(pair, nbytes, skip_blocks, timeout_s)
+        except Exception as exc:
+            return ImportResult(False, kind="transport",
+                                error=self.endpoint.redact(_error_text(exc)))
+        return self.import_prefilled(data)
+
+    def kv_pair_drop(self, pair: str) -> bool:
+        """Forget pair ``pair``'s group (closed once its transfers ended)."""
+        return self.endpoint.drop_pair(pair)
 
     def abort(self, attempt: str) -> bool:
         self.endpoint.release(attempt)

@@ -53,6 +53,10 @@ class RankInfo:
     block_size: int
     num_total_blocks: int
     kv_address: str | None = None  # the gRPC KV endpoint, for the grpc transport
+    # where the engine's KV lives ("cpu", "cuda:0") and, on CUDA, the GPU's UUID: the
+    # device transport's pair backend (NCCL between two different GPUs)
+    device: str = "cpu"
+    gpu_uuid: str = ""
 
 
 @dataclass

@@ -76,7 +76,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dashboard", action="store_true",
                    help="embedded Ray only: start Ray's dashboard too (on 127.0.0.1; off by "
                    "default: it doubles Ray's processes)")
-    p.add_argument("--kv-transport", choices=["ray", "grpc"], default=None, help="default ray")
+    p.add_argument("--kv-transport", choices=["auto", "ray", "device", "grpc"], default=None,
+                   help="how KV reaches the decode ranks (default auto: device, GPU to GPU "
+                   "over NCCL, when both pools have num_gpus > 0, else ray)")
     p.add_argument("--routing", choices=["cache_aware", "least_loaded"], default=None,
                    help="how a prompt's rank is chosen (default cache_aware: fewest prompt "
                    "tokens to compute before its first token, the rank's prefix cache "
@@ -204,6 +206,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         address = f"{config.host}:{server.port}"
         print(f"pdserve router listening on {address}", flush=True)
+        print(f"kv transport {server.service.transport.name}", flush=True)
         if server.metrics_port:
             print(f"metrics on http://{config.host}:{server.metrics_port}/metrics", flush=True)
         if server.http_port:

@@ -12,7 +12,9 @@ from pdserve.scheduler.sampling_params import MAX_CHOICES
 
 MODES = ("disaggregated", "normal")
 ROUTINGS = ("cache_aware", "least_loaded")
-TRANSPORTS = ("ray", "grpc")  # in_process (kv_transfer) serves ranks in one process only
+# in_process (kv_transfer) serves ranks in one process only; "auto" is resolved at start
+# (resolved_kv_transport): "device" when both pools hold GPUs, else "ray"
+TRANSPORTS = ("auto", "ray", "grpc", "device")
 
 
 @dataclass
@@ -43,10 +45,14 @@ class RouterConfig:
     # Prometheus text endpoint (router/metrics.py): None = port + 1 (a free port when
     # `port` is 0); 0 turns it off.
     metrics_port: int | None = None
-    kv_transport: str = "ray"
+    # How KV payloads reach the decode ranks (kv_transfer/): "ray" (shared memory on one
+    # node, the object store across nodes), "device" (GPU to GPU over a torch.distributed
+    # pair group, NCCL; gloo on CPU), "grpc" (bytes through the router); "auto": "device"
+    # when both the prefill and the decode pool have num_gpus > 0, else "ray".
+    kv_transport: str = "auto"
     # Disaggregated: a prompt that takes several prefill steps streams the KV of each
     # step's full blocks to its decode rank while the rest computes, so the hand-off
-    # after its last chunk carries only that chunk (router/service.py, _KVStream).
+    # after its last chunk carries only that chunk (router/kv_stream.py).
     kv_streaming: bool = True
     # How a prompt's rank is chosen (router/pools.py, Pool.choose_prefill): cache_aware
     # scores each rank by the prompt tokens it would compute before this request's
@@ -163,6 +169,15 @@ class RouterConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for pool in self.pools():
             pool.validate()
+
+    def resolved_kv_transport(self) -> str:
+        """``kv_transport`` with "auto" decided: "device" when the prefill and the decode
+        pool both ask for GPUs (disaggregated), else "ray"."""
+        if self.kv_transport != "auto":
+            return self.kv_transport
+        if self.mode == "disaggregated" and self.prefill.num_gpus > 0 and self.decode.num_gpus > 0:
+            return "device"
+        return "ray"
 
     @property
     def model_name(self) -> str:

@@ -10,6 +10,7 @@ an abort (client gone, deadline, `Abort`) reaches the request wherever it is.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -40,13 +41,19 @@ log = logging.getLogger(__name__)
 class RouterService:
     def __init__(self, config: RouterConfig) -> None:
         config.validate()
+        if config.kv_transport == "auto":  # decided once, here: the ranks get the result
+            resolved = config.resolved_kv_transport()
+            log.info("kv_transport auto: %s (prefill num_gpus %g, decode num_gpus %g)",
+                     resolved, config.prefill.num_gpus, config.decode.num_gpus)
+            config = dataclasses.replace(config, kv_transport=resolved)
         self.config = config
         self.tracker = RequestTracker(config.max_queue_depth)
         # The cluster's KV key: the grpc transport authorizes every transfer with it; it
         # reaches the ranks only as an actor argument (Pool._new_actor), never a file,
         # the environment or a log (KVSecret's repr hides it).
         self._kv_secret = KVSecret.generate() if config.kv_transport == "grpc" else None
-        self.transport = make_transport(config.kv_transport, secret=self._kv_secret)
+        self.transport = make_transport(config.kv_transport, secret=self._kv_secret,
+                                        timeout_s=config.handoff_timeout_s)
         self.pools: dict[str, Pool] = {p.name: Pool(p, config, kv_secret=self._kv_secret)
                                        for p in config.pools()}
         for pool in self.pools.values():

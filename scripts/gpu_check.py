@@ -1,8 +1,12 @@
 """GPU check: the runner on CUDA equals transformers (fp32 greedy, logits), bf16 runs,
-and the kernel benchmark's headline ratios. Without CUDA it says so and exits 0.
+the kernel benchmark's headline ratios, and the ``device`` KV transport's bandwidth
+between two processes (a pair group: NCCL across two GPUs; on one GPU gloo staged through
+the host, since NCCL refuses two ranks on one GPU) at 16/64/256 MiB against a device
+memcpy (``device_transport`` in the summary). Without CUDA it says so and exits 0.
 
     python scripts/gpu_check.py                 # on a machine with a GPU (~1-2 min)
     python scripts/gpu_check.py --device cpu    # same checks on CPU (to test the script)
+    python scripts/gpu_check.py --only-transport  # just the device transport section
 
 Prints one JSON summary line at the end; exit status 1 if an equivalence fails.
 """
@@ -21,15 +25,121 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+TRANSPORT_SIZES_MIB = (16, 64, 256)
+
+
+def _transport_rank(rank: int, device: str, backend: str, sizes: tuple, reps: int,
+                    address_q, result_q) -> None:
+    """One side of the measured pair (rank 0 sends, rank 1 receives), in its own process."""
+    from pdserve.kv_transfer.torch_dist import DeviceEndpoint
+
+    try:
+        if device == "cuda":
+            device = f"cuda:{rank % torch.cuda.device_count()}"
+        endpoint = DeviceEndpoint(device, "127.0.0.1")
+        nonce = os.urandom(16).hex()
+        if rank == 0:
+            address = endpoint.open_pair("bench", 60.0)
+            address_q.put((address, nonce))
+        else:
+            address, nonce = address_q.get(timeout=120)
+        endpoint.join_pair("bench", address, rank, nonce, backend, 60.0)
+        out = {}
+        for mib in sizes:
+            nbytes = mib << 20
+            if rank == 0:
+                endpoint.export("x", torch.full((nbytes,), 7, dtype=torch.uint8, device=device))
+                for _ in range(reps + 1):  # the first one warms up
+                    endpoint.send("bench", "x", 0, 120.0)
+                endpoint.release("x")
+                continue
+            endpoint.receive("bench", nbytes, 0, 120.0)
+            if endpoint.device.type == "cuda":
+                torch.cuda.synchronize(endpoint.device)
+            start = time.perf_counter()
+            for _ in range(reps):
+                got = endpoint.receive("bench", nbytes, 0, 120.0)
+            if endpoint.device.type == "cuda":
+                torch.cuda.synchronize(endpoint.device)
+            seconds = time.perf_counter() - start
+            assert got.device == endpoint.device and int(got[-1]) == 7
+            out[mib] = reps * mib / seconds
+        endpoint.close()
+        result_q.put((rank, True, out))
+    except BaseException as exc:  # reported, not hung on
+        result_q.put((rank, False, f"{type(exc).__name__}: {exc}"))
+
+
+def device_transport_check(dev: torch.device, reps: int = 5) -> dict:
+    """The device transport between two processes against a device memcpy, in MiB/s."""
+    import torch.multiprocessing as tmp
+
+    on_cuda = dev.type == "cuda"
+    backend = "nccl" if on_cuda and torch.cuda.device_count() >= 2 else "gloo"
+    out: dict = {"backend": backend, "path": (
+        "nccl, GPU to GPU" if backend == "nccl" else
+        "gloo, staged through host memory (one GPU)" if on_cuda else "gloo, CPU ranks")}
+    ctx = tmp.get_context("spawn")
+    address_q, result_q = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_transport_rank, daemon=True,
+                         args=(r, dev.type, backend, TRANSPORT_SIZES_MIB, reps, address_q,
+                               result_q)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in procs:
+            rank, ok, value = result_q.get(timeout=300)
+            results[rank] = (ok, value)
+    except Exception as exc:
+        out["error"] = f"no result from both ranks: {type(exc).__name__}: {exc}"
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.terminate()
+    failed = [f"rank {r}: {v}" for r, (ok, v) in sorted(results.items()) if not ok]
+    if failed:
+        out["error"] = "; ".join(failed)
+    if "error" in out:
+        return out
+    received = results[1][1]
+    for mib in TRANSPORT_SIZES_MIB:
+        src = torch.full((mib << 20,), 7, dtype=torch.uint8, device=dev)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        if on_cuda:
+            torch.cuda.synchronize(dev)
+        start = time.perf_counter()
+        for _ in range(reps):
+            dst.copy_(src)
+        if on_cuda:
+            torch.cuda.synchronize(dev)
+        memcpy = reps * mib / (time.perf_counter() - start)
+        out[f"{mib}MiB"] = {"transport_mib_s": round(received[mib], 1),
+                            "memcpy_mib_s": round(memcpy, 1),
+                            "ratio": round(received[mib] / memcpy, 4)}
+    return out
+
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--no-bench", action="store_true")
+    ap.add_argument("--no-transport", action="store_true",
+                    help="skip the device KV transport's bandwidth check")
+    ap.add_argument("--only-transport", action="store_true",
+                    help="only the device KV transport's bandwidth check")
     args = ap.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device"}))
         return 0
+    if args.only_transport:
+        dev = torch.device(args.device)
+        summary = {"device": str(dev), "torch": torch.__version__,
+                   "device_transport": device_transport_check(dev)}
+        summary["ok"] = "error" not in summary["device_transport"]
+        print(json.dumps(summary))
+        return 0 if summary["ok"] else 1
     from pdserve.engine.model_runner import ModelRunner, RunnerRow
     from pdserve.engine.tiny_model import make_tiny_model
     from transformers import AutoModelForCausalLM
@@ -83,6 +193,9 @@ def main() -> int:
         out = Path("results") / f"bench_kernels_{dev.type}.json"
         bench_main(["--device", str(dev), "--out", str(out)])
         summary["bench"] = json.loads(out.read_text())["summary"]
+    if not args.no_transport:
+        summary["device_transport"] = device_transport_check(dev)
+        ok &= "error" not in summary["device_transport"]
     summary["ok"] = ok
     print(json.dumps(summary))
     return 0 if ok else 1

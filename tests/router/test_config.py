@@ -12,7 +12,8 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "router" / "serve.example.yaml"
 
 def test_example_file_loads():
     config = load_config(EXAMPLE)
-    assert config.mode == "disaggregated" and config.kv_transport == "ray" and config.kv_streaming
+    assert config.mode == "disaggregated" and config.kv_transport == "auto" and config.kv_streaming
+    assert config.resolved_kv_transport() == "ray"  # the example's pools ask for no GPUs
     assert config.prefill.resources == {"prefill": 1}
     assert config.routing == "cache_aware" and config.max_choices == 16
     assert config.decode.engine == {"block_size": 16, "max_num_seqs": 64,
@@ -37,6 +38,21 @@ def test_example_file_loads():
 def test_bad_config_names_the_field(data, needle):
     with pytest.raises(ValueError, match=needle):
         config_from_dict(data)
+
+
+@pytest.mark.parametrize("data, resolved", [
+    ({}, "ray"),
+    ({"prefill": {"num_gpus": 1}}, "ray"),  # only one pool on GPUs
+    ({"prefill": {"num_gpus": 1}, "decode": {"num_gpus": 0.5}}, "device"),
+    ({"prefill": {"num_gpus": 1}, "decode": {"num_gpus": 1}, "mode": "normal"}, "ray"),
+    ({"prefill": {"num_gpus": 1}, "decode": {"num_gpus": 1}, "kv_transport": "ray"}, "ray"),
+    ({"prefill": {"num_gpus": 1}, "decode": {"num_gpus": 1}, "kv_transport": "grpc"}, "grpc"),
+    ({"kv_transport": "device"}, "device"),  # on CPU ranks: gloo pair groups
+])
+def test_kv_transport_auto_is_device_when_both_pools_have_gpus(data, resolved):
+    config = config_from_dict(data)
+    assert config.kv_transport == data.get("kv_transport", "auto")
+    assert config.resolved_kv_transport() == resolved
 
 
 def test_flags_override_the_file(tmp_path):
