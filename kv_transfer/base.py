@@ -23,6 +23,7 @@ COMPLETION rank. Each backend is one module holding every side of it:
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import secrets
@@ -127,6 +128,11 @@ class KVTransport(ABC):
     async def release(self, ticket: Any, src: Any) -> None:
         """The decode rank confirmed the import: the source may free the payload."""
         await self.discard(ticket, src)
+
+    async def release_many(self, tickets: list[Any], src: Any) -> None:
+        """``release`` of several payloads of one source (a request's streamed chunks);
+        a transport whose release is a call to the source makes it one call."""
+        await asyncio.gather(*(self.release(ticket, src) for ticket in tickets))
 
     @abstractmethod
     async def discard(self, ticket: Any, src: Any) -> None:

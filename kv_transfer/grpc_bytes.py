@@ -637,6 +637,12 @@ class GrpcBytesTransport(KVTransport):
         except Exception:  # a dead source holds nothing any more
             pass
 
+    async def release_many(self, tickets: list[Any], src: Any) -> None:
+        try:  # one call for all of them
+            await src.actor.release_kv_many.remote([t.locator[1] for t in tickets])
+        except Exception:
+            pass
+
     async def close(self) -> None:
         for channel in self._channels.values():
             await channel.close()

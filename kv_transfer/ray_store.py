@@ -156,6 +156,14 @@ class RayObjectStoreTransport(KVTransport):
         self._delivered(nbytes)
         return DeliveryResult(True, attempt=result.attempt, nbytes=nbytes)
 
+    async def release_many(self, tickets: list[Any], src: Any) -> None:
+        keys = [t.attempt for t in tickets if isinstance(t.locator, SharedPayload)]
+        if keys:  # one call for all of them (objects go with the router's references)
+            try:
+                await asyncio.wait_for(src.actor.release_kv_many.remote(keys), RELEASE_TIMEOUT_S)
+            except Exception:
+                pass
+
     async def discard(self, ticket: Any, src: Any) -> None:
         # An object goes with the router's last reference; a staged segment is the
         # source's to reuse, so it must be told (a dead source freed it already).

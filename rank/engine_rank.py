@@ -684,6 +684,10 @@ class EngineRank:
     def release_kv(self, attempt: str) -> None:
         self.endpoint.release(attempt)
 
+    def release_kv_many(self, attempts: list[str]) -> None:
+        for attempt in attempts:
+            self.endpoint.release(attempt)
+
     def shutdown(self) -> None:
         self.pause(timeout_s=2.0)
         self.endpoint.close()

@@ -470,10 +470,10 @@ class RouterService:
         async with stream.lock:  # after a delivery in progress
             stream.closed = True
             dst, partial = stream.dst, stream.delivered > 0
-        for chunk in stream.chunks:
-            if imported:
-                self._spawn(self.transport.release(chunk, stream.src))
-            else:
+        if imported:
+            self._spawn(self.transport.release_many(stream.chunks, stream.src))
+        else:
+            for chunk in stream.chunks:
                 self._spawn(self.transport.discard(chunk, stream.src))
         if not imported and partial and dst is not None and dst.state != DEAD:
             await self._abort_on(dst, attempt)
