@@ -202,6 +202,8 @@ class LLMEngine:
             del self._partial[payload.stream_of]
             self.scheduler.release_blocks(partial.block_ids[skipped:])
             return partial.block_ids[:skipped]
+        if partial is not None:  # short of what the payload left out: of no use now
+            self._drop_partial(payload.stream_of)
         held = self.scheduler.take_cached_prefix(prompt, skipped)
         if held is None:
             raise CacheMissError(

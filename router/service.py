@@ -31,7 +31,7 @@ from pdserve.rank.messages import (
 from pdserve.router.config import RouterConfig
 from pdserve.router.kv_stream import KVStream, send_chunks
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pools import DEAD, Pool, PromptBlocks, RankHandle
+from pdserve.router.pools import DEAD, READY, Pool, PromptBlocks, RankHandle
 from pdserve.router.requests import DECODE, HANDOFF, PREFILL, QUEUED, RequestState, RequestTracker
 from pdserve.router.validation import ModelLimits, PreparedRequest, RequestError
 
@@ -552,7 +552,7 @@ class RouterService:
             if retry_whole is not None:
                 dst, skip, retry_whole = retry_whole, 0, None
             elif stream is not None and stream.dst is not None and not stream.broken \
-                    and stream.dst.state != DEAD and stream.dst.uid not in tried:
+                    and stream.dst.state == READY and stream.dst.uid not in tried:
                 dst, skip = stream.dst, 0  # it holds the chunks already
             else:
                 dst = await pool.wait_for_decode(tried, self.config.rank_wait_s,

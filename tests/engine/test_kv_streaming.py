@@ -93,10 +93,12 @@ def test_a_hand_off_whose_chunks_never_arrived_is_a_cache_miss(model_dirs):
     receiver = engine(model, "completion", enable_prefix_caching=False)
     with pytest.raises(CacheMissError, match="streamed chunks"):
         receiver.import_prefilled(handoff.payload)
+    free = receiver.scheduler.num_free_blocks
     receiver.import_prefilled(chunks[0].payload)  # only some of them: still a miss
     with pytest.raises(CacheMissError):
         receiver.import_prefilled(handoff.payload)
-    for chunk in chunks[1:]:
+    assert receiver.scheduler.num_free_blocks == free  # ... and those went: send them all
+    for chunk in chunks:
         receiver.import_prefilled(chunk.payload)
     receiver.import_prefilled(handoff.payload)  # now whole
     assert len(decode(receiver)) == GREEDY.max_tokens - 1
