@@ -135,7 +135,11 @@ def _pair_rank(ctx, nonce: str, device: str, backend: str, die_before: str = "")
         address = ctx.store.get("address").decode()
     endpoint.join_pair("p1-d1-1", address, ctx.rank, nonce, backend, 10.0)
     out: dict = {"pairs": endpoint.pairs()}
+    if ctx.rank == 1:
+        ctx.store.set("joined", "1")
     if die_before == ("send" if ctx.rank == 0 else "receive"):
+        if ctx.rank == 0:  # once the pair is whole on both sides (its store dies with it)
+            ctx.store.get("joined")
         os._exit(3)
     if ctx.rank == 0:
         for seed, skip in ((1, 0), (2, 2), (3, 0)):
