@@ -25,7 +25,8 @@ def test_the_stand_in_ranks_move_real_kv_blocks_and_notice_a_change():
 
 def test_both_transports_beside_memcpy(ray_session, tmp_path):
     out = tmp_path / "kv.json"
-    rc = kv_transfer.main(["--sizes", "0.25,1", "--repeats", "1", "--result-file", str(out)])
+    rc = kv_transfer.main(["--sizes", "0.25,1", "--repeats", "1", "--prompt-tokens", "none",
+                           "--result-file", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["sizes_mib"] == [0.25, 1.0]
@@ -44,3 +45,20 @@ def test_both_transports_beside_memcpy(ray_session, tmp_path):
     assert len(r["seconds"]["grpc_ceiling"]) == 2 and all(len(s) == 1 for s in r["seconds"]["grpc_ceiling"])
     assert (tmp_path / "kv.png").stat().st_size > 10_000
     assert ray_session.is_initialized()  # the session's Ray was reused, not shut down
+
+
+def test_the_hand_off_share_through_two_services(ray_session, tmp_path):
+    out = tmp_path / "share.json"
+    rc = kv_transfer.main(["--sizes", "0.25", "--repeats", "1", "--transports", "ray",
+                           "--prompt-tokens", "160", "--chunk-tokens", "32",
+                           "--share-repeats", "1", "--no-plot", "--result-file", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["copies"]["ray"]["shared memory (one node)"] == 2
+    share = r["handoff_share"]
+    streamed, whole = share["modes"]["streamed"], share["modes"]["whole"]
+    # 160 tokens in steps of 32: the last step's 2 blocks go with the hand-off, not 10
+    assert 0 < streamed["kv_bytes"][0] < 0.4 * whole["kv_bytes"][0]
+    for rows in (streamed, whole):
+        assert 0 < rows["ttft_s"][0] < rows["ttst_s"][0]
+        assert 0 < rows["handoff_share_of_ttst"][0] < 1
