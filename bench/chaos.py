@@ -360,9 +360,9 @@ def restore_and_check(harness: Any, sizes: dict[str, int], result: ScenarioResul
     for err in harness.drained_errors():
         result.leaked += 1
         result.problems.append(err)
-    if svc._streams:  # KV streamed ahead of a hand-off that never came
+    if svc.num_kv_streams:  # KV streamed ahead of a hand-off that never came
         result.leaked += 1
-        result.problems.append(f"router still holds KV streams of {sorted(svc._streams)}")
+        result.problems.append(f"router still holds {svc.num_kv_streams} KV streams")
     if svc.num_handoffs_in_flight:  # each holds a payload's ticket (a Ray object ref)
         result.leaked += 1
         result.problems.append(f"{svc.num_handoffs_in_flight} hand-offs still hold payloads")

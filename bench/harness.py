@@ -69,13 +69,15 @@ class RouterHarness:
             self.thread.join(10)
 
     def assert_nothing_left(self, timeout: float = 30.0) -> None:
-        """No request in the router; every live rank's blocks, slots and payloads free."""
+        """No request (nor KV stream) in the router; every live rank's blocks, slots,
+        payloads and partial imports free."""
         stats = self.wait_drained(timeout)
         for ranks in stats.values():
             for r in ranks:
                 if r["state"] != "dead":
                     assert r["num_free_blocks"] == r["num_total_blocks"], r
         assert len(self.service.tracker) == 0
+        assert self.service.num_kv_streams == 0
         assert self.drained_errors() == []
 
 

@@ -74,6 +74,11 @@ class RouterService:
         self._stopping = False
 
     @property
+    def num_kv_streams(self) -> int:
+        """Requests whose KV is being streamed ahead of their hand-off."""
+        return len(self._streams)
+
+    @property
     def disaggregated(self) -> bool:
         return self.config.mode == "disaggregated"
 

@@ -34,15 +34,6 @@ def steps_since(router, t0: float, kind: str) -> list[dict]:
             if r["kind"] == kind and r["num_rows"] > 0]
 
 
-def assert_drained(router) -> None:
-    stats = router.wait_drained()
-    for ranks in stats.values():
-        for r in ranks:
-            assert r["num_free_blocks"] == r["num_total_blocks"], r
-    assert router.drained_errors() == []
-    assert len(router.service.tracker) == 0
-
-
 def test_n_greedy_choices_share_one_prefill_and_one_hand_off(router, reference):
     want = reference([PROMPT], 10)[0]
     t0 = time.time()
@@ -58,7 +49,7 @@ def test_n_greedy_choices_share_one_prefill_and_one_hand_off(router, reference):
     if router.service.disaggregated:
         assert prompts[0]["num_handoffs"] == 1
         assert len(steps_since(router, t0, "import")) == 1  # one payload for four choices
-    assert_drained(router)
+    router.assert_nothing_left()
 
 
 def test_seeded_choice_i_equals_a_request_with_seed_plus_i(router):
@@ -68,7 +59,7 @@ def test_seeded_choice_i_equals_a_request_with_seed_plus_i(router):
         alone = [client.generate(PROMPT, seed=11 + i, **settings) for i in range(3)]
     assert [o.token_ids for o in outs] == [a.token_ids for a in alone]
     assert len({tuple(o.token_ids) for o in outs}) == 3  # the choices differ
-    assert_drained(router)
+    router.assert_nothing_left()
 
 
 def test_abort_by_label_ends_every_choice(router):
@@ -89,7 +80,7 @@ def test_abort_by_label_ends_every_choice(router):
         assert client.abort("many")
     thread.join(60)
     assert [o.finish_reason for o in results] == ["abort"] * 3
-    assert_drained(router)
+    router.assert_nothing_left()
 
 
 def test_a_stop_string_at_the_first_token_ends_each_choice(router, reference):
@@ -102,7 +93,7 @@ def test_a_stop_string_at_the_first_token_ends_each_choice(router, reference):
                                        stop=[first_text.strip()])
     assert [o.finish_reason for o in outs] == ["stop"] * 3
     assert len({o.text for o in outs}) == 1
-    assert_drained(router)
+    router.assert_nothing_left()
 
 
 def test_n_above_max_choices_is_refused_naming_n(router):
@@ -142,7 +133,7 @@ def test_http_completions_n_per_prompt(openai_client, model, reference, router):
     prompt_tokens = sum(len(out.choices[i].model_extra["prompt_token_ids"]) for i in (0, 3))
     assert out.usage.prompt_tokens == prompt_tokens  # each prompt counted once
     assert out.usage.completion_tokens == 6 * 8
-    assert_drained(router)
+    router.assert_nothing_left()
 
 
 def test_http_streamed_chat_n_equals_the_whole_one(openai_client, model, router):
@@ -164,7 +155,7 @@ def test_http_streamed_chat_n_equals_the_whole_one(openai_client, model, router)
     assert chunks[-1].choices == []
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
-    assert_drained(router)
+    router.assert_nothing_left()
 
 
 def test_http_n_too_large_is_a_400_naming_n(openai_client, model, router):

@@ -217,16 +217,6 @@ def test_a_pair_that_cannot_form_fails_in_bounded_time_without_the_nonce():
 # -- through the router: real Ray actors, gloo on CPU ----------------------------------
 
 
-def _drained(router) -> None:
-    stats = router.wait_drained()
-    for ranks in stats.values():
-        for r in ranks:
-            if r["state"] != "dead":
-                assert r["num_free_blocks"] == r["num_total_blocks"], r
-    assert router.drained_errors() == []
-    assert router.service._streams == {}
-
-
 def _generate_all(router, prompts, delay_s=0.02, max_tokens=MAX_TOKENS):
     async def run():
         async with AsyncClient(router.address, timeout=120) as client:
@@ -293,7 +283,7 @@ def _check_router(router, reference, expect_backend: str) -> None:
     assert state.name not in (None, old)
     src = router.service.pools["prefill"].ready()[0]
     assert ray.get(src.actor.kv_pair_drop.remote(old)) is False  # gone there too
-    _drained(router)
+    router.assert_nothing_left()
 
 
 def test_device_transport_through_the_router_equals_the_offline_llm(make_router, reference):
@@ -346,7 +336,7 @@ def test_a_decode_rank_killed_mid_load_costs_no_tokens(make_router, reference):
         # the service keeps serving, through pair groups to the ranks alive
         again = _generate_all(router, prompts[:4], max_tokens=max_tokens)
         assert [o.token_ids for o in again] == want[:4]
-        _drained(router)
+        router.assert_nothing_left()
     finally:
         router.close()
 

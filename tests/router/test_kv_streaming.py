@@ -32,15 +32,6 @@ async def _generate_all(router, prompts, delay_s=0.0):
         return await asyncio.gather(*(one(i) for i in range(len(prompts))))
 
 
-def assert_drained(router) -> None:
-    stats = router.wait_drained()
-    for ranks in stats.values():
-        for r in ranks:
-            assert r["num_free_blocks"] == r["num_total_blocks"], r
-    assert router.drained_errors() == []
-    assert router.service._streams == {}
-
-
 @pytest.mark.parametrize("transport", ["ray", "grpc"])
 def test_long_prompts_stream_their_kv_and_decode_the_offline_tokens(make_router, reference,
                                                                     transport):
@@ -50,7 +41,7 @@ def test_long_prompts_stream_their_kv_and_decode_the_offline_tokens(make_router,
         outs = asyncio.run(_generate_all(router, prompts, delay_s=0.05))
         assert [o.token_ids for o in outs] == reference(prompts, MAX_TOKENS)
         assert router.service.num_kv_chunks_streamed >= 3 * len(prompts)
-        assert_drained(router)
+        router.assert_nothing_left()
     finally:
         router.close()
 
@@ -67,7 +58,7 @@ def test_a_streamed_hand_off_carries_only_the_last_chunks_blocks(make_router, re
             tokens = [[t for msg in msgs for t in msg.token_ids] for msgs in last]
             results[streaming] = (tokens, [msgs[-1].timings.kv_bytes for msgs in last],
                                   router.service.num_kv_chunks_streamed)
-            assert_drained(router)
+            router.assert_nothing_left()
         finally:
             router.close()
     want = reference(prompts, MAX_TOKENS)
@@ -103,6 +94,6 @@ def test_a_rank_killed_mid_stream_costs_no_tokens(make_router, reference, pool_n
         assert [o.finish_reason for o in outs] == ["length"] * len(prompts)
         assert [o.token_ids for o in outs] == want
         assert victim.state == "dead"
-        assert_drained(router)
+        router.assert_nothing_left()
     finally:
         router.close()
