@@ -41,11 +41,11 @@ PROMPTS = (
     "In the beginning", "for i in range(10):", "The capital of France is", "1, 2, 3, 4,",
 )
 MAX_TOKENS = 40
-# Every fourth request sends a long version of its prompt (50-350 tokens): the prefill
+# Every fourth request sends a long version of its prompt (40-230 tokens): the prefill
 # ranks take 64 tokens a step (chaos_router_config), so it streams its KV in chunks to
 # its decode rank while it computes, and kills and resizes land mid-stream too.
 LONG_EVERY = 4
-LONG_REPEATS = 15
+LONG_REPEATS = 10
 
 
 def long_prompt(prompt: str) -> str:

@@ -10,7 +10,7 @@ import random
 
 import pytest
 import ray
-from pdserve.router.client import AsyncClient, Client
+from pdserve.router.client import AsyncClient
 
 MAX_TOKENS = 8
 # the prefill ranks take a prompt 64 tokens a step: a 300-token prompt streams 4 chunks
@@ -46,29 +46,8 @@ def test_long_prompts_stream_their_kv_and_decode_the_offline_tokens(make_router,
         router.close()
 
 
-def test_a_streamed_hand_off_carries_only_the_last_chunks_blocks(make_router, reference):
-    prompts = long_prompts(3, seed=12)
-    results = {}
-    for streaming in (True, False):
-        router = make_router(prefill=1, decode=1, kv_streaming=streaming, engine=ENGINE)
-        try:
-            with Client(router.address, timeout=60) as client:
-                last = [list(client.stream(p, max_tokens=MAX_TOKENS, temperature=0,
-                                           ignore_eos=True)) for p in prompts]
-            tokens = [[t for msg in msgs for t in msg.token_ids] for msgs in last]
-            results[streaming] = (tokens, [msgs[-1].timings.kv_bytes for msgs in last],
-                                  router.service.num_kv_chunks_streamed)
-            router.assert_nothing_left()
-        finally:
-            router.close()
-    want = reference(prompts, MAX_TOKENS)
-    assert results[True][0] == results[False][0] == want
-    assert results[False][2] == 0 and results[True][2] >= 3 * len(prompts)
-    for streamed, whole in zip(results[True][1], results[False][1], strict=True):
-        assert 0 < streamed < 0.4 * whole, (streamed, whole)  # 64 of ~260 tokens
-
-
-@pytest.mark.parametrize("pool_name", ["decode", "prefill"])
+# (a prefill rank killed mid-stream: the chaos scenarios, whose long prompts stream)
+@pytest.mark.parametrize("pool_name", ["decode"])
 def test_a_rank_killed_mid_stream_costs_no_tokens(make_router, reference, pool_name):
     router = make_router(prefill=2, decode=2, collective_timeout_s=3.0, engine=ENGINE)
     try:
