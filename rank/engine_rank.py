@@ -479,11 +479,10 @@ class EngineRank:
             return ImportResult(False, kind=UNREACHABLE, error=_error_text(exc))
         result = self.import_prefilled(view, borrowed=True, skip_blocks=skip_blocks)
         del view
-        if result.ok and not self.endpoint.still_valid(locator):
-            self.abort(result.attempt)  # it read bytes the sender had reused meanwhile
-            return ImportResult(False, kind="transport",
-                                error="the sender reused the KV segment while it was read")
-        if not result.ok and result.kind == "payload" and not self.endpoint.still_valid(locator):
+        # what it read (taken, or refused as malformed) is void if the sender reused it
+        if (result.ok or result.kind == "payload") and not self.endpoint.still_valid(locator):
+            if result.ok:
+                self.abort(result.attempt)
             return ImportResult(False, kind="transport",
                                 error="the sender reused the KV segment while it was read")
         return result
