@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 DEFAULT_HOST = "127.0.0.1"
@@ -115,9 +116,28 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="CPUs Ray reserves per rank (default 0.5)")
     p.add_argument("--num-gpus", type=float, default=None,
                    help="GPUs per rank (default 0: CPU ranks; > 0 puts the engines on CUDA)")
+    p.add_argument("--autoscale", action="store_true", default=None,
+                   help="the SLO planner sizes the prefill pool for --slo-ttft-ms and the "
+                   "decode pool for --slo-itl-ms, within --min/--max-prefill and "
+                   "--min/--max-decode (disaggregated mode; see README, Autoscaling)")
+    p.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="TTFT objective at slo_percentile (default 1000)")
+    p.add_argument("--slo-itl-ms", type=float, default=None,
+                   help="inter-token latency objective at slo_percentile (default 100)")
+    for pool in ("prefill", "decode"):
+        p.add_argument(f"--min-{pool}", type=int, default=None,
+                       help=f"fewest {pool} ranks the planner keeps (default 1)")
+        p.add_argument(f"--max-{pool}", type=int, default=None,
+                       help=f"most {pool} ranks the planner asks for (default 4; at most "
+                       "max_replicas)")
     p.add_argument("--no-self-check", action="store_true")
     p.add_argument("--exit-after-self-check", action="store_true",
                    help="stop once the self-check passed (for CI and `make serve` checks)")
+
+
+# serve flags named exactly as their RouterConfig fields (--min-prefill: min_prefill)
+PLANNER_FLAGS = ("autoscale", "slo_ttft_ms", "slo_itl_ms", "min_prefill", "max_prefill",
+                 "min_decode", "max_decode")
 
 
 def serve_config(args: argparse.Namespace):
@@ -132,7 +152,8 @@ def serve_config(args: argparse.Namespace):
            "auth_token_file": args.auth_token_file, "admin_token_file": args.admin_token_file,
            "tls_cert_file": args.tls_cert_file, "tls_key_file": args.tls_key_file,
            "insecure": args.insecure,
-           "kv_streaming": False if getattr(args, "no_kv_streaming", None) else None}
+           "kv_streaming": False if getattr(args, "no_kv_streaming", None) else None,
+           **{name: getattr(args, name, None) for name in PLANNER_FLAGS}}
     if args.config:
         config = load_config(args.config)
     else:
@@ -186,8 +207,10 @@ def _run_serve(args: argparse.Namespace) -> int:
     if args.ray_address:
         ray.init(address=args.ray_address, log_to_driver=False)
     else:
-        # Embedded local Ray; room to scale each pool on this machine.
-        room = 4 + max(p.replicas for p in config.pools())
+        # Embedded local Ray; room to scale each pool on this machine (and for the
+        # planner to reach its maxima).
+        room = 4 + max([p.replicas for p in config.pools()]
+                       + ([config.max_prefill, config.max_decode] if config.autoscale else []))
         from pdserve.router.embedded_ray import start_embedded_ray
 
         dashboard = start_embedded_ray(
@@ -207,6 +230,11 @@ def _run_serve(args: argparse.Namespace) -> int:
         address = f"{config.host}:{server.port}"
         print(f"pdserve router listening on {address}", flush=True)
         print(f"kv transport {server.service.transport.name}", flush=True)
+        if config.autoscale:
+            print(f"autoscale on: TTFT {config.slo_ttft_ms:g} ms and ITL {config.slo_itl_ms:g} "
+                  f"ms at p{config.slo_percentile:g}; prefill {config.min_prefill}.."
+                  f"{config.max_prefill}, decode {config.min_decode}..{config.max_decode} "
+                  "ranks (pdserve status shows its decisions)", flush=True)
         if server.metrics_port:
             print(f"metrics on http://{config.host}:{server.metrics_port}/metrics", flush=True)
         if server.http_port:
@@ -403,7 +431,28 @@ def _run_status(args: argparse.Namespace) -> int:
                   f"steps {r.num_steps} (empty {r.num_empty_steps})  prefix cache "
                   f"{_hit_rate(r)} hits, {r.num_cached_blocks} blocks, "
                   f"{r.cache_evictions} evictions")
+    _print_planner(state.planner)
     return 0
+
+
+def _print_planner(pl) -> None:
+    print(f"recent latency (last {pl.window_s:g}s): TTFT p50/p90/p99 {pl.ttft_p50_ms:.0f}/"
+          f"{pl.ttft_p90_ms:.0f}/{pl.ttft_p99_ms:.0f} ms, ITL {pl.itl_p50_ms:.0f}/"
+          f"{pl.itl_p90_ms:.0f}/{pl.itl_p99_ms:.0f} ms")
+    if not pl.enabled:
+        print("planner: off (pdserve serve --autoscale turns it on)")
+        return
+    print(f"planner: on, objectives TTFT {pl.slo_ttft_ms:g} ms and ITL {pl.slo_itl_ms:g} ms "
+          f"at p{pl.slo_percentile:g}; prefill {pl.min_prefill}..{pl.max_prefill}, decode "
+          f"{pl.min_decode}..{pl.max_decode} ranks; {pl.num_looks} looks")
+    for pool, note in sorted(pl.notes.items()):
+        if note:
+            print(f"  {pool}: {note}")
+    for d in pl.decisions[-8:]:
+        when = time.strftime("%H:%M:%S", time.localtime(d.at))
+        error = f" ({d.error})" if d.error else ""
+        print(f"  {when} {d.pool} {d.from_replicas} -> {d.to_replicas} [{d.outcome}]{error}: "
+              f"{d.reason}")
 
 
 def _hit_rate(r) -> str:

@@ -124,6 +124,30 @@ class RouterConfig:
     max_failed_steps: int = 3
     # Decode ranks tried for one hand-off before the request is re-prefilled.
     max_handoff_tries: int = 4
+    # The SLO planner (planner/, README "Autoscaling"): with autoscale on, the router
+    # sizes the prefill pool for slo_ttft_ms and the decode pool for slo_itl_ms (both at
+    # the slo_percentile of the last planner_window_s of samples), between the minima
+    # and maxima, through the same resize as `pdserve scale`. Disaggregated mode only.
+    autoscale: bool = False
+    slo_ttft_ms: float = 1000.0
+    slo_itl_ms: float = 100.0
+    slo_percentile: float = 90.0
+    min_prefill: int = 1
+    max_prefill: int = 4
+    min_decode: int = 1
+    max_decode: int = 4
+    # How often it looks; how long a pool is left alone after any change to it (and how
+    # long the router must be idle before both pools go back to their minima).
+    planner_interval_s: float = 5.0
+    planner_cooldown_s: float = 60.0
+    # A new rank's samples are ignored for this long (compile caches, cold KV, first
+    # steps); fewer samples than planner_min_samples judge nothing.
+    planner_warmup_s: float = 30.0
+    planner_window_s: float = 60.0
+    planner_min_samples: int = 5
+    # After a scale-up whose new ranks could not start (Ray could not place them, or
+    # they failed to load), the pool stays at what is placed this long before a retry.
+    planner_backoff_s: float = 600.0
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -169,6 +193,35 @@ class RouterConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for pool in self.pools():
             pool.validate()
+        self._validate_planner()
+
+    def _validate_planner(self) -> None:
+        if not isinstance(self.autoscale, bool):
+            raise ValueError(f"autoscale must be true or false, got {self.autoscale!r}")
+        for name in ("slo_ttft_ms", "slo_itl_ms", "planner_interval_s", "planner_cooldown_s",
+                     "planner_window_s", "planner_backoff_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and 0 < value < float("inf")):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if not (isinstance(self.planner_warmup_s, int | float)
+                and 0 <= self.planner_warmup_s < float("inf")):
+            raise ValueError(f"planner_warmup_s must be >= 0 seconds, got {self.planner_warmup_s!r}")
+        if not 0 < self.slo_percentile <= 100:
+            raise ValueError(f"slo_percentile must be in (0, 100], got {self.slo_percentile!r}")
+        if self.planner_min_samples < 1:
+            raise ValueError(f"planner_min_samples must be >= 1, got {self.planner_min_samples}")
+        for pool in ("prefill", "decode"):
+            low, high = getattr(self, f"min_{pool}"), getattr(self, f"max_{pool}")
+            if not 1 <= low <= high:
+                raise ValueError(f"min_{pool} must be >= 1 and <= max_{pool}, got "
+                                 f"min_{pool} {low}, max_{pool} {high}")
+            if high > self.max_replicas:
+                raise ValueError(f"max_{pool} ({high}) must be <= max_replicas "
+                                 f"({self.max_replicas}): no resize may ask for more")
+        if self.autoscale and self.mode != "disaggregated":
+            raise ValueError("autoscale sizes the prefill and decode pools of disaggregated "
+                             f"mode; mode {self.mode!r} has one pool: scale it with "
+                             "`pdserve scale normal N`, or serve --mode disaggregated")
 
     def resolved_kv_transport(self) -> str:
         """``kv_transport`` with "auto" decided: "device" when the prefill and the decode

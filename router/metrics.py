@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -55,6 +56,10 @@ class RouterMetrics:
         self.handoff = Histogram("pdserve_kv_handoff_seconds",
                                  "Hand-off reported by the prefill rank to payload taken by "
                                  "the decode rank.", buckets=LATENCY_BUCKETS, registry=r)
+        self.planner_decisions = Counter(
+            "pdserve_planner_decisions", "Resizes the SLO planner decided, by pool, "
+            "direction (up, down) and outcome (applied, failed, timed out).",
+            ["pool", "direction", "outcome"], registry=r)
         if service is not None:
             r.register(_RankCollector(service))
         self._server: Any = None
@@ -80,6 +85,9 @@ class RouterMetrics:
     def handed_off(self, nbytes: int, seconds: float) -> None:
         self.kv_bytes.observe(nbytes)
         self.handoff.observe(seconds)
+
+    def planner_decided(self, pool: str, direction: str, outcome: str) -> None:
+        self.planner_decisions.labels(pool, direction, outcome).inc()
 
     # -- exposition ------------------------------------------------------------------
 
@@ -174,3 +182,37 @@ class _RankCollector:
                                     "a step failed, a report was lost).")
         moves.add_metric([], svc.num_moves)
         yield moves
+        yield from _planner_families(svc)
+
+
+def _planner_families(svc):
+    """Pool targets, the recent latency percentiles the planner judges and, with
+    autoscale, which pools it holds back (a scale-up that could not start)."""
+    target = GaugeMetricFamily("pdserve_pool_target_replicas",
+                               "Ranks each pool is at or being resized to.", labels=["pool"])
+    for pool in list(svc.pools.values()):
+        target.add_metric([pool.name], pool.target)
+    yield target
+    now = time.monotonic()
+    recent = GaugeMetricFamily(
+        "pdserve_recent_latency_seconds", "Percentiles of the router's recent TTFT and "
+        "inter-token samples (the last planner_window_s seconds).",
+        labels=["signal", "quantile"])
+    for name, window in (("ttft", svc.latencies.ttft), ("itl", svc.latencies.itl)):
+        for q in (50, 90, 99):
+            value = window.percentile(q, now)
+            if value is not None:
+                recent.add_metric([name, str(q / 100)], value)
+    yield recent
+    planner = svc.planner
+    enabled = GaugeMetricFamily("pdserve_planner_enabled", "1 when the SLO planner "
+                                "(autoscale) sizes the pools.")
+    enabled.add_metric([], 1 if planner is not None else 0)
+    yield enabled
+    if planner is not None:
+        held = GaugeMetricFamily("pdserve_planner_held", "1 while the planner holds a pool "
+                                 "at what is placed (its last scale-up could not start).",
+                                 labels=["pool"])
+        for pool in planner.policy.notes:
+            held.add_metric([pool], 1 if planner.policy.held(pool, now) else 0)
+        yield held

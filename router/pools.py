@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,11 @@ from pdserve.scheduler.prefix_hash import cacheable_blocks, chain_hashes
 log = logging.getLogger(__name__)
 
 STARTING, READY, DRAINING, DEAD = "starting", "ready", "draining", "dead"
+
+
+class RankStartError(RuntimeError):
+    """New ranks did not start in time (Ray could not place them, or they failed to
+    load): the resize that asked for them rolled back. The planner backs off on it."""
 
 
 def _actor_class(pool: str):
@@ -73,6 +79,7 @@ class RankHandle:
     assigned: int = 0             # requests ever sent here (breaks ties round-robin)
     poll_task: asyncio.Task | None = None
     error: str | None = None
+    ready_at: float | None = None  # time.monotonic() it first became READY (warm-up)
     num_loop_failures: int = 0    # engine-loop failures in a row (one per generation)
     failed_generation: int = -1   # the group generation of the last one
     # Names of the full blocks its prefix cache holds, from its step reports
@@ -264,8 +271,8 @@ class Pool:
                 why = TimeoutError(f"not ready within {self.rc.rank_start_timeout_s:g}s "
                                    "(the cluster could not place it, or it is loading slowly)")
             log.error("%d of %d %s ranks failed to start: %s", len(failed), n, self.name, why)
-            raise RuntimeError(f"{len(failed)} of {n} new {self.name} ranks failed to start: "
-                               f"{type(why).__name__}: {why}")
+            raise RankStartError(f"{len(failed)} of {n} new {self.name} ranks failed to "
+                                 f"start: {type(why).__name__}: {why}")
         return handles
 
     async def start(self) -> None:
@@ -340,6 +347,8 @@ class Pool:
                 was_new = r.state == STARTING
                 if r.state != DRAINING:
                     r.state = READY
+                if was_new:
+                    r.ready_at = time.monotonic()
                 if was_new and self.on_new_rank is not None:
                     self.on_new_rank(self, r)
             keep = {r.uid for r in live}

@@ -44,6 +44,10 @@ async def stream_chunks(svc, state) -> AsyncIterator[Chunk]:
                 now = time.monotonic()
                 if last_chunk is not None:
                     svc.metrics.inter_token(now - last_chunk)
+                    _note(svc.latencies.itl, now, now - last_chunk, state.decode_rank)
+                elif state.first_token_at is not None:  # the planner's recent TTFT
+                    _note(svc.latencies.ttft, now, state.first_token_at - state.created,
+                          state.prefill_rank or state.decode_rank)
                 last_chunk = now
             delta = out.push(event.token_ids)
             logprobs = event.logprobs  # aligned with the event's tokens, when asked for
@@ -75,6 +79,14 @@ async def stream_chunks(svc, state) -> AsyncIterator[Chunk]:
             svc.end_now(state, "client disconnected or deadline exceeded")  # aborts: tasks
         svc.metrics.request_finished(state, time.monotonic())
         svc.tracker.release(state.rid)
+
+
+def _note(window, now: float, seconds: float, rank) -> None:
+    """A sample, tagged with the rank that produced it (None: unknown)."""
+    if rank is None:
+        window.add(now, seconds)
+    else:
+        window.add(now, seconds, rank.pool, rank.uid)
 
 
 async def merged_chunks(svc, states: list) -> AsyncIterator[tuple[int, Chunk]]:

@@ -106,7 +106,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             name=p["name"], target_replicas=p["target_replicas"],
             group_generation=p["group_generation"],
             ranks=[router_pb2.RankState(**r) for r in p["ranks"]]) for p in d.pop("pools")]
-        return router_pb2.ClusterState(pools=pools, **d)
+        return router_pb2.ClusterState(pools=pools, planner=planner_message(d.pop("planner")),
+                                       **d)
 
     async def ScalePool(self, request, context):
         if await self._caller(context, admin=True) is None:
@@ -129,6 +130,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         records.sort(key=lambda r: (r["start"], r["pool"], r["rank"]))
         return router_pb2.Timeline(steps=[
             router_pb2.StepRecord(**{k: v for k, v in r.items() if k != "seq"}) for r in records])
+
+
+def planner_message(state: dict) -> router_pb2.PlannerState:
+    """ClusterState.planner from RouterService.planner_state()."""
+    state = dict(state)
+    decisions = [router_pb2.PlannerDecision(**d) for d in state.pop("decisions")]
+    return router_pb2.PlannerState(decisions=decisions, **state)
 
 
 def logprobs_message(chunk) -> list[router_pb2.TokenLogprob]:

@@ -30,6 +30,7 @@ from pdserve.rank.messages import (
 )
 from pdserve.router.config import RouterConfig
 from pdserve.router.kv_stream import KVStream, send_chunks
+from pdserve.router.latency_window import RecentLatencies
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pools import DEAD, READY, Pool, PromptBlocks, RankHandle
 from pdserve.router.requests import DECODE, HANDOFF, PREFILL, QUEUED, RequestState, RequestTracker
@@ -69,6 +70,9 @@ class RouterService:
         self.num_kv_blocks_skipped = 0  # KV blocks a decode rank's cache held: not sent
         self.num_kv_chunks_streamed = 0  # chunks that reached a decode rank ahead of time
         self._streams: dict[str, KVStream] = {}  # attempt -> its KV streamed ahead
+        # Recent TTFT and inter-token samples by rank: the planner's, and status'.
+        self.latencies = RecentLatencies(config.planner_window_s)
+        self.planner = None  # the SLO planner's loop (planner/loop.py), with autoscale
         self.metrics = RouterMetrics(self)
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
@@ -104,6 +108,11 @@ class RouterService:
         self.limits = ModelLimits(vocab_size=vocab, max_model_len=max_len, max_tokens_limit=limit,
                                   max_choices=self.config.max_choices)
         self._spawn(self._watch_stalls())
+        if self.config.autoscale:
+            from pdserve.planner.loop import PlannerLoop  # the planner reads this module
+
+            self.planner = PlannerLoop(self)
+            self._spawn(self.planner.run())
 
     async def stop(self) -> None:
         self._stopping = True
@@ -697,7 +706,24 @@ class RouterService:
                           "group_generation": pool.generation})
         return {"mode": self.config.mode, "model": self.config.model_dir, "pools": pools,
                 "num_inflight": len(self.tracker), "max_queue_depth": self.config.max_queue_depth,
-                "kv_transport": self.transport.name}
+                "kv_transport": self.transport.name, "planner": self.planner_state()}
+
+    def planner_state(self) -> dict:
+        """The planner's settings, its last decisions and notes, and the recent latency
+        percentiles it judges (shown with or without autoscale)."""
+        c, now = self.config, time.monotonic()
+        recent = {f"{name}_p{q}_ms": 1e3 * (window.percentile(q, now) or 0.0)
+                  for name, window in (("ttft", self.latencies.ttft), ("itl", self.latencies.itl))
+                  for q in (50, 90, 99)}
+        state = {"enabled": self.planner is not None, "slo_ttft_ms": c.slo_ttft_ms,
+                 "slo_itl_ms": c.slo_itl_ms, "slo_percentile": c.slo_percentile,
+                 "min_prefill": c.min_prefill, "max_prefill": c.max_prefill,
+                 "min_decode": c.min_decode, "max_decode": c.max_decode,
+                 "window_s": c.planner_window_s, **recent,
+                 "decisions": [], "notes": {}}
+        if self.planner is not None:
+            state.update(self.planner.state())
+        return state
 
     async def timeline(self, since: float = 0.0) -> list[dict]:
         """Every live rank's step records that ended after unix time `since`."""

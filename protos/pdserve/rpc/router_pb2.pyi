@@ -179,20 +179,89 @@ class PoolState(_message.Message):
     def __init__(self, name: _Optional[str] = ..., target_replicas: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankState, _Mapping]]] = ..., group_generation: _Optional[int] = ...) -> None: ...
 
 class ClusterState(_message.Message):
-    __slots__ = ("mode", "model", "pools", "num_inflight", "max_queue_depth", "kv_transport")
+    __slots__ = ("mode", "model", "pools", "num_inflight", "max_queue_depth", "kv_transport", "planner")
     MODE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     NUM_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PLANNER_FIELD_NUMBER: _ClassVar[int]
     mode: str
     model: str
     pools: _containers.RepeatedCompositeFieldContainer[PoolState]
     num_inflight: int
     max_queue_depth: int
     kv_transport: str
-    def __init__(self, mode: _Optional[str] = ..., model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolState, _Mapping]]] = ..., num_inflight: _Optional[int] = ..., max_queue_depth: _Optional[int] = ..., kv_transport: _Optional[str] = ...) -> None: ...
+    planner: PlannerState
+    def __init__(self, mode: _Optional[str] = ..., model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolState, _Mapping]]] = ..., num_inflight: _Optional[int] = ..., max_queue_depth: _Optional[int] = ..., kv_transport: _Optional[str] = ..., planner: _Optional[_Union[PlannerState, _Mapping]] = ...) -> None: ...
+
+class PlannerDecision(_message.Message):
+    __slots__ = ("at", "pool", "from_replicas", "to_replicas", "reason", "outcome", "error")
+    AT_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    FROM_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    TO_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    at: float
+    pool: str
+    from_replicas: int
+    to_replicas: int
+    reason: str
+    outcome: str
+    error: str
+    def __init__(self, at: _Optional[float] = ..., pool: _Optional[str] = ..., from_replicas: _Optional[int] = ..., to_replicas: _Optional[int] = ..., reason: _Optional[str] = ..., outcome: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class PlannerState(_message.Message):
+    __slots__ = ("enabled", "slo_ttft_ms", "slo_itl_ms", "slo_percentile", "min_prefill", "max_prefill", "min_decode", "max_decode", "window_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "decisions", "notes", "num_looks", "num_failed_looks")
+    class NotesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    SLO_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    SLO_ITL_MS_FIELD_NUMBER: _ClassVar[int]
+    SLO_PERCENTILE_FIELD_NUMBER: _ClassVar[int]
+    MIN_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    MAX_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    MIN_DECODE_FIELD_NUMBER: _ClassVar[int]
+    MAX_DECODE_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P90_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    ITL_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    ITL_P90_MS_FIELD_NUMBER: _ClassVar[int]
+    ITL_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    NOTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOOKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FAILED_LOOKS_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    slo_ttft_ms: float
+    slo_itl_ms: float
+    slo_percentile: float
+    min_prefill: int
+    max_prefill: int
+    min_decode: int
+    max_decode: int
+    window_s: float
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    ttft_p99_ms: float
+    itl_p50_ms: float
+    itl_p90_ms: float
+    itl_p99_ms: float
+    decisions: _containers.RepeatedCompositeFieldContainer[PlannerDecision]
+    notes: _containers.ScalarMap[str, str]
+    num_looks: int
+    num_failed_looks: int
+    def __init__(self, enabled: _Optional[bool] = ..., slo_ttft_ms: _Optional[float] = ..., slo_itl_ms: _Optional[float] = ..., slo_percentile: _Optional[float] = ..., min_prefill: _Optional[int] = ..., max_prefill: _Optional[int] = ..., min_decode: _Optional[int] = ..., max_decode: _Optional[int] = ..., window_s: _Optional[float] = ..., ttft_p50_ms: _Optional[float] = ..., ttft_p90_ms: _Optional[float] = ..., ttft_p99_ms: _Optional[float] = ..., itl_p50_ms: _Optional[float] = ..., itl_p90_ms: _Optional[float] = ..., itl_p99_ms: _Optional[float] = ..., decisions: _Optional[_Iterable[_Union[PlannerDecision, _Mapping]]] = ..., notes: _Optional[_Mapping[str, str]] = ..., num_looks: _Optional[int] = ..., num_failed_looks: _Optional[int] = ...) -> None: ...
 
 class ScalePoolRequest(_message.Message):
     __slots__ = ("pool", "replicas")
