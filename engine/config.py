@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pdserve.kernels.cbuild import ISAS
 from pdserve.scheduler.config import EngineType, SchedulerConfig
 
 _ENGINE_TYPES = {"normal": EngineType.NORMAL, "prompt": EngineType.PROMPT,
@@ -38,6 +39,9 @@ class EngineConfig:
     # Decode steps as one C call where the CPU and model allow (kernels/decode_step);
     # False keeps every step on torch (e.g. to compare numerics).
     decode_kernel: bool = True
+    # Which build of the C kernels runs (kernels/cbuild.py): auto (the widest vectors
+    # the CPU reports), avx512, avx2 or generic; one the CPU cannot run is refused.
+    kernel_isa: str = "auto"
     # Prefix caching (scheduler/PREFIX_CACHING.md): a prompt whose leading full blocks a
     # finished request computed takes them instead of recomputing them. Models with
     # sliding-window layers run without it (a hit would need the ring's state at the
@@ -54,6 +58,9 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "kv_cache_memory_mb"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kernel_isa not in ("auto", *ISAS):
+            raise ValueError(f"kernel_isa must be one of auto, {', '.join(ISAS)}; got "
+                             f"{self.kernel_isa!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}")
 

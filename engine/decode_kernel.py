@@ -2,8 +2,9 @@
 
 Used for decode-only steps (attention reads the paged cache through the rows' block
 tables, and sliding-window layers their rings; ``ModelRunner.prepare`` plans no
-contiguous copy for them), when the model is fp32 on an AVX-512 CPU, every matmul has
-``skinny_gemm`` panels (Llama, Mistral, Qwen2, Qwen3).
+contiguous copy for them), when the model is fp32 on the CPU and every matmul has
+``skinny_gemm`` panels (Llama, Mistral, Qwen2, Qwen3); built for the CPU's vector ISA
+(AVX-512, AVX2 or neither, ``kernels/cbuild.py``) or the one asked for.
 Other steps take the torch path.
 """
 
@@ -15,11 +16,12 @@ from pdserve.kernels.attention import AttentionMetadata
 from pdserve.kernels.kv_cache import KVCache
 
 
-def build(model) -> KernelDecode | None:
-    """A kernel bound to ``model``'s fused weights, or None where it does not apply."""
+def build(model, isa: str | None = None) -> KernelDecode | None:
+    """A kernel bound to ``model``'s fused weights (``isa``'s build; None: the host's),
+    or None where it does not apply."""
     cfg = model.cfg
     layers = model.model.layers
-    if not decode_step.available() or model.model.norm.weight.dtype != torch.float32:
+    if not decode_step.available(isa) or model.model.norm.weight.dtype != torch.float32:
         return None
     mats = [(ly.self_attn.qkv, ly.self_attn.o, ly.mlp.gate_up, ly.mlp.down) for ly in layers]
     if any(m.panels is None for group in mats for m in group):
@@ -41,7 +43,7 @@ def build(model) -> KernelDecode | None:
     head = model.logits_proj  # its bias, if any, stays with the torch path
     step = decode_step.DecodeStep(dims, weights, model.model.norm.weight,
                                   head.panels if head.bias is None else None, head.out_features,
-                                  cfg.layer_windows)
+                                  cfg.layer_windows, isa)
     return KernelDecode(model, step)
 
 

@@ -43,7 +43,7 @@ class LLM:
                  device: str = "cpu", max_model_len: int | None = None,
                  compile: bool = False, decode_kernel: bool = True,
                  chunk_time_budget_s: float | None = None,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, kernel_isa: str = "auto") -> None:
         if mode not in ("normal", "disaggregated"):
             raise ValueError(f"mode must be 'normal' or 'disaggregated', got {mode!r}")
         self.mode = mode
@@ -57,7 +57,7 @@ class LLM:
                 partial_prompts_first=partial_prompts_first,
                 max_model_len=max_model_len, compile=compile, decode_kernel=decode_kernel,
                 chunk_time_budget_s=chunk_time_budget_s,
-                enable_prefix_caching=enable_prefix_caching)
+                enable_prefix_caching=enable_prefix_caching, kernel_isa=kernel_isa)
 
         if mode == "normal":
             self.engines = [LLMEngine(config("normal", stop_preempted_request))]

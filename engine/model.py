@@ -42,7 +42,8 @@ class MatMul(nn.Module):
     On CPU in fp32 the weight is also kept in a second layout for inputs of at most
     ``DECODE_MAX_ROWS`` rows (decode steps), the first that applies:
 
-    - column panels for ``kernels/skinny_gemm`` (AVX-512 CPUs, ``out`` a multiple of 32):
+    - column panels for ``kernels/skinny_gemm`` (``out`` a multiple of 32; built for the
+      CPU's ISA, or ``kernel_isa``'s, see ``CausalLM.use_kernel_isa``):
       a kernel built for a few rows times a large weight that streams the weights at
       the memory bandwidth (small model, 16 rows, 2 threads: 15 ms vs 24 ms for the
       best torch layout below);
@@ -74,6 +75,7 @@ class MatMul(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.panels = self.packed = self.transposed = None
+        self.kernel_isa: str | None = None  # skinny_gemm's build; None: the host's
         if weight.device.type == "cpu" and weight.dtype == torch.float32:
             if self.out_features % 32 == 0 and skinny_gemm.available():
                 self.panels = skinny_gemm.pack(weight)
@@ -110,7 +112,8 @@ class MatMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.DECODE_MAX_ROWS:
             if self.panels is not None:
-                return skinny_gemm.matmul(x, self.panels, self.out_features, self.bias)
+                return skinny_gemm.matmul(x, self.panels, self.out_features, self.bias,
+                                          self.kernel_isa)
             if self.transposed is not None:
                 if self.bias is None:
                     return torch.mm(x, self.transposed)
@@ -274,12 +277,21 @@ class CausalLM(nn.Module):
                     mm.use_transposed()
         self._compiled = _CompiledDecode(self)
 
+    def use_kernel_isa(self, isa: str | None) -> None:
+        """Which build of the C kernels (``kernels/cbuild.ISAS``) the eager matmuls and
+        the decode step (``use_decode_kernel``, called after this) run; None: the host's.
+        The compiled blocks' matmuls keep the host's build."""
+        self.kernel_isa = isa
+        for m in self.modules():
+            if isinstance(m, MatMul):
+                m.kernel_isa = isa
+
     def use_decode_kernel(self, on: bool = True) -> bool:
         """Decode steps through ``kernels/decode_step`` (one C call per step) where it
         applies (see ``engine/decode_kernel``); returns whether it is now on."""
         from pdserve.engine import decode_kernel
 
-        self._kernel = decode_kernel.build(self) if on else None
+        self._kernel = decode_kernel.build(self, getattr(self, "kernel_isa", None)) if on else None
         return self._kernel is not None
 
     def forward_decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,

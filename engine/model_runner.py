@@ -37,6 +37,7 @@ import torch
 from pdserve.engine.model import load_model
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.weights import file_digest, weight_files
+from pdserve.kernels import cbuild
 from pdserve.kernels.attention import AttentionGroup, AttentionMetadata
 from pdserve.kernels.decode_kv import DecodeKV
 from pdserve.kernels.kv_cache import KVCache
@@ -95,6 +96,7 @@ class ModelRunner:
         adaptive_threads: bool = True,
         compile: bool = False,
         decode_kernel: bool = True,
+        kernel_isa: str = "auto",
     ):
         from pdserve.engine.model_config import ModelConfig
 
@@ -104,6 +106,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, cfg0.torch_dtype)
         self.config, self.model = load_model(model_dir, self.dtype, self.device)
         self.compile = compile
+        # ValueError now, naming what the CPU runs, for an ISA it cannot execute.
+        self.kernel_isa = cbuild.resolve_isa(kernel_isa) if self.device.type == "cpu" else None
+        self.model.use_kernel_isa(self.kernel_isa)
         # Decode steps: one C call where the CPU and model allow, else torch (compiled
         # dense blocks when asked), see CausalLM.forward_decode.
         self.model.use_decode_kernel(decode_kernel)
@@ -145,7 +150,7 @@ class ModelRunner:
     def from_engine_config(cls, config) -> ModelRunner:
         """Build from ``pdserve.engine.config.EngineConfig`` (duck-typed): model_dir, dtype,
         device, block_size, num_kv_blocks, kv_cache_memory_mb, num_threads, max_num_seqs,
-        compile, decode_kernel.
+        compile, decode_kernel, kernel_isa.
         State slots: ``2 * max_num_seqs + 1`` (the scheduler's pool, slot 0 included)."""
         threads = getattr(config, "num_threads", None)
         if threads:
@@ -164,6 +169,7 @@ class ModelRunner:
             kv_cache_bytes=int(getattr(config, "kv_cache_memory_mb", 256)) << 20,
             compile=bool(getattr(config, "compile", False)),
             decode_kernel=bool(getattr(config, "decode_kernel", True)),
+            kernel_isa=getattr(config, "kernel_isa", "auto"),
         )
 
     # ---- identity ------------------------------------------------------------

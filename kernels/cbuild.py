@@ -1,14 +1,20 @@
 """Build and load the C kernels beside this file (``skinny_gemm.c``, ``decode_step.c``,
-``kv_copy.c``).
+``argmax.c``, ``kv_copy.c``) for the CPU's vector ISA.
+
+Each kernel is one source written in ``simd.h``'s width-generic vectors and built for
+one of ``ISAS``: ``avx512`` (-mavx512f), ``avx2`` (-mavx2 -mfma) or ``generic`` (the
+compiler's baseline: SSE2 on x86-64, NEON on aarch64). ``load(name)`` builds for the
+best ISA the CPU reports (``host_isa``); ``load(name, isa)`` for another one it can run
+(``runnable_isas``: an AVX-512 CPU runs all three, so tests and benchmarks cover every
+build on one machine).
 
 A kernel is compiled on first use with the system's C compiler (``cc``, or ``$CC``)
 into ``~/.cache/pdserve`` (or ``$XDG_CACHE_HOME/pdserve``), under a name that hashes
 its source, the headers here and the flags; a finished build is renamed into place,
 so processes starting together never load a half-written file. OpenMP comes from the
 runtime torch already loaded, so ``torch.set_num_threads`` applies to the kernels.
-Where the CPU lacks AVX-512 (for the kernels that need it), no compiler is found or the
-build fails, ``load`` returns None and logs the reason once; callers keep their torch
-code. ``load(name, avx512=False)`` builds for any CPU (the compiler's baseline ISA).
+Where no compiler is found or the build fails, ``load`` returns None and logs the
+reason once; callers keep their torch code.
 """
 
 from __future__ import annotations
@@ -24,22 +30,57 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import torch
-
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-shared", "-fPIC"]
-PORTABLE_FLAGS = ["-O3", "-shared", "-fPIC"]
+COMMON_FLAGS = ["-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
+# Best first. Each ISA: the /proc/cpuinfo flags it needs and the compiler flags for it.
+ISAS = ("avx512", "avx2", "generic")
+_ISA_CPU_FLAGS = {"avx512": ("avx512f",), "avx2": ("avx2", "fma"), "generic": ()}
+_ISA_COMPILER_FLAGS = {"avx512": ["-mavx512f", "-mfma"], "avx2": ["-mavx2", "-mfma"],
+                       "generic": []}
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return frozenset()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def runnable_isas() -> tuple[str, ...]:
+    """The builds this CPU can execute, best first (always ends with ``generic``)."""
+    flags = _cpu_flags()
+    return tuple(isa for isa in ISAS if all(f in flags for f in _ISA_CPU_FLAGS[isa]))
+
+
+def host_isa() -> str:
+    """The build ``load`` picks by default: the widest vectors the CPU reports."""
+    return runnable_isas()[0]
 
 
 def cpu_has_avx512() -> bool:
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return False
-    try:
-        return "avx512f" in Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return torch.backends.cpu.get_cpu_capability() == "AVX512"
+    return "avx512" in runnable_isas()
+
+
+def resolve_isa(isa: str | None) -> str:
+    """``isa``, or the host's for None / "auto"; ValueError naming what this CPU can
+    run when it is not one of them."""
+    if isa in (None, "auto"):
+        return host_isa()
+    if isa not in ISAS:
+        raise ValueError(f"kernel_isa must be one of auto, {', '.join(ISAS)}; got {isa!r}")
+    if isa not in runnable_isas():
+        raise ValueError(f"kernel_isa {isa!r} cannot run on this CPU (it runs "
+                         f"{', '.join(runnable_isas())})")
+    return isa
 
 
 def _cache_dir() -> Path:
@@ -69,19 +110,27 @@ def _build(compiler: str, source: Path, flags: list[str]) -> Path:
 
 
 @functools.cache
-def load(name: str, avx512: bool = True) -> ctypes.CDLL | None:
-    """The compiled ``<name>.c`` from this folder, or None (reason logged once)."""
+def load(name: str, isa: str | None = None) -> ctypes.CDLL | None:
+    """The compiled ``<name>.c`` from this folder for ``isa`` (default: ``host_isa``),
+    or None (reason logged once)."""
+    import torch  # noqa: F401  (loaded first: its OpenMP runtime serves the kernels)
+
+    isa = resolve_isa(isa)
     source = HERE / f"{name}.c"
-    if avx512 and not cpu_has_avx512():
-        log.info("%s off: the CPU has no AVX-512", name)
-        return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         log.warning("%s off: no C compiler (cc, gcc or $CC) found", name)
         return None
     try:
-        return ctypes.CDLL(str(_build(compiler, source, FLAGS if avx512 else PORTABLE_FLAGS)))
+        lib = ctypes.CDLL(str(_build(compiler, source, COMMON_FLAGS + _ISA_COMPILER_FLAGS[isa])))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        log.warning("%s off: building %s failed: %s", name, source.name, detail)
+        log.warning("%s off: building %s for %s failed: %s", name, source.name, isa, detail)
         return None
+    if hasattr(lib, "simd_isa"):  # kernels written in simd.h say what they were built for
+        lib.simd_isa.restype = ctypes.c_char_p
+        built = lib.simd_isa().decode()
+        if built != isa:
+            log.warning("%s off: asked for %s, the compiler built %s", name, isa, built)
+            return None
+    return lib

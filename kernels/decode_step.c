@@ -1,9 +1,10 @@
-/* A whole decode step of a Llama-family model on AVX-512 CPUs in one call: every layer's
+/* A whole decode step of a Llama-family model on the CPU in one call: every layer's
  * norms, matmuls (skinny_block.h on column panels), rope, KV writes, attention over the
  * paged KV cache, SiLU MLP and residuals, the final norm and optionally the LM
  * head. See decode_step.py for why, the layouts and the limits. One OpenMP region for
  * the step; phases meet at a spinning barrier (an OpenMP barrier sleeps under
- * OMP_WAIT_POLICY=PASSIVE and costs a wake-up per phase). */
+ * OMP_WAIT_POLICY=PASSIVE and costs a wake-up per phase). Written once in simd.h's
+ * vectors, built for AVX-512, AVX2 or neither (cbuild.py). */
 #include <math.h>
 #include <omp.h>
 #include <sched.h>
@@ -40,7 +41,7 @@ static void barrier_wait(Barrier *b, int threads) {
     }
     /* Yield after a while: on a loaded machine the peer may be descheduled. */
     for (int spins = 0; __atomic_load_n(&b->phase, __ATOMIC_ACQUIRE) == phase; spins++)
-        if (spins < SPINS_BEFORE_YIELD) _mm_pause(); else sched_yield();
+        if (spins < SPINS_BEFORE_YIELD) cpu_pause(); else sched_yield();
 }
 
 static inline double now_ns(void) {
@@ -65,65 +66,15 @@ static void end_phase(Barrier *b, int t, int threads, double *times, int phase, 
     }
 }
 
-/* exp(x), Cody-Waite reduction and Cephes' degree-6 polynomial (~1 ulp); NaN stays NaN. */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-103.0f), _mm512_min_ps(_mm512_set1_ps(88.7f), x));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
-    return _mm512_scalef_ps(_mm512_add_ps(p, _mm512_set1_ps(1.0f)), n);
-}
-
 /* out = x * rsqrt(mean(x^2) + eps) * w over H floats (H % 16 == 0). */
 static void rms_norm_row(const float *x, const float *w, int64_t H, float eps, float *out) {
-    __m512 s = _mm512_setzero_ps();
-    for (int64_t k = 0; k < H; k += 16) {
-        __m512 v = _mm512_loadu_ps(x + k);
-        s = _mm512_fmadd_ps(v, v, s);
+    vf s = vzero();
+    for (int64_t k = 0; k < H; k += VW) {
+        vf v = vload(x + k);
+        s = vfma(v, v, s);
     }
-    float r = 1.0f / sqrtf(_mm512_reduce_add_ps(s) / (float)H + eps);
-    __m512 rv = _mm512_set1_ps(r);
-    for (int64_t k = 0; k < H; k += 16)
-        _mm512_storeu_ps(out + k, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + k), rv),
-                                                _mm512_loadu_ps(w + k)));
-}
-
-/* Rows [0, M) of x (row stride K; rows up to the next multiple of 8 are read and their
- * results dropped) times panel pairs [p0, p1) -> out (row stride ldo) + bias; add_to:
- * out += that instead (the residual, added after the bias as in torch). */
-static void matmul_part(const float *x, int64_t M, int64_t K, const float *panels, int64_t N,
-                        const float *bias, float *out, int64_t ldo, int add_to, int64_t p0,
-                        int64_t p1) {
-    __m512 acc[16];
-    for (int64_t pp = p0; pp < p1; pp++) {
-        const float *w0 = panels + 2 * pp * K * 16, *w1 = w0 + K * 16;
-        int64_t col = pp * 32;
-        __mmask16 m0 = mask_for(N - col), m1 = mask_for(N - col - 16);
-        __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias + col) : _mm512_setzero_ps();
-        __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + col + 16) : _mm512_setzero_ps();
-        for (int64_t r = 0; r < M; r += 8) {
-            block8x32(x + r * K, K, w0, w1, acc);
-            int64_t rows = M - r < 8 ? M - r : 8;
-            for (int64_t i = 0; i < rows; i++) {
-                float *o = out + (r + i) * ldo + col;
-                __m512 y0 = _mm512_add_ps(acc[2 * i], b0), y1 = _mm512_add_ps(acc[2 * i + 1], b1);
-                if (add_to) {
-                    y0 = _mm512_add_ps(y0, _mm512_maskz_loadu_ps(m0, o));
-                    y1 = _mm512_add_ps(y1, _mm512_maskz_loadu_ps(m1, o + 16));
-                }
-                _mm512_mask_storeu_ps(o, m0, y0);
-                _mm512_mask_storeu_ps(o + 16, m1, y1);
-            }
-        }
-    }
+    float r = 1.0f / sqrtf(vsum(s) / (float)H + eps);
+    for (int64_t k = 0; k < H; k += VW) vstore(out + k, vload(x + k) * r * vload(w + k));
 }
 
 /* Threads take chunks of panel pairs from a shared counter, so one slowed by its
@@ -132,12 +83,12 @@ static void matmul_part(const float *x, int64_t M, int64_t K, const float *panel
  * depend on who took which chunk. */
 static void matmul(int64_t *next, int threads, const float *x, int64_t M, int64_t K,
                    const float *panels, int64_t N, const float *bias, float *out, int add_to) {
-    int64_t pairs = (N + 31) / 32, chunk = pairs / (8 * threads) > 1 ? pairs / (8 * threads) : 1;
+    int64_t pairs = (N + PAIR_COLS - 1) / PAIR_COLS, chunk = pairs / (8 * threads) > 1 ? pairs / (8 * threads) : 1;
     for (;;) {
         int64_t p0 = __atomic_fetch_add(next, chunk, __ATOMIC_RELAXED);
         if (p0 >= pairs) return;
-        matmul_part(x, M, K, panels, N, bias, out, N, add_to, p0,
-                    p0 + chunk < pairs ? p0 + chunk : pairs);
+        matmul_pairs(x, M, K, panels, N, bias, out, N, add_to, p0,
+                     p0 + chunk < pairs ? p0 + chunk : pairs);
     }
 }
 
@@ -145,13 +96,10 @@ static void matmul(int64_t *next, int threads, const float *x, int64_t M, int64_
 static inline void rope(const float *x, const float *cos, const float *sin, int64_t D,
                         float *out) {
     int64_t half = D / 2;
-    for (int64_t c = 0; c < half; c += 16) {
-        __m512 a = _mm512_loadu_ps(x + c), b = _mm512_loadu_ps(x + half + c);
-        _mm512_storeu_ps(out + c, _mm512_add_ps(_mm512_mul_ps(a, _mm512_loadu_ps(cos + c)),
-                                                _mm512_mul_ps(b, _mm512_loadu_ps(sin + c))));
-        _mm512_storeu_ps(out + half + c,
-                         _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(cos + half + c)),
-                                       _mm512_mul_ps(a, _mm512_loadu_ps(sin + half + c))));
+    for (int64_t c = 0; c < half; c += VW) {
+        vf a = vload(x + c), b = vload(x + half + c);
+        vstore(out + c, a * vload(cos + c) + b * vload(sin + c));
+        vstore(out + half + c, b * vload(cos + half + c) + a * vload(sin + half + c));
     }
 }
 
@@ -173,77 +121,80 @@ typedef struct {
  * positions: scores scaled, softmax, weighted sum of values -> out (hq x D). Positions
  * are read whole (every kv head: contiguous memory, all of each cache line used; one
  * task per head read a quarter of every line and ran ~1.5x slower); values are
- * prefetched into L2 during the key pass for the per-head value passes. dc = D / 16, a
+ * prefetched into L2 during the key pass for the per-head value passes. dc = D / VW, a
  * constant at each call site so that the loops over a head unroll into registers. */
+#define MAX_HEAD_VECS (256 / VW)
 static inline __attribute__((always_inline)) void attend(
     const float *q, RowKV kv, int64_t len, int64_t hq, int64_t g, const int dc, float scale,
     float *scores, float *out) {
-    const int64_t D = dc * 16, hk = kv.hk, rs = hk * D, lines = rs / 16;
+    const int64_t D = dc * VW, hk = kv.hk, rs = hk * D, lines = rs / 16;
     for (int64_t u = 0, t = 0; u < kv.nruns; u++) {
         const float *K = kv.k + kv.runs[u].start * rs, *V = kv.v + kv.runs[u].start * rs;
         const int64_t count = kv.runs[u].count;
         for (int64_t i = 0; i < count; i++, t++) {
             if (i + 4 < count)
-                for (int64_t c = 0; c < lines; c++) _mm_prefetch((const char *)(K + (i + 4) * rs + c * 16), _MM_HINT_T0);
-            for (int64_t c = 0; c < lines; c++) _mm_prefetch((const char *)(V + i * rs + c * 16), _MM_HINT_T1);
+                for (int64_t c = 0; c < lines; c++) PREFETCH_L1(K + (i + 4) * rs + c * 16);
+            for (int64_t c = 0; c < lines; c++) PREFETCH_L2(V + i * rs + c * 16);
             for (int64_t j = 0; j < hk; j++) {
-                __m512 kr[16];
+                vf kr[MAX_HEAD_VECS];
 #pragma GCC unroll 16
-                for (int c = 0; c < dc; c++) kr[c] = _mm512_loadu_ps(K + i * rs + j * D + c * 16);
+                for (int c = 0; c < dc; c++) kr[c] = vload(K + i * rs + j * D + c * VW);
                 for (int64_t h = j * g; h < (j + 1) * g; h++) {
-                    __m512 s = _mm512_setzero_ps();
+                    vf s = vzero();
 #pragma GCC unroll 16
-                    for (int c = 0; c < dc; c++) s = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + c * 16), kr[c], s);
-                    scores[h * len + t] = _mm512_reduce_add_ps(s) * scale;
+                    for (int c = 0; c < dc; c++) s = vfma(vload(q + h * D + c * VW), kr[c], s);
+                    scores[h * len + t] = vsum(s) * scale;
                 }
             }
         }
     }
     for (int64_t h = 0; h < hq; h++) {
         float *s = scores + h * len;
-        __m512 mv = _mm512_set1_ps(-INFINITY);
-        for (int64_t t = 0; t < len; t += 16)
-            mv = _mm512_mask_max_ps(mv, mask_for(len - t), mv, _mm512_maskz_loadu_ps(mask_for(len - t), s + t));
-        __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv)), sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < len; t += 16) {
-            __mmask16 k = mask_for(len - t);
-            __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), m));
-            _mm512_mask_storeu_ps(s + t, k, e);
-            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
+        vf mv = vset1(-INFINITY);
+        for (int64_t t = 0; t < len; t += VW)
+            mv = vmax(vfirst_n(vload_n(s + t, len - t), len - t, -INFINITY), mv);
+        const float m = vmax_lanes(mv);
+        vf sum = vzero();
+        for (int64_t t = 0; t < len; t += VW) {
+            vf e = vfirst_n(vexp(vload_n(s + t, len - t) - m), len - t, 0.0f);
+            vstore_n(s + t, e, len - t);
+            sum += e;
         }
-        __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(sum));
-        for (int64_t t = 0; t < len; t += 16) {
-            __mmask16 k = mask_for(len - t);
-            _mm512_mask_storeu_ps(s + t, k, _mm512_div_ps(_mm512_maskz_loadu_ps(k, s + t), total));
-        }
-        __m512 acc[16];
+        const float total = vsum(sum);
+        for (int64_t t = 0; t < len; t += VW) vstore_n(s + t, vload_n(s + t, len - t) / total, len - t);
+        vf acc[MAX_HEAD_VECS];
 #pragma GCC unroll 16
-        for (int c = 0; c < dc; c++) acc[c] = _mm512_setzero_ps();
+        for (int c = 0; c < dc; c++) acc[c] = vzero();
         const int64_t j = h / g;
         for (int64_t u = 0, t = 0; u < kv.nruns; u++) {
             const float *V = kv.v + kv.runs[u].start * rs + j * D;
             for (int64_t i = 0; i < kv.runs[u].count; i++, t++) {
-                __m512 p = _mm512_set1_ps(s[t]);
+                vf p = vset1(s[t]);
 #pragma GCC unroll 16
-                for (int c = 0; c < dc; c++)
-                    acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(V + i * rs + c * 16), acc[c]);
+                for (int c = 0; c < dc; c++) acc[c] = vfma(p, vload(V + i * rs + c * VW), acc[c]);
             }
         }
 #pragma GCC unroll 16
-        for (int c = 0; c < dc; c++) _mm512_storeu_ps(out + h * D + c * 16, acc[c]);
+        for (int c = 0; c < dc; c++) vstore(out + h * D + c * VW, acc[c]);
     }
 }
 
 static void attend_any(const float *q, RowKV kv, int64_t len, int64_t hq, int64_t g,
                        int64_t D, float scale, float *scores, float *out) {
     switch (D) {
-    case 64: attend(q, kv, len, hq, g, 4, scale, scores, out); break;
-    case 128: attend(q, kv, len, hq, g, 8, scale, scores, out); break;
-    default: attend(q, kv, len, hq, g, (int)(D / 16), scale, scores, out); break;
+    case 64: attend(q, kv, len, hq, g, 64 / VW, scale, scores, out); break;
+    case 128: attend(q, kv, len, hq, g, 128 / VW, scale, scores, out); break;
+    default: attend(q, kv, len, hq, g, (int)(D / VW), scale, scores, out); break;
     }
 }
 
-static inline int64_t round8(int64_t n) { return (n + 7) / 8 * 8; }
+/* Floats of the row buffers (x, qkv, attn, gate|up, act) for rows padded to whole
+ * matmul blocks, rounded to 16 so the thread scratch after them starts on a line. */
+static int64_t row_floats(const int64_t *dims) {
+    int64_t n = padded_rows(dims[D_ROWS]), H = dims[D_HIDDEN], D = dims[D_HEAD_DIM];
+    int64_t hq = dims[D_Q_HEADS], hk = dims[D_KV_HEADS], I = dims[D_INTER];
+    return (n * (H + (hq + 2 * hk) * D + hq * D + 2 * I + I) + 15) / 16 * 16;
+}
 
 /* One thread's scratch: its attention runs (Run, 4 floats each: table width + 2), then
  * scores (hq x MAX_LEN) and roped queries (hq x D); a multiple of 16 floats (64 bytes),
@@ -256,9 +207,7 @@ static int64_t thread_floats(const int64_t *dims) {
 
 /* Floats of scratch that decode_step needs for these dims and thread count. */
 int64_t decode_step_workspace(const int64_t *dims, int64_t threads) {
-    int64_t n8 = round8(dims[D_ROWS]), H = dims[D_HIDDEN], D = dims[D_HEAD_DIM];
-    int64_t hq = dims[D_Q_HEADS], hk = dims[D_KV_HEADS], I = dims[D_INTER];
-    return n8 * (H + (hq + 2 * hk) * D + hq * D + 2 * I + I) + threads * thread_floats(dims);
+    return row_floats(dims) + threads * thread_floats(dims);
 }
 
 /* h [n, H]: the embedded tokens in, the last layer's output out (before the final norm);
@@ -282,11 +231,11 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
     const int64_t n = dims[D_ROWS], H = dims[D_HIDDEN], hq = dims[D_Q_HEADS];
     const int64_t hk = dims[D_KV_HEADS], D = dims[D_HEAD_DIM], I = dims[D_INTER];
     const int64_t L = dims[D_LAYERS], bs = dims[D_BLOCK_SIZE], tw = dims[D_TABLE_WIDTH];
-    const int64_t max_len = dims[D_MAX_LEN], g = hq / hk, n8 = round8(n), R = dims[D_RING_LEN];
+    const int64_t max_len = dims[D_MAX_LEN], g = hq / hk, n8 = padded_rows(n), R = dims[D_RING_LEN];
     const int64_t W = (hq + 2 * hk) * D;
     const float eps = (float)eps_d, scale = (float)scale_d;
     float *x = work, *qkv = x + n8 * H, *attn = qkv + n8 * W, *gu = attn + n8 * hq * D;
-    float *act = gu + n8 * 2 * I, *thread_scratch = act + n8 * I;
+    float *act = gu + n8 * 2 * I, *thread_scratch = work + row_floats(dims);
     int paged = 0, ringed = 0;
     for (int64_t l = 0; l < L; l++) {
         if (layers[l * P_COUNT + P_WINDOW]) ringed = 1; else paged = 1;
@@ -370,12 +319,9 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
             for (int64_t r = t; r < n; r += nt) {
                 const float *gate = gu + r * 2 * I, *up = gate + I;
                 float *a = act + r * I;
-                for (int64_t k = 0; k < I; k += 16) {
-                    __mmask16 m = mask_for(I - k);
-                    __m512 gv = _mm512_maskz_loadu_ps(m, gate + k);
-                    __m512 sig = _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
-                    _mm512_mask_storeu_ps(a + k, m, _mm512_mul_ps(_mm512_div_ps(gv, sig),
-                                                                  _mm512_maskz_loadu_ps(m, up + k)));
+                for (int64_t k = 0; k < I; k += VW) {
+                    vf gv = vload_n(gate + k, I - k);
+                    vstore_n(a + k, gv / (1.0f + vexp(-gv)) * vload_n(up + k, I - k), I - k);
                 }
             }
             end_phase(&barrier, t, nt, times, PH_SILU_MUL, &mark);
@@ -388,7 +334,7 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
             }
             end_phase(&barrier, t, nt, times, PH_NORM, &mark);
         }
-        if (lm_head) {  /* x holds the final-normed rows (padded to n8) */
+        if (lm_head) {  /* x holds the final-normed rows (padded to whole blocks) */
             matmul(counters + 5 * L, nt, x, n, H, lm_head, vocab, NULL, logits, 0);
             end_phase(&barrier, t, nt, times, PH_LM_HEAD, &mark);
         }

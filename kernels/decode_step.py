@@ -1,4 +1,4 @@
-"""A whole decode step of a Llama-family model in one C call (AVX-512 CPUs, fp32).
+"""A whole decode step of a Llama-family model in one C call (CPU, fp32).
 
     step = DecodeStep(dims, layers, final_norm, lm_head_panels, vocab)   # once per model
     hidden, logits = step.run(h, cos, sin, positions, max_len, k_stores, v_stores,
@@ -47,11 +47,15 @@ LAYER_FIELDS = ("ln", "qkv", "qkv_bias", "o", "o_bias", "ln2", "gate_up", "gate_
 _WEIGHT_FIELDS = LAYER_FIELDS[:12]
 
 
+def _library(isa: str | None = None) -> ctypes.CDLL | None:
+    return _built(cbuild.resolve_isa(isa))
+
+
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    if not skinny_gemm.available():  # same requirements; one warning is enough
+def _built(isa: str) -> ctypes.CDLL | None:
+    if not skinny_gemm.available(isa):  # same requirements; one warning is enough
         return None
-    lib = cbuild.load("decode_step")
+    lib = cbuild.load("decode_step", isa)
     if lib is not None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.decode_step_workspace.argtypes = [p, i64]
@@ -62,8 +66,8 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def available() -> bool:
-    return _library() is not None
+def available(isa: str | None = None) -> bool:
+    return _library(isa) is not None
 
 
 @dataclass(frozen=True)
@@ -113,12 +117,14 @@ def _ptr(t: torch.Tensor | None) -> int:
 class DecodeStep:
     def __init__(self, dims: StepDims, layers: list[LayerWeights], final_norm: torch.Tensor,
                  lm_head: torch.Tensor | None = None, vocab_size: int = 0,
-                 windows: tuple[int | None, ...] | None = None):
+                 windows: tuple[int | None, ...] | None = None, isa: str | None = None):
         """``lm_head``: the LM head's panels (``skinny_gemm.pack``) for ``vocab_size``
         outputs, so that ``run(..., with_logits=True)`` ends with the logits.
-        ``windows``: each layer's sliding window (None: full attention, the default)."""
-        if _library() is None:
-            raise RuntimeError("decode_step is not available on this machine")
+        ``windows``: each layer's sliding window (None: full attention, the default).
+        ``isa``: which build runs it (default: the host's, ``cbuild.host_isa``)."""
+        self.isa = cbuild.resolve_isa(isa)
+        if _library(self.isa) is None:
+            raise RuntimeError(f"decode_step ({self.isa}) is not available on this machine")
         if not dims.supported():
             raise ValueError(f"decode_step does not support {dims}")
         self.dims, self.layers, self.final_norm = dims, layers, final_norm
@@ -193,7 +199,7 @@ class DecodeStep:
                              d.layers, block_size, num_blocks, tables.shape[1], max_len,
                              max(ring_len, 1), ringed[0].shape[0] // ring_len if ringed else 0],
                             dtype=torch.int64)
-        lib = _library()
+        lib = _library(self.isa)
         need = lib.decode_step_workspace(dims.data_ptr(), threads)
         if self._work.numel() < need:
             self._work = torch.zeros(need)  # zeros: padding rows are read (results dropped)

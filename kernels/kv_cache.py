@@ -290,7 +290,7 @@ def _copy_kernels() -> ctypes.CDLL | None:
     """kv_copy.c (streaming-store block copies), built for any CPU; None: torch's."""
     from pdserve.kernels import cbuild
 
-    lib = cbuild.load("kv_copy", avx512=False)
+    lib = cbuild.load("kv_copy", "generic")
     if lib is not None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         for fn in (lib.kv_gather, lib.kv_scatter):

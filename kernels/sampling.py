@@ -22,15 +22,16 @@ from pdserve.kernels import cbuild
 _M32 = 0xFFFFFFFF
 
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
+def greedy(logits: torch.Tensor, isa: str | None = None) -> torch.Tensor:
     """``logits.argmax(-1)`` (the first maximal index of each row; a row holding NaN
     answers its first NaN), from ``argmax.c`` for fp32 CPU logits.
 
     Why: torch's CPU argmax over the last dimension is not vectorised: 77 µs for
     16 x 4096 fp32 here, and ~160 µs for an amax/sign/mul formulation under
     ``OMP_WAIT_POLICY=PASSIVE`` (each op wakes the thread team), against a few µs in
-    C: ~5-10% of a tiny-model decode step. Other dtypes and devices: torch's argmax."""
-    lib = _argmax_library()
+    C: ~5-10% of a tiny-model decode step. Other dtypes and devices: torch's argmax.
+    ``isa``: which build (``kernels/cbuild.py``; default the host's)."""
+    lib = _argmax_library(cbuild.resolve_isa(isa))
     if lib is None or logits.dtype != torch.float32 or logits.device.type != "cpu" \
             or logits.dim() != 2 or logits.stride(-1) != 1:
         return logits.argmax(-1)
@@ -41,8 +42,8 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _argmax_library() -> ctypes.CDLL | None:
-    lib = cbuild.load("argmax")
+def _argmax_library(isa: str) -> ctypes.CDLL | None:
+    lib = cbuild.load("argmax", isa)
     if lib is not None:
         i64 = ctypes.c_int64
         lib.argmax_rows.argtypes = [ctypes.c_void_p, i64, i64, i64, ctypes.c_void_p]

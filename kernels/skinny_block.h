@@ -1,35 +1,118 @@
-/* The register block shared by skinny_gemm.c and decode_step.c: eight rows of x against
- * two 16-column weight panels (see skinny_gemm.py for the layout and why). */
+/* The register block shared by skinny_gemm.c and decode_step.c: BLOCK_ROWS rows of x
+ * against BLOCK_COLS columns of 16-column weight panels (see skinny_gemm.py for the
+ * layout and why), every accumulator in a register. Its shape per ISA was measured
+ * (in-cache GFLOPS, 24 rows, 1 and 2 threads, against the other shapes that fit):
+ *   AVX-512 (32 registers): 8 rows x 32 columns (two panels) = 16 accumulators
+ *                           (148-150 / 176-200 GFLOPS; 6 rows 97 / 162, 12 rows 61-66 / 102-105)
+ *   AVX2 (16 registers):    6 rows x 16 columns (one panel)  = 12 accumulators
+ *                           (78-80 / 111-137; 4 rows 69-70 / 77-87, 8 rows 51 / 78-79)
+ *   other (16 registers):   4 rows x  8 columns (half panel) =  8 accumulators
+ * Callers pad x to padded_rows(M) rows (zeros; their results are dropped). */
 #ifndef PDSERVE_SKINNY_BLOCK_H
 #define PDSERVE_SKINNY_BLOCK_H
-#include <immintrin.h>
-#include <stdint.h>
+#include "simd.h"
 
+#define PANEL 16
+#define PAIR_COLS 32  /* the unit threads take: two panels */
 #define PREFETCH_K 32 /* panel rows (2 KiB) ahead: keeps the weight streams' loads in flight */
 
-/* 16 accumulators in registers; per k, two 64-byte weight loads, eight broadcasts,
- * sixteen FMAs. x holds 8 rows of K floats (row stride K). */
-static inline void block8x32(const float *x, int64_t K, const float *w0, const float *w1,
-                             __m512 acc[16]) {
-    __m512 a[16];
-    for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k++) {
-        _mm_prefetch((const char *)(w0 + (k + PREFETCH_K) * 16), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w1 + (k + PREFETCH_K) * 16), _MM_HINT_T0);
-        __m512 v0 = _mm512_loadu_ps(w0 + k * 16), v1 = _mm512_loadu_ps(w1 + k * 16);
-#pragma GCC unroll 8
-        for (int r = 0; r < 8; r++) {
-            __m512 b = _mm512_set1_ps(x[r * K + k]);
-            a[2 * r] = _mm512_fmadd_ps(b, v0, a[2 * r]);
-            a[2 * r + 1] = _mm512_fmadd_ps(b, v1, a[2 * r + 1]);
-        }
-    }
-    for (int i = 0; i < 16; i++) acc[i] = a[i];
+#ifndef BLOCK_ROWS
+#if VW == 16
+#define BLOCK_ROWS 8
+#elif VW == 8
+#define BLOCK_ROWS 6
+#else
+#define BLOCK_ROWS 4
+#endif
+#endif
+#ifndef BLOCK_VECS
+#define BLOCK_VECS 2
+#endif
+#define BLOCK_COLS (BLOCK_VECS * VW)
+#define BLOCK_ACCS (BLOCK_ROWS * BLOCK_VECS)
+
+/* Rows whose accumulators are kept together (on the stack) while the weights stream,
+ * and panel rows per pass: a chunk of K_CHUNK panel rows (8 KiB a panel) is read from
+ * memory once, by the first row block, and from L1 by the others; so the memory stream
+ * overlaps the row blocks' arithmetic instead of one pass waiting on memory and the
+ * others on the FMA units. */
+#define ROW_GROUP (24 * BLOCK_ROWS)
+#define K_CHUNK 128
+
+/* Rows of x a caller provides for M rows: whole blocks. */
+static inline int64_t padded_rows(int64_t M) {
+    return (M + BLOCK_ROWS - 1) / BLOCK_ROWS * BLOCK_ROWS;
 }
 
-static inline __mmask16 mask_for(int64_t cols) {
-    if (cols <= 0) return 0;
-    return cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
+/* Where column `col`'s panel row 0 starts in panels [P][K][16]. */
+static inline const float *panel_column(const float *panels, int64_t K, int64_t col) {
+    return panels + (col / PANEL) * K * PANEL + col % PANEL;
+}
+
+/* acc[r * BLOCK_VECS + j] += x row r times column vector j (panel pointers w[j]), over
+ * panel rows [k0, k1). x holds BLOCK_ROWS rows of K floats (row stride K). With
+ * `prefetch` (a constant at each call), the panels are prefetched PREFETCH_K rows ahead. */
+static inline __attribute__((always_inline)) void block_rows_cols(
+    const float *x, int64_t K, const float *const w[BLOCK_VECS], int64_t k0, int64_t k1,
+    vf acc[BLOCK_ACCS], const int prefetch) {
+    vf a[BLOCK_ACCS];
+    for (int i = 0; i < BLOCK_ACCS; i++) a[i] = acc[i];
+    for (int64_t k = k0; k < k1; k++) {
+        if (prefetch) {
+#pragma GCC unroll 2
+            for (int j = 0; j < BLOCK_VECS; j++)
+                if ((j * VW) % PANEL == 0) PREFETCH_L1(w[j] + (k + PREFETCH_K) * PANEL);
+        }
+        vf v[BLOCK_VECS];
+#pragma GCC unroll 2
+        for (int j = 0; j < BLOCK_VECS; j++) v[j] = vload(w[j] + k * PANEL);
+#pragma GCC unroll 8
+        for (int r = 0; r < BLOCK_ROWS; r++) {
+            vf b = vset1(x[r * K + k]);
+#pragma GCC unroll 2
+            for (int j = 0; j < BLOCK_VECS; j++)
+                a[r * BLOCK_VECS + j] = vfma(b, v[j], a[r * BLOCK_VECS + j]);
+        }
+    }
+    for (int i = 0; i < BLOCK_ACCS; i++) acc[i] = a[i];
+}
+
+/* Rows [0, M) of x (row stride K; rows up to the next multiple of BLOCK_ROWS are read
+ * and their results dropped) times panel pairs [p0, p1) -> out (row stride ldo) + bias;
+ * add_to: out += that instead (the residual, added after the bias as in torch). Sums
+ * run over K in order whatever the chunking: results do not depend on it. */
+static inline void matmul_pairs(const float *x, int64_t M, int64_t K, const float *panels,
+                                int64_t N, const float *bias, float *out, int64_t ldo,
+                                int add_to, int64_t p0, int64_t p1) {
+    vf acc[ROW_GROUP / BLOCK_ROWS][BLOCK_ACCS];
+    for (int64_t c = p0 * PAIR_COLS; c < p1 * PAIR_COLS; c += BLOCK_COLS) {
+        const float *w[BLOCK_VECS];
+        vf b[BLOCK_VECS];
+        for (int j = 0; j < BLOCK_VECS; j++) {
+            w[j] = panel_column(panels, K, c + j * VW);
+            b[j] = bias ? vload_n(bias + c + j * VW, N - c - j * VW) : vzero();
+        }
+        for (int64_t g = 0; g < M; g += ROW_GROUP) {
+            const int64_t rows = M - g < ROW_GROUP ? M - g : ROW_GROUP;
+            const int64_t blocks = (rows + BLOCK_ROWS - 1) / BLOCK_ROWS;
+            for (int64_t rb = 0; rb < blocks; rb++)
+                for (int i = 0; i < BLOCK_ACCS; i++) acc[rb][i] = vzero();
+            for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK) {
+                const int64_t k1 = k0 + K_CHUNK < K ? k0 + K_CHUNK : K;
+                block_rows_cols(x + g * K, K, w, k0, k1, acc[0], 1);
+                for (int64_t rb = 1; rb < blocks; rb++)
+                    block_rows_cols(x + (g + rb * BLOCK_ROWS) * K, K, w, k0, k1, acc[rb], 0);
+            }
+            for (int64_t i = 0; i < rows; i++)
+                for (int j = 0; j < BLOCK_VECS; j++) {
+                    int64_t col = c + j * VW, n = N - col;
+                    float *o = out + (g + i) * ldo + col;
+                    vf y = acc[i / BLOCK_ROWS][(i % BLOCK_ROWS) * BLOCK_VECS + j] + b[j];
+                    if (add_to) y += vload_n(o, n);
+                    vstore_n(o, y, n);
+                }
+        }
+    }
 }
 
 #endif

@@ -1,4 +1,4 @@
-"""Decode-shaped fp32 matmuls on AVX-512 CPUs: a few rows times a large weight.
+"""Decode-shaped fp32 matmuls on the CPU: a few rows times a large weight.
 
     panels = pack(weight)                      # [N, K] -> [P, K, 16], once at load
     out = matmul(x, panels, n=weight.shape[0], bias=None)   # x [M, K] -> [M, N]
@@ -8,9 +8,11 @@ of the weights through the cores with 16 FMAs per weight element. MKL's and oneD
 kernels for that shape keep too few loads in flight to use the memory bandwidth (small
 model, 16 rows, 2 threads: ~28 ms for 315 MB of weights, against 15 ms to read them).
 Here the weight is stored as 16-column panels, each contiguous over K, and a thread
-runs two panels against eight rows at a time with all sixteen accumulators in
-registers, prefetching the panels ahead; threads split the panels (OpenMP, torch's own
-runtime, so ``torch.set_num_threads`` applies). All decode matmuls of the small model
+runs a block of them against a few rows at a time with every accumulator in a
+register (``skinny_block.h``: 8 rows x 2 panels on AVX-512, 4 rows x 1 panel on AVX2),
+prefetching the panels ahead; threads split the panels (OpenMP, torch's own runtime, so
+``torch.set_num_threads`` applies). One source serves every ISA (``simd.h``); numbers
+below are the AVX-512 build's. All decode matmuls of the small model
 at 16 rows, best of 8 alternated runs: 15.1 ms (20.9 GB/s of weights: the machine's
 read bandwidth) vs 24.2 ms for oneDNN's packed weights with 2 threads; 27.8 vs 40.9 ms
 with 1 thread (11.3 GB/s, one core's bandwidth). Tiny model: 1.2 vs 1.8-2.3 ms.
@@ -18,8 +20,9 @@ with 1 thread (11.3 GB/s, one core's bandwidth). Tiny model: 1.2 vs 1.8-2.3 ms.
 Sums run over K in order, so results differ from MKL's in the last bits (as MKL's
 differ between its own kernels); the engine's greedy tokens still equal transformers'.
 
-The C source beside this file is compiled on first use (``kernels/cbuild.py``); where
-that is not possible, ``available()`` is False and callers keep their torch matmuls.
+The C source beside this file is compiled on first use (``kernels/cbuild.py``) for the
+host's ISA, or the one asked for (``isa``); where that is not possible, ``available()``
+is False and callers keep their torch matmuls.
 """
 
 from __future__ import annotations
@@ -33,9 +36,13 @@ from pdserve.kernels import cbuild
 PANEL = 16
 
 
+def _library(isa: str | None = None) -> ctypes.CDLL | None:
+    return _built(cbuild.resolve_isa(isa))
+
+
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib = cbuild.load("skinny_gemm")
+def _built(isa: str) -> ctypes.CDLL | None:
+    lib = cbuild.load("skinny_gemm", isa)
     if lib is not None:
         lib.skinny_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
@@ -44,8 +51,8 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def available() -> bool:
-    return _library() is not None
+def available(isa: str | None = None) -> bool:
+    return _library(isa) is not None
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -58,11 +65,13 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def matmul(x: torch.Tensor, panels: torch.Tensor, n: int,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T (+ bias)`` for x [M, K] fp32 on the CPU, W given as ``pack(W)``."""
-    lib = _library()
+           bias: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for x [M, K] fp32 on the CPU, W given as ``pack(W)``;
+    ``isa``: which build (default: the host's, ``cbuild.host_isa``)."""
+    lib = _library(isa)
     if lib is None:
-        raise RuntimeError("skinny_gemm is not available on this machine")
+        raise RuntimeError(f"skinny_gemm ({cbuild.resolve_isa(isa)}) is not available on "
+                           "this machine")
     x = x.contiguous()
     m, k = x.shape
     if panels.shape[1] != k or panels.shape[0] * PANEL < n or x.dtype != torch.float32:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from pdserve.engine.model_runner import ModelRunner, RunnerRow
+from pdserve.kernels import cbuild
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.sampling import apply_top_k_top_p, sample, seeded_uniform
 from pdserve.kernels.slot_mapping import (
@@ -187,8 +188,16 @@ def test_runner_seeded_generation_reproducible_across_batches(tiny_dirs, h):
                                                            seed=41)])[0]
 
 
-def test_greedy_equals_argmax_including_ties_infinities_and_nan():
-    from pdserve.kernels.sampling import greedy
+@pytest.mark.parametrize("isa", cbuild.runnable_isas())
+def test_greedy_equals_argmax_including_ties_infinities_and_nan(isa):
+    """Every build this CPU runs (AVX-512, AVX2, generic) answers torch's argmax."""
+    from pdserve.kernels import sampling
+
+    if sampling._argmax_library(isa) is None:
+        pytest.skip("no C compiler: torch's argmax is the only one")
+
+    def greedy(x):
+        return sampling.greedy(x, isa)
 
     g = torch.Generator().manual_seed(0)
     for vocab in (1, 7, 4096, 151_936):

@@ -1,0 +1,173 @@
+"""Which decode path is fastest, measured: the C decode step built for each vector ISA
+this CPU runs, torch.compile'd blocks, and eager torch, side by side in one run.
+
+    python bench/decode_paths.py                          # tiny and small, batch 1 16 64
+    python bench/decode_paths.py --sizes small --batch 16 --rounds 5
+    python bench/decode_paths.py --paths c-avx2 inductor  # a subset
+
+Paths (``--paths``; default all this CPU runs):
+  c-avx512, c-avx2, c-generic  the C decode step (``kernels/decode_step``) of that build
+  compile     ``compile=True, decode_kernel=False``: dense blocks through torch.compile,
+              their matmuls skinny_gemm's (host build) where it has panels
+  inductor    the same with every matmul left to inductor (``W.T``, MKL): torch.compile
+              on its own
+  eager       ``decode_kernel=False``: torch, op by op
+
+Per (model, batch): an engine per path, each warmed (first compiles and thread-tuner
+trials excluded); then ``--rounds`` rounds, each running every path once in a rotated
+order (a noisy neighbour hits all alike) with ``--max-tokens`` decode steps of
+``batch`` prompts of ``--prompt-len`` tokens. Reported: the median decode step per
+path, its ratio to the fastest path and to the time it takes to read the step's
+weights once at the read bandwidth measured in the same run, and the fastest path
+(the choice, recorded). Writes JSON (default results/bench_decode_paths.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _paths_here() -> list[str]:
+    from pdserve.kernels import cbuild, decode_step
+
+    built = [f"c-{isa}" for isa in cbuild.runnable_isas() if decode_step.available(isa)]
+    return [*built, "compile", "inductor", "eager"]
+
+
+def _engine(model_dir: str, path: str, batch: int):
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
+
+    kw: dict = dict(model_dir=model_dir, max_num_seqs=max(batch, 1),
+                    max_num_batched_tokens=8192, kv_cache_memory_mb=256,
+                    stop_preempted_request=False, enable_prefix_caching=False)
+    if path.startswith("c-"):
+        kw["kernel_isa"] = path[2:]
+    else:
+        kw["decode_kernel"] = False
+        kw["compile"] = path in ("compile", "inductor")
+    engine = LLMEngine(EngineConfig(**kw))
+    model = engine.runner.model
+    if path.startswith("c-"):
+        assert engine.runner.decode_kernel and model._kernel.step.isa == path[2:]
+    if path == "inductor":  # no skinny_gemm panels: inductor's own matmuls
+        from pdserve.engine.model import MatMul
+
+        for m in model.modules():
+            if isinstance(m, MatMul) and m.panels is not None:
+                m.panels = None
+                m.use_transposed()
+        model.enable_compile()  # rebuilt: it reads the operands it finds
+    return engine
+
+
+def _decode_steps(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> list[float]:
+    from pdserve import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", p, params)
+    steps = []
+    while engine.has_work():
+        out = engine.step()
+        if out.kind == "decode" and out.num_scheduled_tokens == len(prompts):
+            steps.append(out.duration_s)  # full-batch decode steps only
+    return steps
+
+
+def weight_read_bytes(model) -> int:
+    """What one decode step must read at least: every matmul weight and norm once."""
+    return model.matmul_weight_bytes() + sum(
+        p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" in n)
+
+
+def run_case(size: str, model_dir: str, batch: int, paths: list[str], args) -> dict:
+    from pdserve.bench.offline import make_prompts, measure_bandwidth
+
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    prompts = make_prompts(vocab, batch, args.prompt_len, seed=batch)
+    engines = {}
+    for path in paths:
+        t = time.perf_counter()
+        engines[path] = _engine(model_dir, path, batch)
+        _decode_steps(engines[path], prompts, min(args.max_tokens, 8), f"warm-{path}")
+        _decode_steps(engines[path], prompts, min(args.max_tokens, 8), f"warm2-{path}")
+        print(f"  {size} batch {batch}: {path} ready ({time.perf_counter() - t:.1f} s)",
+              file=sys.stderr, flush=True)
+    medians: dict[str, list[float]] = {p: [] for p in paths}
+    for r in range(args.rounds):
+        order = paths[r % len(paths):] + paths[:r % len(paths)]
+        for path in order:
+            steps = _decode_steps(engines[path], prompts, args.max_tokens, f"r{r}-{path}")
+            medians[path].append(statistics.median(steps))
+    bw = measure_bandwidth()
+    any_engine = next(iter(engines.values()))
+    limit_s = weight_read_bytes(any_engine.runner.model) / (bw["read_GBps"] * 1e9)
+    step_ms = {p: 1e3 * statistics.median(v) for p, v in medians.items()}
+    fastest = min(step_ms, key=step_ms.get)
+    del engines
+    return {"model": size, "batch": batch, "prompt_len": args.prompt_len,
+            "max_tokens": args.max_tokens, "rounds": args.rounds,
+            "step_ms": {p: round(v, 3) for p, v in step_ms.items()},
+            "step_ms_per_round": {p: [round(1e3 * s, 3) for s in v] for p, v in medians.items()},
+            "over_fastest": {p: round(v / step_ms[fastest], 2) for p, v in step_ms.items()},
+            "weights_once_at_read_bw_ms": round(1e3 * limit_s, 3),
+            "over_weight_read": {p: round(v / (1e3 * limit_s), 2) for p, v in step_ms.items()},
+            "bandwidth": bw, "fastest": fastest}
+
+
+def format_rows(rows: list[dict]) -> str:
+    paths = list(rows[0]["step_ms"]) if rows else []
+    head = f"{'model':>6} {'batch':>5} " + " ".join(f"{p:>10}" for p in paths)
+    lines = [head + f" {'weights@bw':>10}  fastest"]
+    for r in rows:
+        cells = " ".join(f"{r['step_ms'][p]:>8.2f}ms" for p in paths)
+        lines.append(f"{r['model']:>6} {r['batch']:>5} {cells} "
+                     f"{r['weights_once_at_read_bw_ms']:>8.2f}ms  {r['fastest']}")
+        lines.append(f"{'':>12} " + " ".join(f"{r['over_weight_read'][p]:>9.2f}x" for p in paths)
+                     + "   (step / weights read once)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", nargs="+", default=["tiny", "small"], choices=["tiny", "small"])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--paths", nargs="+", default=None, help="default: every path this CPU runs")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=32, help="decode steps per run")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--result-file", default="results/bench_decode_paths.json")
+    args = p.parse_args(argv)
+    available = _paths_here()
+    paths = args.paths or available
+    missing = [x for x in paths if x not in available]
+    if missing:
+        p.error(f"--paths {missing} cannot run here (this CPU runs {available})")
+    from pdserve.bench.peer_vllm import cpu_description
+    from pdserve.engine.tiny_model import make_tiny_model
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="pdserve-paths-") as root:
+        for size in args.sizes:
+            model_dir = str(make_tiny_model(Path(root) / size, size=size))
+            for batch in args.batch:
+                rows.append(run_case(size, model_dir, batch, paths, args))
+                print(format_rows(rows[-1:]), flush=True)
+    out = Path(args.result_file)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"benchmark": "decode_paths", "cpu": cpu_description(),
+                               "results": rows}, indent=2))
+    print(format_rows(rows))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
