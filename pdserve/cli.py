@@ -68,6 +68,11 @@ from pdserve.bench.serve import register_commands as _register_bench  # noqa: E4
 
 _register_bench(register)
 
+# simulate: the cluster simulator lives in simulator/.
+from pdserve.simulator.cli import register_commands as _register_simulate  # noqa: E402
+
+_register_simulate(register)
+
 
 # ---- entry point ---------------------------------------------------------------
 

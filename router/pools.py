@@ -24,8 +24,9 @@ from typing import Any
 
 import ray
 from pdserve.rank.messages import RankInfo, RankStats
+from pdserve.router import routing
 from pdserve.router.config import PoolConfig, RouterConfig
-from pdserve.scheduler.prefix_hash import cacheable_blocks, chain_hashes
+from pdserve.router.routing import PromptBlocks
 
 log = logging.getLogger(__name__)
 
@@ -45,22 +46,6 @@ def _actor_class(pool: str):
     from pdserve.decode_worker.actor import DecodeRank, NormalRank
 
     return DecodeRank if pool == "decode" else NormalRank
-
-
-@dataclass
-class PromptBlocks:
-    """A prompt as cache-aware routing sees it: its length and its cacheable blocks'
-    names (``prefix_hash.chain_hashes``)."""
-
-    num_tokens: int
-    block_size: int
-    hashes: list[bytes]
-    cached_tokens: int = 0  # the chosen rank's cached prefix, in tokens
-
-    @classmethod
-    def of(cls, token_ids: list[int], block_size: int) -> PromptBlocks:
-        n = cacheable_blocks(len(token_ids), block_size)
-        return cls(len(token_ids), block_size, chain_hashes(token_ids, block_size, n))
 
 
 @dataclass
@@ -90,39 +75,19 @@ class RankHandle:
     pending_blocks: dict[bytes, int] = field(default_factory=dict)
 
     def add_pending(self, hashes: list[bytes]) -> None:
-        pending = self.pending_blocks
-        for h in hashes:
-            pending[h] = pending.get(h, 0) + 1
+        routing.add_pending(self.pending_blocks, hashes)
 
     def drop_pending(self, hashes: list[bytes]) -> None:
-        pending = self.pending_blocks
-        for h in hashes:
-            left = pending.get(h, 0) - 1
-            if left > 0:
-                pending[h] = left
-            else:
-                pending.pop(h, None)
+        routing.drop_pending(self.pending_blocks, hashes)
 
     def apply_cache_events(self, events: list[tuple[bool, bytes]]) -> None:
-        cached = self.cached_blocks
-        for stored, block_hash in events:
-            if stored:
-                cached.add(block_hash)
-            else:
-                cached.discard(block_hash)
-        total = self.info.num_total_blocks if self.info else 0
-        if total and len(cached) > 2 * total:  # more names than blocks: a report went missing
-            cached.clear()
+        routing.apply_cache_events(self.cached_blocks, events,
+                                   self.info.num_total_blocks if self.info else 0)
 
     def cached_prefix_blocks(self, hashes: list[bytes]) -> int:
         """How many of ``hashes`` (a prompt's block names, in order) this rank holds
         from the first on."""
-        cached, pending, n = self.cached_blocks, self.pending_blocks, 0
-        for h in hashes:
-            if h not in cached and h not in pending:
-                break
-            n += 1
-        return n
+        return routing.cached_prefix_blocks(self.cached_blocks, self.pending_blocks, hashes)
 
     @property
     def free_blocks(self) -> int:
@@ -166,24 +131,8 @@ class Pool:
         unless that rank's queue is longer by more than the prompt. ``least_loaded``:
         the queue alone. Ties: requests in flight, then round-robin. Sets
         ``prompt.cached_tokens`` to the chosen rank's match."""
-        ranks = self.ready()
-        if not ranks:
-            return None
-        if prompt is None or self.rc.routing != "cache_aware":
-            rank = min(ranks, key=lambda r: (r.outstanding_tokens, len(r.inflight),
-                                             r.assigned, r.uid))
-            matched = 0
-        else:
-            size, weight = prompt.block_size, self.rc.prefix_overlap_weight
-            scored = [(r.outstanding_tokens + weight * (
-                prompt.num_tokens - size * r.cached_prefix_blocks(prompt.hashes)),
-                len(r.inflight), r.assigned, r.uid, r) for r in ranks]
-            *_, rank = min(scored, key=lambda entry: entry[:4])
-            matched = size * rank.cached_prefix_blocks(prompt.hashes)
-        if prompt is not None:
-            prompt.cached_tokens = matched
-        rank.assigned += 1
-        return rank
+        return routing.choose_prefill(self.ready(), prompt, self.rc.routing,
+                                      self.rc.prefix_overlap_weight)
 
     async def wait_for_rank(self, timeout_s: float,
                             give_up: Callable[[], bool] = lambda: False,
@@ -219,15 +168,8 @@ class Pool:
         """The decode rank with the most room once the payload is in: free blocks
         (less 8 per import on its way) plus, given the prompt's block names, the blocks
         of its prefix the rank's cache holds (they are not sent, nor allocated)."""
-        ranks = [r for r in self.ready() if r.uid not in exclude]
-        if not ranks:
-            return None
-        rank = max(ranks, key=lambda r: (
-            r.free_blocks - 8 * r.pending_imports
-            + (r.cached_prefix_blocks(prompt_hashes) if prompt_hashes else 0),
-            -len(r.inflight), -r.assigned, -r.uid))
-        rank.assigned += 1
-        return rank
+        return routing.choose_decode([r for r in self.ready() if r.uid not in exclude],
+                                     prompt_hashes)
 
     # -- lifecycle -------------------------------------------------------------------
 
