@@ -41,8 +41,14 @@ def _paths_here() -> list[str]:
 
 
 def _engine(model_dir: str, path: str, batch: int):
+    import torch
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine import LLMEngine
+
+    # Two compiled engines in one process (compile, inductor), each at 1 and 2 threads
+    # (ThreadTuner) and a few row counts, share dynamo's per-function recompile budget.
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.accumulated_recompile_limit = 1024
 
     kw: dict = dict(model_dir=model_dir, max_num_seqs=max(batch, 1),
                     max_num_batched_tokens=8192, kv_cache_memory_mb=256,
@@ -78,6 +84,8 @@ def _decode_steps(engine, prompts: list[list[int]], max_tokens: int, tag: str) -
         out = engine.step()
         if out.kind == "decode" and out.num_scheduled_tokens == len(prompts):
             steps.append(out.duration_s)  # full-batch decode steps only
+    if len(steps) < max_tokens - 2:  # a step failed and its requests ended early
+        raise RuntimeError(f"{tag}: {len(steps)} full decode steps of {max_tokens}")
     return steps
 
 

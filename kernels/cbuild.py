@@ -83,24 +83,32 @@ def resolve_isa(isa: str | None) -> str:
     return isa
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(root) / "pdserve"
 
 
-def _build(compiler: str, source: Path, flags: list[str]) -> Path:
+def find_compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def build_shared(compiler: str, source: Path, flags: list[str], libs: tuple[str, ...] = (),
+                 headers: tuple[Path, ...] = ()) -> Path:
+    """``source`` compiled into ``cache_dir()`` under a name hashing it, ``headers``,
+    the compiler and flags (built once; renamed into place whole, so processes starting
+    together never load a half-written file). Raises OSError / SubprocessError."""
     digest = hashlib.sha256(source.read_bytes())
-    for header in sorted(HERE.glob("*.h")):
+    for header in headers:
         digest.update(header.read_bytes())
-    digest.update(" ".join([compiler, *flags]).encode())
-    target = _cache_dir() / f"{source.stem}-{digest.hexdigest()[:16]}.so"
+    digest.update(" ".join([compiler, *flags, *libs]).encode())
+    target = cache_dir() / f"{source.stem}-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *flags, str(source), "-o", tmp], check=True,
+        subprocess.run([compiler, *flags, str(source), "-o", tmp, *libs], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)
     finally:
@@ -117,12 +125,14 @@ def load(name: str, isa: str | None = None) -> ctypes.CDLL | None:
 
     isa = resolve_isa(isa)
     source = HERE / f"{name}.c"
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = find_compiler()
     if not compiler:
         log.warning("%s off: no C compiler (cc, gcc or $CC) found", name)
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler, source, COMMON_FLAGS + _ISA_COMPILER_FLAGS[isa])))
+        flags = COMMON_FLAGS + _ISA_COMPILER_FLAGS[isa]
+        lib = ctypes.CDLL(str(build_shared(compiler, source, flags,
+                                           headers=tuple(sorted(HERE.glob("*.h"))))))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("%s off: building %s for %s failed: %s", name, source.name, isa, detail)

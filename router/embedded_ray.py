@@ -28,20 +28,18 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import hashlib
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from pdserve.kernels.cbuild import build_shared, find_compiler
 from pdserve.router.auth import is_loopback_host as is_loopback
 
 SOURCE = Path(__file__).with_name("loopback_bind.c")
 FLAGS = ["-O2", "-shared", "-fPIC"]
-LIBS = ["-ldl"]  # dlsym: in libc since glibc 2.34, in libdl before
+LIBS = ("-ldl",)  # dlsym: in libc since glibc 2.34, in libdl before
 ALLOW_SYMBOL = "pdserve_loopback_allow"
 # Set in the environment of the re-executed serve: it never re-executes again.
 REEXEC_MARKER = "PDSERVE_LOOPBACK_REEXEC"
@@ -51,38 +49,17 @@ UNCOVERED = ("warning: {why}; a socket that binds a wildcard (as torch's TCPStor
              "unless handed a socket) listens on all network interfaces")
 
 
-def cache_dir() -> Path:
-    """Where kernels/cbuild.py caches its builds (not imported from there: it imports torch)."""
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "pdserve"
-
-
 @functools.cache
 def build_shim() -> tuple[Path | None, str]:
     """(path of the built shim, "") or (None, why it could not be built)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = find_compiler()
     if not compiler:
         return None, "no C compiler (cc, gcc or $CC) to build the loopback-bind shim"
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update(" ".join([compiler, *FLAGS, *LIBS]).encode())
-    target = cache_dir() / f"{SOURCE.stem}-{digest.hexdigest()[:16]}.so"
-    if target.exists():
-        return target, ""
-    tmp = None
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, *LIBS], check=True,
-                       capture_output=True, text=True, timeout=120)
-        os.replace(tmp, target)  # whole or absent: servers starting together share it
-        return target, ""
+        return build_shared(compiler, SOURCE, FLAGS, LIBS), ""
     except (OSError, subprocess.SubprocessError) as exc:
         detail = (getattr(exc, "stderr", "") or str(exc)).strip()
         return None, f"building the loopback-bind shim failed ({detail})"
-    finally:
-        if tmp and os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _allow_fn():

@@ -61,3 +61,7 @@ def test_the_harness_alternates_pairs_and_compares_tokens(tiny_model_dir, tmp_pa
     assert row["pdserve_equals_hf"]
     assert row["outputs_identical"] == row["vllm_equals_hf"] == (shift == 0)
     assert "tiny" in peer_vllm.format_rows([row])
+    from pdserve.kernels import cbuild, decode_step
+
+    assert row["kernel_isa"] == cbuild.host_isa()
+    assert row["decode_kernel"] == decode_step.available()
