@@ -11,7 +11,9 @@ Paths (``--paths``; default all this CPU runs):
               their matmuls skinny_gemm's (host build) where it has panels
   inductor    the same with every matmul left to inductor (``W.T``, MKL): torch.compile
               on its own
-  eager       ``decode_kernel=False``: torch, op by op
+  eager       ``decode_kernel=False``: torch, op by op (matmuls on skinny_gemm's panels,
+              the host's build, where it has them)
+  eager-mkl   the same with every matmul on MKL (``W.T``): torch alone
 
 Per (model, batch): an engine per path, each warmed (first compiles and thread-tuner
 trials excluded); then ``--rounds`` rounds, each running every path once in a rotated
@@ -37,7 +39,7 @@ def _paths_here() -> list[str]:
     from pdserve.kernels import cbuild, decode_step
 
     built = [f"c-{isa}" for isa in cbuild.runnable_isas() if decode_step.available(isa)]
-    return [*built, "compile", "inductor", "eager"]
+    return [*built, "compile", "inductor", "eager", "eager-mkl"]
 
 
 def _engine(model_dir: str, path: str, batch: int):
@@ -62,13 +64,14 @@ def _engine(model_dir: str, path: str, batch: int):
     model = engine.runner.model
     if path.startswith("c-"):
         assert engine.runner.decode_kernel and model._kernel.step.isa == path[2:]
-    if path == "inductor":  # no skinny_gemm panels: inductor's own matmuls
+    if path in ("inductor", "eager-mkl"):  # no skinny_gemm panels: torch's own matmuls
         from pdserve.engine.model import MatMul
 
         for m in model.modules():
             if isinstance(m, MatMul) and m.panels is not None:
                 m.panels = None
                 m.use_transposed()
+    if path == "inductor":
         model.enable_compile()  # rebuilt: it reads the operands it finds
     return engine
 

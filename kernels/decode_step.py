@@ -18,9 +18,11 @@ matmul + residual; then the final norm and, if asked, the LM head. Matmuls are
 ``skinny_block.h`` on ``skinny_gemm``'s column panels; threads take chunks of panels
 (and attention's rows) from shared counters, so each output is computed whole by one
 thread and results do not depend on the thread count; attention reads each row's K/V
-once. Small model, 16 rows, 2 threads: ~25 ms per step (torch eager ~41, compiled
-~34), its matmuls at ~17 GB/s of weights (``bench/offline.py --analyse`` times each
-phase).
+once. Small model, 16 rows, 2 threads, AVX-512 build: 22-28 ms per step (torch eager
+~41-48, compiled ~34-63), its matmuls at ~17 GB/s of weights; AVX2 build 28-42 ms, bound
+by its FMAs (``bench/decode_paths.py`` compares every path side by side;
+``bench/offline.py --analyse`` times each phase). One source for every ISA
+(``simd.h``), built by ``cbuild`` for the host's or the one asked for (``isa``).
 
 Numerics follow transformers' fp32 models (same formulas, sums in a different order,
 ``exp`` to ~1 ulp): hidden states agree with the torch path to ~1e-5 and greedy tokens
