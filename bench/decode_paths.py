@@ -171,10 +171,10 @@ def main(argv: list[str] | None = None) -> int:
             for batch in args.batch:
                 rows.append(run_case(size, model_dir, batch, paths, args))
                 print(format_rows(rows[-1:]), flush=True)
-    out = Path(args.result_file)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"benchmark": "decode_paths", "cpu": cpu_description(),
-                               "results": rows}, indent=2))
+    from pdserve.bench.serve import write_json
+
+    out = write_json(args.result_file, {"benchmark": "decode_paths", "cpu": cpu_description(),
+                                        "results": rows})
     print(format_rows(rows))
     print(f"wrote {out}")
     return 0

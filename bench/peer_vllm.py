@@ -232,10 +232,10 @@ def main(argv: list[str] | None = None) -> int:
                     print(format_rows(rows[-1:]), flush=True)
             finally:
                 worker.close()
-    out = Path(args.result_file)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"benchmark": "peer_vllm", "cpu": cpu_description(),
-                               "results": rows}, indent=2))
+    from pdserve.bench.serve import write_json
+
+    out = write_json(args.result_file, {"benchmark": "peer_vllm", "cpu": cpu_description(),
+                                        "results": rows})
     print(format_rows(rows))
     print(f"wrote {out}")
     return 0

@@ -138,10 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         for w in runs[name]:
             for kind, r in runs[name][w].items():
                 runs[name][w][kind] = {k: v for k, v in r.items() if not isinstance(v, list)}
-    out = Path(args.result_file)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"benchmark": "validate_simulator", "num_prompts": args.num_prompts,
-                               "calibration": CALIBRATION, "rows": rows, "runs": runs}, indent=1))
+    from pdserve.bench.serve import write_json
+
+    out = write_json(args.result_file, {"benchmark": "validate_simulator",
+                                        "num_prompts": args.num_prompts,
+                                        "calibration": CALIBRATION, "rows": rows, "runs": runs})
     print(format_table(rows))
     print(f"wrote {out}")
     return 0
