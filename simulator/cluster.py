@@ -31,6 +31,7 @@ from pdserve.scheduler.config import EngineType, SchedulerConfig
 from pdserve.scheduler.output import SchedulerOutput, StepResult
 from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.simulator.clock import Clock
+from pdserve.simulator.collector import collector_paused
 from pdserve.simulator.cost_model import CostModel
 from pdserve.simulator.pool import SimPool
 from pdserve.simulator.rank import SimRank, SimSequence
@@ -120,6 +121,8 @@ class Cluster:
                 "decode", config.decode, dc, EngineType.COMPLETION, costs, self.clock,
                 self._on_step, first_uid=config.prefill)
             self.decode_router: DecodeRouter | None = DecodeRouter(self.decode.ranks)
+            # the router sees free blocks as they are now: a preemption's are free at once
+            self.decode.on_preempted = self.decode_router.index.touch
         else:
             nc = config.scheduler_config("normal", costs)
             self.entry = SimPool("normal", config.replicas, nc, EngineType.NORMAL, costs,
@@ -175,7 +178,8 @@ class Cluster:
                   file=sys.stderr, flush=True)
 
         next_arrival()
-        self.clock.run(on_tick=tick if progress else None, tick_s=tick_s)
+        with collector_paused():
+            self.clock.run(on_tick=tick if progress else None, tick_s=tick_s)
         ends = [r.end_time for r in self.records if r.end_time is not None]
         duration = max(ends, default=0.0) - min((r.send_time for r in self.records), default=0.0)
         return SimResult(self.records, duration or 1e-9, self._stats(time.perf_counter() - wall),
@@ -220,6 +224,8 @@ class Cluster:
                           SamplingParams(max_tokens=item.output_len, ignore_eos=True),
                           arrival_time=self.clock.now)
         seq.record = req.record
+        if prompt.hashes:  # the router's names of its blocks are the scheduler's (prefix_hash)
+            seq.block_hashes = list(prompt.hashes)
         req.rank = rank
         req.outstanding = len(item.prompt) - prompt.cached_tokens
         req.pending = req.hashes = prompt.hashes
@@ -288,6 +294,9 @@ class Cluster:
             copy = SimSequence(seq.request_id, seq.token_ids[:seq.prompt_len], seq.sampling,
                                arrival_time=seq.arrival_time)
             copy.processed = seq.prompt_len
+            # The names of its prompt's full blocks are a function of their tokens: the
+            # decode rank would compute the same ones again when it registers the import.
+            copy.block_hashes = seq.block_hashes[:seq.prompt_len // bs]
             copy.record = seq.record
             self.clock.at(now + self.costs.handoff.seconds(sent * self.costs.kv_bytes_per_token),
                           self._arrive, dst, copy)

@@ -14,6 +14,7 @@ import math
 from pdserve.bench.serve import Run, format_summary, summarize
 from pdserve.bench.serve_metrics import per_request_lists
 from pdserve.simulator.cluster import SimResult
+from pdserve.simulator.collector import collector_paused
 
 PER_REQUEST_KEYS = tuple(per_request_lists([]).keys())
 
@@ -23,9 +24,11 @@ def simulated_summary(sim: SimResult, *, label: str = "", request_rate: float = 
                       seed: int = 0, slos: dict[str, float] | None = None, percentiles=None,
                       summary_only: bool = False) -> dict:
     run = Run(sim.records, start=0.0, duration=sim.duration)
-    result = summarize([run], address="simulated", label=label, request_rate=request_rate,
-                       burstiness=burstiness, max_concurrency=max_concurrency, seed=seed,
-                       slos=slos, percentiles=percentiles)
+    with collector_paused():  # the lists of every chunk of every record: see collector.py
+        result = summarize([run], address="simulated", label=label,
+                           request_rate=request_rate, burstiness=burstiness,
+                           max_concurrency=max_concurrency, seed=seed, slos=slos,
+                           percentiles=percentiles)
     result["backend"] = "pdserve-simulated"
     result["simulation"] = sim.stats
     if summary_only:

@@ -42,6 +42,8 @@ class SimPool:
         self.stepping = False
         self.num_steps = 0
         self.step_log: list[tuple] | None = None  # (start, end, kind, rows, tokens) per rank step
+        # Called with a rank whose schedule() preempted (its free blocks grew mid-step).
+        self.on_preempted: Callable[[SimRank], None] | None = None
 
     def wake(self, rank: SimRank) -> None:
         """New work on ``rank``: a parked pool steps now."""
@@ -74,7 +76,10 @@ class SimPool:
             outputs = []
             for r in stepping:
                 r.admit()
-                outputs.append(r.scheduler.schedule())
+                out = r.scheduler.schedule()
+                if out.preempted and self.on_preempted is not None:
+                    self.on_preempted(r)
+                outputs.append(out)
         # A step where no rank computes anything still costs a step's fixed part (the
         # engine spins, e.g. while a head waits for blocks held by the others).
         seconds = max(r.step_seconds(out) for r, out in zip(stepping, outputs, strict=True)) \

@@ -29,18 +29,28 @@ class IndexedChooser:
         self._order = order  # rank -> tuple, smaller is better
         self._ranks = {r.uid: r for r in ranks}
         self._version = {r.uid: 0 for r in ranks}
+        self._listed: dict[int, tuple] = {}  # uid -> the key of its valid heap entry
         self._heap: list[tuple[tuple, int, int]] = []
         self._holders: dict[bytes, set[int]] = {}  # first block name -> uids that may hold it
         for r in ranks:
             self.touch(r)
 
     def touch(self, rank) -> None:
-        """``rank``'s key may have changed."""
-        v = self._version[rank.uid] = self._version[rank.uid] + 1
-        heapq.heappush(self._heap, (self._order(rank), v, rank.uid))
+        """``rank``'s key may have changed. A key no better than its heap entry's
+        needs no new entry (``best`` corrects an entry that is too good when it comes
+        up): decode ranks touch after every step, and most steps only take blocks."""
+        uid = rank.uid
+        key = self._order(rank)
+        listed = self._listed.get(uid)
+        if listed is not None and key >= listed:
+            return
+        v = self._version[uid] = self._version[uid] + 1
+        heapq.heappush(self._heap, (key, v, uid))
+        self._listed[uid] = key
         if len(self._heap) > 8 * len(self._ranks) + 64:  # drop what is stale
             self._heap = [(self._order(r), self._version[u], u) for u, r in self._ranks.items()]
             heapq.heapify(self._heap)
+            self._listed = {u: key for key, _, u in self._heap}
 
     def best(self):
         """The rank with the smallest key. An entry whose rank got worse since it was
@@ -57,6 +67,7 @@ class IndexedChooser:
             if now == key:
                 return rank
             heapq.heapreplace(heap, (now, v, uid))
+            self._listed[uid] = now
 
     def note_holder(self, first_block: bytes, rank) -> None:
         self._holders.setdefault(first_block, set()).add(rank.uid)
