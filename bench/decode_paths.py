@@ -92,14 +92,8 @@ def _decode_steps(engine, prompts: list[list[int]], max_tokens: int, tag: str) -
     return steps
 
 
-def weight_read_bytes(model) -> int:
-    """What one decode step must read at least: every matmul weight and norm once."""
-    return model.matmul_weight_bytes() + sum(
-        p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" in n)
-
-
 def run_case(size: str, model_dir: str, batch: int, paths: list[str], args) -> dict:
-    from pdserve.bench.offline import make_prompts, measure_bandwidth
+    from pdserve.bench.offline import make_prompts, measure_bandwidth, weight_read_bytes
 
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     prompts = make_prompts(vocab, batch, args.prompt_len, seed=batch)

@@ -253,6 +253,13 @@ def _phase_rates(phases: dict, weight_bytes: int, kv_bytes: int) -> dict:
             "decode_kernel_attention_GBps": round(kv_bytes / work["attention"] / 1e6, 1)}
 
 
+def weight_read_bytes(model) -> int:
+    """What one decode step must read at least: every matmul weight and norm once (a
+    step reads only its rows of the embedding)."""
+    return model.matmul_weight_bytes() + sum(
+        p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" in n)
+
+
 def analyse(model_dir: str, prompts: list[list[int]], max_tokens: int) -> dict:
     """Profile a pdserve run step by step (the prefill step; the decode steps) and
     compare the decode step with reading the weights once at measured bandwidth."""
@@ -293,10 +300,7 @@ def analyse(model_dir: str, prompts: list[list[int]], max_tokens: int) -> dict:
     phases = kernel.step.stop_profile() if kernel is not None else {}
     _, profs = run_steps(True)
     bw = measure_bandwidth()
-    # Matmul weights (+ norms); a decode step reads only B rows of the embedding.
-    weight_bytes = runner.model.matmul_weight_bytes() + sum(
-        p.numel() * p.element_size() for n, p in runner.model.named_parameters()
-        if "norm" in n)
+    weight_bytes = weight_read_bytes(runner.model)
     cfg = runner.config
     b, ctx = len(prompts), len(prompts[0]) + max_tokens // 2
     kv_bytes = 2 * cfg.num_layers * b * ctx * cfg.num_kv_heads * cfg.head_dim * 4

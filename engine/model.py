@@ -226,6 +226,7 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        self.kernel_isa: str | None = None  # the C kernels' build (use_kernel_isa); None: the host's
         self.model = DecoderModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope: RopeTable | None = None  # set by init_rope (not a weight)
@@ -291,7 +292,7 @@ class CausalLM(nn.Module):
         applies (see ``engine/decode_kernel``); returns whether it is now on."""
         from pdserve.engine import decode_kernel
 
-        self._kernel = decode_kernel.build(self, getattr(self, "kernel_isa", None)) if on else None
+        self._kernel = decode_kernel.build(self, self.kernel_isa) if on else None
         return self._kernel is not None
 
     def forward_decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
