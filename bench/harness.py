@@ -81,10 +81,11 @@ class RouterHarness:
         assert self.drained_errors() == []
 
 
-def start_embedded_ray(model: str | None) -> str:
+def start_embedded_ray(model: str | None, resources: dict[str, float] | None = None) -> str:
     """Start a local Ray for an in-process benchmark (loopback: Ray's local-only mode, as
-    `pdserve serve`'s; no dashboard; pool resources for ranks) and return the model
-    folder (the built-in one by default). Call it before anything imports ray."""
+    `pdserve serve`'s; no dashboard; pool resources for ranks, 8 of each unless
+    `resources` says otherwise) and return the model folder (the built-in one by
+    default). Call it before anything imports ray."""
     import sys
 
     from pdserve.router.cli_commands import ensure_model
@@ -94,6 +95,6 @@ def start_embedded_ray(model: str | None) -> str:
     if "ray" not in sys.modules:  # read at import: later, Ray picks the machine's address
         os.environ.update(RAY_LOCAL_ONLY)
     model = ensure_model(model)
-    start_ray(num_cpus=8, resources={"prefill": 8, "decode": 8},
+    start_ray(num_cpus=8, resources=resources or {"prefill": 8, "decode": 8},
               temp_dir=os.environ.get("PDSERVE_RAY_TMP", "/tmp/pdserve-ray"))
     return model

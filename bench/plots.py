@@ -5,6 +5,8 @@
 - `plot_compare`: deployments side by side (p99 ITL, TTFT, goodput) plus ITL CDFs.
 - `plot_timeline`: one run's engine steps, one row per rank, bars coloured by kind,
   KV hand-offs marked (in the manner of the chapter's Figure 5.1).
+- `plot_pool_timeline`: ranks per pool, load and SLO attainment against time, the
+  planner's decisions marked (a `pool_timeline` of load_timeline.py).
 """
 
 from __future__ import annotations
@@ -240,6 +242,80 @@ def plot_timeline(records: list[dict], path: str | Path, title: str = "",
     counts = {k: sum(1 for r in records if r["kind"] == k) for k in (*TIMELINE_COLORS, "import")}
     axes[0].set_title(title or "engine steps per rank: " + ", ".join(
         f"{n} {k}" for k, n in counts.items() if n))
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+POOL_COLORS = {"prefill": "tab:blue", "decode": "tab:green", "normal": "tab:purple"}
+
+
+def plot_pool_timeline(timeline: dict, path: str | Path, title: str = "") -> Path:
+    """Three rows against seconds since the run's start: ready ranks per pool (solid)
+    and their target (dashed), the planner's decisions as arrows labelled with their
+    outcome; the load (requests sent per second per bin, the schedule's rate, requests
+    in flight); and the share of requests sent in each bin that met the objectives."""
+    plt = _plt()
+    samples = timeline["samples"]
+    if not samples:
+        raise ValueError("no pool samples to draw")
+    fig, (ranks, load, slo) = plt.subplots(3, 1, figsize=(12, 9), sharex=True)
+    ts = [s["t"] for s in samples]
+    pools = sorted({p for s in samples for p in s["target"]}, key=lambda p: _POOL_ORDER.get(p, 9))
+    for i, pool in enumerate(pools):
+        color = POOL_COLORS.get(pool, "tab:gray")
+        lift = 0.04 * (i - (len(pools) - 1) / 2)  # pools of one size stay apart
+        ranks.step(ts, [s["ready"].get(pool, 0) + lift for s in samples], where="post",
+                   color=color, label=f"{pool} ready")
+        ranks.step(ts, [s["target"].get(pool, 0) + lift for s in samples], where="post",
+                   color=color, linestyle="--", alpha=0.6, label=f"{pool} target")
+    planner = timeline.get("planner") or {}
+    start = timeline.get("start_unix_s") or 0.0
+    for d in planner.get("decisions", []):
+        x = d["at"] - start
+        if x < 0:
+            continue
+        ranks.annotate(f"{d['pool']} {d['from']}->{d['to']} {d['outcome']}",
+                       (x, d["to"]), xytext=(x, d["from"]), fontsize=7,
+                       color=POOL_COLORS.get(d["pool"], "k"),
+                       arrowprops={"arrowstyle": "->", "color": POOL_COLORS.get(d["pool"], "k")})
+    ranks.set_ylabel("ranks")
+    ranks.set_ylim(0, max(max(s["target"].values() or [1]) for s in samples) + 1.5)
+    ranks.legend(fontsize=8, loc="upper right", ncol=2)
+    ranks.grid(alpha=0.3)
+
+    bins = timeline.get("bins") or []
+    bin_s = timeline.get("bin_s") or 1.0
+    if bins:
+        load.bar([b["t"] for b in bins], [b["rate"] for b in bins], width=bin_s, align="edge",
+                 color="#b0c4de", label=f"sent (req/s, {bin_s:g} s bins)")
+    if timeline.get("schedule"):
+        xs, ys, t = [], [], 0.0
+        for step in timeline["schedule"]:
+            xs += [t, t + step["duration_s"]]
+            ys += [step["rate"], step["rate"]]
+            t += step["duration_s"]
+        load.plot(xs, ys, color="k", linewidth=1, label="scheduled rate")
+    load.set_ylabel("requests / s")
+    inflight = load.twinx()
+    inflight.plot(ts, [s["num_inflight"] for s in samples], color="tab:orange", linewidth=1)
+    inflight.set_ylabel("in flight", color="tab:orange")
+    load.legend(fontsize=8, loc="upper left")
+    load.grid(alpha=0.3)
+
+    judged = timeline.get("objectives_ms") or {}
+    if judged and bins:
+        xs = [b["t"] + bin_s / 2 for b in bins if b["attainment"] is not None]
+        ys = [100 * b["attainment"] for b in bins if b["attainment"] is not None]
+        slo.plot(xs, ys, marker="o", markersize=3, color="tab:red")
+        slo.set_ylim(-5, 105)
+        slo.set_title("requests meeting " + ", ".join(f"{k} <= {v:g} ms" for k, v in judged.items()),
+                      fontsize=9)
+    else:
+        slo.set_title("no objectives (--goodput, or the planner's) to judge against", fontsize=9)
+    slo.set_ylabel("SLO attainment (%)")
+    slo.set_xlabel("seconds since the run's start")
+    slo.grid(alpha=0.3)
+    ranks.set_title(title or "ranks per pool, load and SLO attainment")
     fig.tight_layout()
     return _save(fig, path)
 

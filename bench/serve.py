@@ -106,6 +106,25 @@ def _write_timeline(address: str, since: float, png: str,
     print(f"wrote {png} ({len(steps)} steps)", flush=True)
 
 
+def pool_timeline_png(png: str | Path) -> Path:
+    """Where --timeline FILE.png draws the pools: FILE_pools.png."""
+    png = Path(png)
+    return png.with_name(png.stem + "_pools.png")
+
+
+def _write_pool_timeline(results: list[dict], png: str) -> None:
+    """Replicas per pool, load and SLO attainment of the (first sampled) run."""
+    from pdserve.bench.plots import plot_pool_timeline
+
+    sampled = [r for r in results if (r.get("pool_timeline") or {}).get("samples")]
+    if not sampled:
+        print("no pool timeline: no cluster state could be sampled", file=sys.stderr)
+        return
+    out = plot_pool_timeline(sampled[0]["pool_timeline"], pool_timeline_png(png),
+                             title=sampled[0].get("label") or "")
+    print(f"wrote {out} ({len(sampled[0]['pool_timeline']['samples'])} samples)", flush=True)
+
+
 def _rank_counters(state) -> dict:
     """Per-rank step counters from GetClusterState (for before/after deltas)."""
     out = {}
@@ -147,6 +166,7 @@ class Run:
     before: dict | None = None  # GetClusterState before and after (step counters)
     after: dict | None = None
     wall_start: float = 0.0  # time.time() at `start` (to ask the ranks for their steps)
+    sampler: object = None  # load_timeline.PoolSampler, when the pools were sampled
 
 
 async def collect(address: str, requests: list, *, request_rate: float = math.inf,
@@ -154,12 +174,15 @@ async def collect(address: str, requests: list, *, request_rate: float = math.in
                   temperature: float = 0.0, ignore_eos: bool = True,
                   request_timeout: float | None = None, num_warmups: int = 1,
                   progress: bool = True, client=None, label: str = "",
-                  client_options: dict | None = None) -> Run:
+                  client_options: dict | None = None, offsets: list[float] | None = None,
+                  hold_s: float = 0.0, sample_interval_s: float | None = None) -> Run:
     """Send `requests` (datasets.SampleRequest) on their arrival schedule; record each.
 
     `client` is anything with AsyncClient's `stream(prompt, **kw)` (and, optionally,
     `cluster_state()`); by default an AsyncClient on `address` (with `client_options`:
-    token, TLS), closed at the end.
+    token, TLS), closed at the end. `offsets` (send times, e.g. a rate schedule's)
+    replace the rate's arrival process; the run lasts `hold_s` at least; with
+    `sample_interval_s` a `PoolSampler` records the pools meanwhile (`Run.sampler`).
     """
     from pdserve.bench.datasets import arrival_offsets
     from pdserve.bench.serve_metrics import RequestRecord
@@ -183,7 +206,15 @@ async def collect(address: str, requests: list, *, request_rate: float = math.in
                 raise RuntimeError(f"warm-up request to {address} failed: {warm.error}")
         before = await _cluster_info(client) if hasattr(client, "cluster_state") else None
 
-        offsets = arrival_offsets(len(requests), request_rate, burstiness, seed)
+        if offsets is None:
+            offsets = arrival_offsets(len(requests), request_rate, burstiness, seed)
+        elif len(offsets) != len(requests):
+            raise ValueError(f"{len(offsets)} send times for {len(requests)} requests")
+        sampler = None
+        if sample_interval_s is not None and hasattr(client, "cluster_state"):
+            from pdserve.bench.load_timeline import PoolSampler
+
+            sampler = PoolSampler(client, sample_interval_s)
         records = [RequestRecord(prompt_len=r.prompt_len, expected_output_len=r.output_len,
                                  kind=r.kind) for r in requests]
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -215,23 +246,35 @@ async def collect(address: str, requests: list, *, request_rate: float = math.in
             bar.update(1)
 
         wall_start, start = time.time(), time.perf_counter()
-        await asyncio.gather(*(one(i) for i in range(len(requests))))
-        duration = time.perf_counter() - start
-        bar.close()
+        if sampler is not None:
+            sampler.start(start)
+        try:
+            await asyncio.gather(*(one(i) for i in range(len(requests))))
+            duration = time.perf_counter() - start
+            bar.close()
+            rest = hold_s - (time.perf_counter() - start)
+            if rest > 0:  # the schedule's quiet end: the pools settle, the sampler watches
+                print(f"load done; watching the pools for {rest:.0f} s more", file=sys.stderr)
+                await asyncio.sleep(rest)
+        finally:
+            if sampler is not None:
+                await sampler.stop()
         after = await _cluster_info(client) if hasattr(client, "cluster_state") else None
     finally:
         if own_client:
             await client.close()
-    return Run(records, start, duration, before, after, wall_start)
+    return Run(records, start, duration, before, after, wall_start, sampler)
 
 
 def summarize(runs: list[Run], *, address: str = "", label: str = "",
               request_rate: float = math.inf, burstiness: float = 1.0,
               max_concurrency: int | None = None, seed: int = 0,
               slos: dict[str, float] | None = None, percentiles=None,
-              temperature: float = 0.0, ignore_eos: bool = True, **_ignored) -> dict:
+              temperature: float = 0.0, ignore_eos: bool = True, rate_schedule=None,
+              **_ignored) -> dict:
     """The result dict of one or more runs of the same workload: metrics over all their
-    requests, duration the sum of theirs; per-request lists in run order."""
+    requests, duration the sum of theirs; per-request lists in run order; with a sampled
+    run, its `pool_timeline` (load_timeline.py; `rate_schedule`: the load it followed)."""
     from pdserve.bench.serve_metrics import (
         DEFAULT_PERCENTILES,
         breakdown_summary,
@@ -283,6 +326,11 @@ def summarize(runs: list[Run], *, address: str = "", label: str = "",
             for k, v in c.items():
                 acc[k] = acc.get(k, 0) + v
     result["rank_step_deltas"] = deltas or None
+    if runs and runs[-1].sampler is not None:
+        from pdserve.bench.load_timeline import pool_timeline
+
+        result["rate_schedule"] = rate_schedule.describe() if rate_schedule else None
+        result["pool_timeline"] = pool_timeline(runs[-1], slos=slos, schedule=rate_schedule)
     return result
 
 
@@ -297,7 +345,8 @@ async def run_benchmark(address: str, requests: list, **kwargs) -> dict:
     """`collect` then `summarize` (their keyword arguments): one run's result dict."""
     if not requests:
         raise ValueError("no requests to send")
-    collect_kw = {k: v for k, v in kwargs.items() if k not in ("slos", "percentiles")}
+    collect_kw = {k: v for k, v in kwargs.items()
+                  if k not in ("slos", "percentiles", "rate_schedule")}
     run = await collect(address, requests, **collect_kw)
     return summarize([run], address=address, **kwargs)
 
@@ -415,12 +464,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_load_args(p)
     p.add_argument("--sweep-rates", default=None,
                    help="run once per rate (e.g. 1,2,4,inf) and plot against the rate")
+    p.add_argument("--rate-schedule", default=None, metavar="SECONDS:RATE,...",
+                   help="a load that steps up and down, e.g. 60:1,120:6,180:0 (requests per "
+                   "second for so many seconds; 0: none); the count of requests is the "
+                   "schedule's, not --num-prompts'; the pools are sampled (pool_timeline)")
+    p.add_argument("--sample-interval", type=float, default=1.0, metavar="SECONDS",
+                   help="with --rate-schedule or --timeline: seconds between samples of the "
+                   "pools (default %(default)s)")
     p.add_argument("--result-file", default=DEFAULT_RESULT, help="JSON out (default %(default)s)")
     p.add_argument("--plot", default=None, help="PNG out (default: the JSON path with .png)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--timeline", default=None, metavar="FILE.png",
                    help="also draw the run's engine steps per rank (their records go to "
-                   "FILE.json)")
+                   "FILE.json) and, in FILE_pools.png, ranks per pool, load and SLO "
+                   "attainment over time")
     p.add_argument("--label", default="")
     p.add_argument("--compare-caching", action="store_true",
                    help="bring up 3 deployments in turn (2 prefill + 1 decode ranks): prefix "
@@ -507,11 +564,43 @@ def write_json(path: str | Path, data: dict) -> Path:
     return path
 
 
+def _rate_schedule(args: argparse.Namespace):
+    """The parsed --rate-schedule (None without one); sets --num-prompts to its count."""
+    if not args.rate_schedule:
+        return None, None
+    from pdserve.bench.load_timeline import RateSchedule
+
+    for flag, clash in (("--sweep-rates", args.sweep_rates),
+                        ("--request-rate", math.isfinite(args.request_rate)),
+                        ("--compare-caching", args.compare_caching)):
+        if clash:
+            raise SystemExit(f"error: --rate-schedule sets the rate; drop {flag}")
+    try:
+        schedule = RateSchedule.parse(args.rate_schedule)
+        offsets = schedule.offsets(args.burstiness, args.seed)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if not offsets:
+        raise SystemExit(f"error: --rate-schedule {args.rate_schedule} drew no request")
+    args.num_prompts = len(offsets)
+    print(f"rate schedule: {schedule.describe()}: {len(offsets)} requests over "
+          f"{schedule.total_s:g} s", file=sys.stderr)
+    return schedule, offsets
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from pdserve.router.cli_commands import client_options
 
+    schedule, offsets = _rate_schedule(args)
     requests = build_requests(args)
     kwargs = load_kwargs(args)
+    if schedule is not None:
+        kwargs.update(offsets=offsets, hold_s=schedule.total_s, rate_schedule=schedule)
+    if schedule is not None or args.timeline:
+        if not 0.05 <= args.sample_interval <= 600:
+            print("error: --sample-interval must be in [0.05, 600] seconds", file=sys.stderr)
+            return 2
+        kwargs["sample_interval_s"] = args.sample_interval
     try:
         kwargs["client_options"] = client_options(args)
     except (ValueError, OSError) as exc:
@@ -579,6 +668,7 @@ def run_serve(args: argparse.Namespace) -> int:
             first = runs[0] if args.sweep_rates else r
             _write_timeline(args.address, first["start_unix_s"], args.timeline,
                             kwargs["client_options"])
+            _write_pool_timeline(runs if args.sweep_rates else [r], args.timeline)
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
