@@ -25,7 +25,9 @@ What it does with that:
   ranks it is starting, placed or still waiting for Ray, are pending capacity.
 - A pool outside [min, max] is brought to the nearest bound at once.
 - After any change a pool is left alone for ``cooldown_s``.
-- Breach: one more rank, never past the maximum.
+- Breach: one more rank, never past the maximum; but not while the router is idle
+  (nothing in flight, every queue empty): the window's samples then describe a load
+  that has gone, and a rank started for it would serve nobody.
 - Idle (no request in the router, every queue empty) for a whole ``cooldown_s``: both
   pools go straight to their minima.
 - Hysteresis: one rank less only when the latency is under ``SCALE_DOWN_BELOW`` of
@@ -179,14 +181,18 @@ class Planner:
         if left > 0:
             note[name] = f"cooling down ({left:.0f}s left)"
             return None
-        if pressure:
+        idle_now = self._idle_since is not None
+        if pressure and not idle_now:
             if n >= high:
                 note[name] = f"at its maximum {high}: {pressure}"
                 return None
             return self._grow(at, pool, mem, n + 1, pressure)
-        idle_s = at - self._idle_since if self._idle_since is not None else 0.0
+        idle_s = at - self._idle_since if idle_now else 0.0
         if idle_s >= self.config.cooldown_s and n > low:
             return Decision(name, n, low, f"idle for {idle_s:.0f}s: back to the minimum")
+        if pressure:  # the samples are of a load that has gone: a new rank would serve nobody
+            note[name] = f"idle now, so not growing on: {pressure}"
+            return None
         if calm and n > low:
             return Decision(name, n, n - 1, calm)
         note[name] = ""

@@ -236,6 +236,19 @@ def test_idle_returns_both_pools_to_their_minima():
     assert len(t.decisions) == 2  # and stays there
 
 
+def test_a_breach_measured_on_a_load_that_has_gone_grows_nothing():
+    """Bench_autoscale's ttft run: the queue drained, the window still held the long
+    TTFTs of the queued prompts, and a third prefill rank started with nothing to do."""
+    t = Trace()
+    t.run(6, ttft=2.0, itl=0.02)  # cooling down from the first look (t=5..30)
+    t.run(1, ttft=2.0, itl=0.02, inflight=0)  # the breach is in the window; the load gone
+    assert t.decisions == []
+    assert t.planner.notes["prefill"].startswith("idle now, so not growing on: TTFT p90 2000 ms")
+    assert t.planner.notes["decode"] == ""
+    t.step(ttft=2.0, itl=0.02, inflight=3)  # load again: the breach grows prefill
+    assert [(d.pool, d.to_replicas) for _, d in t.decisions] == [("prefill", 2)]
+
+
 def test_a_light_load_steps_down_one_rank_per_cooldown_to_the_minima():
     t = Trace(prefill=3, decode=3)
     t.run(100, ttft=0.05, itl=0.005)  # requests in flight, fast
