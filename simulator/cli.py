@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     r["cost_model"] = str(args.fit_from or args.cost_model or "built-in")
     print(format_summary(r), flush=True)
     st = sim.stats
-    print(f"simulated {len(sim.records):,} requests on "
+    print(f"simulated {sim.num_requests:,} requests on "
           + ", ".join(f"{n} x{p['ranks']}" for n, p in st["pools"].items())
           + f" in {st['wall_s']:.1f}s wall ({st['virtual_s']:.1f}s virtual, "
           f"{st['events']:,} events)", flush=True)

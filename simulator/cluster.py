@@ -22,6 +22,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from pdserve.bench.serve_metrics import RequestRecord
 from pdserve.engine.config import EngineConfig
@@ -30,6 +31,7 @@ from pdserve.router.routing import PromptBlocks
 from pdserve.scheduler.config import EngineType, SchedulerConfig
 from pdserve.scheduler.output import SchedulerOutput, StepResult
 from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.simulator.client_log import ClientLog
 from pdserve.simulator.clock import Clock
 from pdserve.simulator.collector import collector_paused
 from pdserve.simulator.cost_model import CostModel
@@ -86,20 +88,30 @@ def routing_names() -> tuple[str, ...]:
 
 @dataclass
 class SimResult:
-    records: list[RequestRecord]
+    log: ClientLog  # what the clients saw
     duration: float
     stats: dict
     steps: list[tuple] | None = None
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.log)
+
+    @cached_property
+    def records(self) -> list[RequestRecord]:
+        """The clients' records as bench serve keeps them (built on first use)."""
+        return self.log.records()
 
 
 class _Request:
     """The router's state of one request (what ``RequestState`` keeps that we need)."""
 
-    __slots__ = ("item", "record", "outstanding", "pending", "hashes", "rank")
+    __slots__ = ("item", "index", "request_id", "outstanding", "pending", "hashes", "rank")
 
-    def __init__(self, item: WorkItem, record: RequestRecord) -> None:
+    def __init__(self, item: WorkItem, index: int) -> None:
         self.item = item
-        self.record = record
+        self.index = index  # in the client log
+        self.request_id = str(index)
         self.outstanding = 0
         self.pending: list[bytes] = []
         self.hashes: list[bytes] = []
@@ -136,12 +148,13 @@ class Cluster:
         if config.record_steps:
             for pool in self.pools:
                 pool.step_log = []
-        self.records: list[RequestRecord] = []
+        self.log = ClientLog()
         self.num_done = 0
         self._in_flight = 0
         self._held: deque[_Request] = deque()  # over max_concurrency, in arrival order
         self._after: dict[int, list[_Request]] = {}  # waiting for an earlier request to end
         self._done: set[int] = set()  # indices that ended (for `after`)
+        self._sampling_of: dict[int, SamplingParams] = {}
 
     @property
     def pools(self) -> list[SimPool]:
@@ -151,7 +164,7 @@ class Cluster:
 
     def run(self, workload: Workload, progress: bool = False, tick_s: float = 60.0) -> SimResult:
         items = iter(workload)
-        self.records = []
+        self.log = log = ClientLog()
         self._total = workload.num_requests
         wall = time.perf_counter()
 
@@ -161,11 +174,8 @@ class Cluster:
                 self.clock.at(item.arrival_s, arrive, item)
 
         def arrive(item: WorkItem) -> None:
-            rec = RequestRecord(prompt_len=len(item.prompt), expected_output_len=item.output_len,
-                                kind=item.kind, scheduled_time=item.arrival_s,
-                                request_id=str(item.index))
-            self.records.append(rec)
-            req = _Request(item, rec)
+            req = _Request(item, log.open(len(item.prompt), item.output_len, item.kind,
+                                          item.arrival_s))
             if item.after is not None and item.after not in self._done:
                 self._after.setdefault(item.after, []).append(req)
             else:
@@ -180,9 +190,7 @@ class Cluster:
         next_arrival()
         with collector_paused():
             self.clock.run(on_tick=tick if progress else None, tick_s=tick_s)
-        ends = [r.end_time for r in self.records if r.end_time is not None]
-        duration = max(ends, default=0.0) - min((r.send_time for r in self.records), default=0.0)
-        return SimResult(self.records, duration or 1e-9, self._stats(time.perf_counter() - wall),
+        return SimResult(log, log.duration() or 1e-9, self._stats(time.perf_counter() - wall),
                          [s for p in self.pools for s in p.step_log] if self.config.record_steps
                          else None)
 
@@ -192,21 +200,18 @@ class Cluster:
             self._held.append(req)
             return
         self._in_flight += 1
-        req.record.send_time = self.clock.now
+        self.log.send_time[req.index] = self.clock.now
         self._dispatch(req)
 
     def _ended(self, req: _Request, reason: str, now: float) -> None:
-        rec = req.record
-        rec.end_time = now
-        rec.finish_reason = reason
-        if reason not in ("stop", "length"):
-            rec.error = rec.error or reason
-        self.requests.pop(rec.request_id, None)
+        log = self.log
+        log.end(req.index, reason, now)
+        self.requests.pop(req.request_id, None)
         self.num_done += 1
         self._in_flight -= 1
         self._done.add(req.item.index)
         for waiter in self._after.pop(req.item.index, ()):
-            waiter.record.scheduled_time = max(waiter.record.scheduled_time, now)
+            log.scheduled_time[waiter.index] = max(log.scheduled_time[waiter.index], now)
             self._send(waiter)
         if self._held:
             self._send(self._held.popleft())
@@ -215,15 +220,14 @@ class Cluster:
 
     def _dispatch(self, req: _Request) -> None:
         item = req.item
-        rid = req.record.request_id
+        rid = req.request_id
         prompt = (PromptBlocks.of(item.prompt, self.block_size)
                   if self.config.routing == "cache_aware"
                   else PromptBlocks(len(item.prompt), self.block_size, []))
         rank = self.prefill_router.choose(prompt)
-        seq = SimSequence(rid, item.prompt,
-                          SamplingParams(max_tokens=item.output_len, ignore_eos=True),
+        seq = SimSequence(rid, item.prompt, self._sampling(item.output_len),
                           arrival_time=self.clock.now)
-        seq.record = req.record
+        seq.client = req.index
         if prompt.hashes:  # the router's names of its blocks are the scheduler's (prefix_hash)
             seq.block_hashes = list(prompt.hashes)
         req.rank = rank
@@ -237,14 +241,23 @@ class Cluster:
         rank.inbox.append(seq)
         self.entry.wake(rank)
 
+    def _sampling(self, output_len: int) -> SamplingParams:
+        """Requests of one output length share their sampling params (frozen): one
+        object for all of them, not one per request, to create and to keep."""
+        params = self._sampling_of.get(output_len)
+        if params is None:
+            params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+            self._sampling_of[output_len] = params
+        return params
+
     def _leave_entry(self, req: _Request) -> None:
         """The request leaves its entry rank (``RouterService._leave``): handed off, or
         ended; in normal mode only its end does (as in the router, its prompt tokens
         count in the rank's queue until then)."""
         rank = req.rank
-        if rank is None or req.record.request_id not in rank.inflight:
+        if rank is None or req.request_id not in rank.inflight:
             return
-        rank.inflight.discard(req.record.request_id)
+        rank.inflight.discard(req.request_id)
         rank.outstanding_tokens = max(0, rank.outstanding_tokens - req.outstanding)
         if req.pending:
             routing.drop_pending(rank.pending_blocks, req.pending)
@@ -253,10 +266,7 @@ class Cluster:
 
     def _on_step(self, pool: SimPool, rank: SimRank, out: SchedulerOutput,
                  result: StepResult, now: float) -> None:
-        for seq in result.updated:
-            rec = seq.record
-            rec.chunk_times.append(now)
-            rec.chunk_tokens.append(1)
+        self.log.stream(now, result.updated)
         requests = self.requests
         entry = pool is self.entry
         for seq in result.finished:
@@ -297,7 +307,7 @@ class Cluster:
             # The names of its prompt's full blocks are a function of their tokens: the
             # decode rank would compute the same ones again when it registers the import.
             copy.block_hashes = seq.block_hashes[:seq.prompt_len // bs]
-            copy.record = seq.record
+            copy.client = seq.client
             self.clock.at(now + self.costs.handoff.seconds(sent * self.costs.kv_bytes_per_token),
                           self._arrive, dst, copy)
 
@@ -322,4 +332,4 @@ class Cluster:
             }
         return {"pools": pools, "wall_s": wall_s, "events": self.clock.num_events,
                 "virtual_s": self.clock.now,
-                "requests_per_wall_s": len(self.records) / wall_s if wall_s > 0 else math.inf}
+                "requests_per_wall_s": len(self.log) / wall_s if wall_s > 0 else math.inf}

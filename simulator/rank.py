@@ -14,6 +14,7 @@ by one step report).
 from __future__ import annotations
 
 from collections import deque
+from operator import attrgetter
 
 from pdserve.router.routing import cached_prefix_blocks
 from pdserve.scheduler.block_pool import AllocStatus
@@ -25,12 +26,13 @@ from pdserve.scheduler.votes import Communicator
 from pdserve.simulator.cost_model import CostModel
 
 STAND_IN_TOKEN = 7  # below the random datasets' first prompt id; never an EOS here
+_seqlen_k = attrgetter("seqlen_k")
 
 
 class SimSequence(Sequence):
-    """A Sequence that knows its client-side record (bench/serve_metrics.RequestRecord)."""
+    """A Sequence that knows its request's index in the client log (client_log.py)."""
 
-    __slots__ = ("record",)
+    __slots__ = ("client",)
 
 
 class _CachedNames:
@@ -108,16 +110,22 @@ class SimRank:
         if not rows:
             return 0.0
         if out.kind is StepKind.DECODE:
-            return self.costs.decode.seconds(len(rows), sum(r.seqlen_k for r in rows))
+            return self.costs.decode.seconds(len(rows), sum(map(_seqlen_k, rows)))
         return self.costs.prompt.seconds([(r.query_len, r.seqlen_k - r.query_len) for r in rows])
 
     def finish_step(self, out: SchedulerOutput) -> StepResult:
         """Process the step's outputs with stand-in tokens; handed-off sequences give
-        their blocks back (the engine does once their KV is exported)."""
+        their blocks back (the engine does once their KV is exported); the block pool's
+        cache events are dropped."""
         self.num_steps += 1
         if not out.scheduled:
             self.num_empty_steps += 1
-        result = self.scheduler.process_outputs(out, [STAND_IN_TOKEN] * len(out.scheduled))
+        sched = self.scheduler
+        result = sched.process_outputs(out, [STAND_IN_TOKEN] * len(out.scheduled))
         for seq in result.handed_off:
-            self.scheduler.release_handed_off(seq)
+            sched.release_handed_off(seq)
+        if sched.caching:
+            # The engine sends these in its step report; the router here reads the
+            # pool's names directly (_CachedNames), and kept, they grow with the run.
+            sched.blocks.drain_events()
         return result
