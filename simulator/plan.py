@@ -113,10 +113,29 @@ def run_plan(args: argparse.Namespace, config, costs) -> int:
            "slo_percentile": args.slo_percentile, "gpus": args.gpus, "table": rows}
     from pdserve.bench.serve import write_json
 
+    out["serve_command"] = serve_command(rows[0], args)
     write_json(args.result_file, out)
     print(f"best: {rows[0]['placement']}; wrote {args.result_file}")
+    print(f"start from it: {out['serve_command']}")
     return 0
 
 
+def serve_command(best: dict, args: argparse.Namespace) -> str:
+    """`pdserve serve` at the placement found; for a split, with the planner on at the
+    same objectives and the split as its minima (it grows from there, never below)."""
+    if best["mode"] == "normal":
+        return f"pdserve serve --mode normal --normal {best['replicas']}"
+    p, d = best["prefill"], best["decode"]
+    return (f"pdserve serve --prefill {p} --decode {d} --autoscale --slo-ttft-ms "
+            f"{args.slo_ttft_ms:g} --slo-itl-ms {args.slo_itl_ms:g} --min-prefill {p} "
+            f"--max-prefill {_room(p)} --min-decode {d} --max-decode {_room(d)}")
+
+
+def _room(n: int) -> int:
+    """A maximum for a pool found best at n ranks: twice it, within RouterConfig's
+    default max_replicas (16; past that the YAML must raise max_replicas)."""
+    return max(n, min(2 * n, 16))
+
+
 __all__ = ["Placement", "add_plan_args", "attainment", "placements", "run_plan",
-           "search_rate"]
+           "search_rate", "serve_command"]
