@@ -182,14 +182,17 @@ def run_model(name: str, model_dir: str, vllm: Any, prompts: list[list[int]], ma
 def format_rows(rows: list[dict]) -> str:
     med = statistics.median
     lines = [f"{'model':>8} {'isa':>7} {'batch':>5} {'vLLM tok/s':>11} {'pdserve tok/s':>14} "
-             f"{'pdserve/vLLM':>13} {'same tokens':>12} {'= HF':>6}"]
+             f"{'pdserve/vLLM':>13} {'same tokens':>12} {'pdserve = HF':>13} {'vLLM = HF':>10}"]
+
+    def said(r: dict, key: str) -> str:
+        return "-" if key not in r else "yes" if r[key] else "NO"
+
     for r in rows:
-        hf = ("yes" if r.get("vllm_equals_hf") and r.get("pdserve_equals_hf") else "no") \
-            if "vllm_equals_hf" in r else "-"
         lines.append(f"{r['model']:>8} {r.get('kernel_isa') or '-':>7} {r['batch']:>5} "
                      f"{med(r['vllm_tok_s']):>11.0f} "
                      f"{med(r['pdserve_tok_s']):>14.0f} {r['ratio_median']:>12.2f}x "
-                     f"{'yes' if r['outputs_identical'] else 'NO':>12} {hf:>6}")
+                     f"{'yes' if r['outputs_identical'] else 'NO':>12} "
+                     f"{said(r, 'pdserve_equals_hf'):>13} {said(r, 'vllm_equals_hf'):>10}")
     return "\n".join(lines)
 
 
