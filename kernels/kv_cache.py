@@ -286,11 +286,12 @@ class KVCache:
 
 
 @functools.cache
-def _copy_kernels() -> ctypes.CDLL | None:
-    """kv_copy.c (streaming-store block copies), built for any CPU; None: torch's."""
+def _copy_kernels(isa: str | None = None) -> ctypes.CDLL | None:
+    """kv_copy.c (streaming-store block copies) built for ``isa`` (default: the CPU's
+    widest, whose stores move a whole cache line at once); None: torch's."""
     from pdserve.kernels import cbuild
 
-    lib = cbuild.load("kv_copy", "generic")
+    lib = cbuild.load("kv_copy", isa)
     if lib is not None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         for fn in (lib.kv_gather, lib.kv_scatter):

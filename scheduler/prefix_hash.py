@@ -15,17 +15,27 @@ from hashlib import blake2b
 
 DIGEST_BYTES = 16
 _ROOT = b"pdserve-prefix-v1"
+_ID_BYTES = array("q").itemsize  # a token id is hashed as an int64
+# Never updated itself: copying it is cheaper than a new hasher given its digest size.
+_EMPTY_HASHER = blake2b(digest_size=DIGEST_BYTES)
 
 
 def chain_hashes(token_ids: list[int], block_size: int, num_blocks: int,
                  previous: list[bytes] | None = None) -> list[bytes]:
     """Hashes of the first ``num_blocks`` full blocks of ``token_ids``; ``previous``
-    holds hashes already known for its first blocks (they are kept, not recomputed)."""
+    holds hashes already known for its first blocks (they are kept, not recomputed).
+    Block i's hash is BLAKE2b(hash of block i - 1 + its token ids as int64 bytes)."""
     hashes = list(previous or ())
     parent = hashes[-1] if hashes else _ROOT + block_size.to_bytes(4, "little")
-    for i in range(len(hashes), num_blocks):
-        block = array("q", token_ids[i * block_size:(i + 1) * block_size]).tobytes()
-        parent = blake2b(parent + block, digest_size=DIGEST_BYTES).digest()
+    first = len(hashes)
+    # The new blocks' ids converted at once; each block is a slice of those bytes.
+    data = array("q", token_ids[first * block_size:num_blocks * block_size]).tobytes()
+    width = block_size * _ID_BYTES
+    for start in range(0, (num_blocks - first) * width, width):
+        hasher = _EMPTY_HASHER.copy()
+        hasher.update(parent)
+        hasher.update(data[start:start + width])
+        parent = hasher.digest()
         hashes.append(parent)
     return hashes
 

@@ -297,10 +297,10 @@ class Cluster:
                 continue
             skip = dst.cached_prefix_blocks(hashes) if hashes else 0
             sent = max(0, seq.prompt_len - max(streamed, skip) * bs)
+            # Its key only gets worse here (no touch needed: see IndexedChooser.touch).
             dst.pending_imports += 1
             dst.inflight.add(seq.request_id)
             req.rank = dst
-            self.decode_router.index.touch(dst)
             copy = SimSequence(seq.request_id, seq.token_ids[:seq.prompt_len], seq.sampling,
                                arrival_time=seq.arrival_time)
             copy.processed = seq.prompt_len

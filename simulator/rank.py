@@ -72,7 +72,7 @@ class SimRank:
 
     @property
     def free_blocks(self) -> int:
-        return self.scheduler.num_free_blocks
+        return len(self.scheduler.blocks.free_queue)  # num_free_blocks, without two calls
 
     def cached_prefix_blocks(self, hashes: list[bytes]) -> int:
         return cached_prefix_blocks(self._names, self.pending_blocks, hashes)

@@ -111,7 +111,8 @@ class PrefillRouter:
 
 
 def _decode_order(rank) -> tuple:
-    return tuple(-x for x in decode_key(rank))
+    room, fewer_in_flight, fewer_sent, minus_uid = decode_key(rank)  # larger is better
+    return (-room, -fewer_in_flight, -fewer_sent, -minus_uid)
 
 
 class DecodeRouter:
