@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import queue
+import signal
 import statistics
 import subprocess
 import sys
@@ -58,6 +59,7 @@ for line in sys.stdin:
 
 READY_TIMEOUT_S = 600.0  # vLLM's start on CPU: ~45-80 s measured, more on a loaded machine
 CALL_TIMEOUT_S = 1800.0
+CLOSE_TIMEOUT_S = 60.0
 
 
 def vllm_env(scratch: str) -> dict[str, str]:
@@ -91,9 +93,11 @@ class VLLMWorker:
                  scratch: str, worker: str = WORKER) -> None:
         args = json.dumps({"model": model_dir, "max_model_len": max_model_len,
                            "max_num_seqs": max_num_seqs})
+        # A session of its own: vLLM's engine-core processes join its process group,
+        # so close() can end them too (a killed worker left them spinning otherwise).
         self.proc = subprocess.Popen([python, "-c", worker, args], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     text=True, env=vllm_env(scratch))
+                                     text=True, env=vllm_env(scratch), start_new_session=True)
         self._lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         self._answer(READY_TIMEOUT_S)
@@ -125,8 +129,17 @@ class VLLMWorker:
         return answer["seconds"], answer["tokens"]
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
+        """End of input lets vLLM shut its engine down; whatever of the process group is
+        left after CLOSE_TIMEOUT_S (or after a worker that did not exit) is killed."""
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(CLOSE_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         self.proc.wait(30)
 
 

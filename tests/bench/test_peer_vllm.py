@@ -6,6 +6,7 @@ transformers' greedy tokens (a test double for vLLM's LLM, which is not installe
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
 from pdserve.bench import peer_vllm
@@ -65,3 +66,40 @@ def test_the_harness_alternates_pairs_and_compares_tokens(tiny_model_dir, tmp_pa
 
     assert row["kernel_isa"] == cbuild.host_isa()
     assert row["decode_kernel"] == decode_step.available()
+
+
+# Spawns a child that outlives its parent (as vLLM's engine-core process does) and
+# ignores the end of input; reports its pid through a file.
+LINGERING = r"""
+import json, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+open(PID_FILE, "w").write(str(child.pid))
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    pass
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()
+    except FileNotFoundError:
+        return False
+
+
+def test_close_ends_the_workers_children_too(tmp_path, monkeypatch):
+    """A worker whose child lingers: close() ends it too (vLLM's engine-core processes,
+    left behind by a killed worker, spun on the CPU through every later measurement)."""
+    monkeypatch.setattr(peer_vllm, "CLOSE_TIMEOUT_S", 5.0)
+    pid_file = tmp_path / "child.pid"
+    worker = peer_vllm.VLLMWorker(sys.executable, "unused", 64, 2, str(tmp_path),
+                                  worker=LINGERING.replace("PID_FILE", repr(str(pid_file))))
+    child = int(pid_file.read_text())
+    assert _alive(child)
+    worker.close()
+    assert worker.proc.poll() is not None
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
