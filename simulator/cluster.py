@@ -233,10 +233,10 @@ class Cluster:
         req.rank = rank
         req.outstanding = len(item.prompt) - prompt.cached_tokens
         req.pending = req.hashes = prompt.hashes
+        # Its key only gets worse here (no touch needed: see IndexedChooser.touch).
         rank.outstanding_tokens += req.outstanding
         rank.inflight.add(rid)
         routing.add_pending(rank.pending_blocks, prompt.hashes)
-        self.prefill_router.index.touch(rank)
         self.requests[rid] = req
         rank.inbox.append(seq)
         self.entry.wake(rank)

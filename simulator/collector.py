@@ -1,8 +1,8 @@
 """The cyclic garbage collector, paused while a simulation runs.
 
 A large run keeps millions of container entries alive for its whole length (every
-rank's block pool: free lists and reference counts of thousands of ids; the workload's
-arrival times; the client records and their chunk lists). Each full collection walks
+rank's block pool: free lists, reference counts and block names of thousands of ids;
+the workload's arrival times; every live request's sequence). Each full collection walks
 all of them again, and at 1,000 ranks that walk was two thirds of a run's wall time.
 The simulator's per-request objects form no reference cycles (they are freed by
 reference counting; ``tests/simulator/test_collector.py`` checks a run leaves no

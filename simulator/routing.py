@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 
 from pdserve.router import routing
-from pdserve.router.routing import PromptBlocks, decode_key, least_loaded_key
+from pdserve.router.routing import PromptBlocks, decode_room, least_loaded_key
 
 
 class IndexedChooser:
@@ -110,16 +110,18 @@ class PrefillRouter:
         return rank
 
 
-def _decode_order(rank) -> tuple:
-    room, fewer_in_flight, fewer_sent, minus_uid = decode_key(rank)  # larger is better
-    return (-room, -fewer_in_flight, -fewer_sent, -minus_uid)
+def decode_order(rank) -> tuple:
+    """``decode_key(rank)`` negated, smaller is better (heap order), without a prompt.
+    Spelled out, not negated element by element: it is computed after every decode
+    step of every rank (``tests/simulator/test_routing.py`` checks the two agree)."""
+    return (-decode_room(rank), len(rank.inflight), rank.assigned, rank.uid)
 
 
 class DecodeRouter:
     """``choose_decode`` of the router over the decode pool's ranks."""
 
     def __init__(self, ranks: list) -> None:
-        self.index = IndexedChooser(ranks, _decode_order)
+        self.index = IndexedChooser(ranks, decode_order)
 
     def choose(self, prompt_hashes: list[bytes]):
         rank = routing.choose_decode(self.index.candidates(prompt_hashes), prompt_hashes)

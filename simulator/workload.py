@@ -21,6 +21,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from pdserve.bench.datasets import FIRST_PROMPT_ID, arrival_offsets
@@ -28,8 +29,7 @@ from pdserve.bench.datasets import FIRST_PROMPT_ID, arrival_offsets
 BATCH = 10_000
 
 
-@dataclass(frozen=True)
-class WorkItem:
+class WorkItem(NamedTuple):  # not a frozen dataclass: a million are made, 2.5x faster
     index: int
     arrival_s: float
     prompt: list[int]
