@@ -38,9 +38,12 @@ KV hand-off (the lead's export/import builds on these):
 
 from __future__ import annotations
 
+import array
 import ctypes
 import functools
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from pdserve.kernels.slot_mapping import DEFAULT_RING_LEN
@@ -104,6 +107,7 @@ class KVCache:
         self.v_blocks = [blocks() if w is None else None for w in windows]
         self.k_ring = [ring() if w is not None else None for w in windows]
         self.v_ring = [ring() if w is not None else None for w in windows]
+        self._kernel_pools: dict = {}  # block copies' view of the pools (_kernel_pools)
 
     # ---- description -------------------------------------------------------
     def layout(self) -> dict:
@@ -143,15 +147,15 @@ class KVCache:
         return k, v
 
     def write_blocks(self, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        idx = self._ids(block_ids)
         shape = (len(self.full_layers), len(block_ids), self.block_size, self.num_kv_heads,
                  self.head_dim)
         _check("k_blocks", k, shape)
         _check("v_blocks", v, shape)
         self.version += 1
-        for n, i in enumerate(self.full_layers):
-            _scatter_into(self.k_blocks[i], idx, k[n].to(self.device, self.dtype))
-            _scatter_into(self.v_blocks[i], idx, v[n].to(self.device, self.dtype))
+        if self.full_layers:
+            pools = self._kernel_pools
+            _scatter_into(pools, [self.k_blocks[i] for i in self.full_layers], block_ids, k)
+            _scatter_into(pools, [self.v_blocks[i] for i in self.full_layers], block_ids, v)
 
     def copy_block(self, src: int, dst: int) -> None:
         self.version += 1
@@ -223,10 +227,10 @@ class KVCache:
             if out[name].dtype != dtype:
                 raise ValueError(f"KV tensor {name!r}: expected dtype {dtype}, got {out[name].dtype}")
         if self.full_layers:
-            idx = self._ids(block_ids[first_block:n])
+            ids = block_ids[first_block:n]
             for key, layers in (("k_blocks", self.k_blocks), ("v_blocks", self.v_blocks)):
-                for n_layer, i in enumerate(self.full_layers):
-                    _gather_into(out[key][n_layer], layers[i], idx)
+                _gather_into(self._kernel_pools, out[key], [layers[i] for i in self.full_layers],
+                             ids)
         if self.ring_layers:
             rows = self._ring_rows(state_slot)
             for key, rings in (("k_ring", self.k_ring), ("v_ring", self.v_ring)):
@@ -296,46 +300,91 @@ def _copy_kernels(isa: str | None = None) -> ctypes.CDLL | None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         for fn in (lib.kv_gather, lib.kv_scatter):
             fn.argtypes, fn.restype = [p, p, p, i64, i64], None
+        for fn in (lib.kv_gather_layers, lib.kv_scatter_layers):
+            fn.argtypes, fn.restype = [p, p, i64, p, i64, i64, i64], ctypes.c_int
     return lib
 
 
-def _by_kernel(blocks: torch.Tensor, rows: torch.Tensor, idx: torch.Tensor) -> ctypes.CDLL | None:
-    """The C kernels, when both sides are contiguous CPU tensors of one dtype and every
-    index names a block of ``blocks`` (the kernel does not check)."""
-    if not (blocks.device.type == rows.device.type == idx.device.type == "cpu"
-            and blocks.dtype == rows.dtype and idx.dtype == torch.int64
-            and blocks.is_contiguous() and rows.is_contiguous() and idx.is_contiguous()
-            and rows.shape[1:] == blocks.shape[1:] and rows.shape[0] == idx.shape[0]):
-        return None
-    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= blocks.shape[0]):
-        raise IndexError(f"block ids outside [0, {blocks.shape[0]})")
-    return _copy_kernels()
+@dataclass(frozen=True)
+class _KernelPools:
+    """One set of layer pools (a cache's K or V blocks) as the C kernels take them."""
+
+    pointers: Any  # ctypes array: each layer's data_ptr
+    num_blocks: int
+    row_shape: torch.Size
+    dtype: torch.dtype
+    row_bytes: int
 
 
-def _row_bytes(blocks: torch.Tensor) -> int:
-    return blocks[0].numel() * blocks.element_size()
+def _kernel_pools(known: dict, pools: list[torch.Tensor]) -> _KernelPools | None:
+    """``pools`` for the C kernels: every layer's pool a contiguous CPU tensor of one
+    shape and dtype, and the kernels built; None: torch's copies. Looked up in ``known``
+    (the cache's own, keyed by the tensors' ids; an entry holds its tensors, so no id is
+    reused while it is there): a tensor attribute read measured ~10 us in a process whose
+    caches are cold, as a rank's are between hand-offs, so checking 8 layers' pools on
+    every copy cost ~0.1 ms. A cache makes its pools once and writes them in place only:
+    K's set and V's."""
+    key = tuple(map(id, pools))
+    if key in known:
+        return known[key][1]
+    first = pools[0]
+    entry = None
+    if (first.dim() >= 1
+            and all(p.device.type == "cpu" and p.is_contiguous() and p.dtype == first.dtype
+                    and p.shape == first.shape for p in pools)
+            and _copy_kernels() is not None):
+        entry = _KernelPools((ctypes.c_void_p * len(pools))(*[p.data_ptr() for p in pools]),
+                             first.shape[0], first.shape[1:], first.dtype,
+                             first[0].numel() * first.element_size())
+    if len(known) >= 8:  # pools replaced since (nothing here does): forget the old ones
+        known.clear()
+    known[key] = (tuple(pools), entry)
+    return entry
 
 
-def _gather_into(out: torch.Tensor, blocks: torch.Tensor, idx: torch.Tensor) -> None:
-    """``out[j] = blocks[idx[j]]``: straight into ``out`` when both live on the CPU."""
-    lib = _by_kernel(blocks, out, idx)
-    if lib is not None:
-        lib.kv_gather(out.data_ptr(), blocks.data_ptr(), idx.data_ptr(), idx.numel(),
-                      _row_bytes(blocks))
-    elif blocks.device == out.device and blocks.dtype == out.dtype:
-        torch.index_select(blocks, 0, idx, out=out)
-    else:  # a device cache: gather there, then one copy to the host
-        out.copy_(blocks.index_select(0, idx))
+def _copy_layers(known: dict, fn_name: str, rows: torch.Tensor, pools: list[torch.Tensor],
+                 block_ids: Any) -> bool:
+    """``fn_name`` of the C kernels between ``rows`` ([layers, n, *row]) and ``pools``,
+    every layer in one call (a call and its tensor ops per layer measured ~0.3 ms of each
+    side of a hand-off, cold); False where they cannot (torch's copies then). The kernel
+    checks the ids: IndexError, nothing copied."""
+    entry = _kernel_pools(known, pools)
+    if entry is None or not (rows.device.type == "cpu" and rows.dtype == entry.dtype
+                             and rows.is_contiguous() and rows.shape[2:] == entry.row_shape):
+        return False
+    ids = array.array("q", block_ids)
+    if len(ids) != rows.shape[1]:
+        raise ValueError(f"{len(ids)} block ids for {rows.shape[1]} rows")
+    if getattr(_copy_kernels(), fn_name)(rows.data_ptr(), entry.pointers, len(pools),
+                                         ids.buffer_info()[0], len(ids), entry.num_blocks,
+                                         entry.row_bytes):
+        raise IndexError(f"block ids outside [0, {entry.num_blocks})")
+    return True
 
 
-def _scatter_into(blocks: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> None:
-    """``blocks[idx[j]] = rows[j]`` (``rows`` may be a read-only view of a payload)."""
-    lib = _by_kernel(blocks, rows, idx)
-    if lib is not None:
-        lib.kv_scatter(blocks.data_ptr(), rows.data_ptr(), idx.data_ptr(), idx.numel(),
-                       _row_bytes(blocks))
-    else:
-        blocks.index_copy_(0, idx, rows)
+def _gather_into(known: dict, out: torch.Tensor, pools: list[torch.Tensor],
+                 block_ids: list[int]) -> None:
+    """``out[l][j] = pools[l][block_ids[j]]`` for every layer ``l``: straight into
+    ``out`` when both live on the CPU."""
+    if _copy_layers(known, "kv_gather_layers", out, pools, block_ids):
+        return
+    idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=pools[0].device)
+    for rows, blocks in zip(out, pools, strict=True):
+        if blocks.device == rows.device and blocks.dtype == rows.dtype:
+            torch.index_select(blocks, 0, idx, out=rows)
+        else:  # a device cache: gather there, then one copy to the host
+            rows.copy_(blocks.index_select(0, idx))
+
+
+def _scatter_into(known: dict, pools: list[torch.Tensor], block_ids: list[int],
+                  rows: torch.Tensor) -> None:
+    """``pools[l][block_ids[j]] = rows[l][j]`` for every layer ``l`` (``rows`` may be a
+    read-only view of a payload)."""
+    if _copy_layers(known, "kv_scatter_layers", rows, pools, block_ids):
+        return
+    idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=pools[0].device)
+    for blocks, layer in zip(pools, rows, strict=True):
+        blocks.index_copy_(0, idx, layer.to(blocks.device, blocks.dtype))
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:

@@ -4,6 +4,10 @@
  *
  *   kv_gather(dst, src, idx, n, row_bytes):  dst row j  = src row idx[j]
  *   kv_scatter(dst, src, idx, n, row_bytes): dst row idx[j] = src row j
+ *   kv_gather_layers / kv_scatter_layers(rows, pools, layers, idx, n, num_blocks,
+ *       row_bytes): the same for every layer l at once, between pools[l] and the rows at
+ *       rows + l * n * row_bytes; they check the ids first (-1, nothing copied, if one
+ *       lies outside [0, num_blocks)), the single-layer ones do not.
  *
  * Why not torch's index_select / index_copy_: a payload is written once and read by
  * another process (or the next decode step) much later, so on large copies the cache
@@ -17,12 +21,13 @@
  * order, into L2. Why the prefetch: a gather's source rows lie anywhere in the pool, and
  * the hardware prefetchers stop at every 4 KiB page, so without it each row (and each
  * page of the payload a scatter reads) starts with a full memory round trip. Measured
- * on the 2-core Sapphire Rapids VM (8 KiB rows, 8 layers, shuffled ids, caches flushed
- * between runs; gather / scatter GB/s, glibc memcpy of the whole 256 MiB: ~9-10):
+ * on a 2-vCPU Xeon (family 6 model 207) KVM guest (8 KiB rows, 8 layers, shuffled
+ * ids, caches flushed between runs; gather / scatter GB/s; glibc memcpy of the whole
+ * 256 MiB: ~9-10):
  *   256 MiB: 16-byte streams, no prefetch: 6.9 / 7.8; 64-byte streams + 8 KiB ahead:
  *   9.1-9.4 / 10.0-10.3;  16 MiB: 6.9 / 6.8 -> 9.3 / 9.5.
- * (2-4 KiB ahead, or prefetching into L1 (T0), measured 5-15% slower; 16 KiB was no
- * better for 32 KiB rows either.)
+ * (Prefetching into L1 (T0) measured 5-15% slower; 4 and 16 KiB ahead were within
+ * the noise of 8 KiB, for 32 KiB rows too. In the bench's ranks, 16 MiB: 7.8 / 7.8.)
  *
  * Small copies (< STREAM_MIN_BYTES), unaligned rows and CPUs without SSE2 take plain
  * memcpy, one call per run of consecutive ascending block ids (a fresh or lightly used
@@ -39,7 +44,9 @@
 #endif
 
 #define STREAM_MIN_BYTES (1 << 20)
+#ifndef PREFETCH_AHEAD /* -DPREFETCH_AHEAD=... to measure other distances */
 #define PREFETCH_AHEAD 8192
+#endif
 
 /* Row j of a table side: ``base`` row ``idx[j]``, or row ``j`` where ``idx`` is NULL. */
 static inline const char *row_at(const char *base, const int64_t *idx, int64_t j, int64_t rb) {
@@ -153,4 +160,28 @@ void kv_gather(char *dst, const char *src, const int64_t *idx, int64_t n, int64_
 
 void kv_scatter(char *dst, const char *src, const int64_t *idx, int64_t n, int64_t row_bytes) {
     copy_rows(dst, idx, src, NULL, n, row_bytes);
+}
+
+/* All layers in one call: from Python, a call per layer (and the tensor ops around it)
+ * measured ~0.3 ms of each side of a hand-off in a process whose caches are cold. */
+static int ids_in_range(const int64_t *idx, int64_t n, int64_t num_blocks) {
+    for (int64_t j = 0; j < n; j++)
+        if (idx[j] < 0 || idx[j] >= num_blocks) return 0;
+    return 1;
+}
+
+int kv_gather_layers(char *rows, char *const *pools, int64_t layers, const int64_t *idx,
+                     int64_t n, int64_t num_blocks, int64_t row_bytes) {
+    if (!ids_in_range(idx, n, num_blocks)) return -1;
+    for (int64_t l = 0; l < layers; l++)
+        kv_gather(rows + l * n * row_bytes, pools[l], idx, n, row_bytes);
+    return 0;
+}
+
+int kv_scatter_layers(const char *rows, char *const *pools, int64_t layers, const int64_t *idx,
+                      int64_t n, int64_t num_blocks, int64_t row_bytes) {
+    if (!ids_in_range(idx, n, num_blocks)) return -1;
+    for (int64_t l = 0; l < layers; l++)
+        kv_scatter(pools[l], rows + l * n * row_bytes, idx, n, row_bytes);
+    return 0;
 }

@@ -6,7 +6,7 @@
    A payload the staging area has no room for is ``ray.put`` as a uint8 array instead;
    its locator is the ObjectRef, owned by the prefill rank's process.
 2. Deliver (router): a decode rank on the sender's node maps the segment
-   (``EngineRank.import_shared``) and imports from it. Any other decode rank, or one that
+   (``EngineRank.import_shared``, sent the locator as plain values) and imports from it. Any other decode rank, or one that
    cannot map it, gets an object the source makes of the bytes
    (``EngineRank.kv_object``) as an argument of ``import_prefilled``: Ray resolves it
    (node-to-node transfer across nodes; a read-only view of the shared store on one
@@ -50,7 +50,6 @@ from pdserve.kv_transfer.base import (
 from pdserve.kv_transfer.shared_memory import (
     SharedPayload,
     SharedPayloadReader,
-    SharedPayloadUnavailable,
     StagingArea,
 )
 
@@ -94,12 +93,12 @@ class RayEndpoint(RankEndpoint):
         data = payload_without_prefix(view, skip_blocks) if skip_blocks else view
         return np.frombuffer(data, dtype=np.uint8)
 
-    def open_shared(self, locator: SharedPayload) -> memoryview:
-        if not isinstance(locator, SharedPayload):
-            raise SharedPayloadUnavailable(f"not a shared payload locator: {type(locator).__name__}")
+    def open_shared(self, locator: SharedPayload | tuple) -> memoryview:
+        """The payload's bytes, mapped read-only (``locator``: a SharedPayload or its
+        ``as_tuple`` form, as ``deliver`` sends it); SharedPayloadUnavailable if not."""
         return self.reader.open(locator)
 
-    def still_valid(self, locator: SharedPayload) -> bool:
+    def still_valid(self, locator: SharedPayload | tuple) -> bool:
         return self.reader.still_valid(locator)
 
     def release(self, attempt: str) -> None:
@@ -136,7 +135,9 @@ class RayObjectStoreTransport(KVTransport):
             if isinstance(locator, SharedPayload):
                 dst_node = getattr(getattr(dst, "info", None), "node_id", None)
                 if locator.node_id and dst_node == locator.node_id:
-                    result = await dst.actor.import_shared.remote(locator, skip_blocks)
+                    # as plain values: cheaper for Ray to carry than the dataclass
+                    result = await dst.actor.import_shared.remote(locator.as_tuple(),
+                                                                  skip_blocks)
                     if not result.ok and result.kind == UNREACHABLE:
                         result = None
                 if result is None:  # another node, or it could not map the segment

@@ -13,7 +13,8 @@ bytes are copied twice in all, once on each side, and never pass through a socke
    payload region; ``None`` when none fits (the caller uses its own buffer).
 2. Export (sender): ``export(attempt)`` returns the picklable ``SharedPayload`` locator
    (pid, fd, inode, generation, length) once the payload is written.
-3. Map (receiver): ``SharedPayloadReader.open(locator)`` opens ``/proc/<pid>/fd/<fd>``
+3. Map (receiver): ``SharedPayloadReader.open(locator)`` (the locator, or its
+   ``as_tuple`` form, which is cheaper to send through Ray) opens ``/proc/<pid>/fd/<fd>``
    (same user, same node), checks the inode and the generation and returns a
    read-only view; mappings are kept (bounded) so a segment reused for the next
    payload is mapped once. Anything unreachable raises ``SharedPayloadUnavailable``:
@@ -57,6 +58,23 @@ class SharedPayload:
     inode: int
     generation: int
     nbytes: int
+
+    def as_tuple(self) -> tuple[str, int, int, int, int, int]:
+        """The locator as plain values, for a Ray call (``SharedPayload.of`` reads it
+        back): Ray packs those with msgpack, while a dataclass argument takes its pickle
+        path, ~0.4 ms more per call here (a round trip of 1.8 ms instead of 1.4)."""
+        return (self.node_id, self.pid, self.fd, self.inode, self.generation, self.nbytes)
+
+    @classmethod
+    def of(cls, value: object) -> SharedPayload:
+        """``value`` as a locator: one already, or its ``as_tuple`` form (a list once
+        msgpack has carried it); SharedPayloadUnavailable for anything else."""
+        if isinstance(value, cls):
+            return value
+        if (isinstance(value, (tuple, list)) and len(value) == 6 and isinstance(value[0], str)
+                and all(type(v) is int for v in value[1:])):
+            return cls(*value)
+        raise SharedPayloadUnavailable(f"not a shared payload locator: {type(value).__name__}")
 
 
 class _Segment:
@@ -202,7 +220,8 @@ class SharedPayloadReader:
             collections.OrderedDict())
         self._lock = threading.Lock()
 
-    def open(self, locator: SharedPayload) -> memoryview:
+    def open(self, locator: SharedPayload | tuple) -> memoryview:
+        locator = SharedPayload.of(locator)
         key = (locator.pid, locator.fd, locator.inode)
         with self._lock:
             segment = self._maps.get(key)
@@ -219,7 +238,11 @@ class SharedPayloadReader:
             raise SharedPayloadUnavailable("the sender reused the segment (payload released)")
         return memoryview(segment)[HEADER_BYTES:HEADER_BYTES + locator.nbytes]
 
-    def still_valid(self, locator: SharedPayload) -> bool:
+    def still_valid(self, locator: SharedPayload | tuple) -> bool:
+        try:
+            locator = SharedPayload.of(locator)
+        except SharedPayloadUnavailable:
+            return False
         with self._lock:
             segment = self._maps.get((locator.pid, locator.fd, locator.inode))
         return segment is not None and self._current(segment, locator)

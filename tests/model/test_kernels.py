@@ -247,3 +247,84 @@ def test_kv_block_copies_equal_torch_and_refuse_bad_ids(num_blocks):
     with pytest.raises(IndexError):
         other.write_blocks([0] * (num_blocks - 1) + [num_blocks * 2 + 1],
                            out["k_blocks"], out["v_blocks"])
+
+
+def _table(kind: str, n: int, pool: int, g: torch.Generator) -> list[int]:
+    """``n`` distinct block ids in ``[1, pool]``: shuffled (runs of one), ascending runs
+    with gaps (as a lightly used pool hands out), one ascending run, or descending."""
+    if kind == "shuffled":
+        return torch.randperm(pool, generator=g)[:n].add(1).tolist()
+    if kind == "runs":
+        ids, start = [], 1
+        while len(ids) < n:
+            length = int(torch.randint(1, 9, (1,), generator=g))
+            ids += range(start, start + length)
+            start += length + int(torch.randint(0, 3, (1,), generator=g))
+        ids = ids[:n]
+        # runs in a shuffled order, as blocks freed by several requests come back
+        cut = n // 2
+        return ids[cut:] + ids[:cut]
+    if kind == "ascending":
+        return list(range(pool - n + 1, pool + 1))
+    return list(range(n, 0, -1))  # descending: a reversed free list
+
+
+@pytest.mark.parametrize("isa", cbuild.runnable_isas())
+@pytest.mark.parametrize("kind", ["shuffled", "runs", "ascending", "descending"])
+@pytest.mark.parametrize("num_blocks,block_size,heads,dim", [
+    (5, 16, 2, 64), (40, 16, 1, 8),  # below 1 MiB a layer: memcpy per run
+    (300, 16, 2, 64), (450, 16, 1, 40),  # >= 1 MiB: streamed (8 KiB and 2560-byte rows)
+    (20000, 5, 1, 3)])  # >= 1 MiB of 60-byte rows (not whole lines): memcpy per run
+def test_kv_block_copies_equal_torch_for_every_build_and_table(monkeypatch, isa, kind,
+                                                               num_blocks, block_size,
+                                                               heads, dim):
+    """Every build (store width), both copy paths (streaming stores with prefetch; one
+    memcpy per run of consecutive ids), tables with and without runs: the same bytes as
+    torch's indexing, and nothing written outside the table."""
+    from pdserve.kernels import kv_cache as kvc
+
+    lib = kvc._copy_kernels(isa)
+    if lib is None:
+        pytest.skip("no C compiler: the torch path is the only one")
+    monkeypatch.setattr(kvc, "_copy_kernels", lambda isa_=None: lib)
+    g = torch.Generator().manual_seed(num_blocks)
+    pool = 2 * num_blocks + 3
+    cache = kvc.KVCache(3, heads, dim, pool + 1, block_size)
+    for layer in (*cache.k_blocks, *cache.v_blocks):
+        layer.copy_(torch.randn(layer.shape, generator=g))
+    ids = _table(kind, num_blocks, pool, g)
+    out = cache.export_sequence(ids, 0, num_blocks * block_size)
+    for n, i in enumerate(cache.full_layers):
+        assert torch.equal(out["k_blocks"][n], cache.k_blocks[i][ids])
+        assert torch.equal(out["v_blocks"][n], cache.v_blocks[i][ids])
+    # into a payload's tensor section at an offset that only SSE2's stores (or memcpy) take
+    flat = torch.empty(out["k_blocks"].numel() + 4)
+    unaligned = flat[4:].view(out["k_blocks"].shape)
+    assert unaligned.data_ptr() % 64 == 16
+    kvc._gather_into(cache._kernel_pools, unaligned,
+                     [cache.k_blocks[i] for i in cache.full_layers], ids)
+    assert torch.equal(unaligned, out["k_blocks"])
+
+    other = kvc.KVCache(3, heads, dim, pool + 1, block_size)
+    dest = _table(kind, num_blocks, pool, torch.Generator().manual_seed(7))
+    other.import_sequence(dest, 0, out)
+    untouched = sorted(set(range(pool + 1)) - set(dest))
+    for n, i in enumerate(other.full_layers):
+        assert torch.equal(other.k_blocks[i][dest], out["k_blocks"][n])
+        assert torch.equal(other.v_blocks[i][dest], out["v_blocks"][n])
+        assert not other.k_blocks[i][untouched].any()  # nothing written outside the table
+
+
+def test_kv_block_copies_check_every_id_before_copying_any():
+    from pdserve.kernels import kv_cache as kvc
+
+    if kvc._copy_kernels() is None:
+        pytest.skip("no C compiler: the torch path is the only one")
+    cache = kvc.KVCache(2, 2, 64, 20, 16)
+    k = torch.ones(2, 3, 16, 2, 64)
+    for bad in ([1, 2, 20], [-1, 2, 3]):
+        with pytest.raises(IndexError):
+            cache.write_blocks(bad, k, k)
+        assert not any(layer.any() for layer in cache.k_blocks)  # nothing copied
+    with pytest.raises(IndexError):
+        cache.export_sequence([3, 25], 0, 32)

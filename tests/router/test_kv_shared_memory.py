@@ -13,6 +13,7 @@ import pytest
 import torch
 from pdserve.engine.kv_payload import ALIGN, KVPayload
 from pdserve.kv_transfer.shared_memory import (
+    SharedPayload,
     SharedPayloadReader,
     SharedPayloadUnavailable,
     StagingArea,
@@ -147,3 +148,17 @@ def test_a_reader_keeps_its_mappings_bounded():
         area.close()
         reader.close()
 
+
+
+def test_a_locator_travels_as_plain_values_and_anything_else_is_refused(sender):
+    """What deliver sends through Ray (msgpack turns the tuple into a list)."""
+    locator = sender("lend a 2000 5")
+    reader = SharedPayloadReader()
+    for form in (locator.as_tuple(), list(locator.as_tuple())):
+        assert SharedPayload.of(form) == locator
+        assert bytes(reader.open(form)[:3]) == b"\x05" * 3 and reader.still_valid(form)
+    for bad in (None, "x", (1, 2), [*locator.as_tuple()[:5], "7"], (7, *locator.as_tuple()[1:]),
+                [*locator.as_tuple()[:5], True]):
+        with pytest.raises(SharedPayloadUnavailable):
+            reader.open(bad)
+        assert not reader.still_valid(bad)
