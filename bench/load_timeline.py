@@ -143,16 +143,21 @@ def sample_of(state, t: float) -> PoolSample:
                       {k: v for k, v in pl.notes.items() if v})
 
 
+def checked_interval(seconds: float) -> float:
+    """A sampling interval within bounds (--sample-interval), else ValueError."""
+    if not 0.05 <= seconds <= 600:
+        raise ValueError(f"--sample-interval must be in [0.05, 600] seconds, got {seconds}")
+    return seconds
+
+
 class PoolSampler:
     """Asks `client.cluster_state()` every `interval_s` while a run goes on. A sample
     that fails or takes longer than the interval is counted and skipped: a router busy
     resizing costs the picture a point, never the run."""
 
     def __init__(self, client, interval_s: float = 1.0) -> None:
-        if not 0.05 <= interval_s <= 600:
-            raise ValueError(f"--sample-interval must be in [0.05, 600] seconds, got {interval_s}")
         self.client = client
-        self.interval_s = interval_s
+        self.interval_s = checked_interval(interval_s)
         self.samples: list[PoolSample] = []
         self.num_failed = 0
         self.last_state = None

@@ -597,10 +597,13 @@ def run_serve(args: argparse.Namespace) -> int:
     if schedule is not None:
         kwargs.update(offsets=offsets, hold_s=schedule.total_s, rate_schedule=schedule)
     if schedule is not None or args.timeline:
-        if not 0.05 <= args.sample_interval <= 600:
-            print("error: --sample-interval must be in [0.05, 600] seconds", file=sys.stderr)
+        from pdserve.bench.load_timeline import checked_interval
+
+        try:
+            kwargs["sample_interval_s"] = checked_interval(args.sample_interval)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
             return 2
-        kwargs["sample_interval_s"] = args.sample_interval
     try:
         kwargs["client_options"] = client_options(args)
     except (ValueError, OSError) as exc:
