@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.bench.standalone import standalone_main
+from pdserve.engine.config import DEFAULT_KV_COPY_THREADS
 
 MIB = 1 << 20
 DEFAULT_SIZES = (1, 16, 64)
@@ -54,12 +55,14 @@ def num_blocks_for(nbytes: int) -> int:
     return max(1, nbytes // BLOCK_BYTES)
 
 
-def kv_cache(num_blocks: int, seed: int | None):
-    """A KV cache of ``num_blocks`` usable blocks (random contents with ``seed``)."""
+def kv_cache(num_blocks: int, seed: int | None, copy_threads: int = 1):
+    """A KV cache of ``num_blocks`` usable blocks (random contents with ``seed``),
+    copying blocks in and out with ``copy_threads`` threads."""
     import torch
     from pdserve.kernels.kv_cache import KVCache
 
-    cache = KVCache(LAYERS, KV_HEADS, HEAD_DIM, num_blocks + 1, BLOCK_SIZE)
+    cache = KVCache(LAYERS, KV_HEADS, HEAD_DIM, num_blocks + 1, BLOCK_SIZE,
+                    copy_threads=copy_threads)
     if seed is not None:
         g = torch.Generator().manual_seed(seed)
         for layer in (*cache.k_blocks, *cache.v_blocks):
@@ -80,9 +83,11 @@ class PayloadRank:
     and scatters it into its own blocks (``KVCache.import_sequence``), as a decode rank
     does; only the model and the scheduler are left out."""
 
-    def __init__(self, kv_transport: str, secret: Any = None, staging_bytes: int = 0) -> None:
+    def __init__(self, kv_transport: str, secret: Any = None, staging_bytes: int = 0,
+                 copy_threads: int = 1) -> None:
         from pdserve.kv_transfer import make_endpoint
 
+        self.copy_threads = copy_threads
         self.endpoint = make_endpoint(kv_transport, self, "127.0.0.1", secret=secret,
                                       staging_bytes=staging_bytes)
         self._cache: Any = None
@@ -102,7 +107,7 @@ class PayloadRank:
 
     def _cache_for(self, num_blocks: int, seed: int | None):
         if self._cache is None or self._cache.num_blocks - 1 < num_blocks:
-            self._cache = kv_cache(num_blocks, seed)
+            self._cache = kv_cache(num_blocks, seed, self.copy_threads)
         return self._cache
 
     def _table(self, num_blocks: int, seed: int) -> list[int]:
@@ -261,7 +266,8 @@ async def grpc_ceiling_seconds(sizes_mib: list[float], repeats: int) -> dict[flo
     return out
 
 
-async def _measure_transport(name: str, sizes_mib: list[float], repeats: int) -> dict:
+async def _measure_transport(name: str, sizes_mib: list[float], repeats: int,
+                             copy_threads: int) -> dict:
     import ray
     from pdserve.kv_transfer import KVSecret, make_transport
 
@@ -270,8 +276,8 @@ async def _measure_transport(name: str, sizes_mib: list[float], repeats: int) ->
     actor_cls = ray.remote(num_cpus=0)(PayloadRank)
     # the source stages up to two payloads of the largest size (ray: shared memory)
     staging = 2 * int(max(sizes_mib) * MIB) + (4 << 20)
-    src_a = actor_cls.remote(name, secret, staging)
-    dst_a = actor_cls.remote(name, secret)
+    src_a = actor_cls.remote(name, secret, staging, copy_threads)
+    dst_a = actor_cls.remote(name, secret, 0, copy_threads)
     out = {"deliver_s": {}, "export_s": {}}
     try:
         src_info, dst_info = await asyncio.gather(src_a.info.remote(), dst_a.info.remote())
@@ -313,8 +319,10 @@ async def _measure_transport(name: str, sizes_mib: list[float], repeats: int) ->
 
 
 def measure(sizes_mib: list[float], transports: list[str] | tuple[str, ...] = TRANSPORTS,
-            repeats: int = 3) -> dict:
-    """Run the measurement (Ray must be initialised); returns the result dict."""
+            repeats: int = 3, copy_threads: int = DEFAULT_KV_COPY_THREADS) -> dict:
+    """Run the measurement (Ray must be initialised); returns the result dict. The
+    stand-in ranks copy blocks with ``copy_threads`` threads, as an engine does with
+    its ``kv_copy_threads``; the memcpy baseline is always one thread."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     for t in transports:
@@ -323,7 +331,7 @@ def measure(sizes_mib: list[float], transports: list[str] | tuple[str, ...] = TR
     med = statistics.median
     result: dict = {"sizes_mib": list(sizes_mib), "repeats": repeats,
                     "transports": list(transports), "bandwidth_mib_s": {}, "ratio_to_memcpy": {},
-                    "seconds": {}}
+                    "seconds": {}, "copy_threads": copy_threads}
     copy_bw, alloc_bw = [], []
     for size in sizes_mib:
         copy, alloc = memcpy_seconds(int(size * MIB), max(repeats, 3))
@@ -334,7 +342,7 @@ def measure(sizes_mib: list[float], transports: list[str] | tuple[str, ...] = TR
     result["bandwidth_mib_s"]["memcpy"] = copy_bw
     result["bandwidth_mib_s"]["memcpy_alloc"] = alloc_bw
     for name in transports:
-        m = asyncio.run(_measure_transport(name, list(sizes_mib), repeats))
+        m = asyncio.run(_measure_transport(name, list(sizes_mib), repeats, copy_threads))
         deliver = [size / med(m["deliver_s"][size]) for size in sizes_mib]
         handoff = [size / med([d + e for d, e in zip(m["deliver_s"][size], m["export_s"][size], strict=False)])
                    for size in sizes_mib]
@@ -476,6 +484,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="payload sizes in MiB (default %(default)s; up to 256)")
     p.add_argument("--transports", default=",".join(TRANSPORTS))
     p.add_argument("--repeats", type=int, default=3, help="timed hand-offs per size")
+    p.add_argument("--copy-threads", type=int, default=DEFAULT_KV_COPY_THREADS,
+                   help="threads of the stand-in ranks' block copies (an engine's "
+                   "kv_copy_threads; default %(default)s); the memcpy baseline is one thread")
     p.add_argument("--prompt-tokens", default="1024,4096,16384",
                    help="prompt lengths for the hand-off's share of the time to the second "
                    "token, through the service with KV streaming on and off ('none': skip)")
@@ -504,6 +515,9 @@ def run(args: argparse.Namespace) -> int:
               f"({BLOCK_BYTES / MIB:g} MiB)", file=sys.stderr)
         return 2
     transports = [t for t in args.transports.replace(",", " ").split()]
+    if not 1 <= args.copy_threads <= 64:
+        print(f"error: --copy-threads must be in [1, 64], got {args.copy_threads}", file=sys.stderr)
+        return 2
     share_tokens: list[int] = []
     if args.prompt_tokens.strip().lower() not in ("", "none"):
         try:
@@ -524,7 +538,7 @@ def run(args: argparse.Namespace) -> int:
                      _temp_dir=os.environ.get("PDSERVE_RAY_TMP", "/tmp/pdserve-ray"))
         started = True
     try:
-        result = measure(sizes, transports, args.repeats)
+        result = measure(sizes, transports, args.repeats, args.copy_threads)
         result["copies"] = copies_per_path()
         if share_tokens:
             print("the hand-off's share of the time to the second token ...", flush=True)

@@ -97,6 +97,7 @@ class ModelRunner:
         compile: bool = False,
         decode_kernel: bool = True,
         kernel_isa: str = "auto",
+        kv_copy_threads: int = 1,
     ):
         from pdserve.engine.model_config import ModelConfig
 
@@ -135,6 +136,7 @@ class ModelRunner:
         self.kv_cache = KVCache(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_kv_blocks, block_size,
             cfg.layer_windows, num_state_slots, ring_len, self.dtype, self.device,
+            copy_threads=kv_copy_threads,
         )
         self.num_kv_blocks = num_kv_blocks
         self.num_state_slots = num_state_slots
@@ -150,7 +152,7 @@ class ModelRunner:
     def from_engine_config(cls, config) -> ModelRunner:
         """Build from ``pdserve.engine.config.EngineConfig`` (duck-typed): model_dir, dtype,
         device, block_size, num_kv_blocks, kv_cache_memory_mb, num_threads, max_num_seqs,
-        compile, decode_kernel, kernel_isa.
+        compile, decode_kernel, kernel_isa, kv_copy_threads.
         State slots: ``2 * max_num_seqs + 1`` (the scheduler's pool, slot 0 included)."""
         threads = getattr(config, "num_threads", None)
         if threads:
@@ -170,6 +172,7 @@ class ModelRunner:
             compile=bool(getattr(config, "compile", False)),
             decode_kernel=bool(getattr(config, "decode_kernel", True)),
             kernel_isa=getattr(config, "kernel_isa", "auto"),
+            kv_copy_threads=int(getattr(config, "kv_copy_threads", 1)),
         )
 
     # ---- identity ------------------------------------------------------------

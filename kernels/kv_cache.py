@@ -66,6 +66,7 @@ class KVCache:
         ring_len: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        copy_threads: int = 1,
     ):
         windows = tuple(layer_windows) if layer_windows is not None else (None,) * num_layers
         if len(windows) != num_layers:
@@ -108,6 +109,10 @@ class KVCache:
         self.k_ring = [ring() if w is not None else None for w in windows]
         self.v_ring = [ring() if w is not None else None for w in windows]
         self._kernel_pools: dict = {}  # block copies' view of the pools (_kernel_pools)
+        if copy_threads < 1:
+            raise ValueError(f"copy_threads must be >= 1, got {copy_threads}")
+        # threads of the C block copies (imports, exports), see kv_copy.c
+        self.copy_threads = copy_threads
 
     # ---- description -------------------------------------------------------
     def layout(self) -> dict:
@@ -154,8 +159,11 @@ class KVCache:
         self.version += 1
         if self.full_layers:
             pools = self._kernel_pools
-            _scatter_into(pools, [self.k_blocks[i] for i in self.full_layers], block_ids, k)
-            _scatter_into(pools, [self.v_blocks[i] for i in self.full_layers], block_ids, v)
+            threads = self.copy_threads
+            _scatter_into(pools, [self.k_blocks[i] for i in self.full_layers], block_ids, k,
+                          threads)
+            _scatter_into(pools, [self.v_blocks[i] for i in self.full_layers], block_ids, v,
+                          threads)
 
     def copy_block(self, src: int, dst: int) -> None:
         self.version += 1
@@ -230,7 +238,7 @@ class KVCache:
             ids = block_ids[first_block:n]
             for key, layers in (("k_blocks", self.k_blocks), ("v_blocks", self.v_blocks)):
                 _gather_into(self._kernel_pools, out[key], [layers[i] for i in self.full_layers],
-                             ids)
+                             ids, self.copy_threads)
         if self.ring_layers:
             rows = self._ring_rows(state_slot)
             for key, rings in (("k_ring", self.k_ring), ("v_ring", self.v_ring)):
@@ -301,7 +309,7 @@ def _copy_kernels(isa: str | None = None) -> ctypes.CDLL | None:
         for fn in (lib.kv_gather, lib.kv_scatter):
             fn.argtypes, fn.restype = [p, p, p, i64, i64], None
         for fn in (lib.kv_gather_layers, lib.kv_scatter_layers):
-            fn.argtypes, fn.restype = [p, p, i64, p, i64, i64, i64], ctypes.c_int
+            fn.argtypes, fn.restype = [p, p, i64, p, i64, i64, i64, i64], ctypes.c_int
     return lib
 
 
@@ -343,7 +351,7 @@ def _kernel_pools(known: dict, pools: list[torch.Tensor]) -> _KernelPools | None
 
 
 def _copy_layers(known: dict, fn_name: str, rows: torch.Tensor, pools: list[torch.Tensor],
-                 block_ids: Any) -> bool:
+                 block_ids: Any, threads: int = 1) -> bool:
     """``fn_name`` of the C kernels between ``rows`` ([layers, n, *row]) and ``pools``,
     every layer in one call (a call and its tensor ops per layer measured ~0.3 ms of each
     side of a hand-off, cold); False where they cannot (torch's copies then). The kernel
@@ -357,16 +365,16 @@ def _copy_layers(known: dict, fn_name: str, rows: torch.Tensor, pools: list[torc
         raise ValueError(f"{len(ids)} block ids for {rows.shape[1]} rows")
     if getattr(_copy_kernels(), fn_name)(rows.data_ptr(), entry.pointers, len(pools),
                                          ids.buffer_info()[0], len(ids), entry.num_blocks,
-                                         entry.row_bytes):
+                                         entry.row_bytes, threads):
         raise IndexError(f"block ids outside [0, {entry.num_blocks})")
     return True
 
 
 def _gather_into(known: dict, out: torch.Tensor, pools: list[torch.Tensor],
-                 block_ids: list[int]) -> None:
+                 block_ids: list[int], threads: int = 1) -> None:
     """``out[l][j] = pools[l][block_ids[j]]`` for every layer ``l``: straight into
     ``out`` when both live on the CPU."""
-    if _copy_layers(known, "kv_gather_layers", out, pools, block_ids):
+    if _copy_layers(known, "kv_gather_layers", out, pools, block_ids, threads):
         return
     idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=pools[0].device)
     for rows, blocks in zip(out, pools, strict=True):
@@ -377,10 +385,10 @@ def _gather_into(known: dict, out: torch.Tensor, pools: list[torch.Tensor],
 
 
 def _scatter_into(known: dict, pools: list[torch.Tensor], block_ids: list[int],
-                  rows: torch.Tensor) -> None:
+                  rows: torch.Tensor, threads: int = 1) -> None:
     """``pools[l][block_ids[j]] = rows[l][j]`` for every layer ``l`` (``rows`` may be a
     read-only view of a payload)."""
-    if _copy_layers(known, "kv_scatter_layers", rows, pools, block_ids):
+    if _copy_layers(known, "kv_scatter_layers", rows, pools, block_ids, threads):
         return
     idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=pools[0].device)
     for blocks, layer in zip(pools, rows, strict=True):

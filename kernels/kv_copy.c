@@ -5,9 +5,11 @@
  *   kv_gather(dst, src, idx, n, row_bytes):  dst row j  = src row idx[j]
  *   kv_scatter(dst, src, idx, n, row_bytes): dst row idx[j] = src row j
  *   kv_gather_layers / kv_scatter_layers(rows, pools, layers, idx, n, num_blocks,
- *       row_bytes): the same for every layer l at once, between pools[l] and the rows at
- *       rows + l * n * row_bytes; they check the ids first (-1, nothing copied, if one
- *       lies outside [0, num_blocks)), the single-layer ones do not.
+ *       row_bytes, threads): the same for every layer l at once, between pools[l] and
+ *       the rows at rows + l * n * row_bytes; they check the ids first (-1, nothing
+ *       copied, if one lies outside [0, num_blocks)), the single-layer ones do not.
+ *       ``threads`` > 1 splits the layers' rows into that many contiguous shares, one
+ *       an OpenMP thread (copies under THREAD_MIN_BYTES a thread take fewer threads).
  *
  * Why not torch's index_select / index_copy_: a payload is written once and read by
  * another process (or the next decode step) much later, so on large copies the cache
@@ -29,6 +31,12 @@
  * (Prefetching into L1 (T0) measured 5-15% slower; 4 and 16 KiB ahead were within
  * the noise of 8 KiB, for 32 KiB rows too. In the bench's ranks, 16 MiB: 7.8 / 7.8.)
  *
+ * Why threads: one core's copy is bounded by how many cache misses it keeps in flight,
+ * not by the memory: on the same guest one thread's memcpy of 16 MiB measured ~11 GB/s
+ * and two threads' (halves) ~20 GB/s. A hand-off's copy is a short burst while the
+ * rank does nothing else (the import and the export hold the engine), so it takes the
+ * rank's copy threads (EngineConfig.kv_copy_threads).
+ *
  * Small copies (< STREAM_MIN_BYTES), unaligned rows and CPUs without SSE2 take plain
  * memcpy, one call per run of consecutive ascending block ids (a fresh or lightly used
  * pool hands a prompt such runs; shuffled ids are runs of one). Built per ISA
@@ -37,6 +45,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <omp.h>
+
 #include "simd.h" /* simd_isa(), PREFETCH_L2 */
 
 #if defined(__SSE2__)
@@ -44,6 +54,7 @@
 #endif
 
 #define STREAM_MIN_BYTES (1 << 20)
+#define THREAD_MIN_BYTES (1 << 20) /* less a thread: its start-up is not worth it */
 #ifndef PREFETCH_AHEAD /* -DPREFETCH_AHEAD=... to measure other distances */
 #define PREFETCH_AHEAD 8192
 #endif
@@ -130,9 +141,10 @@ static int stream_width(const char *base, int64_t n, int64_t row_bytes) {
     return 0;
 }
 
+/* ``total`` rows decide whether to stream (a thread's share of a large copy streams too). */
 static void copy_rows(char *dst, const int64_t *didx, const char *src, const int64_t *sidx,
-                      int64_t n, int64_t rb) {
-    switch (stream_width(dst, n, rb)) {
+                      int64_t n, int64_t rb, int64_t total) {
+    switch (stream_width(dst, total, rb)) {
 #if defined(__AVX512F__)
     case 64: stream64(dst, didx, src, sidx, n, rb); return;
 #endif
@@ -155,11 +167,11 @@ static void copy_rows(char *dst, const int64_t *didx, const char *src, const int
 }
 
 void kv_gather(char *dst, const char *src, const int64_t *idx, int64_t n, int64_t row_bytes) {
-    copy_rows(dst, NULL, src, idx, n, row_bytes);
+    copy_rows(dst, NULL, src, idx, n, row_bytes, n);
 }
 
 void kv_scatter(char *dst, const char *src, const int64_t *idx, int64_t n, int64_t row_bytes) {
-    copy_rows(dst, idx, src, NULL, n, row_bytes);
+    copy_rows(dst, idx, src, NULL, n, row_bytes, n);
 }
 
 /* All layers in one call: from Python, a call per layer (and the tensor ops around it)
@@ -170,18 +182,42 @@ static int ids_in_range(const int64_t *idx, int64_t n, int64_t num_blocks) {
     return 1;
 }
 
+/* Every layer's rows, split into ``threads`` contiguous shares of the layers x n rows
+ * (rows + l * n * row_bytes is row l * n of the flat range): a share may span layers. */
+static void copy_layers(char *rows, char *const *pools, int64_t layers, const int64_t *idx,
+                        int64_t n, int64_t rb, int gather, int64_t threads) {
+    const int64_t total = layers * n;
+    if (total <= 0) return;
+    int64_t most = total * rb / THREAD_MIN_BYTES;
+    if (threads > most) threads = most;
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads((int)threads) if (threads > 1)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t a = total * t / nt, b = total * (t + 1) / nt;
+        for (int64_t l = a / n; l < layers && l * n < b; l++) {
+            const int64_t j0 = (a > l * n ? a : l * n) - l * n;
+            const int64_t j1 = (b < (l + 1) * n ? b : (l + 1) * n) - l * n;
+            char *lrows = rows + (l * n + j0) * rb;
+            if (j1 <= j0) continue;
+            if (gather)
+                copy_rows(lrows, NULL, pools[l], idx + j0, j1 - j0, rb, total);
+            else
+                copy_rows(pools[l], idx + j0, lrows, NULL, j1 - j0, rb, total);
+        }
+    }
+}
+
 int kv_gather_layers(char *rows, char *const *pools, int64_t layers, const int64_t *idx,
-                     int64_t n, int64_t num_blocks, int64_t row_bytes) {
+                     int64_t n, int64_t num_blocks, int64_t row_bytes, int64_t threads) {
     if (!ids_in_range(idx, n, num_blocks)) return -1;
-    for (int64_t l = 0; l < layers; l++)
-        kv_gather(rows + l * n * row_bytes, pools[l], idx, n, row_bytes);
+    copy_layers(rows, pools, layers, idx, n, row_bytes, 1, threads);
     return 0;
 }
 
 int kv_scatter_layers(const char *rows, char *const *pools, int64_t layers, const int64_t *idx,
-                      int64_t n, int64_t num_blocks, int64_t row_bytes) {
+                      int64_t n, int64_t num_blocks, int64_t row_bytes, int64_t threads) {
     if (!ids_in_range(idx, n, num_blocks)) return -1;
-    for (int64_t l = 0; l < layers; l++)
-        kv_scatter(pools[l], rows + l * n * row_bytes, idx, n, row_bytes);
+    copy_layers((char *)rows, pools, layers, idx, n, row_bytes, 0, threads);
     return 0;
 }

@@ -315,6 +315,52 @@ def test_kv_block_copies_equal_torch_for_every_build_and_table(monkeypatch, isa,
         assert not other.k_blocks[i][untouched].any()  # nothing written outside the table
 
 
+@pytest.mark.parametrize("threads", [2, 3, 7])
+@pytest.mark.parametrize("kind", ["shuffled", "runs"])
+@pytest.mark.parametrize("num_blocks,heads,dim", [
+    (300, 2, 64),  # 3 layers x 300 rows: shares that start and end inside a layer
+    (20, 2, 64)])  # below THREAD_MIN_BYTES a thread: fewer threads than asked
+def test_kv_block_copies_with_threads_equal_torch(threads, kind, num_blocks, heads, dim):
+    """Copies split over threads (kv_copy_threads): every row once, where torch's
+    indexing puts it, whatever share of which layer each thread took."""
+    from pdserve.kernels import kv_cache as kvc
+
+    if kvc._copy_kernels() is None:
+        pytest.skip("no C compiler: the torch path is the only one")
+    g = torch.Generator().manual_seed(threads)
+    pool = 2 * num_blocks + 3
+    cache = kvc.KVCache(3, heads, dim, pool + 1, 16, copy_threads=threads)
+    for layer in (*cache.k_blocks, *cache.v_blocks):
+        layer.copy_(torch.randn(layer.shape, generator=g))
+    ids = _table(kind, num_blocks, pool, g)
+    out = cache.export_sequence(ids, 0, num_blocks * 16)
+    for n, i in enumerate(cache.full_layers):
+        assert torch.equal(out["k_blocks"][n], cache.k_blocks[i][ids])
+        assert torch.equal(out["v_blocks"][n], cache.v_blocks[i][ids])
+    other = kvc.KVCache(3, heads, dim, pool + 1, 16, copy_threads=threads)
+    dest = _table(kind, num_blocks, pool, torch.Generator().manual_seed(11))
+    other.import_sequence(dest, 0, out)
+    untouched = sorted(set(range(pool + 1)) - set(dest))
+    for n, i in enumerate(other.full_layers):
+        assert torch.equal(other.k_blocks[i][dest], out["k_blocks"][n])
+        assert torch.equal(other.v_blocks[i][dest], out["v_blocks"][n])
+        assert not other.k_blocks[i][untouched].any()
+    with pytest.raises(ValueError, match="copy_threads"):
+        kvc.KVCache(3, heads, dim, pool + 1, 16, copy_threads=0)
+
+
+def test_an_engines_kv_copy_threads_reach_its_cache_and_bad_counts_are_refused(tiny_dirs):
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.model_runner import ModelRunner
+
+    for bad in (0, 65):
+        with pytest.raises(ValueError, match="kv_copy_threads must be"):
+            EngineConfig(model_dir=str(tiny_dirs["llama"]), kv_copy_threads=bad)
+    config = EngineConfig(model_dir=str(tiny_dirs["llama"]), num_kv_blocks=16, kv_copy_threads=3)
+    assert ModelRunner.from_engine_config(config).kv_cache.copy_threads == 3
+    assert EngineConfig(model_dir=str(tiny_dirs["llama"])).kv_copy_threads == 2
+
+
 def test_kv_block_copies_check_every_id_before_copying_any():
     from pdserve.kernels import kv_cache as kvc
 
