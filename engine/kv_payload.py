@@ -8,6 +8,9 @@ The header names every tensor with its dtype, shape, offset and length inside th
 tensor section, so a receiver can check a payload completely before it allocates
 anything, and a truncated payload is caught by arithmetic rather than by a crash. The
 header is padded (its ``pad`` field) so that the tensor section starts 64-byte aligned.
+Its ``token_ids`` are one msgpack ``bin`` of little-endian int64s (8 bytes an id), not
+a list of ints: the receiver sizes them by their byte length and checks them with
+numpy, not id by id.
 
 No copies of its own: a sender lays the payload out first (``KVPayload.layout``) and
 gathers its KV blocks straight into the tensor section of whatever buffer its transport
@@ -25,11 +28,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import numpy as np
 import torch
 from pdserve.scheduler.sampling_params import MAX_CHOICES
 
 MAGIC = b"PDKV"
-VERSION = 3  # 2: forks (n > 1); 3: kind and stream_of (streamed chunks)
+# 2: forks (n > 1); 3: kind and stream_of (streamed chunks); 4: token_ids as int64 bytes
+VERSION = 4
 KINDS = ("prefilled", "chunk")
 _PREFIX = struct.Struct("<4sHI")
 
@@ -37,9 +42,13 @@ _PREFIX = struct.Struct("<4sHI")
 # before it is refused; real payloads stay far below them.
 MAX_HEADER_BYTES = 64 << 20
 MAX_TOKEN_IDS = 1 << 22  # token_ids: prompt plus first token
+_TOKEN_ID = np.dtype("<i8")  # token_ids' element on the wire
 MAX_TENSORS = 1024
 MAX_TENSOR_DIMS = 8
 _MAX_MAP_LEN = 1024  # the header and its sampling dict hold a dozen keys each
+# The longest lists a header holds: tensors (MAX_TENSORS), forks (MAX_FORKS) and a
+# sampling dict's stop_token_ids (the router takes at most 64); token_ids are bytes.
+_MAX_ARRAY_LEN = 1 << 16
 ALIGN = 64  # the tensor section's start, in bytes from the payload's first byte
 
 _DTYPES = {
@@ -59,12 +68,14 @@ def _is_int(value: Any) -> bool:
 
 def _unpack_header(raw: memoryview) -> dict:
     try:
-        # msgpack sizes a list or dict by the length its header claims; capping those (each
-        # element takes at least a byte, so never above the buffer) bounds what it allocates.
-        # One more than token_ids may hold, so that the field's own check names it.
-        max_array_len = min(MAX_TOKEN_IDS + 1, len(raw))
-        header = msgpack.unpackb(raw, raw=False, max_array_len=max_array_len,
-                                 max_map_len=min(_MAX_MAP_LEN, len(raw) // 2))
+        # msgpack sizes a list, dict or bin by the length its header claims; capping those
+        # (each element takes at least a byte, so never above the buffer) bounds what it
+        # allocates. A bin (token_ids) is capped by the buffer alone, so that an
+        # over-long one is named by the field's own check.
+        header = msgpack.unpackb(raw, raw=False,
+                                 max_array_len=min(_MAX_ARRAY_LEN, len(raw)),
+                                 max_map_len=min(_MAX_MAP_LEN, len(raw) // 2),
+                                 max_bin_len=len(raw))
     except Exception as exc:  # msgpack raises several types for garbage
         raise KVPayloadError(f"KV payload header is not valid msgpack: {exc}") from exc
     if not isinstance(header, dict):
@@ -105,22 +116,37 @@ class _HeaderFields:
         return float(value)
 
 
-def _check_token_ids(token_ids: list, vocab_size: int | None) -> list[int]:
-    if len(token_ids) > MAX_TOKEN_IDS:
-        raise KVPayloadError(f"KV payload header field 'token_ids' holds {len(token_ids)} ids, "
+def _pack_token_ids(token_ids: list[int]) -> bytes:
+    """``token_ids`` as the header carries them: little-endian int64s (``struct``: about
+    half of what ``array.array`` or msgpack's own list of ints takes for 4k ids)."""
+    try:
+        return struct.pack(f"<{len(token_ids)}q", *token_ids)
+    except struct.error as exc:
+        raise KVPayloadError(f"KV payload token_ids cannot be carried as int64s: {exc}") from None
+
+
+def _check_token_ids(raw: bytes, vocab_size: int | None) -> list[int]:
+    """The ids of ``raw`` (little-endian int64s), each checked; sized by the byte length
+    before anything is converted."""
+    if len(raw) % _TOKEN_ID.itemsize:
+        raise KVPayloadError(f"KV payload header field 'token_ids' must be little-endian int64s: "
+                             f"{len(raw)} bytes is not a multiple of {_TOKEN_ID.itemsize}")
+    count = len(raw) // _TOKEN_ID.itemsize
+    if count > MAX_TOKEN_IDS:
+        raise KVPayloadError(f"KV payload header field 'token_ids' holds {count} ids, "
                              f"more than {MAX_TOKEN_IDS}")
+    ids = np.frombuffer(raw, dtype=_TOKEN_ID)  # a view, no copy
+    # min and max in C over the common, valid case; the slow scan below only runs to
+    # name the first bad id. (Every int64 is below 2**63: only 0 bounds them without
+    # vocab_size.)
+    if not count or (int(ids.min()) >= 0
+                     and (vocab_size is None or int(ids.max()) < vocab_size)):
+        return ids.tolist()
     upper = vocab_size if vocab_size is not None else 1 << 63
-    # One pass in C over the common, valid case (msgpack yields exact ints; a bool is not one);
-    # the slow scan below only runs to name the first bad id.
-    if set(map(type, token_ids)) <= {int} and (
-            not token_ids or (min(token_ids) >= 0 and max(token_ids) < upper)):
-        return token_ids
     within = f"in [0, {vocab_size})" if vocab_size is not None else ">= 0"
-    for i, token in enumerate(token_ids):
-        if not _is_int(token) or not 0 <= token < upper:
-            raise KVPayloadError(f"KV payload header field 'token_ids[{i}]' must be an int "
-                                 f"{within}, got {token!r}")
-    return token_ids
+    i, token = next((i, t) for i, t in enumerate(ids.tolist()) if not 0 <= t < upper)
+    raise KVPayloadError(f"KV payload header field 'token_ids[{i}]' must be an int "
+                         f"{within}, got {token!r}")
 
 
 def _check_sampling(sampling: dict, where: str) -> dict:
@@ -309,7 +335,7 @@ class KVPayload:
             "block_size": self.block_size,
             "num_layers": self.num_layers,
             "num_tokens": self.num_prompt_tokens,
-            "token_ids": self.token_ids,
+            "token_ids": _pack_token_ids(self.token_ids),
             "sampling": self.sampling,
             "arrival_time": self.arrival_time,
             "first_token_time": self.first_token_time,
@@ -380,7 +406,7 @@ class KVPayload:
         block_size = fields.int_at_least("block_size", 1)
         num_layers = fields.int_at_least("num_layers", 1)
         num_tokens = fields.int_at_least("num_tokens", 0)
-        token_ids = _check_token_ids(fields.of_type("token_ids", list), vocab_size)
+        token_ids = _check_token_ids(fields.of_type("token_ids", bytes), vocab_size)
         sampling = _check_sampling(fields.of_type("sampling", dict), "sampling")
         forks = _check_forks(fields.of_type("forks", list), vocab_size, request_id)
         skipped_blocks = fields.int_at_least("skipped_blocks", 0)

@@ -126,8 +126,9 @@ MAX_CONCURRENT_RPCS = 256
 # A rank whose importer does not say how much KV it can hold (test doubles, benches)
 # takes pushed payloads up to this size.
 DEFAULT_MAX_PUSH_BYTES = 1 << 30
-# The header beside the tensors: at most 9 bytes of msgpack per token id, plus this for
-# the rest (ids, sampling, tensor specs: a few hundred bytes in practice).
+# The header beside the tensors: at most 9 bytes per token id (8 since payload version 4,
+# which carries them as int64s; msgpack's own ints took up to 9), plus this for the rest
+# (ids, sampling, tensor specs: a few hundred bytes in practice).
 HEADER_SLACK_BYTES = 1 << 20
 
 

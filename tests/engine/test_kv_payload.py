@@ -23,6 +23,7 @@ def test_round_trip_is_bit_exact(dtype):
     payload = make_payload(dtype)
     back = KVPayload.from_bytes(payload.to_bytes())
     assert back.request_id == "r1" and back.token_ids == [5, 6, 7, 8]
+    assert type(back.token_ids) is list and all(type(t) is int for t in back.token_ids)
     assert back.first_token_id == 8 and back.num_prompt_tokens == 3
     for name, tensor in payload.tensors.items():
         assert back.tensors[name].dtype == dtype
@@ -45,6 +46,9 @@ def test_garbage_and_wrong_version_are_rejected():
     data = bytearray(make_payload().to_bytes())
     data[4] = 99
     with pytest.raises(KVPayloadError, match="version"):
+        KVPayload.from_bytes(bytes(data))
+    data[4] = 3  # token_ids as a list of ints: refused by version, not misread
+    with pytest.raises(KVPayloadError, match="version 3 is not supported"):
         KVPayload.from_bytes(bytes(data))
 
 

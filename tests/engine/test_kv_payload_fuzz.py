@@ -31,8 +31,13 @@ PREFIX = struct.Struct("<4sHI")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Decoding parses the header into Python objects and copies each tensor once; anything far
 # beyond a few times the payload's size means a length was trusted before it was checked
-# (a claimed 2**22-element list alone is 32 MiB).
+# (a claimed 2**16-element list alone is 512 KiB).
 ALLOCATION_SLACK_BYTES = 1 << 20
+
+
+def id_bytes(*ids: int) -> bytes:
+    """token_ids as the header carries them (version 4): little-endian int64s."""
+    return struct.pack(f"<{len(ids)}q", *ids)
 
 
 def small_payload(token_ids=(5, 6, 7, 8)) -> KVPayload:
@@ -256,10 +261,13 @@ K_SPEC, RING_SPEC, EMPTY_SPEC = header_of(BASE)["tensors"]
     (dict(num_tokens=-1), "num_tokens"),
     (dict(request_id=7), "request_id"),
     (dict(model_fingerprint=None), "model_fingerprint"),
-    (dict(token_ids=[1, 2.0]), r"token_ids\[1\]"),
-    (dict(token_ids=[1, -3]), r"token_ids\[1\]"),
-    (dict(token_ids=[1, False]), r"token_ids\[1\]"),
-    (dict(token_ids="abc"), "token_ids"),
+    (dict(token_ids=[1, 2]), "'token_ids' must be a bytes, got list"),  # version 3's list
+    (dict(token_ids="abc"), "'token_ids' must be a bytes, got str"),
+    (dict(token_ids=None), "'token_ids' must be a bytes"),
+    (dict(token_ids=id_bytes(1, 2)[:-1]), "'token_ids'.*15 bytes is not a multiple of 8"),
+    (dict(token_ids=b"\x01"), "'token_ids'.*1 bytes is not a multiple of 8"),
+    (dict(token_ids=id_bytes(1, -3)), r"token_ids\[1\].*>= 0, got -3"),
+    (dict(token_ids=id_bytes(-2**63)), r"token_ids\[0\].*>= 0"),
     (dict(sampling=[1]), "sampling"),
     (dict(arrival_time=float("inf")), "arrival_time"),
     (dict(first_token_time="soon"), "first_token_time"),
@@ -371,14 +379,74 @@ def test_hostile_payloads_allocate_little(tmp_path):
     peaks = json.loads(out.stdout)
     for data, peak in zip(inputs, peaks, strict=True):
         assert peak < 8 * len(data) + ALLOCATION_SLACK_BYTES, (peak, data[:64])
-    # more token ids than any model takes
+
+
+def test_more_token_ids_than_any_model_takes_are_refused_by_their_length(tmp_path):
     header = header_of(BASE)
-    header["token_ids"] = [1] * (MAX_TOKEN_IDS + 1)
-    with pytest.raises(KVPayloadError, match="token_ids"):
-        KVPayload.from_bytes(with_header(header))
+    header["token_ids"] = id_bytes(1) * (MAX_TOKEN_IDS + 1)
+    data = with_header(header)
+    with pytest.raises(KVPayloadError,
+                       match=f"'token_ids' holds {MAX_TOKEN_IDS + 1} ids, more than {MAX_TOKEN_IDS}"):
+        KVPayload.from_bytes(data)
+    # msgpack's copy of the bin, and nothing more: no array or list of ids (a list of that
+    # many ids alone would be as large again)
+    path = tmp_path / "inputs.pickle"
+    path.write_bytes(pickle.dumps([data]))
+    out = subprocess.run([sys.executable, "-c", _MEASURE_PEAKS, str(path)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    [peak] = json.loads(out.stdout)
+    assert peak < 1.25 * len(data) + ALLOCATION_SLACK_BYTES, (peak, len(data))
+
+
+class _NoNumpy:
+    def __getattr__(self, name):
+        raise AssertionError(f"numpy.{name} used before the token ids were sized")
+
+
+def test_token_ids_are_sized_before_anything_is_converted(monkeypatch):
+    from pdserve.engine import kv_payload
+
+    monkeypatch.setattr(kv_payload, "MAX_TOKEN_IDS", 4)
+    assert KVPayload.from_bytes(small_payload([1, 2, 3, 4]).to_bytes()).token_ids == [1, 2, 3, 4]
+    monkeypatch.setattr(kv_payload, "np", _NoNumpy())
+    for bad, message in ((small_payload([1, 2, 3, 4, 5]).to_bytes(), "holds 5 ids, more than 4"),
+                         (replaced(token_ids=bytes(33)), "not a multiple of 8")):
+        with pytest.raises(KVPayloadError, match=message):
+            KVPayload.from_bytes(bad)
+
+
+def test_token_ids_travel_as_little_endian_int64s_and_come_back_a_list_of_ints():
+    ids = [0, 1, 255, 256, 2**31, 2**32 + 7, 2**63 - 1, 5]
+    data = small_payload(ids).to_bytes()
+    header = msgpack.unpackb(data[PREFIX.size:PREFIX.size + PREFIX.unpack(data[:PREFIX.size])[2]])
+    assert header["token_ids"] == id_bytes(*ids) == b"".join(t.to_bytes(8, "little") for t in ids)
+    back = KVPayload.from_bytes(data)
+    assert type(back.token_ids) is list and all(type(t) is int for t in back.token_ids)
+    assert back.token_ids == ids and back.first_token_id == 5
+    assert KVPayload.from_bytes(small_payload([7]).to_bytes()).token_ids == [7]
+    empty = replaced(token_ids=b"")
+    assert KVPayload.from_bytes(empty, vocab_size=1).token_ids == []
+
+
+def test_a_token_id_the_sender_cannot_carry_is_named():
+    for ids in ([1, 2**63], [1, -2**63 - 1], [1, 2.0]):
+        with pytest.raises(KVPayloadError, match="token_ids cannot be carried as int64s"):
+            small_payload(ids).to_bytes()
 
 
 def test_vocab_size_names_the_first_token_outside_it():
-    with pytest.raises(KVPayloadError, match=r"token_ids\[2\].*\[0, 7\)"):
+    with pytest.raises(KVPayloadError, match=r"token_ids\[2\].*\[0, 7\), got 7"):
         KVPayload.from_bytes(small_payload([1, 2, 7, 3]).to_bytes(), vocab_size=7)
+    with pytest.raises(KVPayloadError, match=r"token_ids\[1\].*\[0, 7\), got 99"):
+        KVPayload.from_bytes(small_payload([1, 99, 7, 3]).to_bytes(), vocab_size=7)
     assert KVPayload.from_bytes(small_payload([1, 2, 6, 3]).to_bytes(), vocab_size=7)
+    assert KVPayload.from_bytes(small_payload([1, 2, 7, 3]).to_bytes()).token_ids == [1, 2, 7, 3]
+
+
+def test_a_negative_token_id_is_named_with_or_without_vocab_size():
+    data = small_payload([1, 2, -1, 3]).to_bytes()
+    with pytest.raises(KVPayloadError, match=r"token_ids\[2\].*must be an int >= 0, got -1"):
+        KVPayload.from_bytes(data)
+    with pytest.raises(KVPayloadError, match=r"token_ids\[2\].*\[0, 7\), got -1"):
+        KVPayload.from_bytes(data, vocab_size=7)

@@ -96,7 +96,7 @@ def test_a_tensor_payload_gets_the_same_checks_as_bytes():
     corrupt[0] = ord("X")  # bad magic
     with pytest.raises(KVPayloadError, match="magic"):
         KVPayload.from_tensor(corrupt)
-    with pytest.raises(KVPayloadError, match="token"):
+    with pytest.raises(KVPayloadError, match=r"token_ids\[1\].*\[0, 10\), got 10"):
         KVPayload.from_tensor(buffer, vocab_size=10)
     with pytest.raises(KVPayloadError, match="uint8"):
         KVPayload.from_tensor(buffer.view(torch.int16) if buffer.numel() % 2 == 0
