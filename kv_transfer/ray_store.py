@@ -35,6 +35,7 @@ re-prefilled elsewhere.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from pdserve.kv_transfer.base import (
@@ -53,6 +54,8 @@ from pdserve.kv_transfer.shared_memory import (
     StagingArea,
 )
 
+log = logging.getLogger(__name__)
+
 # what import_shared answers when it cannot map the sender's segment: use the object path
 UNREACHABLE = "unreachable"
 RELEASE_TIMEOUT_S = 10.0
@@ -67,9 +70,19 @@ class RayEndpoint(RankEndpoint):
         super().__init__(max_age_s)
         self.staging = StagingArea(staging_bytes, _node_id(), max_age_s)
         self.reader = SharedPayloadReader()
+        self.num_unstaged = 0  # payloads the staging area had no room for
 
     def payload_buffer(self, attempt: str, nbytes: int) -> Any:
-        return self.staging.lend(attempt, nbytes) or bytearray(nbytes)
+        lent = self.staging.lend(attempt, nbytes)
+        if lent is not None:
+            return lent
+        self.num_unstaged += 1  # the object store's path: a copy more on this node
+        if self.num_unstaged == 1:
+            log.warning("a KV payload of %.1f MiB found no room in the staging area (%.0f MiB, "
+                        "%.0f MiB held): it and any like it go through Ray's object store",
+                        nbytes / 2**20, self.staging.capacity_bytes / 2**20,
+                        self.staging.bytes_held / 2**20)
+        return bytearray(nbytes)
 
     def export(self, attempt: str, payload: Any) -> Any:
         shared = self.staging.export(attempt)

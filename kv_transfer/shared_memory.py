@@ -43,6 +43,17 @@ MIN_SEGMENT_BYTES = 1 << 20
 _GENERATION = struct.Struct("<Q")
 
 
+def segment_size(need: int) -> int:
+    """A new segment's size for ``need`` bytes: rounded up to a multiple of an eighth
+    of the power of two above it (at least MIN_SEGMENT_BYTES), so that segments come in few sizes and
+    can be reused for payloads of about the same size, yet waste at most a quarter (whole
+    powers of two wasted up to half: a payload just over half the staging area, such
+    as a prompt that fills its rank's KV cache, or a chunk just over 2 MiB, then took
+    the object store's extra copies instead)."""
+    granule = max(1, (1 << (need - 1).bit_length()) // 8)
+    return max(MIN_SEGMENT_BYTES, -(-need // granule) * granule)
+
+
 class SharedPayloadUnavailable(OSError):
     """The receiver cannot map the sender's segment (another node, another user, the
     sender gone, the segment reused)."""
@@ -184,7 +195,7 @@ class StagingArea:
         free = [s for s in self._segments if s.attempt is None and need <= s.size <= 2 * need]
         if free:  # the smallest that fits; a much larger one stays for a larger payload
             return min(free, key=lambda s: s.size)
-        size = max(MIN_SEGMENT_BYTES, 1 << (need - 1).bit_length())
+        size = segment_size(need)
         if size > self.capacity_bytes:
             return None
         while self.bytes_held + size > self.capacity_bytes:

@@ -30,6 +30,7 @@ def test_both_transports_beside_memcpy(ray_session, tmp_path):
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["sizes_mib"] == [0.25, 1.0]
+    assert r["copy_threads"] == 2  # an engine's default kv_copy_threads
     bw = r["bandwidth_mib_s"]
     assert set(bw) == {"memcpy", "memcpy_alloc", "ray_deliver", "ray_handoff", "grpc_deliver",
                        "grpc_handoff", "grpc_ceiling"}
@@ -62,3 +63,7 @@ def test_the_hand_off_share_through_two_services(ray_session, tmp_path):
     for rows in (streamed, whole):
         assert 0 < rows["ttft_s"][0] < rows["ttst_s"][0]
         assert 0 < rows["handoff_share_of_ttst"][0] < 1
+        # the hand-off counts the prefill rank's export and the router's delivery
+        assert rows["export_s"][0] > 0 and rows["deliver_s"][0] > 0
+        assert rows["handoff_s"][0] > max(rows["export_s"][0], rows["deliver_s"][0])
+    assert "/ its deliver alone" in kv_transfer.format_share(share)

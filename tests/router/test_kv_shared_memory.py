@@ -97,11 +97,30 @@ def test_lending_stays_within_capacity_and_takes_back_what_was_never_exported():
         b = area.lend("b", 3 * MIB)
         assert b is not None and area.export("b") is not None
         area.forget_unexported()  # an exported payload stays until released
-        assert len(area) == 1 and area.bytes_held == 4 * MIB
+        assert len(area) == 1 and 3 * MIB < area.bytes_held <= 4 * MIB
         assert area.lend("c", 8 * MIB) is None  # larger than the whole area
         area.release("b")
         assert len(area) == 0 and area.lend("c", 100) is not None
         assert area.bytes_held <= 4 * MIB
+    finally:
+        area.close()
+
+
+def test_a_payload_that_fills_most_of_the_area_and_many_chunks_are_staged():
+    """A rank's staging area holds what its KV cache holds: a prompt that fills most of
+    the cache, or its chunks streamed ahead, all stay in shared memory."""
+    from pdserve.kv_transfer.shared_memory import segment_size
+
+    for need in (1, MIB, 2 * MIB + 40_000, 16 * MIB + 70_000, 255 * MIB):
+        assert need <= segment_size(need) <= max(MIB, need * 1.25)
+    area = StagingArea(20 * MIB)  # a 320-block cache of 64 KiB blocks
+    try:
+        assert area.lend("whole", 16 * MIB + 70_000) is not None
+        area.release("whole")
+        for i in range(8):  # a 4096-token prompt's chunks of 512 tokens and their headers
+            assert area.lend(f"chunk-{i}", 2 * MIB + 4096 * (i + 1)) is not None, i
+            assert area.export(f"chunk-{i}") is not None
+        assert area.bytes_held <= 20 * MIB
     finally:
         area.close()
 
