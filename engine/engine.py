@@ -52,6 +52,7 @@ from pdserve.engine.outputs import (
 from pdserve.scheduler.block_pool import AllocStatus
 from pdserve.scheduler.config import EngineType
 from pdserve.scheduler.output import SchedulerOutput, StepKind, StepResult
+from pdserve.scheduler.prefix_hash import chain_hashes
 from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.scheduler.scheduler import Scheduler
 from pdserve.scheduler.sequence import Sequence
@@ -76,11 +77,14 @@ PARTIAL_IMPORT_MAX_AGE_S = 120.0
 class _PartialImport:
     """KV streamed ahead of a request's hand-off: blocks reserved and written here."""
 
-    __slots__ = ("block_ids", "token_ids", "updated")
+    __slots__ = ("block_ids", "token_ids", "block_hashes", "updated")
 
     def __init__(self) -> None:
         self.block_ids: list[int] = []
         self.token_ids: list[int] = []  # the tokens of those blocks
+        # their prefix-cache hashes, made as the chunks come (prefix caching on): the
+        # hand-off's import then hashes only its own blocks, on the second token's path
+        self.block_hashes: list[bytes] = []
         self.updated = time.monotonic()
 
 
@@ -201,6 +205,8 @@ class LLMEngine:
                                      f"the tokens its streamed KV chunks carried")
             del self._partial[payload.stream_of]
             self.scheduler.release_blocks(partial.block_ids[skipped:])
+            payload.cached_block_hashes = partial.block_hashes[:skipped]
+            payload.cached_blocks_registered = False
             return partial.block_ids[:skipped]
         if partial is not None:  # short of what the payload left out: of no use now
             self._drop_partial(payload.stream_of)
@@ -243,6 +249,9 @@ class LLMEngine:
             partial = self._partial[chunk.stream_of] = _PartialImport()
         partial.block_ids += block_ids
         partial.token_ids = list(chunk.token_ids)
+        if self.scheduler.caching:
+            partial.block_hashes = chain_hashes(partial.token_ids, self.config.block_size,
+                                                len(partial.block_ids), partial.block_hashes)
         partial.updated = time.monotonic()
         return chunk.request_id
 
@@ -557,6 +566,10 @@ class LLMEngine:
                            eos_token_id=self.tokenizer.eos_token_id)
             seq.processed = payload.num_prompt_tokens
             self.scheduler.add_prefilled(seq, payload.cached_block_ids)
+            if payload.cached_block_hashes:
+                seq.block_hashes = list(payload.cached_block_hashes)
+            if not payload.cached_blocks_registered:  # streamed blocks: named from here on
+                seq.num_registered = 0
             # n > 1: the forks share the prompt's blocks (their copies run before the
             # next step's model, after the import below)
             group = [seq, *self.scheduler.fork_siblings(

@@ -67,6 +67,30 @@ def test_a_streamed_prompt_decodes_the_same_tokens_with_a_smaller_hand_off(model
     assert decode(receiver) == decode(reference)
 
 
+def test_streamed_blocks_join_the_receivers_prefix_cache_as_a_whole_import_does(model_dirs):
+    """The blocks a partial import holds are named in the decode rank's prefix cache, by
+    the hashes a whole import would give them (made as the chunks came), and reported
+    as cache events, so the router can route the prompt's next turn there."""
+    from pdserve.scheduler.prefix_hash import cacheable_blocks, chain_hashes
+
+    model = model_dirs["llama"]
+    chunks, handoff = prefill(model)
+    _, whole = prefill(model, stream_kv=False)
+    full = cacheable_blocks(len(PROMPT) + 1, BLOCK)  # the prompt's full blocks
+    hashes = chain_hashes(PROMPT, BLOCK, full)
+    named = {}
+    for stream in (True, False):
+        receiver = engine(model, "completion")
+        for chunk in chunks if stream else ():
+            receiver.import_prefilled(bytearray(chunk.payload), borrowed=True)
+        receiver.import_prefilled(handoff.payload if stream else whole.payload)
+        events = receiver.step().cache_events
+        assert len(receiver.scheduler.blocks.lookup(hashes)) == full, stream
+        named[stream] = {h for added, h in events if added}
+        decode(receiver)
+    assert named[True] == named[False] and set(hashes) <= named[True]
+
+
 def test_chunks_out_of_order_or_from_another_prompt_are_refused_and_take_nothing(model_dirs):
     model = model_dirs["llama"]
     chunks, _ = prefill(model)
