@@ -34,6 +34,23 @@ class PoolConfig:
             raise ValueError(f"{self.name} replicas must be >= 0, got {self.replicas}")
         if self.num_cpus < 0:
             raise ValueError(f"{self.name} num_cpus must be >= 0, got {self.num_cpus}")
+        self._validate_engine()
+
+    def _validate_engine(self) -> None:
+        """The engine settings as the ranks will take them, checked now (at start)
+        rather than when the first rank builds its engine."""
+        from pdserve.engine.config import EngineConfig
+
+        fixed = sorted({"model_dir", "engine_type"} & set(self.engine))
+        if fixed:
+            raise ValueError(f"{self.name} engine: {', '.join(fixed)} is set by the router, "
+                             "not in a pool's engine settings")
+        try:
+            EngineConfig(model_dir="", **self.engine)
+        except TypeError as exc:  # an unknown field
+            raise ValueError(f"{self.name} engine: {exc}") from None
+        except ValueError as exc:
+            raise ValueError(f"{self.name} engine: {exc}") from None
 
 
 @dataclass

@@ -17,12 +17,15 @@ def test_example_file_loads():
     assert config.prefill.resources == {"prefill": 1}
     assert config.routing == "cache_aware" and config.max_choices == 16
     assert config.decode.engine == {"block_size": 16, "max_num_seqs": 64,
-                                    "enable_prefix_caching": True}
+                                    "enable_prefix_caching": True, "kv_copy_threads": 2}
     assert config.prefill.engine == {"block_size": 16, "max_num_seqs": 32,
-                                     "enable_prefix_caching": True}
+                                     "enable_prefix_caching": True, "kv_copy_threads": 2}
 
 
 @pytest.mark.parametrize("data, needle", [
+    ({"engine": {"kv_copy_threads": 0}}, "prefill engine: kv_copy_threads must be >= 1"),
+    ({"decode": {"engine": {"kv_copy_thread": 2}}}, "decode engine: .*kv_copy_thread"),
+    ({"prefill": {"engine": {"engine_type": "completion"}}}, "engine_type is set by the router"),
     ({"bogus": 1}, "bogus"),
     ({"prefill": {"replica": 2}}, "replica"),
     ({"mode": "both"}, "mode"),
