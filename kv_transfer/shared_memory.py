@@ -44,13 +44,14 @@ _GENERATION = struct.Struct("<Q")
 
 
 def segment_size(need: int) -> int:
-    """A new segment's size for ``need`` bytes: rounded up to a multiple of an eighth
-    of the power of two above it (at least MIN_SEGMENT_BYTES), so that segments come in few sizes and
-    can be reused for payloads of about the same size, yet waste at most a quarter (whole
+    """A new segment's size for ``need`` bytes: rounded up to a multiple of a
+    sixteenth of the power of two above it (at least MIN_SEGMENT_BYTES), so that
+    segments come in few sizes and can be reused for payloads of about the same size,
+    yet waste at most an eighth (whole
     powers of two wasted up to half: a payload just over half the staging area, such
     as a prompt that fills its rank's KV cache, or a chunk just over 2 MiB, then took
     the object store's extra copies instead)."""
-    granule = max(1, (1 << (need - 1).bit_length()) // 8)
+    granule = max(1, (1 << (need - 1).bit_length()) // 16)
     return max(MIN_SEGMENT_BYTES, -(-need // granule) * granule)
 
 
@@ -196,6 +197,8 @@ class StagingArea:
         if free:  # the smallest that fits; a much larger one stays for a larger payload
             return min(free, key=lambda s: s.size)
         size = segment_size(need)
+        if size > self.capacity_bytes:  # a payload near the whole area: no rounding up
+            size = max(MIN_SEGMENT_BYTES, -(-need // mmap.PAGESIZE) * mmap.PAGESIZE)
         if size > self.capacity_bytes:
             return None
         while self.bytes_held + size > self.capacity_bytes:

@@ -243,12 +243,16 @@ class EngineRank:
         return str(device)
 
     def kv_staging_bytes(self) -> int:
-        """Shared memory a PROMPT rank may keep for payloads on their way: as much as its
-        KV cache holds (payloads beyond that go through the object store)."""
+        """Shared memory a PROMPT rank may keep for payloads on their way: what its KV
+        cache holds, plus room for the payloads' headers (8 bytes a token id: a long
+        prompt's streamed chunks each carry the ids so far) and segments' rounding (at
+        most an eighth); payloads beyond that go through the object store. Only what is
+        used is ever allocated."""
         cache = getattr(getattr(self.engine, "runner", None), "kv_cache", None)
         if self.engine_type != "prompt" or cache is None or not hasattr(cache, "bytes_per_block"):
             return 0
-        return int(cache.num_blocks) * cache.bytes_per_block() + cache.ring_bytes()
+        kv = int(cache.num_blocks) * cache.bytes_per_block() + cache.ring_bytes()
+        return kv + kv // 4 + (16 << 20)
 
     # -- identity and rendezvous -----------------------------------------------------
 
