@@ -131,6 +131,7 @@ class ScenarioResult:
     rank_failures: int = 0
     label_retries: int = 0  # ALREADY_EXISTS before a just-cancelled label was free
     chunks_streamed: int = 0  # KV chunks that reached a decode rank ahead of their hand-off
+    direct_handoffs: int = 0  # hand-offs a prefill rank had its decode rank import itself
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -244,6 +245,7 @@ async def run_scenario(harness: Any, reference: Reference, plan: ScenarioPlan,
     started = time.monotonic()
     svc = harness.service
     moves, failures, chunks = svc.num_moves, svc.num_rank_failures, svc.num_kv_chunks_streamed
+    direct = svc.num_direct_handoffs
     outcomes = [RequestOutcome(p.index, p.action) for p in plan.requests]
     cancelled: dict[int, asyncio.Event] = {}
     previous_cancel = None
@@ -277,6 +279,7 @@ async def run_scenario(harness: Any, reference: Reference, plan: ScenarioPlan,
     result.moves = svc.num_moves - moves
     result.rank_failures = svc.num_rank_failures - failures
     result.chunks_streamed = svc.num_kv_chunks_streamed - chunks
+    result.direct_handoffs = svc.num_direct_handoffs - direct
     result.label_retries = sum(o.retries for o in outcomes)
     return result
 
@@ -399,7 +402,8 @@ def summarize(results: list[ScenarioResult]) -> dict:
                            "requests": sum(r.num_requests for r in results),
                            "failed_scenarios": sum(not r.ok for r in results)}
     out.update({k: sum(getattr(r, k) for r in results)
-                for k in (*keys, "moves", "rank_failures", "label_retries", "chunks_streamed")})
+                for k in (*keys, "moves", "rank_failures", "label_retries", "chunks_streamed",
+                          "direct_handoffs")})
     by_event: dict[str, int] = {}
     for r in results:
         by_event[r.event] = by_event.get(r.event, 0) + 1

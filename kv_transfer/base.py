@@ -112,6 +112,12 @@ class KVTransport(ABC):
     """The router's side: deliver, release, discard."""
 
     name: str = ""
+    # whether a prefill rank can ask the decode rank for the import itself (ray only;
+    # see router/kv_stream.py): then ``direct_result`` reads what it answered
+    direct_handoff: bool = False
+
+    def direct_result(self, result: Any, nbytes: int) -> DeliveryResult:
+        raise NotImplementedError(f"the {self.name} transport hands nothing off directly")
 
     def __init__(self) -> None:
         self.bytes_moved = 0

@@ -10,7 +10,10 @@
    cannot map it, gets an object the source makes of the bytes
    (``EngineRank.kv_object``) as an argument of ``import_prefilled``: Ray resolves it
    (node-to-node transfer across nodes; a read-only view of the shared store on one
-   node). The router only ever holds the locator, never the bytes. ``skip_blocks``: on
+   node). The router only ever holds the locator, never the bytes. A streamed prompt's
+   hand-off may skip the router's call: its prefill rank, told the stream's decode rank
+   (``direct_handoff``, router/kv_stream.py), sends that rank the locator itself as it
+   exports, and the router reads the answer (``direct_result``). ``skip_blocks``: on
    the shared path the receiver leaves the prefix out itself (nothing is copied for
    it); otherwise the source cuts it into the object it makes.
 3. Import (decode rank): the payload's tensors are views of the mapped bytes; an import
@@ -139,6 +142,14 @@ def _node_id() -> str:
 
 class RayObjectStoreTransport(KVTransport):
     name = "ray"
+    # a streamed prompt's prefill rank may ask its decode rank (same node) to import the
+    # hand-off itself, before the router has the ticket (router/kv_stream.py)
+    direct_handoff = True
+
+    def direct_result(self, result: Any, nbytes: int) -> DeliveryResult:
+        """A direct hand-off's ImportResult (what ``import_shared`` answered the prefill
+        rank) as ``deliver`` would report it."""
+        return self._as_delivery(result, nbytes, 0)
 
     async def deliver(self, ticket: Any, src: Any, dst: Any,
                       skip_blocks: int = 0) -> DeliveryResult:
@@ -162,9 +173,13 @@ class RayObjectStoreTransport(KVTransport):
                 result = await dst.actor.import_prefilled.remote(locator)
         except Exception as exc:  # the source died (payload lost) or the destination did
             return DeliveryResult(False, kind=TRANSPORT, error=f"{type(exc).__name__}: {exc}")
+        return self._as_delivery(result, nbytes, skip_blocks)
+
+    def _as_delivery(self, result: Any, nbytes: int, skip_blocks: int) -> DeliveryResult:
         if not result.ok:
-            return DeliveryResult(False, kind=result.kind if result.kind in (
-                PAYLOAD, CAPACITY, CACHE_MISS, TRANSPORT) else PAYLOAD, error=result.error)
+            kind = result.kind if result.kind in (PAYLOAD, CAPACITY, CACHE_MISS, TRANSPORT) \
+                else TRANSPORT if result.kind == UNREACHABLE else PAYLOAD
+            return DeliveryResult(False, kind=kind, error=result.error)
         if skip_blocks:
             nbytes = result.nbytes or nbytes
         self._delivered(nbytes)

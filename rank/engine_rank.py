@@ -39,6 +39,7 @@ actor classes without pulling torch into its process.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
@@ -66,6 +67,8 @@ from pdserve.rank.messages import (
 from pdserve.rank.step_timeline import StepTimeline
 
 log = logging.getLogger(__name__)
+# streamed attempts a PROMPT rank keeps a direct hand-off's decode rank for (hand_off_to)
+MAX_DIRECT_HANDOFFS = 4096
 
 # The loop's has-work vote is 0 (work) / 1 (none); -1 asks every rank to pause.
 _PAUSE_VOTE = -1
@@ -199,6 +202,10 @@ class EngineRank:
         self.timeline = StepTimeline()
         self._last_stats: RankStats | None = None
         self._imported_at: dict[str, float] = {}  # attempt -> monotonic time taken
+        # PROMPT: streamed attempt -> the decode rank its hand-off goes to directly
+        # (hand_off_to); bounded, oldest dropped (a dropped one is delivered by the router)
+        self._direct_to: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._direct_lock = threading.Lock()
         self._nonce = ""  # the current group's store nonce (never logged)
         self.endpoint = make_endpoint(
             kv_transport, self, _node_ip(), secret=kv_secret,
@@ -545,9 +552,38 @@ class EngineRank:
         """Forget pair ``pair``'s group (closed once its transfers ended)."""
         return self.endpoint.drop_pair(pair)
 
+    def hand_off_to(self, stream_of: str, decode_actor: Any) -> None:
+        """The router's word that the streamed attempt ``stream_of`` decodes on
+        ``decode_actor`` (which holds its chunks): its hand-off's import is asked of that
+        rank from here, as the payload is exported, instead of after the router has the
+        ticket (router/kv_stream.py, direct hand-off)."""
+        with self._direct_lock:
+            self._direct_to[stream_of] = decode_actor
+            self._direct_to.move_to_end(stream_of)
+            while len(self._direct_to) > MAX_DIRECT_HANDOFFS:
+                self._direct_to.popitem(last=False)
+
+    def _direct_import(self, stream_of: str, locator: Any) -> Any:
+        """Ask the stream's decode rank to import the payload at ``locator`` now; the
+        ObjectRef of its ImportResult, or None (no word from the router, not staged in
+        shared memory, or the call could not be made: the router delivers it)."""
+        from pdserve.kv_transfer.shared_memory import SharedPayload
+
+        with self._direct_lock:
+            actor = self._direct_to.pop(stream_of, None) if stream_of else None
+        if actor is None or not isinstance(locator, SharedPayload):
+            return None
+        try:
+            return actor.import_shared.remote(locator.as_tuple(), 0)
+        except Exception as exc:  # the decode rank is gone: the router finds another
+            log.info("direct hand-off of %s not sent: %s", stream_of, type(exc).__name__)
+            return None
+
     def abort(self, attempt: str) -> bool:
         self.endpoint.release(attempt)
         self._imported_at.pop(attempt, None)
+        with self._direct_lock:
+            self._direct_to.pop(attempt, None)
         return bool(self._call(lambda eng: eng.abort(attempt)))
 
     # -- reporting -------------------------------------------------------------------
@@ -617,7 +653,9 @@ class EngineRank:
                                     for f in getattr(handoff, "forks", ())],
                              num_cached_tokens=getattr(handoff, "num_cached_tokens", 0),
                              streamed_blocks=getattr(handoff, "streamed_blocks", 0),
-                             stream_of=getattr(handoff, "stream_of", ""))
+                             stream_of=getattr(handoff, "stream_of", ""),
+                             direct_import=self._direct_import(
+                                 getattr(handoff, "stream_of", ""), locator))
 
     def _on_error(self, exc: BaseException) -> None:
         self._loop_error = self._redact(_error_text(exc))
@@ -686,6 +724,8 @@ class EngineRank:
 
     def release_kv(self, attempt: str) -> None:
         self.endpoint.release(attempt)
+        with self._direct_lock:  # a word that came after the export
+            self._direct_to.pop(attempt, None)
 
     def release_kv_many(self, attempts: list[str]) -> None:
         for attempt in attempts:

@@ -172,6 +172,9 @@ class HandoffTicket:
     # them all before this payload
     streamed_blocks: int = 0
     stream_of: str = ""
+    # a direct hand-off (router/kv_stream.py): the import this rank already asked of the
+    # stream's decode rank (a Ray ObjectRef of its ImportResult), None if it did not
+    direct_import: Any = None
 
     @property
     def choices(self) -> list[HandedOffChoice]:

@@ -13,7 +13,15 @@ blocks each step completes as a chunk (a ``KVChunkTicket``) while the rest compu
 3. A chunk that fails stops the early deliveries (``broken``) and frees the partial
    import; the hand-off then sends every chunk again with its payload, so a failure
    costs time, never tokens.
-4. The chunks stay on the prefill rank until the hand-off is confirmed (``release``)
+4. Direct hand-off (ray, one node): once ``dst`` holds the first chunks, the prefill
+   rank is told (``EngineRank.hand_off_to``) to ask ``dst`` for the hand-off's import
+   itself as it exports the payload, so the import starts while the first token is on
+   its way to the router, not after (``HandoffTicket.direct_import``: that call's
+   ObjectRef). The router awaits its answer instead of delivering; if it failed (a
+   chunk still on its way, ``dst`` full or gone), the import is aborted and the
+   hand-off is delivered as in 2, every chunk again. The router stays the one that
+   confirms, releases and moves.
+5. The chunks stay on the prefill rank until the hand-off is confirmed (``release``)
    or the attempt ends or moves (``discard``, and the decode rank's partial import is
    aborted); a decode rank also drops a partial import nobody continued within
    ``PARTIAL_IMPORT_MAX_AGE_S``.
@@ -41,6 +49,8 @@ class KVStream:
     broken: bool = False  # early deliveries stopped; the hand-off sends what is missing
     handing_off: bool = False  # the hand-off's delivery took over
     closed: bool = False
+    # the decode rank the prefill rank was told to hand off to itself (a direct hand-off)
+    direct_dst: Any = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property

@@ -69,6 +69,8 @@ class RouterService:
         self.num_handoffs_in_flight = 0
         self.num_kv_blocks_skipped = 0  # KV blocks a decode rank's cache held: not sent
         self.num_kv_chunks_streamed = 0  # chunks that reached a decode rank ahead of time
+        self.num_direct_handoffs = 0  # hand-offs a prefill rank had its decode rank import
+        self.num_direct_refused = 0  # ... that the decode rank refused (then delivered)
         self._streams: dict[str, KVStream] = {}  # attempt -> its KV streamed ahead
         # Recent TTFT and inter-token samples by rank: the planner's, and status'.
         self.latencies = RecentLatencies(config.planner_window_s)
@@ -426,6 +428,8 @@ class RouterService:
         for ticket in step.handoffs:
             group = self._take_handoff(rank, ticket)
             if not group.live:
+                if ticket.direct_import is not None:
+                    self._spawn(self._undo_direct(ticket, self._streams.get(ticket.stream_of)))
                 self._spawn(self.transport.discard(ticket, rank))
                 if ticket.stream_of:
                     self._drop_stream(ticket.stream_of)
@@ -466,8 +470,13 @@ class RouterService:
                                        self.config.handoff_timeout_s, self._abort_on)
             if result.ok:
                 self.num_kv_chunks_streamed += stream.delivered - before
+                if stream.direct_dst is None and self._can_hand_off_directly(stream):
+                    stream.direct_dst = stream.dst
+                    self._spawn(self._tell_direct(stream.src, stream.attempt, stream.dst))
             else:
                 stream.broken = True
+                if stream.direct_dst is not None:  # the hand-off goes through the router
+                    self._spawn(self._tell_direct(stream.src, stream.attempt, None))
                 log.info("streaming KV of %s stopped: %s: %s", stream.attempt, result.kind,
                          result.error)
 
@@ -555,15 +564,23 @@ class RouterService:
         hashes = group.prompt_hashes if self.config.routing == "cache_aware" else []
         stream = self._streams.get(ticket.stream_of) if ticket.streamed_blocks else None
         if ticket.streamed_blocks and (stream is None or stream.num_blocks != ticket.streamed_blocks):
+            if ticket.direct_import is not None:
+                self._spawn(self._undo_direct(ticket, stream))
             for state in group.live:  # its payload is incomplete without them
                 self._move(state, "the KV chunks streamed ahead of its hand-off were lost")
             return
+        direct = ticket.direct_import if stream is not None and stream.direct_dst is not None \
+            else None
+        if ticket.direct_import is not None and direct is None:
+            self._spawn(self._undo_direct(ticket, stream))
         if stream is not None:
             stream.handing_off = True
             hashes = []  # the payload already leaves out what went ahead
         retry_whole: RankHandle | None = None  # its cache lost the prefix: send it all
         for _ in range(self.config.max_handoff_tries):
-            if retry_whole is not None:
+            if direct is not None:
+                dst, skip = stream.direct_dst, 0  # it was asked for the import already
+            elif retry_whole is not None:
                 dst, skip, retry_whole = retry_whole, 0, None
             elif stream is not None and stream.dst is not None and not stream.broken \
                     and stream.dst.state == READY and stream.dst.uid not in tried:
@@ -584,7 +601,12 @@ class RouterService:
             dst.pending_imports += 1
             try:
                 try:
-                    result = await self._deliver_to(ticket, src, dst, skip, stream)
+                    if direct is not None:
+                        result, direct = await self._direct_result(direct, ticket), None
+                        self.num_direct_handoffs += result.ok
+                        self.num_direct_refused += not result.ok
+                    else:
+                        result = await self._deliver_to(ticket, src, dst, skip, stream)
                 except asyncio.TimeoutError:
                     # The import may still land: the attempts move, so a late one is stale.
                     for key in group.attempts:
@@ -655,6 +677,47 @@ class RouterService:
                 return sent
         return await asyncio.wait_for(self.transport.deliver(ticket, src, dst, skip_blocks=skip),
                                       self.config.handoff_timeout_s)
+
+    def _can_hand_off_directly(self, stream: KVStream) -> bool:
+        """A direct hand-off needs the transport's support and both ranks on one node
+        (the decode rank maps the prefill rank's shared memory)."""
+        src, dst = stream.src, stream.dst
+        if not self.transport.direct_handoff or dst is None or dst.state != READY:
+            return False
+        src_node = getattr(src.info, "node_id", "") if src.info else ""
+        return bool(src_node) and src_node == (getattr(dst.info, "node_id", "") if dst.info else "")
+
+    async def _tell_direct(self, src: RankHandle, attempt: str, dst: RankHandle | None) -> None:
+        """Tell ``src`` where ``attempt``'s hand-off goes directly (None: nowhere). Lost
+        word costs only speed: the router delivers what the prefill rank does not."""
+        try:
+            await asyncio.wait_for(
+                src.actor.hand_off_to.remote(attempt, dst.actor if dst is not None else None),
+                self.config.rank_call_timeout_s)
+        except Exception:
+            pass
+
+    async def _direct_result(self, ref: Any, ticket: HandoffTicket) -> DeliveryResult:
+        """What the decode rank answered the prefill rank's direct import, within the
+        hand-off's deadline (asyncio.TimeoutError past it, as a delivery's)."""
+        try:
+            answer = await asyncio.wait_for(ref, self.config.handoff_timeout_s)
+        except asyncio.TimeoutError:
+            raise
+        except Exception as exc:  # the decode rank died, or the prefill rank that owns it
+            return DeliveryResult(False, kind=TRANSPORT, error=f"{type(exc).__name__}: {exc}")
+        return self.transport.direct_result(answer, ticket.nbytes)
+
+    async def _undo_direct(self, ticket: HandoffTicket, stream: KVStream | None) -> None:
+        """A direct import nobody continues: once it answered, abort what it took."""
+        dst = stream.direct_dst if stream is not None else None
+        try:
+            answer = await asyncio.wait_for(ticket.direct_import, self.config.handoff_timeout_s)
+        except Exception:
+            answer = None
+        if dst is not None and dst.state != DEAD and (answer is None or answer.ok):
+            for choice in ticket.choices:
+                await self._abort_on(dst, choice.attempt)
 
     async def _rank_died(self, pool: Pool, rank: RankHandle, why: str) -> None:
         if rank.state == DEAD:

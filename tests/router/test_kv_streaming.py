@@ -41,6 +41,8 @@ def test_long_prompts_stream_their_kv_and_decode_the_offline_tokens(make_router,
         outs = asyncio.run(_generate_all(router, prompts, delay_s=0.05))
         assert [o.token_ids for o in outs] == reference(prompts, MAX_TOKENS)
         assert router.service.num_kv_chunks_streamed >= 3 * len(prompts)
+        # ray, one node: prefill ranks had their decode rank import hand-offs directly
+        assert (router.service.num_direct_handoffs > 0) == (transport == "ray")
         router.assert_nothing_left()
     finally:
         router.close()
@@ -73,6 +75,33 @@ def test_a_rank_killed_mid_stream_costs_no_tokens(make_router, reference, pool_n
         assert [o.finish_reason for o in outs] == ["length"] * len(prompts)
         assert [o.token_ids for o in outs] == want
         assert victim.state == "dead"
+        router.assert_nothing_left()
+    finally:
+        router.close()
+
+
+def test_a_direct_hand_off_that_fails_is_delivered_by_the_router(make_router, reference):
+    """The prefill rank is sent to a decode rank that holds none of the chunks: its
+    direct import is refused (a cache miss), the router delivers the chunks and the
+    payload itself, and nothing is left on either decode rank."""
+    router = make_router(prefill=1, decode=2, engine=ENGINE)
+    service, sent_to = router.service, []
+    tell = service._tell_direct
+
+    async def tell_the_other_rank(src, attempt, dst):
+        if dst is not None:
+            dst = next(r for r in service.pools["decode"].ranks if r is not dst)
+            service._streams[attempt].direct_dst = dst
+        sent_to.append(dst)
+        await tell(src, attempt, dst)
+
+    service._tell_direct = tell_the_other_rank
+    try:
+        prompts = long_prompts(4, seed=21)
+        outs = asyncio.run(_generate_all(router, prompts, delay_s=0.3))
+        assert [o.token_ids for o in outs] == reference(prompts, MAX_TOKENS)
+        assert any(d is not None for d in sent_to)
+        assert service.num_direct_handoffs == 0 and service.num_direct_refused > 0
         router.assert_nothing_left()
     finally:
         router.close()
