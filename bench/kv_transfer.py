@@ -408,13 +408,17 @@ def _time_to_second_token(address: str, prompt: list[int]) -> dict:
         raise RuntimeError(f"a {len(prompt)}-token prompt did not give 2 tokens: "
                            f"{getattr(last, 'finish_reason', None)} {getattr(last, 'error', '')}")
     t = last.timings
-    # the hand-off as the kv-transfer table counts it: export (the prefill rank's gather
-    # into its transport's buffer, from the first token on) + deliver + import (the
-    # router's delivery, the decode rank's import inside it)
+    # The hand-off whole (kv_handoff_span_ms): from the first token sampled on the prefill
+    # rank to the decode rank's import done, on the two ranks' clocks (one node): the
+    # export, the report to the router, its delivery and the import. Its parts as the
+    # ranks and the router time them: export (the prefill rank's gather into its
+    # transport's buffer) and deliver (the router's delivery, the import inside it).
+    if t.kv_handoff_span_ms <= 0:
+        raise RuntimeError("the router did not time the hand-off's span (kv_handoff_span_ms)")
     return {"ttft_s": stamps[0] - start, "ttst_s": stamps[1] - start,
             "first_to_second_s": stamps[1] - stamps[0],
             "export_s": t.kv_export_ms / 1e3, "deliver_s": t.kv_handoff_ms / 1e3,
-            "handoff_s": (t.kv_export_ms + t.kv_handoff_ms) / 1e3, "kv_bytes": t.kv_bytes}
+            "handoff_s": t.kv_handoff_span_ms / 1e3, "kv_bytes": t.kv_bytes}
 
 
 def measure_handoff_share(prompt_tokens: list[int], repeats: int, chunk_tokens: int = 512,
@@ -462,8 +466,8 @@ def measure_handoff_share(prompt_tokens: list[int], repeats: int, chunk_tokens: 
 def format_share(share: dict) -> str:
     lines = [f"hand-off share of the time to the second token ({share['model_size']} model, "
              f"prefill chunks of {share['chunk_tokens']} tokens; medians, ms; hand-off = "
-             "export + deliver + import; streamed: the last payload's, its chunks went "
-             "during the prefill):",
+             "first token sampled -> imported on the decode rank (export, report, deliver, "
+             "import); streamed: the last payload's, its chunks went during the prefill):",
              f"{'tokens':>8} {'mode':>9} {'TTFT':>8} {'to 2nd':>8} {'1st->2nd':>9} "
              f"{'export':>7} {'deliver':>8} {'hand-off':>9} {'share':>6} {'KV MiB':>7}"]
     for i, n in enumerate(share["prompt_tokens"]):

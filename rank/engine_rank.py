@@ -476,7 +476,7 @@ class EngineRank:
         if skip_blocks:  # the prefix it left out was never read
             cache = self.engine.runner.kv_cache
             nbytes = max(0, nbytes - skip_blocks * cache.bytes_per_block())
-        return ImportResult(True, attempt=attempt, nbytes=nbytes)
+        return ImportResult(True, attempt=attempt, nbytes=nbytes, imported_wall=time.time())
 
     def import_shared(self, locator: Any, skip_blocks: int = 0) -> ImportResult:
         """The ray transport's receive side on one node: map the sender's segment and
@@ -644,6 +644,7 @@ class EngineRank:
         timings = _prefill_timings(handoff)
         if timings is not None:
             timings.kv_export_s = max(0.0, time.monotonic() - handoff.first_token_time)
+            timings.kv_ready_wall = time.time() - timings.kv_export_s
         return HandoffTicket(handoff.request_id, int(handoff.first_token_id),
                              int(handoff.num_prompt_tokens), len(handoff.payload), locator,
                              timings,

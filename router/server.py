@@ -157,6 +157,7 @@ def timings_message(state) -> router_pb2.Timings:
         prefill_ms=1e3 * t.get("prefill_s", 0.0), kv_export_ms=1e3 * t.get("kv_export_s", 0.0),
         ttft_ms=1e3 * ttft, kv_handoff_ms=1e3 * t.get("kv_handoff_s", 0.0),
         decode_queue_ms=1e3 * t.get("decode_queue_s", 0.0), kv_bytes=int(t.get("kv_bytes", 0)),
+        kv_handoff_span_ms=1e3 * t.get("kv_handoff_span_s", 0.0),
         cached_prompt_tokens=state.cached_tokens)
 
 

@@ -627,8 +627,11 @@ class RouterService:
                     if key not in live_keys:
                         dst.inflight.discard(key)
                         await self._abort_on(dst, key)
+                ready = next((s.timings.get("kv_ready_wall") for s in live), None)
                 for state in live:
                     state.timings["kv_handoff_s"] = took
+                    if ready and result.imported_wall:  # two ranks' clocks: one node's
+                        state.timings["kv_handoff_span_s"] = max(0.0, result.imported_wall - ready)
                     state.handoff_group = None
                     if dst.state == DEAD:  # it died while importing: its poller missed it
                         self._move(state, f"{dst.name} died during the hand-off")

@@ -63,7 +63,9 @@ def test_the_hand_off_share_through_two_services(ray_session, tmp_path):
     for rows in (streamed, whole):
         assert 0 < rows["ttft_s"][0] < rows["ttst_s"][0]
         assert 0 < rows["handoff_share_of_ttst"][0] < 1
-        # the hand-off counts the prefill rank's export and the router's delivery
         assert rows["export_s"][0] > 0 and rows["deliver_s"][0] > 0
-        assert rows["handoff_s"][0] > max(rows["export_s"][0], rows["deliver_s"][0])
+        assert rows["handoff_s"][0] > rows["export_s"][0]  # the span holds the export
+    # without streaming the span holds the export, the report and the router's delivery
+    # one after the other (two clocks: a little slack)
+    assert whole["handoff_s"][0] >= 0.95 * (whole["export_s"][0] + whole["deliver_s"][0])
     assert "/ its deliver alone" in kv_transfer.format_share(share)
