@@ -69,3 +69,4 @@ def test_the_hand_off_share_through_two_services(ray_session, tmp_path):
     # one after the other (two clocks: a little slack)
     assert whole["handoff_s"][0] >= 0.95 * (whole["export_s"][0] + whole["deliver_s"][0])
     assert "/ its deliver alone" in kv_transfer.format_share(share)
+    assert len(streamed["requests"][0]) == 1 and streamed["requests"][0][0]["kv_bytes"] > 0
