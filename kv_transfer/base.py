@@ -45,7 +45,6 @@ class DeliveryResult:
     kind: str = ""  # on failure: PAYLOAD | CAPACITY | TRANSPORT
     error: str = ""
     nbytes: int = 0
-    imported_wall: float = 0.0  # the receiver's ImportResult.imported_wall, where it says
 
 
 class KVSecret:

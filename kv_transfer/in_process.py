@@ -40,8 +40,7 @@ class InProcessTransport(KVTransport):
             return DeliveryResult(False, kind=result.kind if result.kind in (CAPACITY, CACHE_MISS)
                                   else PAYLOAD, error=result.error)
         self._delivered(len(data))
-        return DeliveryResult(True, attempt=result.attempt, nbytes=len(data),
-                              imported_wall=getattr(result, "imported_wall", 0.0))
+        return DeliveryResult(True, attempt=result.attempt, nbytes=len(data))
 
     async def discard(self, ticket: Any, src: Any) -> None:
         src.endpoint.release(ticket.locator)

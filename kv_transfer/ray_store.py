@@ -183,8 +183,7 @@ class RayObjectStoreTransport(KVTransport):
         if skip_blocks:
             nbytes = result.nbytes or nbytes
         self._delivered(nbytes)
-        return DeliveryResult(True, attempt=result.attempt, nbytes=nbytes,
-                              imported_wall=getattr(result, "imported_wall", 0.0))
+        return DeliveryResult(True, attempt=result.attempt, nbytes=nbytes)
 
     async def release_many(self, tickets: list[Any], src: Any) -> None:
         keys = [t.attempt for t in tickets if isinstance(t.locator, SharedPayload)]

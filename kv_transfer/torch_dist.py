@@ -449,8 +449,7 @@ class DeviceTransport(KVTransport):
         if not got.ok:
             kind = got.kind if got.kind in (PAYLOAD, CAPACITY, CACHE_MISS) else PAYLOAD
             return DeliveryResult(False, kind=kind, error=got.error)
-        return DeliveryResult(True, attempt=got.attempt, nbytes=sent.nbytes or got.nbytes,
-                              imported_wall=getattr(got, "imported_wall", 0.0))
+        return DeliveryResult(True, attempt=got.attempt, nbytes=sent.nbytes or got.nbytes)
 
     async def _form(self, state: _PairState, src: Any, dst: Any) -> None:
         backend = pair_backend(getattr(src, "info", None), getattr(dst, "info", None))

@@ -476,7 +476,7 @@ class EngineRank:
         if skip_blocks:  # the prefix it left out was never read
             cache = self.engine.runner.kv_cache
             nbytes = max(0, nbytes - skip_blocks * cache.bytes_per_block())
-        return ImportResult(True, attempt=attempt, nbytes=nbytes, imported_wall=time.time())
+        return ImportResult(True, attempt=attempt, nbytes=nbytes)
 
     def import_shared(self, locator: Any, skip_blocks: int = 0) -> ImportResult:
         """The ray transport's receive side on one node: map the sender's segment and
@@ -635,7 +635,9 @@ class EngineRank:
         for o, entry in zip(out.outputs, entries, strict=True):
             taken = self._imported_at.pop(o.request_id, None) if self._imported_at else None
             if taken is not None:
-                entry.timings = RankTimings(decode_queue_s=max(0.0, step_start - taken))
+                entry.timings = RankTimings(
+                    decode_queue_s=max(0.0, step_start - taken),
+                    kv_imported_wall=time.time() - (time.monotonic() - taken))
             elif o.new_token_ids and o.num_output_tokens == len(o.new_token_ids):
                 entry.timings = _prefill_timings(o)
 

@@ -91,9 +91,10 @@ class RankTimings:
     prefill_s: float | None = None
     kv_export_s: float | None = None
     decode_queue_s: float | None = None
-    # not a duration: when (time.time()) the prefill rank sampled the first token, its
-    # prompt's KV all computed: where the hand-off's span starts (ImportResult ends it)
+    # not durations: when (time.time()) the prefill rank sampled the first token (its
+    # prompt's KV all computed) and the decode rank took the payload: the hand-off's span
     kv_ready_wall: float | None = None
+    kv_imported_wall: float | None = None
 
     def items(self) -> list[tuple[str, float]]:
         return [(k, v) for k, v in vars(self).items() if v is not None]
@@ -133,7 +134,6 @@ class ImportResult:
     kind: str = ""  # on failure: "payload" | "capacity" | "cache_miss"
     error: str = ""
     nbytes: int = 0  # the payload's size as it arrived
-    imported_wall: float = 0.0  # when (time.time()) the import was done; 0: not said
 
 
 @dataclass

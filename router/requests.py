@@ -78,6 +78,9 @@ class RequestState:
     cached_tokens: int = 0  # prompt tokens its prefill took from a rank's prefix cache
     # its prompt's block names, pending on its entry rank until it leaves it (routing)
     pending_blocks: list = field(default_factory=list)
+    # a direct hand-off's decode rank may report tokens before the router has taken the
+    # hand-off (the prefill rank's report on its way): (rank, report) held until it has
+    early_reports: list = field(default_factory=list)
     prompt_hashes: list = field(default_factory=list)  # the current attempt's prompt's
 
     def note_cached(self, num_cached_tokens: int) -> None:

@@ -157,8 +157,13 @@ def timings_message(state) -> router_pb2.Timings:
         prefill_ms=1e3 * t.get("prefill_s", 0.0), kv_export_ms=1e3 * t.get("kv_export_s", 0.0),
         ttft_ms=1e3 * ttft, kv_handoff_ms=1e3 * t.get("kv_handoff_s", 0.0),
         decode_queue_ms=1e3 * t.get("decode_queue_s", 0.0), kv_bytes=int(t.get("kv_bytes", 0)),
-        kv_handoff_span_ms=1e3 * t.get("kv_handoff_span_s", 0.0),
+        kv_handoff_span_ms=1e3 * _span(t.get("kv_ready_wall"), t.get("kv_imported_wall")),
         cached_prompt_tokens=state.cached_tokens)
+
+
+def _span(start: float | None, end: float | None) -> float:
+    """Seconds from ``start`` to ``end`` (two ranks' wall clocks); 0 if either is unknown."""
+    return max(0.0, end - start) if start and end else 0.0
 
 
 class RouterServer:

@@ -37,6 +37,8 @@ from pdserve.router.requests import DECODE, HANDOFF, PREFILL, QUEUED, RequestSta
 from pdserve.router.validation import ModelLimits, PreparedRequest, RequestError
 
 log = logging.getLogger(__name__)
+# decode reports a request may hold while its direct hand-off's ticket is on its way
+MAX_EARLY_REPORTS = 64
 
 
 class RouterService:
@@ -71,6 +73,7 @@ class RouterService:
         self.num_kv_chunks_streamed = 0  # chunks that reached a decode rank ahead of time
         self.num_direct_handoffs = 0  # hand-offs a prefill rank had its decode rank import
         self.num_direct_refused = 0  # ... that the decode rank refused (then delivered)
+        self.num_early_reports = 0  # decode reports held until their hand-off's ticket came
         self._streams: dict[str, KVStream] = {}  # attempt -> its KV streamed ahead
         # Recent TTFT and inter-token samples by rank: the planner's, and status'.
         self.latencies = RecentLatencies(config.planner_window_s)
@@ -251,6 +254,7 @@ class RouterService:
         if state.finished or state.aborted or state.stage == QUEUED:
             return  # ended, or already moving (its next attempt is not dispatched yet)
         old = state.attempt_key
+        state.early_reports = []  # the attempt's, and it goes
         for rank in _ranks_of(state):
             if old in rank.inflight and rank.state != DEAD:
                 self._spawn(self._abort_on(rank, old))
@@ -401,44 +405,60 @@ class RouterService:
 
     def _route_step(self, rank: RankHandle, step: StepReport) -> None:
         for out in step.outputs:
-            state = self.tracker.by_attempt(out.attempt)
-            if state is None or state.finished:
-                if out.finish_reason is None:  # an orphan still running: stop it
-                    self._spawn(self._abort_on(rank, out.attempt))
-                continue
-            if out.timings is not None:
-                state.timings.update(out.timings.items())
-            if out.num_cached_tokens:
-                state.note_cached(out.num_cached_tokens)
-            if out.step_failed:
-                rank.inflight.discard(out.attempt)
-                self._move(state, out.error or "a step failed")
-                continue
-            if out.token_ids and not state.accept(out.token_ids, out.num_output_tokens):
-                self.num_lost_reports += 1
-                self._move(state, f"a step report of {rank.name} was lost (expected token "
-                           f"{state.attempt_tokens + 1}, got {out.num_output_tokens})")
-                continue
-            if out.finish_reason is not None:
-                self._finish(state, out.finish_reason, out.error, out.token_ids, out.logprobs)
-            else:
-                state.push(out.token_ids, out.logprobs)
+            self._route_output(rank, out)
         for chunk in step.kv_chunks:
             self._take_chunk(rank, chunk)
         for ticket in step.handoffs:
-            group = self._take_handoff(rank, ticket)
-            if not group.live:
-                if ticket.direct_import is not None:
-                    self._spawn(self._undo_direct(ticket, self._streams.get(ticket.stream_of)))
-                self._spawn(self.transport.discard(ticket, rank))
-                if ticket.stream_of:
-                    self._drop_stream(ticket.stream_of)
-                continue
-            for state, _ in group.members:
-                state.stage = HANDOFF
-                state.handoff_group = [s for s, _ in group.members]
-            rank.exports.add(ticket.attempt)
-            self._spawn(self._hand_off(group, rank, ticket))
+            self._route_handoff(rank, ticket)
+
+    def _route_output(self, rank: RankHandle, out: Any) -> None:
+        state = self.tracker.by_attempt(out.attempt)
+        if state is None or state.finished:
+            if out.finish_reason is None:  # an orphan still running: stop it
+                self._spawn(self._abort_on(rank, out.attempt))
+            return
+        if state.stage == PREFILL and rank is not state.prefill_rank \
+                and len(state.early_reports) < MAX_EARLY_REPORTS:
+            # its decode rank, handed the KV directly, ahead of the prefill rank's report
+            state.early_reports.append((rank, out))
+            self.num_early_reports += 1
+            return
+        if out.timings is not None:
+            state.timings.update(out.timings.items())
+        if out.num_cached_tokens:
+            state.note_cached(out.num_cached_tokens)
+        if out.step_failed:
+            rank.inflight.discard(out.attempt)
+            self._move(state, out.error or "a step failed")
+            return
+        if out.token_ids and not state.accept(out.token_ids, out.num_output_tokens):
+            self.num_lost_reports += 1
+            self._move(state, f"a step report of {rank.name} was lost (expected token "
+                       f"{state.attempt_tokens + 1}, got {out.num_output_tokens})")
+            return
+        if out.finish_reason is not None:
+            self._finish(state, out.finish_reason, out.error, out.token_ids, out.logprobs)
+        else:
+            state.push(out.token_ids, out.logprobs)
+
+    def _route_handoff(self, rank: RankHandle, ticket: HandoffTicket) -> None:
+        group = self._take_handoff(rank, ticket)
+        if not group.live:
+            if ticket.direct_import is not None:
+                self._spawn(self._undo_direct(ticket, self._streams.get(ticket.stream_of)))
+            self._spawn(self.transport.discard(ticket, rank))
+            if ticket.stream_of:
+                self._drop_stream(ticket.stream_of)
+            return
+        for state, _ in group.members:
+            state.stage = HANDOFF
+            state.handoff_group = [s for s, _ in group.members]
+        rank.exports.add(ticket.attempt)
+        self._spawn(self._hand_off(group, rank, ticket))
+        for state, _ in group.members:  # what a direct hand-off's decode rank said first
+            early, state.early_reports = state.early_reports, []
+            for decode_rank, out in early:
+                self._route_output(decode_rank, out)
 
     # -- KV streamed ahead (router/kv_stream.py) -----------------------------------
 
@@ -627,11 +647,8 @@ class RouterService:
                     if key not in live_keys:
                         dst.inflight.discard(key)
                         await self._abort_on(dst, key)
-                ready = next((s.timings.get("kv_ready_wall") for s in live), None)
                 for state in live:
                     state.timings["kv_handoff_s"] = took
-                    if ready and result.imported_wall:  # two ranks' clocks: one node's
-                        state.timings["kv_handoff_span_s"] = max(0.0, result.imported_wall - ready)
                     state.handoff_group = None
                     if dst.state == DEAD:  # it died while importing: its poller missed it
                         self._move(state, f"{dst.name} died during the hand-off")

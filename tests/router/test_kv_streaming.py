@@ -105,3 +105,30 @@ def test_a_direct_hand_off_that_fails_is_delivered_by_the_router(make_router, re
         router.assert_nothing_left()
     finally:
         router.close()
+
+
+def test_decode_reports_ahead_of_their_direct_hand_off_wait_for_it(make_router, reference):
+    """The prefill rank's report (first token, hand-off ticket) is held back until its
+    direct hand-off's decode rank has reported the next tokens: those wait for the
+    ticket and follow it, so nothing is lost, moved or out of order."""
+    router = make_router(prefill=1, decode=1, engine=ENGINE)
+    service = router.service
+    on_step = service._on_step
+
+    def late_hand_offs(pool, rank, step):
+        if any(t.direct_import is not None for t in step.handoffs):
+            asyncio.get_running_loop().call_later(0.3, on_step, pool, rank, step)
+            return
+        on_step(pool, rank, step)
+
+    service._on_step = late_hand_offs
+    try:
+        prompts = long_prompts(3, seed=31)
+        moves, lost = service.num_moves, service.num_lost_reports
+        outs = asyncio.run(_generate_all(router, prompts, delay_s=0.5))
+        assert [o.token_ids for o in outs] == reference(prompts, MAX_TOKENS)
+        assert service.num_early_reports >= len(prompts)  # every one decoded ahead
+        assert (service.num_moves, service.num_lost_reports) == (moves, lost)
+        router.assert_nothing_left()
+    finally:
+        router.close()
