@@ -305,14 +305,24 @@ def test_kv_block_copies_equal_torch_for_every_build_and_table(monkeypatch, isa,
                      [cache.k_blocks[i] for i in cache.full_layers], ids)
     assert torch.equal(unaligned, out["k_blocks"])
 
-    other = kvc.KVCache(3, heads, dim, pool + 1, block_size)
-    dest = _table(kind, num_blocks, pool, torch.Generator().manual_seed(7))
+    _check_import(out, kind, pool, block_size, seed=7)
+
+
+def _check_import(out: dict, kind: str, pool: int, block_size: int, seed: int,
+                  copy_threads: int = 1) -> None:
+    """Import ``out`` (3 layers) into a fresh cache along a ``kind`` table: every row
+    where torch's indexing puts it, nothing written outside the table."""
+    from pdserve.kernels import kv_cache as kvc
+
+    _, num_blocks, _, heads, dim = out["k_blocks"].shape
+    other = kvc.KVCache(3, heads, dim, pool + 1, block_size, copy_threads=copy_threads)
+    dest = _table(kind, num_blocks, pool, torch.Generator().manual_seed(seed))
     other.import_sequence(dest, 0, out)
     untouched = sorted(set(range(pool + 1)) - set(dest))
     for n, i in enumerate(other.full_layers):
         assert torch.equal(other.k_blocks[i][dest], out["k_blocks"][n])
         assert torch.equal(other.v_blocks[i][dest], out["v_blocks"][n])
-        assert not other.k_blocks[i][untouched].any()  # nothing written outside the table
+        assert not other.k_blocks[i][untouched].any()
 
 
 @pytest.mark.parametrize("threads", [2, 3, 7])
@@ -337,14 +347,7 @@ def test_kv_block_copies_with_threads_equal_torch(threads, kind, num_blocks, hea
     for n, i in enumerate(cache.full_layers):
         assert torch.equal(out["k_blocks"][n], cache.k_blocks[i][ids])
         assert torch.equal(out["v_blocks"][n], cache.v_blocks[i][ids])
-    other = kvc.KVCache(3, heads, dim, pool + 1, 16, copy_threads=threads)
-    dest = _table(kind, num_blocks, pool, torch.Generator().manual_seed(11))
-    other.import_sequence(dest, 0, out)
-    untouched = sorted(set(range(pool + 1)) - set(dest))
-    for n, i in enumerate(other.full_layers):
-        assert torch.equal(other.k_blocks[i][dest], out["k_blocks"][n])
-        assert torch.equal(other.v_blocks[i][dest], out["v_blocks"][n])
-        assert not other.k_blocks[i][untouched].any()
+    _check_import(out, kind, pool, 16, seed=11, copy_threads=threads)
     with pytest.raises(ValueError, match="copy_threads"):
         kvc.KVCache(3, heads, dim, pool + 1, 16, copy_threads=0)
 
