@@ -97,8 +97,8 @@ def test_a_direct_hand_off_that_fails_is_delivered_by_the_router(make_router, re
 
     service._tell_direct = tell_the_other_rank
     try:
-        prompts = long_prompts(4, seed=21)
-        outs = asyncio.run(_generate_all(router, prompts, delay_s=0.3))
+        prompts = long_prompts(3, seed=21)
+        outs = asyncio.run(_generate_all(router, prompts, delay_s=0.2))
         assert [o.token_ids for o in outs] == reference(prompts, MAX_TOKENS)
         assert any(d is not None for d in sent_to)
         assert service.num_direct_handoffs == 0 and service.num_direct_refused > 0
@@ -125,7 +125,7 @@ def test_decode_reports_ahead_of_their_direct_hand_off_wait_for_it(make_router, 
     try:
         prompts = long_prompts(3, seed=31)
         moves, lost = service.num_moves, service.num_lost_reports
-        outs = asyncio.run(_generate_all(router, prompts, delay_s=0.5))
+        outs = asyncio.run(_generate_all(router, prompts, delay_s=0.4))
         assert [o.token_ids for o in outs] == reference(prompts, MAX_TOKENS)
         assert service.num_early_reports >= len(prompts)  # every one decoded ahead
         assert (service.num_moves, service.num_lost_reports) == (moves, lost)
