@@ -64,9 +64,8 @@ def test_the_hand_off_share_through_two_services(ray_session, tmp_path):
         assert 0 < rows["ttft_s"][0] < rows["ttst_s"][0]
         assert 0 < rows["handoff_share_of_ttst"][0] < 1
         assert rows["export_s"][0] > 0 and rows["deliver_s"][0] > 0
-        assert rows["handoff_s"][0] > rows["export_s"][0]  # the span holds the export
-    # without streaming the span holds the export, the report and the router's delivery
-    # one after the other (two clocks: a little slack)
-    assert whole["handoff_s"][0] >= 0.95 * (whole["export_s"][0] + whole["deliver_s"][0])
+        # the span holds the export, then the report and the import (the router's delivery
+        # also holds the import's answer coming back, which the span does not)
+        assert rows["handoff_s"][0] > rows["export_s"][0]
     assert "/ its deliver alone" in kv_transfer.format_share(share)
     assert len(streamed["requests"][0]) == 1 and streamed["requests"][0][0]["kv_bytes"] > 0
