@@ -206,7 +206,6 @@ class LLMEngine:
             del self._partial[payload.stream_of]
             self.scheduler.release_blocks(partial.block_ids[skipped:])
             payload.cached_block_hashes = partial.block_hashes[:skipped]
-            payload.cached_blocks_registered = False
             return partial.block_ids[:skipped]
         if partial is not None:  # short of what the payload left out: of no use now
             self._drop_partial(payload.stream_of)
@@ -566,9 +565,8 @@ class LLMEngine:
                            eos_token_id=self.tokenizer.eos_token_id)
             seq.processed = payload.num_prompt_tokens
             self.scheduler.add_prefilled(seq, payload.cached_block_ids)
-            if payload.cached_block_hashes:
+            if payload.cached_block_hashes:  # streamed blocks: named from here on
                 seq.block_hashes = list(payload.cached_block_hashes)
-            if not payload.cached_blocks_registered:  # streamed blocks: named from here on
                 seq.num_registered = 0
             # n > 1: the forks share the prompt's blocks (their copies run before the
             # next step's model, after the import below)

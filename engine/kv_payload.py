@@ -290,11 +290,10 @@ class KVPayload:
     # that follows them (its skipped prefix is what they carried); "" if none streamed
     stream_of: str = ""
     # receiver side: its cached blocks for the skipped prefix, referenced until import;
-    # their hashes where known (a partial import's, made as its chunks came), and
-    # whether the prefix cache names them already (a partial import's are not yet)
+    # their hashes only when they are a partial import's (made as its chunks came),
+    # which the prefix cache does not name yet
     cached_block_ids: list[int] = field(default_factory=list)
     cached_block_hashes: list[bytes] = field(default_factory=list)
-    cached_blocks_registered: bool = True
 
     def without_prefix(self, num_blocks: int) -> KVPayload:
         """The same payload without its first ``num_blocks`` full blocks of KV, for a

@@ -34,6 +34,7 @@ from itertools import chain
 from pathlib import Path
 
 import torch
+from pdserve.engine.config import DEFAULT_KV_COPY_THREADS
 from pdserve.engine.model import load_model
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.weights import file_digest, weight_files
@@ -97,7 +98,7 @@ class ModelRunner:
         compile: bool = False,
         decode_kernel: bool = True,
         kernel_isa: str = "auto",
-        kv_copy_threads: int = 1,
+        kv_copy_threads: int = DEFAULT_KV_COPY_THREADS,
     ):
         from pdserve.engine.model_config import ModelConfig
 
@@ -172,7 +173,7 @@ class ModelRunner:
             compile=bool(getattr(config, "compile", False)),
             decode_kernel=bool(getattr(config, "decode_kernel", True)),
             kernel_isa=getattr(config, "kernel_isa", "auto"),
-            kv_copy_threads=int(getattr(config, "kv_copy_threads", 1)),
+            kv_copy_threads=int(getattr(config, "kv_copy_threads", DEFAULT_KV_COPY_THREADS)),
         )
 
     # ---- identity ------------------------------------------------------------

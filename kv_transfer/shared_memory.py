@@ -43,16 +43,19 @@ MIN_SEGMENT_BYTES = 1 << 20
 _GENERATION = struct.Struct("<Q")
 
 
-def segment_size(need: int) -> int:
+def segment_size(need: int, capacity: int | None = None) -> int:
     """A new segment's size for ``need`` bytes: rounded up to a multiple of a
     sixteenth of the power of two above it (at least MIN_SEGMENT_BYTES), so that
     segments come in few sizes and can be reused for payloads of about the same size,
-    yet waste at most an eighth (whole
-    powers of two wasted up to half: a payload just over half the staging area, such
-    as a prompt that fills its rank's KV cache, or a chunk just over 2 MiB, then took
-    the object store's extra copies instead)."""
+    yet waste at most an eighth (whole powers of two wasted up to half: a payload just
+    over half the staging area, such as a prompt that fills its rank's KV cache, or a
+    chunk just over 2 MiB, then took the object store's extra copies instead). One
+    that rounding would take past ``capacity`` is rounded to pages only."""
     granule = max(1, (1 << (need - 1).bit_length()) // 16)
-    return max(MIN_SEGMENT_BYTES, -(-need // granule) * granule)
+    size = max(MIN_SEGMENT_BYTES, -(-need // granule) * granule)
+    if capacity is not None and size > capacity:
+        size = max(MIN_SEGMENT_BYTES, -(-need // mmap.PAGESIZE) * mmap.PAGESIZE)
+    return size
 
 
 class SharedPayloadUnavailable(OSError):
@@ -196,9 +199,7 @@ class StagingArea:
         free = [s for s in self._segments if s.attempt is None and need <= s.size <= 2 * need]
         if free:  # the smallest that fits; a much larger one stays for a larger payload
             return min(free, key=lambda s: s.size)
-        size = segment_size(need)
-        if size > self.capacity_bytes:  # a payload near the whole area: no rounding up
-            size = max(MIN_SEGMENT_BYTES, -(-need // mmap.PAGESIZE) * mmap.PAGESIZE)
+        size = segment_size(need, self.capacity_bytes)
         if size > self.capacity_bytes:
             return None
         while self.bytes_held + size > self.capacity_bytes:

@@ -558,6 +558,9 @@ class EngineRank:
         rank from here, as the payload is exported, instead of after the router has the
         ticket (router/kv_stream.py, direct hand-off)."""
         with self._direct_lock:
+            if decode_actor is None:  # the router delivers it after all
+                self._direct_to.pop(stream_of, None)
+                return
             self._direct_to[stream_of] = decode_actor
             self._direct_to.move_to_end(stream_of)
             while len(self._direct_to) > MAX_DIRECT_HANDOFFS:
@@ -569,8 +572,10 @@ class EngineRank:
         shared memory, or the call could not be made: the router delivers it)."""
         from pdserve.kv_transfer.shared_memory import SharedPayload
 
+        if not stream_of:
+            return None
         with self._direct_lock:
-            actor = self._direct_to.pop(stream_of, None) if stream_of else None
+            actor = self._direct_to.pop(stream_of, None)
         if actor is None or not isinstance(locator, SharedPayload):
             return None
         try:
