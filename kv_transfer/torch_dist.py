@@ -19,7 +19,8 @@ in a gloo pair stages the bytes through host memory.
    concurrently (``kv_pair_join``) under the prefix ``pdserve/kv/<pair>/<nonce>``, with a
    fresh random nonce per group that is never logged (errors show ``<nonce>``). Every
    wait is bounded: the store and the group by ``form_timeout_s``, the router's calls by
-   the same plus a margin. gloo needs the store only while the group forms: the source
+   the same plus a margin, and a join that fails (a rank that died, say) ends the
+   formation at once rather than after its peer's join gave up waiting. gloo needs the store only while the group forms: the source
    destroys the server at the pair's first send (both ranks joined by then); NCCL keeps
    it for the group's life (its communicator is made at the first send, through it).
 3. Deliver (router): one transfer at a time per pair (so both sides issue their
@@ -460,16 +461,10 @@ class DeviceTransport(KVTransport):
         try:
             address = await asyncio.wait_for(
                 src.actor.kv_pair_open.remote(name, self.form_timeout_s), bound)
-            joined = await asyncio.wait_for(asyncio.gather(
-                src.actor.kv_pair_join.remote(name, address, 0, nonce, backend,
-                                              self.form_timeout_s),
-                dst.actor.kv_pair_join.remote(name, address, 1, nonce, backend,
-                                              self.form_timeout_s),
-                return_exceptions=True), bound)
-            errors = [f"{type(j).__name__}: {j}" if isinstance(j, BaseException) else j
-                      for j in joined]
-            if any(errors):
-                raise RuntimeError("; ".join(e for e in errors if e)[:2000])
+            await _joined([src.actor.kv_pair_join.remote(name, address, 0, nonce, backend,
+                                                         self.form_timeout_s),
+                           dst.actor.kv_pair_join.remote(name, address, 1, nonce, backend,
+                                                         self.form_timeout_s)], bound)
         except BaseException as exc:  # a half-formed group goes on both ranks
             for actor in (src.actor, dst.actor):
                 _fire(actor, name)
@@ -495,6 +490,37 @@ class DeviceTransport(KVTransport):
             await asyncio.wait_for(src.actor.release_kv.remote(ticket.attempt), RELEASE_TIMEOUT_S)
         except Exception:  # a dead source freed it already
             pass
+
+
+async def _joined(joins: list[Any], bound: float) -> None:
+    """Wait for both ranks' ``kv_pair_join``; raise once either failed. A side that
+    failed (a rank dead, or unable to reach the store) ends the wait at once: its peer's
+    join would only wait out ``form_timeout_s`` for a rank that is not coming, and the
+    delivery (and the request behind it) with it. The peer's join then fails on its own
+    rank within its bound, and the drop fired after this cleans it up."""
+    pending = {asyncio.ensure_future(_join_error(j)) for j in joins}
+    deadline = asyncio.get_running_loop().time() + bound
+    try:
+        while pending:
+            left = deadline - asyncio.get_running_loop().time()
+            done, pending = await asyncio.wait(pending, timeout=max(0.0, left),
+                                               return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                raise TimeoutError(f"the pair group did not form within {bound:g}s")
+            errors = [e for e in (task.result() for task in done) if e]
+            if errors:
+                raise RuntimeError("; ".join(errors)[:2000])
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+async def _join_error(ref: Any) -> str:
+    """A ``kv_pair_join`` call's error text ("" once joined); a dead rank's too."""
+    try:
+        return await ref
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
 
 
 def _uid(rank: Any) -> Any:

@@ -7,14 +7,15 @@ from __future__ import annotations
 import pytest
 from pdserve.bench import chaos
 
-SCENARIOS_PER_TRANSPORT = 16
-# Seeds chosen so that each transport sees every kind of event at least twice.
-SEEDS = list(range(100, 100 + SCENARIOS_PER_TRANSPORT))
+# Seeds chosen so that each transport sees every kind of event exactly twice and every
+# action (the whole seeded space is `python bench/chaos.py --scenarios 300`'s): each
+# scenario costs ~5 s of the suite's 15 minutes.
+SEEDS = [100, 101, 102, 103, 104, 105, 106, 107, 108, 111]
 
 
 def test_the_seeds_cover_every_event():
     events = [chaos.make_scenario(s).event for s in SEEDS]
-    for event in chaos.EVENTS:
+    for event in set(chaos.EVENTS):
         assert events.count(event) >= 2, (event, events)
     actions = [r.action for s in SEEDS for r in chaos.make_scenario(s).requests]
     assert set(actions) == set(chaos.ACTIONS)

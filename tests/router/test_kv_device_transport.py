@@ -214,6 +214,53 @@ def test_a_pair_that_cannot_form_fails_in_bounded_time_without_the_nonce():
     assert endpoint.pairs() == []
 
 
+class _Method:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class _PairActor:
+    """Stands in for a rank's pair-group calls (what the router awaits of them)."""
+
+    def __init__(self, join):
+        self.dropped = []
+        self.kv_pair_open = _Method(lambda name, timeout_s: _answer("tcp://127.0.0.1:1"))
+        self.kv_pair_join = _Method(join)
+        self.kv_pair_drop = _Method(self.dropped.append)
+
+
+async def _answer(value):
+    return value
+
+
+def test_a_pair_whose_destination_died_fails_at_once_not_after_the_form_timeout():
+    """The destination's join fails at once (its actor died); the source's would wait
+    out form_timeout_s for it. The delivery fails at once, and both ranks drop the pair."""
+    from types import SimpleNamespace
+
+    from pdserve.kv_transfer.torch_dist import DeviceTransport
+    from pdserve.rank.messages import HandoffTicket
+
+    async def never(*args):
+        await asyncio.sleep(3600)
+
+    async def died(*args):
+        raise RuntimeError("ActorDiedError: the actor died unexpectedly")
+
+    src = SimpleNamespace(uid=1, info=None, actor=_PairActor(never))
+    dst = SimpleNamespace(uid=2, info=None, actor=_PairActor(died))
+    transport = DeviceTransport(timeout_s=60.0, form_timeout_s=30.0)
+    ticket = HandoffTicket("a1", 5, 3, 1024, "a1", None)
+    start = time.monotonic()
+    result = asyncio.run(transport.deliver(ticket, src, dst))
+    assert time.monotonic() - start < 5
+    assert not result.ok and result.kind == "transport"
+    assert "no KV pair group" in result.error and "ActorDiedError" in result.error
+    assert len(src.actor.dropped) == 1 and src.actor.dropped == dst.actor.dropped
+    assert transport.num_pairs_formed == 0
+
+
+
 # -- through the router: real Ray actors, gloo on CPU ----------------------------------
 
 
