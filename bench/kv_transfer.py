@@ -2,6 +2,7 @@
 
     pdserve bench kv-transfer                       # 1, 16, 64 MiB; ray and grpc
     pdserve bench kv-transfer --sizes 1,4,16,64,256 --repeats 5
+    pdserve bench kv-transfer --ray-address HOST:PORT --across-nodes   # rank on two nodes
 
 Runs the real transports (`pdserve.kv_transfer`) between two Ray actors of this module
 that stand in for a prefill rank and a decode rank, each with a real KV cache of the
@@ -24,6 +25,9 @@ Reported per size, medians over --repeats:
   the transport's channel options, chunk size and serialized `KVChunk` messages, and no
   authorization, relay, checks or join (the server only counts the bytes).
 Ratios are transport / memcpy, measured in the same run (shared machines are noisy).
+With ``--across-nodes`` the two ranks sit on different nodes of the cluster joined: the
+``ray`` transport then takes its object path (Ray's node-to-node transfer; the
+destination's import paths are counted and printed), ``grpc`` its relay between nodes.
 """
 
 from __future__ import annotations
@@ -94,6 +98,9 @@ class PayloadRank:
         self._tables: dict[str, list[int]] = {}
         self._table_cache: dict[tuple[int, int], list[int]] = {}
         self.imported = 0
+        # how payloads reached this rank: mapped from the sender's segment (one node), or
+        # as an object Ray resolved (another node, or one that could not be staged)
+        self.import_paths = {"shared memory": 0, "object": 0}
 
     def info(self) -> Any:
         node_id = ""
@@ -158,7 +165,11 @@ class PayloadRank:
         cache.import_sequence(table, 0, kv.tensors)
         self._tables[kv.request_id] = table
         self.imported += 1
+        self.import_paths["shared memory" if borrowed else "object"] += 1
         return ImportResult(True, attempt=kv.request_id, nbytes=len(payload))
+
+    def paths(self) -> dict[str, int]:
+        return dict(self.import_paths)
 
     def import_shared(self, locator, skip_blocks: int = 0) -> Any:
         from pdserve.rank.messages import ImportResult
@@ -266,19 +277,38 @@ async def grpc_ceiling_seconds(sizes_mib: list[float], repeats: int) -> dict[flo
     return out
 
 
+def two_nodes() -> tuple[str, str]:
+    """Two alive nodes of the cluster this process joined (the first is its own when it
+    has one); ValueError on a single-node cluster."""
+    import ray
+
+    own = ray.get_runtime_context().get_node_id()
+    nodes = sorted((n["NodeID"] for n in ray.nodes() if n.get("Alive")),
+                   key=lambda n: n != own)
+    if len(nodes) < 2:
+        raise ValueError("--across-nodes needs a Ray cluster of two nodes or more "
+                         "(--ray-address); this one has one")
+    return nodes[0], nodes[1]
+
+
 async def _measure_transport(name: str, sizes_mib: list[float], repeats: int,
-                             copy_threads: int) -> dict:
+                             copy_threads: int, across_nodes: bool = False) -> dict:
     import ray
     from pdserve.kv_transfer import KVSecret, make_transport
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    actor_cls = ray.remote(num_cpus=0)(PayloadRank)
+    src_cls = dst_cls = actor_cls
+    if across_nodes:  # the source on one node, the destination on another
+        src_cls, dst_cls = (actor_cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+            node, soft=False)) for node in two_nodes())
     secret = KVSecret.generate() if name == "grpc" else None
     transport = make_transport(name, secret=secret)
-    actor_cls = ray.remote(num_cpus=0)(PayloadRank)
     # the source stages up to two payloads of the largest size (ray: shared memory)
     staging = 2 * int(max(sizes_mib) * MIB) + (4 << 20)
-    src_a = actor_cls.remote(name, secret, staging, copy_threads)
-    dst_a = actor_cls.remote(name, secret, 0, copy_threads)
-    out = {"deliver_s": {}, "export_s": {}}
+    src_a = src_cls.remote(name, secret, staging, copy_threads)
+    dst_a = dst_cls.remote(name, secret, 0, copy_threads)
+    out: dict = {"deliver_s": {}, "export_s": {}}
     try:
         src_info, dst_info = await asyncio.gather(src_a.info.remote(), dst_a.info.remote())
         src, dst = _Rank(src_a, src_info), _Rank(dst_a, dst_info)
@@ -307,6 +337,8 @@ async def _measure_transport(name: str, sizes_mib: list[float], repeats: int,
                     export.append(export_s)
             out["deliver_s"][size] = deliver
             out["export_s"][size] = export
+        out["nodes"] = len({src_info.node_id, dst_info.node_id})
+        out["import_paths"] = await dst_a.paths.remote()
     finally:
         await transport.close()
         for a in (src_a, dst_a):
@@ -319,10 +351,13 @@ async def _measure_transport(name: str, sizes_mib: list[float], repeats: int,
 
 
 def measure(sizes_mib: list[float], transports: list[str] | tuple[str, ...] = TRANSPORTS,
-            repeats: int = 3, copy_threads: int = DEFAULT_KV_COPY_THREADS) -> dict:
+            repeats: int = 3, copy_threads: int = DEFAULT_KV_COPY_THREADS,
+            across_nodes: bool = False) -> dict:
     """Run the measurement (Ray must be initialised); returns the result dict. The
     stand-in ranks copy blocks with ``copy_threads`` threads, as an engine does with
-    its ``kv_copy_threads``; the memcpy baseline is always one thread."""
+    its ``kv_copy_threads``; the memcpy baseline is always one thread (in this process).
+    ``across_nodes``: the two ranks on different nodes of the cluster, the paths named
+    ``<transport>_across_nodes_...``."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     for t in transports:
@@ -331,7 +366,8 @@ def measure(sizes_mib: list[float], transports: list[str] | tuple[str, ...] = TR
     med = statistics.median
     result: dict = {"sizes_mib": list(sizes_mib), "repeats": repeats,
                     "transports": list(transports), "bandwidth_mib_s": {}, "ratio_to_memcpy": {},
-                    "seconds": {}, "copy_threads": copy_threads}
+                    "seconds": {}, "copy_threads": copy_threads, "across_nodes": across_nodes,
+                    "import_paths": {}}
     copy_bw, alloc_bw = [], []
     for size in sizes_mib:
         copy, alloc = memcpy_seconds(int(size * MIB), max(repeats, 3))
@@ -341,8 +377,13 @@ def measure(sizes_mib: list[float], transports: list[str] | tuple[str, ...] = TR
         result["seconds"].setdefault("memcpy_alloc", []).append(alloc)
     result["bandwidth_mib_s"]["memcpy"] = copy_bw
     result["bandwidth_mib_s"]["memcpy_alloc"] = alloc_bw
-    for name in transports:
-        m = asyncio.run(_measure_transport(name, list(sizes_mib), repeats, copy_threads))
+    for transport in transports:
+        m = asyncio.run(_measure_transport(transport, list(sizes_mib), repeats, copy_threads,
+                                           across_nodes))
+        name = f"{transport}_across_nodes" if across_nodes else transport
+        if across_nodes and m["nodes"] < 2:
+            raise RuntimeError(f"{transport}: both ranks landed on one node")
+        result["import_paths"][name] = m["import_paths"]
         deliver = [size / med(m["deliver_s"][size]) for size in sizes_mib]
         handoff = [size / med([d + e for d, e in zip(m["deliver_s"][size], m["export_s"][size], strict=False)])
                    for size in sizes_mib]
@@ -516,6 +557,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "of KV a token)")
     p.add_argument("--ray-address", default=None,
                    help="join this Ray cluster (default: an embedded local Ray)")
+    p.add_argument("--across-nodes", action="store_true",
+                   help="put the two stand-in ranks on different nodes of that cluster (two "
+                   "nodes or more): the ray transport's object path, Ray's node-to-node "
+                   "transfer; grpc's bytes relayed by this process between the nodes")
     p.add_argument("--result-file", default="results/bench_kv_transfer.json")
     p.add_argument("--plot", default=None, help="PNG out (default: the JSON path with .png)")
     p.add_argument("--no-plot", action="store_true")
@@ -556,7 +601,7 @@ def run(args: argparse.Namespace) -> int:
                      _temp_dir=os.environ.get("PDSERVE_RAY_TMP", "/tmp/pdserve-ray"))
         started = True
     try:
-        result = measure(sizes, transports, args.repeats, args.copy_threads)
+        result = measure(sizes, transports, args.repeats, args.copy_threads, args.across_nodes)
         result["copies"] = copies_per_path()
         if share_tokens:
             print("the hand-off's share of the time to the second token ...", flush=True)
@@ -595,6 +640,10 @@ def format_table(result: dict) -> str:
     for transport, paths in result.get("copies", {}).items():
         lines.append(f"copies of the KV bytes, {transport}: " + "; ".join(
             f"{path}: {n}" for path, n in paths.items()))
+    for name, paths in result.get("import_paths", {}).items():
+        if name.startswith("ray"):
+            lines.append(f"imports on the destination, {name}: " + "; ".join(
+                f"{path}: {n}" for path, n in paths.items()))
     return "\n".join(lines)
 
 

@@ -43,9 +43,20 @@ def test_both_transports_beside_memcpy(ray_session, tmp_path):
         assert all(h <= d * 1.0001 for h, d in zip(bw[f"{t}_handoff"], bw[f"{t}_deliver"],
                                                    strict=True))
     assert "grpc_ceiling" in kv_transfer.format_table(r)  # gRPC alone, beside the transport
+    # one node: every ray payload was mapped from the sender's segment (2 sizes x 2 runs)
+    assert r["import_paths"]["ray"] == {"shared memory": 4, "object": 0}
     assert len(r["seconds"]["grpc_ceiling"]) == 2 and all(len(s) == 1 for s in r["seconds"]["grpc_ceiling"])
     assert (tmp_path / "kv.png").stat().st_size > 10_000
     assert ray_session.is_initialized()  # the session's Ray was reused, not shut down
+
+
+def test_across_nodes_on_one_node_is_refused_with_the_reason(ray_session, tmp_path, capsys):
+    rc = kv_transfer.main(["--sizes", "1", "--repeats", "1", "--transports", "ray",
+                           "--across-nodes", "--prompt-tokens", "none", "--no-plot",
+                           "--result-file", str(tmp_path / "r.json")])
+    assert rc == 1
+    assert "--across-nodes needs a Ray cluster of two nodes or more" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
 
 
 def test_the_hand_off_share_through_two_services(ray_session, tmp_path):

@@ -150,7 +150,7 @@ def _pdserve(*args, env, timeout=240):
 
 
 @pytest.mark.slow
-def test_scaling_pools_makes_the_autoscaler_start_matching_nodes(fake_cluster):
+def test_scaling_pools_makes_the_autoscaler_start_matching_nodes(fake_cluster, tmp_path):
     env, address = fake_cluster["env"], fake_cluster["address"]
     assert not [n for n in _nodes(address, env) if "prefill" in n["resources"]
                 or "decode" in n["resources"]]  # only the head to start with
@@ -201,6 +201,18 @@ def test_scaling_pools_makes_the_autoscaler_start_matching_nodes(fake_cluster):
             assert out.returncode == 0, (out.stderr, _pdserve("status", "--address", router,
                                                               env=env).stdout, _drain(lines))
             assert json.loads(out.stdout)["finish_reason"] == "length"
+
+        # KV between two nodes, each with its own object store: the ray transport's
+        # object path (Ray's node-to-node transfer), the blocks checked on arrival
+        result = tmp_path / "kv.json"
+        bench = _pdserve("bench", "kv-transfer", "--ray-address", address, "--across-nodes",
+                         "--transports", "ray", "--sizes", "1", "--repeats", "1",
+                         "--prompt-tokens", "none", "--no-plot", "--result-file", str(result),
+                         env=env, timeout=120)
+        assert bench.returncode == 0, bench.stdout + bench.stderr
+        kv = json.loads(result.read_text())
+        assert kv["import_paths"]["ray_across_nodes"] == {"shared memory": 0, "object": 2}
+        assert kv["ratio_to_memcpy"]["ray_across_nodes_deliver"][0] > 0
     finally:
         serve.send_signal(signal.SIGINT)
         try:
