@@ -13,7 +13,8 @@
    node). The router only ever holds the locator, never the bytes. A streamed prompt's
    hand-off may skip the router's call: its prefill rank, told the stream's decode rank
    (``direct_handoff``, router/kv_stream.py), sends that rank the locator itself as it
-   exports, and the router reads the answer (``direct_result``). ``skip_blocks``: on
+   exports (woken through a local socket first, wake_channel.py, then by a Ray call
+   whose answer the router reads: ``direct_result``). ``skip_blocks``: on
    the shared path the receiver leaves the prefix out itself (nothing is copied for
    it); otherwise the source cuts it into the object it makes.
 3. Import (decode rank): the payload's tensors are views of the mapped bytes; an import
@@ -41,6 +42,7 @@ import asyncio
 import logging
 from typing import Any
 
+from pdserve.kv_transfer import wake_channel
 from pdserve.kv_transfer.base import (
     CACHE_MISS,
     CAPACITY,
@@ -56,6 +58,7 @@ from pdserve.kv_transfer.shared_memory import (
     SharedPayloadReader,
     StagingArea,
 )
+from pdserve.kv_transfer.wake_channel import WakeListener, WakeSender
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +77,32 @@ class RayEndpoint(RankEndpoint):
         self.staging = StagingArea(staging_bytes, _node_id(), max_age_s)
         self.reader = SharedPayloadReader()
         self.num_unstaged = 0  # payloads the staging area had no room for
+        self._wakes: WakeListener | None = None  # a receiver's (listen_for_wakes)
+        self._waker: WakeSender | None = None  # a sender's, made on its first wake
+
+    # -- direct hand-offs' wake-ups (wake_channel.py) --------------------------------
+
+    def listen_for_wakes(self, on_wake: Any) -> str:
+        """Receiver: call ``on_wake(locator)`` for every wake a sender on this node
+        sends; the address to give senders ("" where wakes are not available)."""
+        if self._wakes is None and wake_channel.available:
+            try:
+                self._wakes = WakeListener(on_wake)
+            except OSError as exc:
+                log.warning("no KV wake channel (direct hand-offs use Ray calls only): %s", exc)
+        return self._wakes.address if self._wakes is not None else ""
+
+    @property
+    def num_woken(self) -> int:
+        return self._wakes.num_woken if self._wakes is not None else 0
+
+    def wake(self, address: str, locator: Any) -> bool:
+        """Sender: wake the receiver at ``address`` to import ``locator`` now."""
+        if not address or not isinstance(locator, SharedPayload):
+            return False
+        if self._waker is None:
+            self._waker = WakeSender()
+        return self._waker.wake(address, locator)
 
     def payload_buffer(self, attempt: str, nbytes: int) -> Any:
         lent = self.staging.lend(attempt, nbytes)
@@ -127,6 +156,10 @@ class RayEndpoint(RankEndpoint):
         return len(self.staging)
 
     def close(self) -> None:
+        if self._wakes is not None:
+            self._wakes.close()
+        if self._waker is not None:
+            self._waker.close()
         self.staging.close()
         self.reader.close()
 

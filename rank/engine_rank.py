@@ -49,6 +49,7 @@ from dataclasses import asdict
 from typing import Any
 
 from pdserve.kv_transfer.base import payload_without_prefix
+from pdserve.kv_transfer.wake_channel import ImportOnce
 from pdserve.rank.messages import (
     AddRequest,
     AdmitResult,
@@ -215,6 +216,13 @@ class EngineRank:
         if self.engine_type == "prompt" and hasattr(self.engine, "payload_buffer"):
             self.engine.payload_buffer = self.endpoint.payload_buffer
         self.kv_address: str | None = self.endpoint.address
+        # COMPLETION, ray: a direct hand-off's import, asked by a wake and a Ray call
+        # (kv_transfer/wake_channel.py); one import per payload, whichever comes first
+        self._once = ImportOnce()
+        self._num_woken_imports = 0
+        self.wake_address = ""
+        if self.engine_type == "completion" and hasattr(self.endpoint, "listen_for_wakes"):
+            self.wake_address = self.endpoint.listen_for_wakes(self._woken)
 
     def __repr__(self) -> str:  # Ray shows it; nothing secret in it
         return f"{type(self).__name__}(pool={self.pool_name}, rank={self.rank}, pid={os.getpid()})"
@@ -289,7 +297,7 @@ class EngineRank:
                            or tok.vocab_size),
             eos_token_id=tok.eos_token_id, block_size=int(self.engine_config.get("block_size", 16)),
             num_total_blocks=stats.num_total_blocks, kv_address=self.kv_address,
-            device=device, gpu_uuid=gpu_uuid)
+            device=device, gpu_uuid=gpu_uuid, wake_address=self.wake_address)
 
     def ping(self) -> int:
         """Answers at once (no engine lock): the controller's liveness check."""
@@ -480,7 +488,23 @@ class EngineRank:
 
     def import_shared(self, locator: Any, skip_blocks: int = 0) -> ImportResult:
         """The ray transport's receive side on one node: map the sender's segment and
-        import from it (answers ``unreachable`` when it cannot be mapped)."""
+        import from it (answers ``unreachable`` when it cannot be mapped). A payload a
+        wake imported already (a direct hand-off) is answered with that import's result."""
+        key = _locator_key(locator)
+        if key is None or skip_blocks:
+            return self._import_shared(locator, skip_blocks)
+        return self._once.called(
+            key, lambda: self._import_shared(locator, 0), WOKEN_IMPORT_WAIT_S,
+            lambda: ImportResult(False, kind="transport", error=(
+                f"the woken import of this payload took over {WOKEN_IMPORT_WAIT_S:g}s")))
+
+    def _woken(self, locator: Any) -> None:
+        """A direct hand-off's wake (its Ray call, import_shared, follows)."""
+        key = _locator_key(locator)
+        if key is not None and self._once.woken(key, lambda: self._import_shared(locator, 0)):
+            self._num_woken_imports += 1
+
+    def _import_shared(self, locator: Any, skip_blocks: int) -> ImportResult:
         from pdserve.kv_transfer.ray_store import UNREACHABLE
         from pdserve.kv_transfer.shared_memory import SharedPayloadUnavailable
 
@@ -552,16 +576,17 @@ class EngineRank:
         """Forget pair ``pair``'s group (closed once its transfers ended)."""
         return self.endpoint.drop_pair(pair)
 
-    def hand_off_to(self, stream_of: str, decode_actor: Any) -> None:
+    def hand_off_to(self, stream_of: str, decode_actor: Any, wake_address: str = "") -> None:
         """The router's word that the streamed attempt ``stream_of`` decodes on
         ``decode_actor`` (which holds its chunks): its hand-off's import is asked of that
         rank from here, as the payload is exported, instead of after the router has the
-        ticket (router/kv_stream.py, direct hand-off)."""
+        ticket (router/kv_stream.py, direct hand-off); woken first at ``wake_address``
+        (its RankInfo's, when it has one)."""
         with self._direct_lock:
             if decode_actor is None:  # the router delivers it after all
                 self._direct_to.pop(stream_of, None)
                 return
-            self._direct_to[stream_of] = decode_actor
+            self._direct_to[stream_of] = (decode_actor, str(wake_address or ""))
             self._direct_to.move_to_end(stream_of)
             while len(self._direct_to) > MAX_DIRECT_HANDOFFS:
                 self._direct_to.popitem(last=False)
@@ -575,9 +600,11 @@ class EngineRank:
         if not stream_of:
             return None
         with self._direct_lock:
-            actor = self._direct_to.pop(stream_of, None)
+            actor, wake_address = self._direct_to.pop(stream_of, (None, ""))
         if actor is None or not isinstance(locator, SharedPayload):
             return None
+        if wake_address:  # starts the import now; the call below answers the router
+            self.endpoint.wake(wake_address, locator)
         try:
             return actor.import_shared.remote(locator.as_tuple(), 0)
         except Exception as exc:  # the decode rank is gone: the router finds another
@@ -703,6 +730,7 @@ class EngineRank:
         d["rank"] = self.rank
         stats = RankStats(**{k: v for k, v in d.items() if k in _STATS_FIELDS},
                           kv_usage=float(st.kv_usage))
+        stats.num_woken_imports = self._num_woken_imports
         self._last_stats = stats
         return stats
 
@@ -749,7 +777,22 @@ class EngineRank:
                 pass
 
 
-_STATS_FIELDS = set(RankStats.__dataclass_fields__) - {"kv_usage"}
+_STATS_FIELDS = set(RankStats.__dataclass_fields__) - {"kv_usage", "num_woken_imports"}
+# how long a direct hand-off's Ray call waits for its wake's import in progress (that
+# import waits for the engine between two steps; the router's deadline is its own)
+WOKEN_IMPORT_WAIT_S = 30.0
+
+
+def _locator_key(locator: Any) -> tuple | None:
+    """One shared payload's identity (a segment's generation changes with each payload
+    it holds), or None for anything that is not a locator."""
+    from pdserve.kv_transfer.shared_memory import SharedPayload, SharedPayloadUnavailable
+
+    try:
+        shared = SharedPayload.of(locator)
+    except SharedPayloadUnavailable:
+        return None
+    return (shared.pid, shared.fd, shared.inode, shared.generation)
 
 
 def _prefill_timings(x: Any) -> RankTimings | None:

@@ -57,6 +57,8 @@ class RankInfo:
     # device transport's pair backend (NCCL between two different GPUs)
     device: str = "cpu"
     gpu_uuid: str = ""
+    # a COMPLETION rank's wake channel on its node (ray transport; kv_transfer/wake_channel.py)
+    wake_address: str = ""
 
 
 @dataclass
@@ -81,6 +83,8 @@ class RankStats:
     cache_hit_tokens: int = 0
     cache_evictions: int = 0
     num_cached_blocks: int = 0
+    # direct hand-offs this rank imported when woken, ahead of the prefill rank's Ray call
+    num_woken_imports: int = 0
 
 
 @dataclass

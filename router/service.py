@@ -712,7 +712,9 @@ class RouterService:
         word costs only speed: the router delivers what the prefill rank does not."""
         try:
             await asyncio.wait_for(
-                src.actor.hand_off_to.remote(attempt, dst.actor if dst is not None else None),
+                src.actor.hand_off_to.remote(
+                    attempt, dst.actor if dst is not None else None,
+                    getattr(dst.info, "wake_address", "") if dst is not None and dst.info else ""),
                 self.config.rank_call_timeout_s)
         except Exception:
             pass
