@@ -101,6 +101,12 @@ class PayloadRank:
         # how payloads reached this rank: mapped from the sender's segment (one node), or
         # as an object Ray resolved (another node, or one that could not be staged)
         self.import_paths = {"shared memory": 0, "object": 0}
+        # asked by the router's transport through a local socket on one node, as a
+        # decode rank is (kv_transfer/wake_channel.py), else by a Ray call
+        self.wake_address = ""
+        if hasattr(self.endpoint, "listen_for_wakes"):
+            self.wake_address = self.endpoint.listen_for_wakes(lambda locator: None,
+                                                               self.import_shared)
 
     def info(self) -> Any:
         node_id = ""
@@ -110,7 +116,7 @@ class PayloadRank:
             node_id = ray.get_runtime_context().get_node_id()
         except Exception:
             pass
-        return _Info(os.getpid(), self.endpoint.address, node_id)
+        return _Info(os.getpid(), self.endpoint.address, node_id, self.wake_address)
 
     def _cache_for(self, num_blocks: int, seed: int | None):
         if self._cache is None or self._cache.num_blocks - 1 < num_blocks:
@@ -201,6 +207,7 @@ class _Info:
     pid: int
     kv_address: str | None
     node_id: str = ""
+    wake_address: str = ""
 
 
 @dataclass

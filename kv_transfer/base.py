@@ -119,6 +119,17 @@ class KVTransport(ABC):
     def direct_result(self, result: Any, nbytes: int) -> DeliveryResult:
         raise NotImplementedError(f"the {self.name} transport hands nothing off directly")
 
+    def expect_direct(self, src: Any, dst: Any) -> tuple[str, str]:
+        """Where and under which id ``dst`` may answer a direct hand-off from ``src`` to
+        the router itself (ray, one node); ("", ""): through the prefill rank's call."""
+        return "", ""
+
+    async def direct_answer(self, reply: Any, dst: Any, nbytes: int) -> DeliveryResult:
+        raise NotImplementedError(f"the {self.name} transport takes no direct answers")
+
+    def forget_direct(self, reply_id: str) -> None:
+        return None
+
     def __init__(self) -> None:
         self.bytes_moved = 0
         self.num_deliveries = 0

@@ -58,7 +58,12 @@ from pdserve.kv_transfer.shared_memory import (
     SharedPayloadReader,
     StagingArea,
 )
-from pdserve.kv_transfer.wake_channel import WakeListener, WakeSender
+from pdserve.kv_transfer.wake_channel import (
+    LocalImports,
+    LocalReply,
+    WakeListener,
+    WakeSender,
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +87,13 @@ class RayEndpoint(RankEndpoint):
 
     # -- direct hand-offs' wake-ups (wake_channel.py) --------------------------------
 
-    def listen_for_wakes(self, on_wake: Any) -> str:
+    def listen_for_wakes(self, on_wake: Any, on_import: Any = None) -> str:
         """Receiver: call ``on_wake(locator)`` for every wake a sender on this node
-        sends; the address to give senders ("" where wakes are not available)."""
+        sends, ``on_import(locator, skip_blocks)`` for every import the router asks
+        (wake_channel.py); the address to give them ("" where that is not available)."""
         if self._wakes is None and wake_channel.available:
             try:
-                self._wakes = WakeListener(on_wake)
+                self._wakes = WakeListener(on_wake, on_import)
             except OSError as exc:
                 log.warning("no KV wake channel (direct hand-offs use Ray calls only): %s", exc)
         return self._wakes.address if self._wakes is not None else ""
@@ -96,13 +102,14 @@ class RayEndpoint(RankEndpoint):
     def num_woken(self) -> int:
         return self._wakes.num_woken if self._wakes is not None else 0
 
-    def wake(self, address: str, locator: Any) -> bool:
-        """Sender: wake the receiver at ``address`` to import ``locator`` now."""
+    def wake(self, address: str, locator: Any, reply: str = "", reply_id: str = "") -> bool:
+        """Sender: wake the receiver at ``address`` to import ``locator`` now (and answer
+        the router at ``reply`` under ``reply_id``, when given)."""
         if not address or not isinstance(locator, SharedPayload):
             return False
         if self._waker is None:
             self._waker = WakeSender()
-        return self._waker.wake(address, locator)
+        return self._waker.wake(address, locator, reply, reply_id)
 
     def payload_buffer(self, attempt: str, nbytes: int) -> Any:
         lent = self.staging.lend(attempt, nbytes)
@@ -179,6 +186,60 @@ class RayObjectStoreTransport(KVTransport):
     # hand-off itself, before the router has the ticket (router/kv_stream.py)
     direct_handoff = True
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._local = LocalImports()  # asks decode ranks on this node (wake_channel.py)
+        self._node: str | None = None
+        self.num_local_imports = 0  # deliveries asked through it, not by a Ray call
+
+    def _on_this_node(self, node_id: str) -> bool:
+        if self._node is None:
+            self._node = _node_id()
+        return bool(node_id) and node_id == self._node
+
+    async def _import_local(self, locator: SharedPayload, dst: Any,
+                            skip_blocks: int) -> DeliveryResult | None:
+        """The import asked of ``dst`` through its wake channel, when it and this
+        process share the payload's node; None: make the Ray call."""
+        info = getattr(dst, "info", None)
+        address = getattr(info, "wake_address", "") if info is not None else ""
+        if not address or not self._on_this_node(locator.node_id):
+            return None
+        result = await self._local.request(
+            address, locator, skip_blocks, int(getattr(info, "pid", 0) or 0),
+            lambda: getattr(dst, "state", "") != "dead")
+        if result is not None:
+            self.num_local_imports += 1
+        return result
+
+    def expect_direct(self, src: Any, dst: Any) -> tuple[str, str]:
+        """For a direct hand-off from ``src`` to ``dst``: (this router's reply address,
+        an id) for the prefill rank's wake, so that the decode rank answers here and no
+        Ray call is made; ("", "") unless all three share a node (wake_channel.py, 3).
+        Call from the router's loop."""
+        info, src_info = getattr(dst, "info", None), getattr(src, "info", None)
+        address = getattr(info, "wake_address", "") if info is not None else ""
+        node = getattr(info, "node_id", "") if info is not None else ""
+        if not address or not self._on_this_node(node) \
+                or getattr(src_info, "node_id", None) != node:
+            return "", ""
+        rid = self._local.expect(int(getattr(info, "pid", 0) or 0))
+        return (self._local.address, rid) if rid else ("", "")
+
+    async def direct_answer(self, reply: LocalReply, dst: Any, nbytes: int) -> DeliveryResult:
+        """A direct hand-off's answer that comes through the local channel (the ticket's
+        ``LocalReply``), as ``deliver`` would report it; the caller bounds the wait."""
+        result = await self._local.answer(reply.id, lambda: getattr(dst, "state", "") != "dead")
+        return self._as_delivery(result, nbytes, 0)
+
+    def forget_direct(self, reply_id: str) -> None:
+        """An expected answer nobody will wait for (the direct hand-off was called off)."""
+        if reply_id:
+            self._local.forget(reply_id)
+
+    async def close(self) -> None:
+        self._local.close()
+
     def direct_result(self, result: Any, nbytes: int) -> DeliveryResult:
         """A direct hand-off's ImportResult (what ``import_shared`` answered the prefill
         rank) as ``deliver`` would report it."""
@@ -192,9 +253,10 @@ class RayObjectStoreTransport(KVTransport):
             if isinstance(locator, SharedPayload):
                 dst_node = getattr(getattr(dst, "info", None), "node_id", None)
                 if locator.node_id and dst_node == locator.node_id:
-                    # as plain values: cheaper for Ray to carry than the dataclass
-                    result = await dst.actor.import_shared.remote(locator.as_tuple(),
-                                                                  skip_blocks)
+                    result = await self._import_local(locator, dst, skip_blocks)
+                    if result is None:  # as plain values: cheaper for Ray than the dataclass
+                        result = await dst.actor.import_shared.remote(locator.as_tuple(),
+                                                                      skip_blocks)
                     if not result.ok and result.kind == UNREACHABLE:
                         result = None
                 if result is None:  # another node, or it could not map the segment

@@ -216,13 +216,13 @@ class EngineRank:
         if self.engine_type == "prompt" and hasattr(self.engine, "payload_buffer"):
             self.engine.payload_buffer = self.endpoint.payload_buffer
         self.kv_address: str | None = self.endpoint.address
-        # COMPLETION, ray: a direct hand-off's import, asked by a wake and a Ray call
-        # (kv_transfer/wake_channel.py); one import per payload, whichever comes first
+        # COMPLETION, ray: imports asked through the wake channel (kv_transfer/
+        # wake_channel.py) by the router, or by a direct hand-off's wake and its Ray
+        # call, one import per payload, whichever comes first
         self._once = ImportOnce()
-        self._num_woken_imports = 0
         self.wake_address = ""
         if self.engine_type == "completion" and hasattr(self.endpoint, "listen_for_wakes"):
-            self.wake_address = self.endpoint.listen_for_wakes(self._woken)
+            self.wake_address = self.endpoint.listen_for_wakes(self._woken, self.import_shared)
 
     def __repr__(self) -> str:  # Ray shows it; nothing secret in it
         return f"{type(self).__name__}(pool={self.pool_name}, rank={self.rank}, pid={os.getpid()})"
@@ -501,8 +501,8 @@ class EngineRank:
     def _woken(self, locator: Any) -> None:
         """A direct hand-off's wake (its Ray call, import_shared, follows)."""
         key = _locator_key(locator)
-        if key is not None and self._once.woken(key, lambda: self._import_shared(locator, 0)):
-            self._num_woken_imports += 1
+        if key is not None:
+            self._once.woken(key, lambda: self._import_shared(locator, 0))
 
     def _import_shared(self, locator: Any, skip_blocks: int) -> ImportResult:
         from pdserve.kv_transfer.ray_store import UNREACHABLE
@@ -576,33 +576,43 @@ class EngineRank:
         """Forget pair ``pair``'s group (closed once its transfers ended)."""
         return self.endpoint.drop_pair(pair)
 
-    def hand_off_to(self, stream_of: str, decode_actor: Any, wake_address: str = "") -> None:
+    def hand_off_to(self, stream_of: str, decode_actor: Any, wake_address: str = "",
+                    reply_address: str = "", reply_id: str = "") -> None:
         """The router's word that the streamed attempt ``stream_of`` decodes on
         ``decode_actor`` (which holds its chunks): its hand-off's import is asked of that
         rank from here, as the payload is exported, instead of after the router has the
-        ticket (router/kv_stream.py, direct hand-off); woken first at ``wake_address``
-        (its RankInfo's, when it has one)."""
+        ticket (router/kv_stream.py, direct hand-off): through its wake channel at
+        ``wake_address`` when it has one, answering the router at ``reply_address``
+        under ``reply_id`` when given, else by a Ray call (kv_transfer/wake_channel.py)."""
         with self._direct_lock:
             if decode_actor is None:  # the router delivers it after all
                 self._direct_to.pop(stream_of, None)
                 return
-            self._direct_to[stream_of] = (decode_actor, str(wake_address or ""))
+            self._direct_to[stream_of] = (decode_actor, str(wake_address or ""),
+                                          str(reply_address or ""), str(reply_id or ""))
             self._direct_to.move_to_end(stream_of)
             while len(self._direct_to) > MAX_DIRECT_HANDOFFS:
                 self._direct_to.popitem(last=False)
 
     def _direct_import(self, stream_of: str, locator: Any) -> Any:
-        """Ask the stream's decode rank to import the payload at ``locator`` now; the
-        ObjectRef of its ImportResult, or None (no word from the router, not staged in
-        shared memory, or the call could not be made: the router delivers it)."""
+        """Ask the stream's decode rank to import the payload at ``locator`` now; where
+        its answer goes to the router (a LocalReply, or the ObjectRef of a Ray call's
+        ImportResult), or None (no word from the router, not staged in shared memory, or
+        the call could not be made: the router delivers it)."""
         from pdserve.kv_transfer.shared_memory import SharedPayload
 
         if not stream_of:
             return None
+        from pdserve.kv_transfer.wake_channel import LocalReply
+
         with self._direct_lock:
-            actor, wake_address = self._direct_to.pop(stream_of, (None, ""))
+            actor, wake_address, reply, reply_id = self._direct_to.pop(
+                stream_of, (None, "", "", ""))
         if actor is None or not isinstance(locator, SharedPayload):
             return None
+        if wake_address and reply and reply_id \
+                and self.endpoint.wake(wake_address, locator, reply, reply_id):
+            return LocalReply(reply_id)  # the decode rank answers the router itself
         if wake_address:  # starts the import now; the call below answers the router
             self.endpoint.wake(wake_address, locator)
         try:
@@ -730,7 +740,7 @@ class EngineRank:
         d["rank"] = self.rank
         stats = RankStats(**{k: v for k, v in d.items() if k in _STATS_FIELDS},
                           kv_usage=float(st.kv_usage))
-        stats.num_woken_imports = self._num_woken_imports
+        stats.num_woken_imports = int(getattr(self.endpoint, "num_woken", 0))
         self._last_stats = stats
         return stats
 

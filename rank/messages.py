@@ -83,7 +83,7 @@ class RankStats:
     cache_hit_tokens: int = 0
     cache_evictions: int = 0
     num_cached_blocks: int = 0
-    # direct hand-offs this rank imported when woken, ahead of the prefill rank's Ray call
+    # direct hand-offs whose prefill rank woke this rank through its wake channel
     num_woken_imports: int = 0
 
 

@@ -20,6 +20,7 @@ import grpc
 import ray
 from pdserve.kv_transfer import KVSecret, make_transport
 from pdserve.kv_transfer.base import CACHE_MISS, PAYLOAD, TRANSPORT, DeliveryResult
+from pdserve.kv_transfer.wake_channel import LocalReply
 from pdserve.rank.messages import (
     AddRequest,
     ForkSpec,
@@ -73,6 +74,7 @@ class RouterService:
         self.num_kv_chunks_streamed = 0  # chunks that reached a decode rank ahead of time
         self.num_direct_handoffs = 0  # hand-offs a prefill rank had its decode rank import
         self.num_direct_refused = 0  # ... that the decode rank refused (then delivered)
+        self.num_direct_local = 0  # ... whose answer came through the wake channel, not Ray
         self.num_early_reports = 0  # decode reports held until their hand-off's ticket came
         self._streams: dict[str, KVStream] = {}  # attempt -> its KV streamed ahead
         # Recent TTFT and inter-token samples by rank: the planner's, and status'.
@@ -513,6 +515,8 @@ class RouterService:
         async with stream.lock:  # after a delivery in progress
             stream.closed = True
             dst, partial = stream.dst, stream.delivered > 0
+        if stream.direct_reply and not imported:  # an answer nobody awaits now
+            self.transport.forget_direct(stream.direct_reply)
         if imported:
             self._spawn(self.transport.release_many(stream.chunks, stream.src))
         else:
@@ -622,7 +626,8 @@ class RouterService:
             try:
                 try:
                     if direct is not None:
-                        result, direct = await self._direct_result(direct, ticket), None
+                        self.num_direct_local += isinstance(direct, LocalReply)
+                        result, direct = await self._direct_result(direct, ticket, dst), None
                         self.num_direct_handoffs += result.ok
                         self.num_direct_refused += not result.ok
                     else:
@@ -708,20 +713,32 @@ class RouterService:
         return bool(src_node) and src_node == (getattr(dst.info, "node_id", "") if dst.info else "")
 
     async def _tell_direct(self, src: RankHandle, attempt: str, dst: RankHandle | None) -> None:
-        """Tell ``src`` where ``attempt``'s hand-off goes directly (None: nowhere). Lost
-        word costs only speed: the router delivers what the prefill rank does not."""
+        """Tell ``src`` where ``attempt``'s hand-off goes directly (None: nowhere), and,
+        on one node, where and under which id ``dst`` answers this router. Lost word
+        costs only speed: the router delivers what the prefill rank does not."""
+        stream = self._streams.get(attempt)
+        wake, reply, reply_id = "", "", ""
+        if dst is not None:
+            wake = getattr(dst.info, "wake_address", "") if dst.info else ""
+            if wake and stream is not None and not stream.direct_reply:
+                reply, reply_id = self.transport.expect_direct(src, dst)
+                stream.direct_reply = reply_id
         try:
             await asyncio.wait_for(
-                src.actor.hand_off_to.remote(
-                    attempt, dst.actor if dst is not None else None,
-                    getattr(dst.info, "wake_address", "") if dst is not None and dst.info else ""),
+                src.actor.hand_off_to.remote(attempt, dst.actor if dst is not None else None,
+                                             wake, reply, reply_id),
                 self.config.rank_call_timeout_s)
         except Exception:
             pass
 
-    async def _direct_result(self, ref: Any, ticket: HandoffTicket) -> DeliveryResult:
-        """What the decode rank answered the prefill rank's direct import, within the
+    async def _direct_result(self, ref: Any, ticket: HandoffTicket,
+                             dst: RankHandle) -> DeliveryResult:
+        """What the decode rank answered the prefill rank's direct import (to this router
+        through the wake channel, or to the prefill rank's Ray call), within the
         hand-off's deadline (asyncio.TimeoutError past it, as a delivery's)."""
+        if isinstance(ref, LocalReply):
+            return await asyncio.wait_for(self.transport.direct_answer(ref, dst, ticket.nbytes),
+                                          self.config.handoff_timeout_s)
         try:
             answer = await asyncio.wait_for(ref, self.config.handoff_timeout_s)
         except asyncio.TimeoutError:
@@ -734,7 +751,12 @@ class RouterService:
         """A direct import nobody continues: once it answered, abort what it took."""
         dst = stream.direct_dst if stream is not None else None
         try:
-            answer = await asyncio.wait_for(ticket.direct_import, self.config.handoff_timeout_s)
+            if isinstance(ticket.direct_import, LocalReply):
+                answer = await asyncio.wait_for(self.transport.direct_answer(
+                    ticket.direct_import, dst, ticket.nbytes), self.config.handoff_timeout_s)
+            else:
+                answer = await asyncio.wait_for(ticket.direct_import,
+                                                self.config.handoff_timeout_s)
         except Exception:
             answer = None
         if dst is not None and dst.state != DEAD and (answer is None or answer.ok):

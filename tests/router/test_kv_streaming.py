@@ -43,11 +43,15 @@ def test_long_prompts_stream_their_kv_and_decode_the_offline_tokens(make_router,
         assert router.service.num_kv_chunks_streamed >= 3 * len(prompts)
         # ray, one node: prefill ranks had their decode rank import hand-offs directly
         assert (router.service.num_direct_handoffs > 0) == (transport == "ray")
-        # ... woken through the decode rank's wake channel ahead of their Ray calls
+        # ... woken through the decode rank's wake channel (wake_channel.py), and the
+        # chunks and any other hand-off asked of it there by the router, not by Ray calls
         asyncio.run(router.service.refresh_stats())
         woken = sum(r.stats.num_woken_imports for r in router.service.pools["decode"].ranks)
         assert (woken > 0) == (transport == "ray")
         assert woken <= router.service.num_direct_handoffs
+        assert (router.service.num_direct_local > 0) == (transport == "ray")
+        local = getattr(router.service.transport, "num_local_imports", 0)
+        assert (local >= router.service.num_kv_chunks_streamed) == (transport == "ray")
         router.assert_nothing_left()
     finally:
         router.close()
