@@ -5,6 +5,7 @@ an import asked twice, by the wake and by the Ray call, runs once."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -14,8 +15,15 @@ import time
 
 import pytest
 from pdserve.kv_transfer import wake_channel
+from pdserve.kv_transfer.base import DeliveryResult
 from pdserve.kv_transfer.shared_memory import SharedPayload, StagingArea
-from pdserve.kv_transfer.wake_channel import ImportOnce, WakeListener, WakeSender
+from pdserve.kv_transfer.wake_channel import (
+    LISTEN_PREFIX,
+    ImportOnce,
+    LocalImports,
+    WakeListener,
+    WakeSender,
+)
 
 pytestmark = pytest.mark.skipif(not (wake_channel.available and StagingArea.available),
                                 reason="needs Linux (abstract unix sockets, memfd_create)")
@@ -177,3 +185,107 @@ def test_results_nobody_collects_expire():
     for i in range(20):
         once.woken(f"m{i}", lambda: "r")
     assert len(once) <= 4
+
+
+# ---- the router's side: imports asked and answered through the channel ----------------
+
+def _answering_listener(answers: list):
+    """A listener whose imports answer ImportResults naming the locator's generation."""
+    from pdserve.rank.messages import ImportResult
+
+    def on_import(locator, skip):
+        answers.append((locator, skip))
+        if locator.generation == 99:
+            return ImportResult(False, kind="capacity", error="x" * 5000)  # cut in the reply
+        return ImportResult(True, attempt=f"a{locator.generation}", nbytes=locator.nbytes - skip)
+
+    return WakeListener(lambda locator: None, on_import)
+
+
+def test_the_router_asks_an_import_and_reads_the_answer():
+    answers: list = []
+    lis = _answering_listener(answers)
+    imports = LocalImports()
+
+    async def run():
+        loc = SharedPayload("n", os.getpid(), 3, 4, 5, 1000)
+        ok = await imports.request(lis.address, loc, 2, os.getpid(), lambda: True)
+        refused = await imports.request(lis.address, SharedPayload("n", 1, 3, 4, 99, 10), 0,
+                                        os.getpid(), lambda: True)
+        nobody = await imports.request(LISTEN_PREFIX + "gone", loc, 0, os.getpid(), lambda: True)
+        return ok, refused, nobody
+
+    try:
+        ok, refused, nobody = asyncio.run(asyncio.wait_for(run(), 10))
+    finally:
+        imports.close()
+        lis.close()
+    assert ok == DeliveryResult(True, attempt="a5", nbytes=998)
+    assert not refused.ok and refused.kind == "capacity" and len(refused.error) == 2000
+    assert nobody is None  # not sent: the caller makes the Ray call
+    assert [skip for _, skip in answers] == [2, 0] and lis.num_imports == 2
+
+
+def test_a_rank_that_dies_while_asked_fails_the_request_at_once():
+    stuck = threading.Event()
+    lis = WakeListener(lambda locator: None, lambda locator, skip: stuck.wait(30))
+    imports, alive = LocalImports(), [True]
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.2, alive.clear)
+        start = time.monotonic()
+        result = await imports.request(lis.address, SharedPayload("n", 1, 3, 4, 5, 6), 0,
+                                       os.getpid(), lambda: bool(alive))
+        return result, time.monotonic() - start
+
+    try:
+        result, took = asyncio.run(asyncio.wait_for(run(), 10))
+    finally:
+        imports.close()
+        stuck.set()
+        lis.close()
+    assert not result.ok and result.kind == "transport" and "died" in result.error
+    assert took < 2.0 and len(imports._pending) == 0
+
+
+# Another process answers an expected id as if it were the decode rank (it is not).
+FORGER = textwrap.dedent("""
+    import json, socket, sys
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.sendto(json.dumps({"id": sys.argv[2], "ok": True, "attempt": "forged", "kind": "",
+                         "error": "", "nbytes": 1}).encode(), bytes.fromhex(sys.argv[1]).decode())
+""")
+
+
+def test_a_woken_import_answers_the_router_and_a_forged_answer_is_refused():
+    """A direct hand-off with a reply: the prefill rank's wake names the id the router
+    expects; only the decode rank's own answer counts, one from any other process (same
+    user) is refused."""
+    answers: list = []
+    lis = _answering_listener(answers)
+    imports = LocalImports()
+
+    async def run():
+        rid = imports.expect(os.getpid())  # the listener answers from this process
+        other = imports.expect(os.getpid())
+        subprocess.run([sys.executable, "-c", FORGER, imports.address.encode().hex(), other],
+                       check=True, timeout=60)
+        loc = SharedPayload("n", os.getpid(), 3, 4, 7, 100)
+        assert WakeSender().wake(lis.address, loc, imports.address, rid)
+        got = await asyncio.wait_for(imports.answer(rid, lambda: True), 10)
+        forged = asyncio.ensure_future(imports.answer(other, lambda: True))
+        await asyncio.sleep(0.3)
+        assert not forged.done()  # the forged answer did not count
+        imports.forget(other)
+        return got, await forged, await imports.answer("never-expected", lambda: True)
+
+    try:
+        got, forgotten, unknown = asyncio.run(run())
+    finally:
+        imports.close()
+        lis.close()
+    assert got == DeliveryResult(True, attempt="a7", nbytes=100) and lis.num_woken == 1
+    assert imports.num_refused >= 1
+    assert not forgotten.ok and "called off" in forgotten.error
+    assert not unknown.ok and unknown.kind == "transport"
