@@ -5,18 +5,21 @@
    shared_memory.py); the locator is a ``SharedPayload`` (pid, fd, inode, generation).
    A payload the staging area has no room for is ``ray.put`` as a uint8 array instead;
    its locator is the ObjectRef, owned by the prefill rank's process.
-2. Deliver (router): a decode rank on the sender's node maps the segment
-   (``EngineRank.import_shared``, sent the locator as plain values) and imports from it. Any other decode rank, or one that
-   cannot map it, gets an object the source makes of the bytes
-   (``EngineRank.kv_object``) as an argument of ``import_prefilled``: Ray resolves it
-   (node-to-node transfer across nodes; a read-only view of the shared store on one
-   node). The router only ever holds the locator, never the bytes. A streamed prompt's
-   hand-off may skip the router's call: its prefill rank, told the stream's decode rank
-   (``direct_handoff``, router/kv_stream.py), sends that rank the locator itself as it
-   exports (woken through a local socket first, wake_channel.py, then by a Ray call
-   whose answer the router reads: ``direct_result``). ``skip_blocks``: on
-   the shared path the receiver leaves the prefix out itself (nothing is copied for
-   it); otherwise the source cuts it into the object it makes.
+2. Deliver (router): a decode rank on the sender's node maps the segment and imports
+   from it (``EngineRank.import_shared``), asked through its wake channel when the
+   router shares that node too (a datagram with the locator, the answer back the same
+   way; wake_channel.py), else by a Ray call with the locator as plain values. Any
+   other decode rank, or one that cannot map it, gets an object the source makes of
+   the bytes (``EngineRank.kv_object``) as an argument of ``import_prefilled``: Ray
+   resolves it (node-to-node transfer across nodes; a read-only view of the shared
+   store on one node). The router only ever holds the locator, never the bytes. A
+   streamed prompt's hand-off may skip the router's ask: its prefill rank, told the
+   stream's decode rank (``direct_handoff``, router/kv_stream.py), wakes that rank with
+   the locator itself as it exports; the decode rank answers the router through the
+   channel (``expect_direct`` / ``direct_answer``), or, without the router's reply
+   address, the prefill rank's Ray call that follows (``direct_result``).
+   ``skip_blocks``: on the shared path the receiver leaves the prefix out itself
+   (nothing is copied for it); otherwise the source cuts it into the object it makes.
 3. Import (decode rank): the payload's tensors are views of the mapped bytes; an import
    that finds room is scattered into its blocks at once; one that must wait takes a
    private copy first, since the segment is reused once the import is confirmed. After
