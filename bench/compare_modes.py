@@ -302,7 +302,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from pdserve.router.embedded_ray import idle_openmp_passively
+
+    idle_openmp_passively()
     from pdserve.bench.serve import build_requests, load_kwargs, write_json
 
     names = [m for m in args.modes.replace(",", " ").split()]

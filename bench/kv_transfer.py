@@ -47,6 +47,8 @@ from pdserve.engine.config import DEFAULT_KV_COPY_THREADS
 MIB = 1 << 20
 DEFAULT_SIZES = (1, 16, 64)
 TRANSPORTS = ("ray", "grpc")
+DEFAULT_REPEATS = 5  # timed hand-offs per size
+WARMUPS = 2  # untimed ones before them
 
 
 # The stand-in ranks' KV cache: the built-in tiny model's shape (4 layers, 2 KV heads of
@@ -322,7 +324,10 @@ async def _measure_transport(name: str, sizes_mib: list[float], repeats: int,
         for size in sizes_mib:
             nbytes = int(size * MIB)
             deliver, export = [], []
-            for i in range(repeats + 1):  # the first is a warm-up
+            # the first WARMUPS are untimed: the first import makes the destination's
+            # cache, and the next few still ran 2-4x slower here (fresh mappings, the
+            # actors' own start-up still on the 2 cores)
+            for i in range(repeats + WARMUPS):
                 rid = f"{name}-{size:g}-{i}"
                 ticket, export_s, sent = await src_a.export.remote(rid, nbytes, name)
                 t = time.perf_counter()
@@ -339,7 +344,7 @@ async def _measure_transport(name: str, sizes_mib: list[float], repeats: int,
                     raise RuntimeError(f"{name}: the KV blocks of {rid} arrived changed")
                 await transport.release(ticket, src)
                 del ticket
-                if i:
+                if i >= WARMUPS:
                     deliver.append(dt)
                     export.append(export_s)
             out["deliver_s"][size] = deliver
@@ -358,7 +363,7 @@ async def _measure_transport(name: str, sizes_mib: list[float], repeats: int,
 
 
 def measure(sizes_mib: list[float], transports: list[str] | tuple[str, ...] = TRANSPORTS,
-            repeats: int = 3, copy_threads: int = DEFAULT_KV_COPY_THREADS,
+            repeats: int = DEFAULT_REPEATS, copy_threads: int = DEFAULT_KV_COPY_THREADS,
             across_nodes: bool = False) -> dict:
     """Run the measurement (Ray must be initialised); returns the result dict. The
     stand-in ranks copy blocks with ``copy_threads`` threads, as an engine does with
@@ -549,7 +554,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default=",".join(str(s) for s in DEFAULT_SIZES),
                    help="payload sizes in MiB (default %(default)s; up to 256)")
     p.add_argument("--transports", default=",".join(TRANSPORTS))
-    p.add_argument("--repeats", type=int, default=3, help="timed hand-offs per size")
+    p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                   help=f"timed hand-offs per size (after {WARMUPS} untimed ones)")
     p.add_argument("--copy-threads", type=int, default=DEFAULT_KV_COPY_THREADS,
                    help="threads of the stand-in ranks' block copies (an engine's "
                    "kv_copy_threads; default %(default)s); the memcpy baseline is one thread")
@@ -576,6 +582,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from pdserve.router.embedded_ray import idle_openmp_passively
+
+    idle_openmp_passively()  # the stand-in ranks idle their copy threads as ranks do
     import ray
     from pdserve.bench.serve import write_json
 

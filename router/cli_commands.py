@@ -183,7 +183,9 @@ def serve_config(args: argparse.Namespace):
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from pdserve.router.embedded_ray import idle_openmp_passively
+
+    idle_openmp_passively()
     if not args.ray_address:  # embedded Ray, loopback only: set up before ray is imported
         from pdserve.router.embedded_ray import loopback_only
 
