@@ -192,11 +192,11 @@ class RayObjectStoreTransport(KVTransport):
     def __init__(self) -> None:
         super().__init__()
         self._local = LocalImports()  # asks decode ranks on this node (wake_channel.py)
-        self._node: str | None = None
+        self._node = ""
         self.num_local_imports = 0  # deliveries asked through it, not by a Ray call
 
     def _on_this_node(self, node_id: str) -> bool:
-        if self._node is None:
+        if not self._node:  # "" until Ray is up in this process
             self._node = _node_id()
         return bool(node_id) and node_id == self._node
 

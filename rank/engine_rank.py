@@ -600,21 +600,19 @@ class EngineRank:
         ImportResult), or None (no word from the router, not staged in shared memory, or
         the call could not be made: the router delivers it)."""
         from pdserve.kv_transfer.shared_memory import SharedPayload
+        from pdserve.kv_transfer.wake_channel import LocalReply
 
         if not stream_of:
             return None
-        from pdserve.kv_transfer.wake_channel import LocalReply
-
         with self._direct_lock:
             actor, wake_address, reply, reply_id = self._direct_to.pop(
                 stream_of, (None, "", "", ""))
         if actor is None or not isinstance(locator, SharedPayload):
             return None
-        if wake_address and reply and reply_id \
-                and self.endpoint.wake(wake_address, locator, reply, reply_id):
-            return LocalReply(reply_id)  # the decode rank answers the router itself
-        if wake_address:  # starts the import now; the call below answers the router
-            self.endpoint.wake(wake_address, locator)
+        # the wake starts the import now; with the router's reply id the decode rank
+        # answers the router itself, else the call below does
+        if self.endpoint.wake(wake_address, locator, reply, reply_id) and reply and reply_id:
+            return LocalReply(reply_id)
         try:
             return actor.import_shared.remote(locator.as_tuple(), 0)
         except Exception as exc:  # the decode rank is gone: the router finds another

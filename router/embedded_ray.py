@@ -49,7 +49,6 @@ UNCOVERED = ("warning: {why}; a socket that binds a wildcard (as torch's TCPStor
              "unless handed a socket) listens on all network interfaces")
 
 
-@functools.cache
 def idle_openmp_passively() -> None:
     """Ranks (and benches' stand-ins) this process starts on an embedded Ray inherit
     ``OMP_WAIT_POLICY=PASSIVE`` unless the user set it: a thread team that spins after
@@ -59,6 +58,7 @@ def idle_openmp_passively() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+@functools.cache
 def build_shim() -> tuple[Path | None, str]:
     """(path of the built shim, "") or (None, why it could not be built)."""
     compiler = find_compiler()

@@ -515,7 +515,7 @@ class RouterService:
         async with stream.lock:  # after a delivery in progress
             stream.closed = True
             dst, partial = stream.dst, stream.delivered > 0
-        if stream.direct_reply and not imported:  # an answer nobody awaits now
+        if stream.direct_reply:  # an answer nobody awaits now (a no-op once awaited)
             self.transport.forget_direct(stream.direct_reply)
         if imported:
             self._spawn(self.transport.release_many(stream.chunks, stream.src))
@@ -732,7 +732,7 @@ class RouterService:
             pass
 
     async def _direct_result(self, ref: Any, ticket: HandoffTicket,
-                             dst: RankHandle) -> DeliveryResult:
+                             dst: RankHandle | None) -> DeliveryResult:
         """What the decode rank answered the prefill rank's direct import (to this router
         through the wake channel, or to the prefill rank's Ray call), within the
         hand-off's deadline (asyncio.TimeoutError past it, as a delivery's)."""
@@ -751,15 +751,12 @@ class RouterService:
         """A direct import nobody continues: once it answered, abort what it took."""
         dst = stream.direct_dst if stream is not None else None
         try:
-            if isinstance(ticket.direct_import, LocalReply):
-                answer = await asyncio.wait_for(self.transport.direct_answer(
-                    ticket.direct_import, dst, ticket.nbytes), self.config.handoff_timeout_s)
-            else:
-                answer = await asyncio.wait_for(ticket.direct_import,
-                                                self.config.handoff_timeout_s)
+            answer = await self._direct_result(ticket.direct_import, ticket, dst)
         except Exception:
             answer = None
-        if dst is not None and dst.state != DEAD and (answer is None or answer.ok):
+        # a refusal took nothing; after a failed transport it may have (abort is harmless)
+        if dst is not None and dst.state != DEAD and (
+                answer is None or answer.ok or answer.kind == TRANSPORT):
             for choice in ticket.choices:
                 await self._abort_on(dst, choice.attempt)
 
