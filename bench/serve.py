@@ -513,7 +513,7 @@ def model_info(args: argparse.Namespace) -> tuple[int, object]:
         if args.prompt_format == "text":
             from pdserve.engine.tokenizer import Tokenizer
 
-            tokenizer = Tokenizer.from_dir(model)
+            tokenizer = Tokenizer.from_model(model)
     return vocab, tokenizer
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.weights import load_checked
+from pdserve.engine.weights import WeightsError, load_checked
 from pdserve.kernels import skinny_gemm
 from pdserve.kernels.attention import AttentionMetadata, attention_step
 from pdserve.kernels.kv_cache import KVCache
@@ -487,14 +487,21 @@ class _CompiledDecode:
 def load_model(model_dir, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> tuple[ModelConfig, CausalLM]:
     """Build the model for ``model_dir``'s config.json and load its checked weights."""
-    cfg = ModelConfig.from_dir(model_dir)
+    cfg = ModelConfig.from_model(model_dir)
     with torch.device("meta"):
         model = CausalLM(cfg)
     expected = model.expected_shapes()
-    optional = frozenset({"lm_head.weight"}) if cfg.tie_word_embeddings else frozenset()
+    # A tied matrix is saved under either name (transformers' safetensors writer keeps
+    # lm_head.weight); one of the two must be there.
+    tied = ("model.embed_tokens.weight", "lm_head.weight")
+    optional = frozenset(tied) if cfg.tie_word_embeddings else frozenset()
     state = load_checked(model_dir, expected, dtype, device, optional)
     if cfg.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        matrix = state.get(tied[0], state.get(tied[1]))
+        if matrix is None:
+            raise WeightsError(f"model {model_dir}: missing tensor(s) {tied[0]} (tied "
+                               f"embeddings: {tied[0]} or {tied[1]})")
+        state[tied[0]] = state[tied[1]] = matrix
     model.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -19,6 +19,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
+_ARCHITECTURE_OF_MODEL_TYPE = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -76,6 +77,16 @@ class ModelConfig:
         return any(w is None for w in self.layer_windows)
 
     @classmethod
+    def from_model(cls, model: str | Path) -> ModelConfig:
+        """The config of a model folder (config.json) or GGUF file (its metadata)."""
+        from pdserve.engine.gguf_file import GGUFModel, find_gguf
+
+        gguf_path = find_gguf(model)
+        if gguf_path is None:
+            return cls.from_dir(model)
+        return cls.from_dict(GGUFModel.open(gguf_path).hf_config(), source=str(gguf_path))
+
+    @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not Path(model_dir).is_dir():
@@ -97,6 +108,8 @@ class ModelConfig:
 
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None and not archs:  # e.g. a hand-written config: model_type says it
+            arch = _ARCHITECTURE_OF_MODEL_TYPE.get(raw.get("model_type"))
         if arch is None:
             raise ModelConfigError(
                 f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; "

@@ -104,7 +104,7 @@ class ModelRunner:
 
         self.model_dir = Path(model_dir)
         self.device = resolve_device(device)
-        cfg0 = ModelConfig.from_dir(model_dir)
+        cfg0 = ModelConfig.from_model(model_dir)
         self.dtype = resolve_dtype(dtype, cfg0.torch_dtype)
         self.config, self.model = load_model(model_dir, self.dtype, self.device)
         self.compile = compile
@@ -183,7 +183,7 @@ class ModelRunner:
         if self._tokenizer is None:
             from pdserve.engine.tokenizer import Tokenizer
 
-            self._tokenizer = Tokenizer.from_dir(self.model_dir)
+            self._tokenizer = Tokenizer.from_model(self.model_dir)
         return self._tokenizer
 
     @property

@@ -1,7 +1,10 @@
 """Tokenizer wrapper over the ``tokenizers`` library (no transformers needed).
 
-``Tokenizer.from_dir(model_dir)`` reads ``tokenizer.json`` plus the BOS/EOS settings
-of ``tokenizer_config.json``, ``generation_config.json`` and ``config.json``.
+``Tokenizer.from_model(path)`` takes a model folder or a GGUF file. A folder:
+``tokenizer.json`` plus the BOS/EOS settings of ``tokenizer_config.json``,
+``generation_config.json`` and ``config.json``. A GGUF file: its vocabulary, merges and
+special ids, turned into a ``tokenizers`` tokenizer by transformers' GGUF converter (as
+``from_pretrained(gguf_file=...)`` does; torch is not imported).
 ``encode`` adds BOS when the folder asks for it (once: a post-processor that already
 adds it is respected); ``decode`` skips special tokens by default.
 ``IncrementalDetokenizer`` turns a growing token list into text deltas for streaming
@@ -24,6 +27,18 @@ def _token_content(tok) -> str | None:
     return tok
 
 
+def _digits_then_bytes():
+    from tokenizers import pre_tokenizers
+
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False)])
+
+
+# llama.cpp pre-tokenizer names that transformers' GGUF converter does not know yet, as
+# the models' own tokenizer.json files split text (SmolLM: one digit per piece).
+_PRE_TOKENIZERS = {"smollm": _digits_then_bytes}
+
+
 class Tokenizer:
     def __init__(self, tokenizer, bos_token_id: int | None, eos_token_ids: tuple[int, ...],
                  add_bos: bool):
@@ -39,6 +54,32 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_model(cls, model: str | Path) -> Tokenizer:
+        """The tokenizer of a model folder or GGUF file."""
+        from pdserve.engine.gguf_file import find_gguf
+
+        gguf_path = find_gguf(model)
+        return cls.from_gguf(gguf_path) if gguf_path else cls.from_dir(model)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        from pdserve.engine.gguf_file import GGUFModel
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            convert_gguf_tokenizer,
+        )
+
+        gguf = GGUFModel.open(path)
+        tokenizer_dict = gguf.tokenizer_dict()
+        tok, _ = convert_gguf_tokenizer(gguf.architecture, tokenizer_dict)
+        split = _PRE_TOKENIZERS.get(tokenizer_dict.get("pre_tokenizer_type"))
+        if split is not None:
+            tok.pre_tokenizer = split()
+        config = gguf.hf_config()
+        eos = config.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(tok, config.get("bos_token_id"), eos_ids, gguf.add_bos_token)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:

@@ -1,5 +1,6 @@
-"""Safetensors loading with checks: missing files, missing tensors and wrong shapes
-are reported by name (tensor, expected shape, actual shape, file)."""
+"""Weights loading with checks, from a model folder's safetensors or a GGUF file: missing
+files, missing tensors and wrong shapes are reported by name (tensor, expected shape,
+actual shape, file)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,13 @@ class WeightsError(ValueError):
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:
-    """The safetensors files of a folder (sharded via the index, or every *.safetensors)."""
+    """The files holding the weights: a GGUF file, or the safetensors files of a folder
+    (sharded via the index, or every *.safetensors)."""
+    from pdserve.engine.gguf_file import find_gguf
+
+    gguf_path = find_gguf(model_dir)
+    if gguf_path is not None:
+        return [gguf_path]
     d = Path(model_dir)
     index = d / "model.safetensors.index.json"
     if index.is_file():
@@ -52,17 +59,17 @@ def load_checked(
     Names in ``optional`` may be absent (e.g. a tied ``lm_head.weight``). Extra
     tensors in the files are ignored. Shapes are checked before any data is read.
     """
+    from pdserve.engine.gguf_file import GGUFModel, find_gguf
+
+    gguf_path = find_gguf(model_dir)
+    if gguf_path is not None:
+        return _load_gguf(GGUFModel.open(gguf_path), expected, dtype, device, optional)
     where: dict[str, Path] = {}
     for f in weight_files(model_dir):
         with safe_open(f, framework="pt", device="cpu") as sf:
             for name in sf.keys():
                 where.setdefault(name, f)
-    missing = [n for n in expected if n not in where and n not in optional]
-    if missing:
-        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise WeightsError(
-            f"model folder {model_dir}: missing tensor(s) {', '.join(missing[:5])}{more}"
-        )
+    _check_present(model_dir, [n for n in expected if n not in where and n not in optional])
     out: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[str]] = {}
     for name in expected:
@@ -79,3 +86,22 @@ def load_checked(
                     )
                 out[name] = sf.get_tensor(name).to(device=device, dtype=dtype)
     return out
+
+
+def _check_present(model: str | Path, missing: list[str]) -> None:
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise WeightsError(f"model {model}: missing tensor(s) {', '.join(missing[:5])}{more}")
+
+
+def _load_gguf(gguf, expected: dict[str, tuple[int, ...]], dtype: torch.dtype,
+               device: str | torch.device, optional: frozenset[str]) -> dict[str, torch.Tensor]:
+    present = {n for n in expected if gguf.has_tensor(n)}
+    _check_present(gguf.path, [n for n in expected if n not in present and n not in optional])
+    for name in present:
+        shape = gguf.tensor_shape(name)
+        if shape != tuple(expected[name]):
+            raise WeightsError(f"tensor {name} ({gguf.gguf_name(name)}) in {gguf.path.name}: "
+                               f"expected shape {tuple(expected[name])}, got {shape}")
+    return {name: torch.from_numpy(gguf.tensor(name)).to(device=device, dtype=dtype)
+            for name in expected if name in present}

@@ -102,7 +102,15 @@ class ChatTemplate:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> ChatTemplate | None:
-        """The model folder's chat template, or None when it has none."""
+        """The chat template of a model folder or GGUF file, or None when it has none."""
+        from pdserve.engine.gguf_file import GGUFModel, find_gguf
+
+        gguf_path = find_gguf(model_dir)
+        if gguf_path is not None:
+            gguf = GGUFModel.open(gguf_path)
+            template = gguf.chat_template
+            return cls(template, gguf.special_tokens, f"{gguf_path.name}: tokenizer.chat_template"
+                       ) if template else None
         d = Path(model_dir)
         if not d.is_dir():
             raise FileNotFoundError(f"model folder {d} not found")

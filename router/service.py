@@ -102,7 +102,7 @@ class RouterService:
     async def start(self) -> None:
         from pdserve.engine.tokenizer import Tokenizer  # tokenizers only; no torch
 
-        self.tokenizer = Tokenizer.from_dir(self.config.model_dir)
+        self.tokenizer = Tokenizer.from_model(self.config.model_dir)
         await asyncio.gather(*(p.start() for p in self.pools.values()))
         infos = [r.info for p in self.pools.values() for r in p.ranks]
         max_len = min(i.max_model_len for i in infos)

@@ -49,7 +49,7 @@ def test_transformers_tokenizer_agrees(tiny_dirs):
     transformers = pytest.importorskip("transformers")
     d = tiny_dirs["llama"]
     hf = transformers.AutoTokenizer.from_pretrained(d)
-    tok = Tokenizer.from_dir(d)
+    tok = Tokenizer.from_model(d)
     assert (tok.bos_token_id, tok.eos_token_id) == (1, 2)
     for text in ["The quick brown fox jumps over the lazy dog.", "  spaces\tand\nnewlines ",
                  "déjà vu, 東京, emoji 🙂!", "def f(x):\n    return x * 3 + 1\n"]:
@@ -61,7 +61,7 @@ def test_transformers_tokenizer_agrees(tiny_dirs):
 
 
 def test_incremental_detokenizer_streams_whole_text(tiny_dirs):
-    tok = Tokenizer.from_dir(tiny_dirs["llama"])
+    tok = Tokenizer.from_model(tiny_dirs["llama"])
     text = "Héllo wörld, 東京 🙂 and the model token cache."
     prompt = tok.encode("Prompt:")
     ids = tok.encode(text, add_special_tokens=False)

@@ -402,7 +402,7 @@ def test_builtin_model_has_a_template(transformers, tiny_model_dir):
     prompt = ours.render(msgs)
     assert prompt.endswith("### user\nBye\n### assistant\n")
     assert ours.starts_with_bos(prompt) and ours.count_leading_bos(prompt) == 1
-    tok = Tokenizer.from_dir(tiny_model_dir)
+    tok = Tokenizer.from_model(tiny_model_dir)
     ids = ours.encode(tok, prompt)
     assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
     assert ids.count(tok.eos_token_id) == 1  # the assistant turn's EOS, as a token

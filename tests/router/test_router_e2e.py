@@ -61,7 +61,7 @@ def test_text_is_streamed_incrementally(router, reference):
     text = "".join(m.text for m in msgs)
     from pdserve.engine.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_dir(router.service.config.model_dir)
+    tok = Tokenizer.from_model(router.service.config.model_dir)
     ids = [t for m in msgs for t in m.token_ids]
     assert ids == reference([PROMPTS[0]], 10)[0]
     assert text == tok.decode(ids)

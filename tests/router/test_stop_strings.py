@@ -17,7 +17,7 @@ N = 24
 def greedy(reference, tiny_model_dir):
     from pdserve.engine.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_dir(tiny_model_dir)
+    tok = Tokenizer.from_model(tiny_model_dir)
     ids = reference([PROMPT], N)[0]
     prompt_ids = tok.encode(PROMPT)
     full = tok.decode(prompt_ids + ids)[len(tok.decode(prompt_ids)):]

@@ -234,7 +234,7 @@ def test_prepare_accepts_exactly_what_the_rules_allow(req):
 def tiny_tokenizer_and_limits(tiny_model_dir):
     from pdserve.engine.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_dir(tiny_model_dir)
+    tokenizer = Tokenizer.from_model(tiny_model_dir)
     config = json.loads((Path(tiny_model_dir) / "config.json").read_text())
     max_len = config["max_position_embeddings"]
     return tokenizer, ModelLimits(vocab_size=tokenizer.vocab_size, max_model_len=max_len,
