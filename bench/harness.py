@@ -88,13 +88,13 @@ def start_embedded_ray(model: str | None, resources: dict[str, float] | None = N
     default). Call it before anything imports ray."""
     import sys
 
-    from pdserve.router.cli_commands import ensure_model
+    from pdserve.engine.model_catalog import resolve_model
     from pdserve.router.embedded_ray import RAY_LOCAL_ONLY
     from pdserve.router.embedded_ray import start_embedded_ray as start_ray
 
     if "ray" not in sys.modules:  # read at import: later, Ray picks the machine's address
         os.environ.update(RAY_LOCAL_ONLY)
-    model = ensure_model(model)
+    model = resolve_model(model).path
     start_ray(num_cpus=8, resources=resources or {"prefill": 8, "decode": 8},
               temp_dir=os.environ.get("PDSERVE_RAY_TMP", "/tmp/pdserve-ray"))
     return model

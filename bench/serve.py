@@ -398,7 +398,8 @@ def format_summary(r: dict) -> str:
 
 # ---- command line ----------------------------------------------------------------------
 
-def _floats(text: str) -> list[float]:
+def parse_floats(text: str) -> list[float]:
+    """``"50,90 99"`` -> ``[50.0, 90.0, 99.0]`` (commas or spaces)."""
     return [float(x) for x in str(text).replace(",", " ").split()]
 
 
@@ -497,19 +498,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def model_info(args: argparse.Namespace) -> tuple[int, object]:
     """(vocab size, tokenizer or None) for building prompts."""
     model = args.model
-    if model is None:
-        from pdserve.router.cli_commands import default_model_dir
-
-        model = str(default_model_dir())
     tokenizer = None
     vocab = args.vocab_size
-    cfg = Path(model) / "config.json"
     if args.prompt_format == "text" or vocab is None:
-        if not cfg.is_file():
-            raise SystemExit(f"error: no model folder at {model} (pass --model DIR, or "
-                             "--vocab-size N with --prompt-format ids)")
+        from pdserve.engine.model_catalog import ModelError, resolve_model
+
+        try:
+            model = resolve_model(model).path
+        except ModelError as exc:
+            raise SystemExit(f"error: {exc} (pass --model PATH, or --vocab-size N with "
+                             "--prompt-format ids)") from None
         if vocab is None:
-            vocab = int(json.loads(cfg.read_text())["vocab_size"])
+            from pdserve.engine.model_config import ModelConfig
+
+            vocab = ModelConfig.from_model(model).vocab_size
         if args.prompt_format == "text":
             from pdserve.engine.tokenizer import Tokenizer
 
@@ -552,7 +554,7 @@ def load_kwargs(args: argparse.Namespace) -> dict:
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     return dict(burstiness=args.burstiness, max_concurrency=args.max_concurrency,
-                seed=args.seed, slos=slos, percentiles=_floats(args.metric_percentiles),
+                seed=args.seed, slos=slos, percentiles=parse_floats(args.metric_percentiles),
                 temperature=args.temperature, ignore_eos=not args.no_ignore_eos,
                 request_timeout=args.request_timeout, progress=not args.disable_tqdm)
 
@@ -639,7 +641,7 @@ def run_serve(args: argparse.Namespace) -> int:
     plot = None if args.no_plot else (args.plot or str(Path(args.result_file).with_suffix(".png")))
     try:
         if args.sweep_rates:
-            rates = _floats(args.sweep_rates)
+            rates = parse_floats(args.sweep_rates)
             runs = []
             for i, rate in enumerate(rates):
                 r = asyncio.run(bench_once(requests, request_rate=rate,
@@ -682,7 +684,7 @@ def run_serve(args: argparse.Namespace) -> int:
 # ---- `pdserve bench ...` -------------------------------------------------------------
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    from pdserve.bench import choices, compare_modes, kv_transfer
+    from pdserve.bench import choices, compare_modes, kv_transfer, perplexity
 
     sub = p.add_subparsers(dest="bench", metavar="BENCHMARK")
     sub.required = True
@@ -702,6 +704,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                        description=choices.__doc__.splitlines()[0])
     choices.add_args(n)
     n.set_defaults(_bench=choices.run)
+    x = sub.add_parser("perplexity", help="perplexity on a fixed text, beside transformers "
+                       "and llama.cpp", description=perplexity.__doc__.splitlines()[0])
+    perplexity.add_args(x)
+    x.set_defaults(_bench=perplexity.run)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -709,7 +715,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def register_commands(register) -> None:
-    register("bench", "benchmarks: serve (load a router), compare-modes, kv-transfer, choices",
+    register("bench", "benchmarks: serve (load a router), compare-modes, kv-transfer, choices, "
+             "perplexity",
              add_bench_args, run_bench)
 
 

@@ -128,7 +128,10 @@ def meets_slos(record: RequestRecord, slos: dict[str, float]) -> bool:
     return all(values[name] * 1000.0 <= ms for name, ms in slos.items())
 
 
-def _stats(name: str, values_s: Sequence[float], percentiles: Sequence[float]) -> dict[str, float]:
+def latency_stats(name: str, values_s: Sequence[float],
+                  percentiles: Sequence[float]) -> dict[str, float]:
+    """``mean_/median_/std_/p<q>_<name>_ms`` of ``values_s`` (seconds), vLLM's field
+    names; zeros when empty. The one definition bench serve and the simulator share."""
     arr = np.asarray(values_s, dtype=np.float64) * 1000.0
     have = arr.size > 0
     out = {
@@ -177,11 +180,11 @@ def calculate_metrics(records: Sequence[RequestRecord], duration_s: float,
         m["goodput_slos_ms"] = dict(slos)
     else:
         m["request_goodput"] = None
-    m.update(_stats("ttft", ttfts, percentiles))
-    m.update(_stats("tpot", tpots, percentiles))
-    m.update(_stats("itl", itls, percentiles))
-    m.update(_stats("itl_per_token", itls_tok, percentiles))
-    m.update(_stats("e2el", e2els, percentiles))
+    m.update(latency_stats("ttft", ttfts, percentiles))
+    m.update(latency_stats("tpot", tpots, percentiles))
+    m.update(latency_stats("itl", itls, percentiles))
+    m.update(latency_stats("itl_per_token", itls_tok, percentiles))
+    m.update(latency_stats("e2el", e2els, percentiles))
     # Peak output tokens/s over 1 s windows, counted from chunk arrivals.
     m["max_output_tokens_per_s"] = _peak_rate(records)
     m["max_concurrent_requests"] = _peak_concurrency(records)

@@ -271,7 +271,8 @@ def _open_cached(path: str, size: int, mtime_ns: int) -> GGUFModel:
     except (ValueError, OSError, IndexError, KeyError) as exc:
         if os.path.getsize(path) < 24:
             raise GGUFError(f"{path}: not a GGUF file (too short)") from exc
-        raise GGUFError(f"{path}: not a readable GGUF file ({_short(exc)})") from exc
+        raise GGUFError(f"{path}: not a readable GGUF file, truncated or corrupt "
+                        f"({_short(exc)})") from exc
     return GGUFModel(Path(path), reader)
 
 

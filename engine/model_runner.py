@@ -206,12 +206,13 @@ class ModelRunner:
 
     @property
     def model_fingerprint(self) -> str:
-        """sha256 over the canonical config.json and every weights file's digest."""
+        """sha256 over the canonical config and every weights file's digest."""
         if self._fingerprint is None:
             h = hashlib.sha256()
             h.update(json.dumps(self.config.raw, sort_keys=True).encode())
             for f in weight_files(self.model_dir):
-                h.update(f.name.encode())
+                if f.suffix != ".gguf":  # a GGUF file is its content, whatever its name
+                    h.update(f.name.encode())
                 h.update(file_digest(f).encode())
             self._fingerprint = h.hexdigest()
         return self._fingerprint

@@ -7,9 +7,10 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors import safe_open
+if TYPE_CHECKING:  # imported where used: the router lists weight files without torch
+    import torch
 
 
 class WeightsError(ValueError):
@@ -60,6 +61,7 @@ def load_checked(
     tensors in the files are ignored. Shapes are checked before any data is read.
     """
     from pdserve.engine.gguf_file import GGUFModel, find_gguf
+    from safetensors import safe_open
 
     gguf_path = find_gguf(model_dir)
     if gguf_path is not None:
@@ -96,6 +98,8 @@ def _check_present(model: str | Path, missing: list[str]) -> None:
 
 def _load_gguf(gguf, expected: dict[str, tuple[int, ...]], dtype: torch.dtype,
                device: str | torch.device, optional: frozenset[str]) -> dict[str, torch.Tensor]:
+    import torch
+
     present = {n for n in expected if gguf.has_tensor(n)}
     _check_present(gguf.path, [n for n in expected if n not in present and n not in optional])
     for name in present:

@@ -10,8 +10,9 @@ build on one machine).
 
 A kernel is compiled on first use with the system's C compiler (``cc``, or ``$CC``)
 into ``~/.cache/pdserve`` (or ``$XDG_CACHE_HOME/pdserve``), under a name that hashes
-its source, the headers here and the flags; a finished build is renamed into place,
-so processes starting together never load a half-written file. OpenMP comes from the
+its source, the headers here and the flags (``pdserve/native.py``, which the router's
+loopback shim uses too); a finished build is renamed into place, so processes
+starting together never load a half-written file. OpenMP comes from the
 runtime torch already loaded, so ``torch.set_num_threads`` applies to the kernels.
 Where no compiler is found or the build fails, ``load`` returns None and logs the
 reason once; callers keep their torch code.
@@ -21,14 +22,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
 import platform
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
+
+from pdserve.native import build_shared, find_compiler
 
 log = logging.getLogger(__name__)
 
@@ -81,40 +80,6 @@ def resolve_isa(isa: str | None) -> str:
         raise ValueError(f"kernel_isa {isa!r} cannot run on this CPU (it runs "
                          f"{', '.join(runnable_isas())})")
     return isa
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "pdserve"
-
-
-def find_compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-def build_shared(compiler: str, source: Path, flags: list[str], libs: tuple[str, ...] = (),
-                 headers: tuple[Path, ...] = ()) -> Path:
-    """``source`` compiled into ``cache_dir()`` under a name hashing it, ``headers``,
-    the compiler and flags (built once; renamed into place whole, so processes starting
-    together never load a half-written file). Raises OSError / SubprocessError."""
-    digest = hashlib.sha256(source.read_bytes())
-    for header in headers:
-        digest.update(header.read_bytes())
-    digest.update(" ".join([compiler, *flags, *libs]).encode())
-    target = cache_dir() / f"{source.stem}-{digest.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *flags, str(source), "-o", tmp, *libs], check=True,
-                       capture_output=True, text=True, timeout=120)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
 
 
 @functools.cache

@@ -536,10 +536,9 @@ def _fire(actor: Any, name: str) -> None:
 
 
 async def _result(ref: Any) -> Any:
-    """An actor call's ImportResult-like reply; its failure (a dead actor) as one too."""
-    from pdserve.rank.messages import ImportResult
-
+    """An actor call's reply (the rank's ImportResult: ok, attempt, kind, error, nbytes);
+    its failure (a dead actor) as a DeliveryResult with those same fields."""
     try:
         return await ref
     except Exception as exc:
-        return ImportResult(False, kind=TRANSPORT, error=f"{type(exc).__name__}: {exc}")
+        return DeliveryResult(False, kind=TRANSPORT, error=f"{type(exc).__name__}: {exc}")

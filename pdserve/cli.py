@@ -8,6 +8,11 @@ help, a function that adds its arguments to a parser, and a function that runs i
 
 Imports of heavy modules (torch, ray) happen inside the run functions, so
 ``pdserve --help`` stays fast.
+
+This module is the command line's composition root: the one place that assembles every
+command group (the router's, the simulator's, the benchmarks') into ``pdserve``. It is
+the top layer of the import contracts (pyproject.toml, ``[tool.importlinter]``) and no
+module of pdserve imports it; below it, no product module imports ``pdserve.bench``.
 """
 
 from __future__ import annotations

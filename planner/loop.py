@@ -19,11 +19,10 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
 
+from pdserve.planner.host import PlannerHost, RankStartError
 from pdserve.planner.policy import Decision, Planner, PolicyConfig
 from pdserve.planner.signals import collect_signals
-from pdserve.router.pools import RankStartError
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +45,7 @@ class DecisionRecord:
 
 
 class PlannerLoop:
-    def __init__(self, service: Any) -> None:
+    def __init__(self, service: PlannerHost) -> None:
         self.service = service
         c = service.config
         self.interval_s = c.planner_interval_s
@@ -87,7 +86,7 @@ class PlannerLoop:
             self.records.append(record)
             log.info("planner: %s %d -> %d: %s", decision.pool, decision.from_replicas,
                      decision.to_replicas, decision.reason)
-            self._applying[decision.pool] = self.service._spawn(self._apply(record))
+            self._applying[decision.pool] = self.service.spawn(self._apply(record))
         return decisions
 
     async def _apply(self, record: DecisionRecord) -> None:

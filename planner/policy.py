@@ -43,8 +43,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from pdserve.planner.latency_window import LatencySample, percentile
 from pdserve.planner.signals import PoolSignals, Signals
-from pdserve.router.latency_window import LatencySample, percentile
 
 # Hysteresis: shrink only well under the objective, so a size that just meets it stays.
 SCALE_DOWN_BELOW = 0.5

@@ -2,7 +2,7 @@
 
 ``collect_signals`` copies what the policy needs out of a running ``RouterService``
 (its pools and ranks, the stats each rank sent with its last poll, the router's
-recent TTFT and inter-token samples, router/latency_window.py) at one instant. The
+recent TTFT and inter-token samples, latency_window.py) at one instant. The
 policy (policy.py) then works on the snapshot alone, so it can be tested on recorded
 traces of snapshots without a router, a clock or Ray.
 """
@@ -10,9 +10,12 @@ traces of snapshots without a router, a clock or Ray.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
-from pdserve.router.latency_window import LatencySample
+from pdserve.planner.latency_window import LatencySample
+
+if TYPE_CHECKING:
+    from pdserve.planner.host import PlannerHost
 
 
 @dataclass(frozen=True)
@@ -71,9 +74,9 @@ class Signals:
     itl: tuple[LatencySample, ...] = ()   # recent inter-token gaps, oldest first
 
 
-def collect_signals(service: Any, now: float, busy_pools: frozenset[str] = frozenset()
+def collect_signals(service: PlannerHost, now: float, busy_pools: frozenset[str] = frozenset()
                     ) -> Signals:
-    """A snapshot of ``service`` (a RouterService) at ``now`` (time.monotonic()).
+    """A snapshot of ``service`` (the router: a PlannerHost) at ``now`` (time.monotonic()).
 
     ``busy_pools``: pools the planner itself is resizing (its call may not have reached
     the pool yet): they count as resizing too."""

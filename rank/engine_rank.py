@@ -225,7 +225,9 @@ class EngineRank:
             self.wake_address = self.endpoint.listen_for_wakes(self._woken, self.import_shared)
 
     def __repr__(self) -> str:  # Ray shows it; nothing secret in it
-        return f"{type(self).__name__}(pool={self.pool_name}, rank={self.rank}, pid={os.getpid()})"
+        # Ray calls it while reporting a failed __init__ too: never raise here.
+        pool, rank = getattr(self, "pool_name", "?"), getattr(self, "rank", "?")
+        return f"{type(self).__name__}(pool={pool}, rank={rank}, pid={os.getpid()})"
 
     def max_kv_payload_bytes(self) -> int | None:
         """The largest KV payload this rank could ever import: the longest sequence its KV

@@ -9,50 +9,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import time
-from pathlib import Path
+
+from pdserve.engine.model_catalog import DEFAULT_MODEL, resolve_model
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50051
 DEFAULT_ADDRESS = f"{DEFAULT_HOST}:{DEFAULT_PORT}"
-SELF_CHECK_PROMPT = "def add(x, y):"
-
-
-def default_model_dir() -> Path:
-    root = os.environ.get("PDSERVE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pdserve")
-    return Path(root) / "tiny-llama"
-
-
-def ensure_model(model: str | None) -> str:
-    """The model folder to serve; the built-in tiny model is generated on first use."""
-    if model:
-        if not (Path(model) / "config.json").is_file():
-            raise SystemExit(f"error: --model {model}: no config.json in that folder")
-        return model
-    path = default_model_dir()
-    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-        from pdserve.engine.tiny_model import make_tiny_model
-
-        print(f"generating the built-in tiny model into {path} (first use) ...", flush=True)
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        make_tiny_model(tmp)
-        if path.exists():
-            shutil.rmtree(path)
-        try:
-            tmp.rename(path)
-        except OSError:  # a concurrent first use got there first
-            shutil.rmtree(tmp, ignore_errors=True)
-    else:  # cached by an older pdserve: give it the current chat template (no torch import)
-        from pdserve.engine.tiny_model import add_chat_template
-
-        try:
-            add_chat_template(path)
-        except (OSError, ValueError) as exc:
-            print(f"warning: could not add the chat template to {path}: {exc}", flush=True)
-    return str(path)
+SELF_CHECK_CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+SELF_CHECK_PROMPT = "def add(x, y):"  # for a model without a chat template
 
 
 # ---- serve -----------------------------------------------------------------------
@@ -60,8 +26,9 @@ def ensure_model(model: str | None) -> str:
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="router config YAML (RouterConfig fields; pools under "
                    "prefill/decode/normal; see router/serve.example.yaml); flags override it")
-    p.add_argument("--model", help="Hugging Face model folder (default: the built-in tiny "
-                   "model, generated on first use)")
+    p.add_argument("--model", help="a Hugging Face folder, a GGUF file, or a built-in name: "
+                   f"{DEFAULT_MODEL} (the default; from its installed package) or tiny (random "
+                   "weights, generated on first use; for tests)")
     p.add_argument("--host", default=None, help=f"address to bind (default {DEFAULT_HOST})")
     p.add_argument("--port", type=int, default=None,
                    help=f"router port (default {DEFAULT_PORT}; 0 picks a free one)")
@@ -176,8 +143,11 @@ def serve_config(args: argparse.Namespace):
             pool.engine["num_kv_blocks"] = args.num_kv_blocks
         if getattr(args, "no_prefix_caching", False):
             pool.engine["enable_prefix_caching"] = False
-    if args.model or not config.model_dir:
-        config.model_dir = ensure_model(args.model)
+    # Checked here, before any Ray process starts: a bad model is one line and exit 2.
+    resolved = resolve_model(args.model or config.model_dir or None)
+    config.model_dir = resolved.path
+    if config.served_model_name is None:
+        config.served_model_name = resolved.name
     config.validate()
     return config
 
@@ -244,7 +214,8 @@ def _run_serve(args: argparse.Namespace) -> int:
             print(f"OpenAI-compatible API on {scheme}://{config.host}:{server.http_port}/v1 "
                   f"(model {config.model_name!r})", flush=True)
         addr_flag = "" if address == DEFAULT_ADDRESS else f" --address {address}"
-        print(f"try: pdserve generate{addr_flag} --max-tokens 32 'def add(x, y):'", flush=True)
+        print(f"try: pdserve chat{addr_flag}   or   pdserve generate{addr_flag} "
+              "--max-tokens 32 'def add(x, y):'", flush=True)
         if server.auth is not None and (config.auth_token_file or config.admin_token_file):
             loop.add_signal_handler(signal.SIGHUP, _reload_tokens, server.auth)
         rc = 0
@@ -253,7 +224,8 @@ def _run_serve(args: argparse.Namespace) -> int:
                                    token=self_check_token(config),
                                    tls_ca_file=config.tls_cert_file,
                                    tls_server_name=(args.tls_server_name or "localhost")
-                                   if config.tls_cert_file else None)
+                                   if config.tls_cert_file else None,
+                                   chat=server.service.chat_template is not None)
         if not args.exit_after_self_check and rc == 0:
             await stop.wait()
         print("shutting down ...", flush=True)
@@ -296,15 +268,19 @@ def _reload_tokens(auth) -> None:
 
 
 async def _self_check(address: str, token: str | None = None, tls_ca_file: str | None = None,
-                      tls_server_name: str | None = None) -> int:
+                      tls_server_name: str | None = None, chat: bool = True) -> int:
+    """One greedy request through the router: a chat question when the model has a
+    chat template, else a text prompt. Passes when tokens come back and it ends."""
     from pdserve.router.client import AsyncClient
 
-    print(f"self-check: {SELF_CHECK_PROMPT!r} ->", end=" ", flush=True)
+    prompt = SELF_CHECK_CHAT if chat else SELF_CHECK_PROMPT
+    shown = SELF_CHECK_CHAT[-1]["content"] if chat else SELF_CHECK_PROMPT
+    print(f"self-check: {shown!r} ->", end=" ", flush=True)
     try:
         async with AsyncClient(address, timeout=120, token=token, tls_ca_file=tls_ca_file,
                                tls_server_name=tls_server_name) as client:
             n, reason = 0, ""
-            async for msg in client.stream(SELF_CHECK_PROMPT, max_tokens=16, temperature=0):
+            async for msg in client.stream(prompt, max_tokens=32, temperature=0):
                 print(msg.text, end="", flush=True)
                 n += len(msg.token_ids)
                 reason = msg.finish_reason or reason
@@ -344,7 +320,7 @@ def connect(args: argparse.Namespace, timeout: float | None = None):
     return Client(args.address, timeout=timeout, **client_options(args))
 
 
-def _rpc_error(exc, address: str) -> int:
+def rpc_error(exc, address: str) -> int:
     import grpc
 
     if isinstance(exc, (ValueError, OSError)):  # a bad token file or CA file
@@ -391,7 +367,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     except Exception as exc:
         if not args.json and out.num_messages:
             print()
-        return _rpc_error(exc, args.address)
+        return rpc_error(exc, args.address)
     if args.json:
         print(json.dumps(out.to_dict()))
     else:
@@ -415,7 +391,7 @@ def _run_status(args: argparse.Namespace) -> int:
         with connect(args) as client:
             state = client.cluster_state(timeout=args.timeout)
     except Exception as exc:
-        return _rpc_error(exc, args.address) or 2
+        return rpc_error(exc, args.address) or 2
     if args.json:
         print(json.dumps(MessageToDict(state, always_print_fields_with_no_presence=True)))
         return 0
@@ -475,7 +451,7 @@ def _run_scale(args: argparse.Namespace) -> int:
         with connect(args) as client:
             reply = client.scale(args.pool, args.replicas, timeout=args.timeout)
     except Exception as exc:
-        return _rpc_error(exc, args.address)
+        return rpc_error(exc, args.address)
     print(f"pool {reply.pool}: {reply.previous_replicas} -> {reply.replicas} ranks")
     return 0
 
@@ -510,6 +486,10 @@ def register_commands(register) -> None:
              _add_serve_args, _run_serve)
     register("generate", "stream a completion from a running router", _add_generate_args,
              _run_generate)
+    from pdserve.router.chat_cli import add_chat_args, run_chat
+
+    register("chat", "chat with the served model in the terminal (streams; /reset, "
+             "/system TEXT, /exit)", add_chat_args, run_chat)
     register("status", "show a router's pools, ranks, queues and KV usage", _add_status_args,
              _run_status)
     register("scale", "grow or shrink a pool: pdserve scale prefill|decode N", _add_scale_args,

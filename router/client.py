@@ -6,6 +6,9 @@
         print(out.text, out.finish_reason)
         for chunk in c.stream("hello", max_tokens=8):
             print(chunk.text, end="", flush=True)
+        # a conversation, rendered by the model's chat template on the router
+        chat = [{"role": "user", "content": "What is the capital of France?"}]
+        print(c.generate(chat, max_tokens=32, temperature=0).text)
 
 Errors surface as `grpc.RpcError` (code() and details() say what was wrong).
 
@@ -16,7 +19,7 @@ certificate; ``tls_server_name=`` when the address is not a name the certificate
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -69,7 +72,8 @@ class Completion:
         return d
 
 
-def build_request(prompt: str | Sequence[int], *, request_id: str = "",
+def build_request(prompt: str | Sequence[int] | Sequence[Mapping[str, str]], *,
+                  request_id: str = "",
                   max_tokens: int | None = None, temperature: float | None = None,
                   top_p: float | None = None, top_k: int | None = None,
                   seed: int | None = None, stop_token_ids: Sequence[int] = (),
@@ -81,6 +85,9 @@ def build_request(prompt: str | Sequence[int], *, request_id: str = "",
                                      include_stop_str_in_output=include_stop_str_in_output)
     if isinstance(prompt, str):
         req.text = prompt
+    elif prompt and isinstance(prompt[0], Mapping):  # a conversation: [{role, content}, ...]
+        req.chat.messages.extend(router_pb2.ChatMessage(role=m["role"], content=m["content"])
+                                 for m in prompt)
     else:
         req.token_ids.ids.extend(int(t) for t in prompt)
         if not req.token_ids.ids:
@@ -146,8 +153,12 @@ class Client:
 
     def stream(self, prompt, **kwargs) -> Iterator[router_pb2.GenerateResponse]:
         timeout = kwargs.pop("timeout", self.timeout)
-        yield from self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout,
-                                       metadata=self._metadata)
+        call = self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout,
+                                   metadata=self._metadata)
+        try:
+            yield from call
+        finally:  # left early (an exception, Ctrl-C, a break): the router aborts it
+            call.cancel()
 
     def generate(self, prompt, **kwargs) -> Completion:
         _one_choice(kwargs)

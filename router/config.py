@@ -141,7 +141,7 @@ class RouterConfig:
     max_failed_steps: int = 3
     # Decode ranks tried for one hand-off before the request is re-prefilled.
     max_handoff_tries: int = 4
-    # The SLO planner (planner/, README "Autoscaling"): with autoscale on, the router
+    # The SLO planner (planner/, docs/scaling.md "Autoscaling"): with autoscale on, the router
     # sizes the prefill pool for slo_ttft_ms and the decode pool for slo_itl_ms (both at
     # the slo_percentile of the last planner_window_s of samples), between the minima
     # and maxima, through the same resize as `pdserve scale`. Disaggregated mode only.

@@ -16,9 +16,9 @@ Two measures, both needed (measured with ``ss -ltnp``, Ray 2.60):
    driver has it and every Ray process inherits it. The router's own port, when
    ``--host`` is not loopback, is bound inside ``public_binds(host)``.
 
-The shim is compiled on first use with the system C compiler into the cache the C
-kernels use (``$XDG_CACHE_HOME/pdserve`` or ``~/.cache/pdserve``). Without a compiler
-serve still runs, and says which ports may listen on all interfaces.
+The shim is compiled on first use with the system C compiler (``pdserve/native.py``)
+into the cache the C kernels use (``$XDG_CACHE_HOME/pdserve`` or ``~/.cache/pdserve``).
+Without a compiler serve still runs, and says which ports may listen on all interfaces.
 
 This module imports no Ray or torch at import time (serve imports it before ray).
 """
@@ -34,8 +34,9 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from pdserve.kernels.cbuild import build_shared, find_compiler
 from pdserve.router.auth import is_loopback_host as is_loopback
+
+from pdserve.native import build_shared, find_compiler
 
 SOURCE = Path(__file__).with_name("loopback_bind.c")
 FLAGS = ["-O2", "-shared", "-fPIC"]

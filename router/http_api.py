@@ -652,10 +652,7 @@ def bind_socket(host: str, port: int):
 
 async def start_http(svc, auth: Authenticator, config) -> HTTPServer:
     """The HTTP front of a started RouterService on config.host:http_port."""
-    from pdserve.router.chat_template import ChatTemplate
-
-    template = ChatTemplate.from_model_dir(config.model_dir)
-    front = OpenAIFront(svc, auth, config.model_name, template)
+    front = OpenAIFront(svc, auth, config.model_name, svc.chat_template)
     port = config.http_port if config.http_port is not None else (
         config.port + 2 if config.port else 0)
     sock = bind_socket(config.host, port)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from pdserve.planner.host import RankStartError  # raised here; the planner acts on it
 from pdserve.rank.messages import RankInfo, RankStats
 from pdserve.router import routing
 from pdserve.router.config import PoolConfig, RouterConfig
@@ -31,11 +32,6 @@ from pdserve.router.routing import PromptBlocks
 log = logging.getLogger(__name__)
 
 STARTING, READY, DRAINING, DEAD = "starting", "ready", "draining", "dead"
-
-
-class RankStartError(RuntimeError):
-    """New ranks did not start in time (Ray could not place them, or they failed to
-    load): the resize that asked for them rolled back. The planner backs off on it."""
 
 
 def _actor_class(pool: str):

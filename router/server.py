@@ -60,7 +60,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:
             # Tokenizing a long prompt takes a while; every other stream waits on this loop.
             prepared = await asyncio.to_thread(prepare, request, svc.tokenizer, svc.limits,
-                                               svc.config.default_max_tokens)
+                                               svc.config.default_max_tokens,
+                                               svc.chat_template)
             states = svc.admit(prepared, client_gone=context.cancelled, tenant=caller.tenant)
         except RequestError as exc:
             await context.abort(exc.code, exc.message)

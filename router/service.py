@@ -21,6 +21,7 @@ import ray
 from pdserve.kv_transfer import KVSecret, make_transport
 from pdserve.kv_transfer.base import CACHE_MISS, PAYLOAD, TRANSPORT, DeliveryResult
 from pdserve.kv_transfer.wake_channel import LocalReply
+from pdserve.planner.latency_window import RecentLatencies
 from pdserve.rank.messages import (
     AddRequest,
     ForkSpec,
@@ -31,7 +32,6 @@ from pdserve.rank.messages import (
 )
 from pdserve.router.config import RouterConfig
 from pdserve.router.kv_stream import KVStream, send_chunks
-from pdserve.router.latency_window import RecentLatencies
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pools import DEAD, READY, Pool, PromptBlocks, RankHandle
 from pdserve.router.requests import DECODE, HANDOFF, PREFILL, QUEUED, RequestState, RequestTracker
@@ -64,6 +64,7 @@ class RouterService:
             pool.on_new_rank = self._start_polling
             pool.on_rank_removed = self._requests_left_on
         self.tokenizer: Any = None
+        self.chat_template: Any = None  # the model's (ChatTemplate), None when it has none
         self.limits: ModelLimits | None = None
         self.block_size = 16  # the ranks' (they must agree), known once they started
         self.num_rank_failures = 0
@@ -101,8 +102,10 @@ class RouterService:
 
     async def start(self) -> None:
         from pdserve.engine.tokenizer import Tokenizer  # tokenizers only; no torch
+        from pdserve.router.chat_template import ChatTemplate
 
         self.tokenizer = Tokenizer.from_model(self.config.model_dir)
+        self.chat_template = ChatTemplate.from_model_dir(self.config.model_dir)
         await asyncio.gather(*(p.start() for p in self.pools.values()))
         infos = [r.info for p in self.pools.values() for r in p.ranks]
         max_len = min(i.max_model_len for i in infos)
@@ -114,12 +117,12 @@ class RouterService:
         limit = self.config.max_tokens_limit or max_len - 1
         self.limits = ModelLimits(vocab_size=vocab, max_model_len=max_len, max_tokens_limit=limit,
                                   max_choices=self.config.max_choices)
-        self._spawn(self._watch_stalls())
+        self.spawn(self._watch_stalls())
         if self.config.autoscale:
-            from pdserve.planner.loop import PlannerLoop  # the planner reads this module
+            from pdserve.planner.loop import PlannerLoop  # drives this (a PlannerHost)
 
             self.planner = PlannerLoop(self)
-            self._spawn(self.planner.run())
+            self.spawn(self.planner.run())
 
     async def stop(self) -> None:
         self._stopping = True
@@ -130,7 +133,9 @@ class RouterService:
         await asyncio.gather(*(p.stop() for p in self.pools.values()), return_exceptions=True)
         await self.transport.close()
 
-    def _spawn(self, coro) -> asyncio.Task:
+    def spawn(self, coro) -> asyncio.Task:
+        """Run ``coro`` as one of the router's tasks: kept until done, cancelled at stop
+        (the planner's resizes run here too: planner/host.py)."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -159,7 +164,7 @@ class RouterService:
                 state.aborted = True
                 self._finish(state, "abort", "aborted by the client before the request arrived")
             return states
-        self._spawn(self._dispatch(lead))
+        self.spawn(self._dispatch(lead))
         return states
 
     async def _dispatch(self, state: RequestState) -> None:
@@ -172,7 +177,7 @@ class RouterService:
             for s in state.siblings:  # the lead ended before them: each goes on its own
                 if s.joins_lead and s.stage == QUEUED and not (s.finished or s.aborted):
                     s.joins_lead = False
-                    self._spawn(self._dispatch(s))
+                    self.spawn(self._dispatch(s))
 
     async def _dispatch_with_forks(self, state: RequestState) -> None:
         pool = self.entry_pool
@@ -259,7 +264,7 @@ class RouterService:
         state.early_reports = []  # the attempt's, and it goes
         for rank in _ranks_of(state):
             if old in rank.inflight and rank.state != DEAD:
-                self._spawn(self._abort_on(rank, old))
+                self.spawn(self._abort_on(rank, old))
         if state.stage != HANDOFF:  # in a hand-off, its delivery task closes the stream
             self._drop_stream(old)
         self._leave(state.prefill_rank, state)
@@ -271,7 +276,7 @@ class RouterService:
         state.error_hint = why
         self.num_moves += 1
         log.info("moving request %s (attempt %d): %s", state.label, state.attempt, why)
-        self._spawn(self._dispatch(state))
+        self.spawn(self._dispatch(state))
 
     def _leave(self, rank: RankHandle | None, state: RequestState) -> None:
         if rank is None:
@@ -334,7 +339,7 @@ class RouterService:
             ranks = [r for r in ranks if r is not state.prefill_rank]
         self._finish(state, finish_reason, reason if finish_reason != "stop" else None)
         # HANDOFF: the delivery task sees `aborted` and cleans up after itself.
-        return [self._spawn(self._abort_on(r, attempt)) for r in ranks if r.state != DEAD]
+        return [self.spawn(self._abort_on(r, attempt)) for r in ranks if r.state != DEAD]
 
     async def _watch_stalls(self) -> None:
         """Move attempts that made no progress for request_stall_timeout_s: the last
@@ -351,7 +356,7 @@ class RouterService:
     # -- rank reports ----------------------------------------------------------------
 
     def _start_polling(self, pool: Pool, rank: RankHandle) -> None:
-        rank.poll_task = self._spawn(self._poll(pool, rank))
+        rank.poll_task = self.spawn(self._poll(pool, rank))
 
     async def _poll(self, pool: Pool, rank: RankHandle) -> None:
         while not self._stopping and rank.state != DEAD:
@@ -386,7 +391,7 @@ class RouterService:
                     return
                 log.warning("%s: engine loop failed (%s); re-forming the group",
                             rank.name, reply.loop_error)
-                self._spawn(pool.heal(reply.generation))
+                self.spawn(pool.heal(reply.generation))
             elif reply.steps and not reply.loop_error:
                 rank.num_loop_failures = 0
 
@@ -417,7 +422,7 @@ class RouterService:
         state = self.tracker.by_attempt(out.attempt)
         if state is None or state.finished:
             if out.finish_reason is None:  # an orphan still running: stop it
-                self._spawn(self._abort_on(rank, out.attempt))
+                self.spawn(self._abort_on(rank, out.attempt))
             return
         if state.stage == PREFILL and rank is not state.prefill_rank \
                 and len(state.early_reports) < MAX_EARLY_REPORTS:
@@ -447,8 +452,8 @@ class RouterService:
         group = self._take_handoff(rank, ticket)
         if not group.live:
             if ticket.direct_import is not None:
-                self._spawn(self._undo_direct(ticket, self._streams.get(ticket.stream_of)))
-            self._spawn(self.transport.discard(ticket, rank))
+                self.spawn(self._undo_direct(ticket, self._streams.get(ticket.stream_of)))
+            self.spawn(self.transport.discard(ticket, rank))
             if ticket.stream_of:
                 self._drop_stream(ticket.stream_of)
             return
@@ -456,7 +461,7 @@ class RouterService:
             state.stage = HANDOFF
             state.handoff_group = [s for s, _ in group.members]
         rank.exports.add(ticket.attempt)
-        self._spawn(self._hand_off(group, rank, ticket))
+        self.spawn(self._hand_off(group, rank, ticket))
         for state, _ in group.members:  # what a direct hand-off's decode rank said first
             early, state.early_reports = state.early_reports, []
             for decode_rank, out in early:
@@ -468,14 +473,14 @@ class RouterService:
         state = self.tracker.by_attempt(chunk.stream_of)
         if state is None or not _waits_on(state, chunk.stream_of) \
                 or state.prefill_rank is not rank:
-            self._spawn(self.transport.discard(chunk, rank))  # its attempt ended or moved
+            self.spawn(self.transport.discard(chunk, rank))  # its attempt ended or moved
             return
         stream = self._streams.get(chunk.stream_of)
         if stream is None:
             stream = self._streams[chunk.stream_of] = KVStream(chunk.stream_of, rank)
         stream.chunks.append(chunk)
         if not stream.broken:
-            self._spawn(self._stream_ahead(stream))
+            self.spawn(self._stream_ahead(stream))
 
     async def _stream_ahead(self, stream: KVStream) -> None:
         """Deliver the chunks that arrived so far to the stream's decode rank."""
@@ -494,17 +499,17 @@ class RouterService:
                 self.num_kv_chunks_streamed += stream.delivered - before
                 if stream.direct_dst is None and self._can_hand_off_directly(stream):
                     stream.direct_dst = stream.dst
-                    self._spawn(self._tell_direct(stream.src, stream.attempt, stream.dst))
+                    self.spawn(self._tell_direct(stream.src, stream.attempt, stream.dst))
             else:
                 stream.broken = True
                 if stream.direct_dst is not None:  # the hand-off goes through the router
-                    self._spawn(self._tell_direct(stream.src, stream.attempt, None))
+                    self.spawn(self._tell_direct(stream.src, stream.attempt, None))
                 log.info("streaming KV of %s stopped: %s: %s", stream.attempt, result.kind,
                          result.error)
 
     def _drop_stream(self, attempt: str) -> None:
         if attempt in self._streams:
-            self._spawn(self._close_stream(attempt, imported=False))
+            self.spawn(self._close_stream(attempt, imported=False))
 
     async def _close_stream(self, attempt: str, imported: bool) -> None:
         """The chunks go from the prefill rank; unless a hand-off imported them, the
@@ -518,10 +523,10 @@ class RouterService:
         if stream.direct_reply:  # an answer nobody awaits now (a no-op once awaited)
             self.transport.forget_direct(stream.direct_reply)
         if imported:
-            self._spawn(self.transport.release_many(stream.chunks, stream.src))
+            self.spawn(self.transport.release_many(stream.chunks, stream.src))
         else:
             for chunk in stream.chunks:
-                self._spawn(self.transport.discard(chunk, stream.src))
+                self.spawn(self.transport.discard(chunk, stream.src))
         if not imported and partial and dst is not None and dst.state != DEAD:
             await self._abort_on(dst, attempt)
 
@@ -589,14 +594,14 @@ class RouterService:
         stream = self._streams.get(ticket.stream_of) if ticket.streamed_blocks else None
         if ticket.streamed_blocks and (stream is None or stream.num_blocks != ticket.streamed_blocks):
             if ticket.direct_import is not None:
-                self._spawn(self._undo_direct(ticket, stream))
+                self.spawn(self._undo_direct(ticket, stream))
             for state in group.live:  # its payload is incomplete without them
                 self._move(state, "the KV chunks streamed ahead of its hand-off were lost")
             return
         direct = ticket.direct_import if stream is not None and stream.direct_dst is not None \
             else None
         if ticket.direct_import is not None and direct is None:
-            self._spawn(self._undo_direct(ticket, stream))
+            self.spawn(self._undo_direct(ticket, stream))
         if stream is not None:
             stream.handing_off = True
             hashes = []  # the payload already leaves out what went ahead
@@ -635,7 +640,7 @@ class RouterService:
                 except asyncio.TimeoutError:
                     # The import may still land: the attempts move, so a late one is stale.
                     for key in group.attempts:
-                        self._spawn(self._abort_on(dst, key))
+                        self.spawn(self._abort_on(dst, key))
                     for state in group.live:
                         self._move(state, f"the KV hand-off to {dst.name} timed out after "
                                    f"{self.config.handoff_timeout_s:g}s")
@@ -646,7 +651,7 @@ class RouterService:
                 took = time.monotonic() - started
                 self.metrics.handed_off(result.nbytes or ticket.nbytes, took)
                 self.num_kv_blocks_skipped += skip
-                self._spawn(self.transport.release(ticket, src))
+                self.spawn(self.transport.release(ticket, src))
                 live, live_keys = group.live, group.live_attempts
                 for key in group.attempts:  # choices that ended meanwhile, or never joined
                     if key not in live_keys:
@@ -866,7 +871,7 @@ class RouterService:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"the {pool_name} pool is already being resized to "
                                f"{pool.target} ranks; retry when it is done")
-        pool.scaling = self._spawn(pool.scale(replicas))
+        pool.scaling = self.spawn(pool.scale(replicas))
         return await asyncio.shield(pool.scaling)
 
 

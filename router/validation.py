@@ -109,8 +109,35 @@ def _text_exceeds_byte_limit(text: str) -> bool:
     return len(text) > MAX_PROMPT_BYTES or len(text.encode("utf-8")) > MAX_PROMPT_BYTES
 
 
-def _prompt_token_ids(request, tokenizer, limits: ModelLimits) -> list[int]:
+def _chat_token_ids(chat, tokenizer, limits: ModelLimits, chat_template) -> list[int]:
+    from pdserve.router.chat_template import MAX_MESSAGES
+
+    if chat_template is None:
+        raise invalid("this model has no chat template: send text or token_ids "
+                      "(field: chat)")
+    if not 0 < len(chat.messages) <= MAX_MESSAGES:  # before converting them one by one
+        raise invalid(f"chat.messages must hold 1..{MAX_MESSAGES} messages, got "
+                      f"{len(chat.messages)}")
+    for i, m in enumerate(chat.messages):
+        if not m.role:
+            raise invalid(f"chat.messages[{i}].role must not be empty (field: chat)")
+    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    try:
+        prompt = chat_template.render(messages, True)
+    except ValueError as exc:  # names the message and field, e.g. messages[2].content
+        raise invalid(f"{exc} (field: chat)") from None
+    ids = list(chat_template.encode(tokenizer, prompt))
+    if not ids:
+        raise invalid("prompt must not be empty (field: chat renders to no tokens)")
+    _check_prompt_too_long(len(ids), "chat", limits)
+    return ids
+
+
+def _prompt_token_ids(request, tokenizer, limits: ModelLimits,
+                      chat_template=None) -> list[int]:
     kind = request.WhichOneof("prompt")
+    if kind == "chat":
+        return _chat_token_ids(request.chat, tokenizer, limits, chat_template)
     if kind == "text":
         text = request.text
         if not text:
@@ -129,7 +156,7 @@ def _prompt_token_ids(request, tokenizer, limits: ModelLimits) -> list[int]:
             raise invalid("prompt must not be empty (field: token_ids)")
         _check_prompt_too_long(len(raw_ids), "token_ids", limits)  # before converting them
         return _check_ids("token_ids", raw_ids, limits.vocab_size)
-    raise invalid("prompt must not be empty: set text or token_ids")
+    raise invalid("prompt must not be empty: set text, token_ids or chat")
 
 
 def _sampling_values(request, limits: ModelLimits, default_max_tokens: int) -> dict:
@@ -154,8 +181,9 @@ def _sampling_values(request, limits: ModelLimits, default_max_tokens: int) -> d
 
 
 def prepare(request, tokenizer, limits: ModelLimits,
-            default_max_tokens: int = 16) -> PreparedRequest:
+            default_max_tokens: int = 16, chat_template=None) -> PreparedRequest:
     """GenerateRequest -> PreparedRequest (request_id left as given; may be empty).
+    A ``chat`` prompt is rendered with ``chat_template`` (the model's; None: refused).
 
     Raises RequestError(INVALID_ARGUMENT) naming the field. Safe to call off the event
     loop: it touches nothing but its arguments.
@@ -171,7 +199,7 @@ def prepare(request, tokenizer, limits: ModelLimits,
                       f"got {num_stop_ids}")
     stop_ids = _check_ids("stop_token_ids", request.stop_token_ids, limits.vocab_size)
     stop = check_stop_strings(request.stop)
-    ids = _prompt_token_ids(request, tokenizer, limits)
+    ids = _prompt_token_ids(request, tokenizer, limits, chat_template)
     try:
         sampling = SamplingParams(stop_token_ids=tuple(stop_ids), ignore_eos=request.ignore_eos,
                                   **values)

@@ -151,9 +151,9 @@ def fit_timeline(path: str | Path, base: CostModel) -> CostModel:
 
 
 def main() -> None:
-    from pdserve.router.cli_commands import ensure_model
+    from pdserve.engine.model_catalog import resolve_model
 
-    model_dir = ensure_model(None)
+    model_dir = resolve_model("tiny").path  # the fitted costs are the tiny model's
     t0 = time.time()
     prompt, decode = measure_engine(model_dir, repeats=2)
     kv_bytes, max_len = kv_bytes_per_token(model_dir)

@@ -87,7 +87,7 @@ def workload(args: argparse.Namespace, request_rate: float | None = None):
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.bench.serve import _floats, load_kwargs, write_json
+    from pdserve.bench.serve import load_kwargs, parse_floats, write_json
     from pdserve.simulator.cluster import Cluster
     from pdserve.simulator.metrics import format_summary, simulated_summary
 
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     r = simulated_summary(sim, label=args.label, request_rate=load.request_rate,
                           burstiness=args.burstiness, max_concurrency=args.max_concurrency,
                           seed=args.seed, slos=kw["slos"],
-                          percentiles=_floats(args.metric_percentiles),
+                          percentiles=parse_floats(args.metric_percentiles),
                           summary_only=args.summary_only)
     r["dataset_name"] = "trace" if args.trace else args.dataset_name
     r["cost_model"] = str(args.fit_from or args.cost_model or "built-in")

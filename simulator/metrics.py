@@ -18,7 +18,7 @@ from datetime import datetime
 
 import numpy as np
 from pdserve.bench.serve import format_summary
-from pdserve.bench.serve_metrics import DEFAULT_PERCENTILES, _stats, per_request_lists
+from pdserve.bench.serve_metrics import DEFAULT_PERCENTILES, latency_stats, per_request_lists
 from pdserve.simulator.client_log import ClientLog
 from pdserve.simulator.cluster import SimResult
 from pdserve.simulator.collector import collector_paused
@@ -115,13 +115,13 @@ def calculate_metrics(req: Requests, selected: np.ndarray, duration_s: float,
     gap_values, gap_owner = gaps
     itls = gap_values[ok[gap_owner]]
     tpots = req.tpot[ok & (req.num_tokens > 1)]
-    m.update(_stats("ttft", req.ttft[ok], percentiles))
-    m.update(_stats("tpot", tpots, percentiles))
-    itl = _stats("itl", itls, percentiles)
+    m.update(latency_stats("ttft", req.ttft[ok], percentiles))
+    m.update(latency_stats("tpot", tpots, percentiles))
+    itl = latency_stats("itl", itls, percentiles)
     m.update(itl)
     # one token a chunk: each per-token ITL is its chunk's gap
     m.update({k.replace("_itl_", "_itl_per_token_", 1): v for k, v in itl.items()})
-    m.update(_stats("e2el", req.e2el[ok], percentiles))
+    m.update(latency_stats("e2el", req.e2el[ok], percentiles))
     m["max_output_tokens_per_s"] = peak_rate(req, selected)
     m["max_concurrent_requests"] = peak_concurrency(req, selected)
     return m

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.router.latency_window import LatencyWindow, percentile
+from pdserve.planner.latency_window import LatencyWindow, percentile
 
 
 def test_percentile_is_the_nearest_rank():

@@ -54,32 +54,29 @@ def test_autoscale_in_normal_mode_is_refused_with_what_to_do():
     assert not config_from_dict({"mode": "normal"}).autoscale  # off: normal mode is fine
 
 
-def _serve_config(tmp_path, *flags):
+def _serve_config(model, *flags):
     from pdserve.router.cli_commands import serve_config
 
     from pdserve.cli import build_parser
 
-    model = tmp_path / "m"
-    model.mkdir(exist_ok=True)
-    (model / "config.json").write_text("{}")
     return serve_config(build_parser().parse_args(["serve", "--model", str(model), *flags]))
 
 
-def test_serve_flags_set_the_fields_of_the_same_names(tmp_path):
-    config = _serve_config(tmp_path, "--autoscale", "--slo-ttft-ms", "250", "--slo-itl-ms",
+def test_serve_flags_set_the_fields_of_the_same_names(tiny_model_dir):
+    config = _serve_config(tiny_model_dir, "--autoscale", "--slo-ttft-ms", "250", "--slo-itl-ms",
                            "40", "--min-prefill", "2", "--max-prefill", "6", "--min-decode",
                            "1", "--max-decode", "3")
     assert config.autoscale is True
     assert (config.slo_ttft_ms, config.slo_itl_ms) == (250.0, 40.0)
     assert (config.min_prefill, config.max_prefill) == (2, 6)
     assert (config.min_decode, config.max_decode) == (1, 3)
-    assert not _serve_config(tmp_path).autoscale  # off unless asked for
+    assert not _serve_config(tiny_model_dir).autoscale  # off unless asked for
 
 
-def test_flags_override_the_file_and_are_validated(tmp_path):
+def test_flags_override_the_file_and_are_validated(tmp_path, tiny_model_dir):
     path = tmp_path / "serve.yaml"
     path.write_text("autoscale: true\nslo_ttft_ms: 500\nmax_prefill: 3\n")
-    config = _serve_config(tmp_path, "--config", str(path), "--max-prefill", "2")
+    config = _serve_config(tiny_model_dir, "--config", str(path), "--max-prefill", "2")
     assert config.autoscale and config.slo_ttft_ms == 500.0 and config.max_prefill == 2
     with pytest.raises(ValueError, match="min_prefill must be >= 1 and <= max_prefill"):
-        _serve_config(tmp_path, "--config", str(path), "--min-prefill", "4")
+        _serve_config(tiny_model_dir, "--config", str(path), "--min-prefill", "4")

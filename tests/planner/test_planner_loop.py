@@ -9,12 +9,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+from pdserve.planner.host import RankStartError
+from pdserve.planner.latency_window import RecentLatencies
 from pdserve.planner.loop import PlannerLoop
 from pdserve.rank.messages import RankStats
 from pdserve.router.config import RouterConfig
-from pdserve.router.latency_window import RecentLatencies
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pools import RankHandle, RankStartError
+from pdserve.router.pools import RankHandle
 
 DEADLINE_S = 10.0
 
@@ -43,7 +44,7 @@ class StandInService:
         self.refresh_error: BaseException | None = None
         self._tasks: set[asyncio.Task] = set()
 
-    def _spawn(self, coro) -> asyncio.Task:
+    def spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -94,7 +95,7 @@ def test_an_idle_router_is_brought_to_the_minima_through_service_scale():
     async def run():
         svc = StandInService(_config())
         loop = PlannerLoop(svc)
-        task = svc._spawn(loop.run())
+        task = svc.spawn(loop.run())
         await _until(lambda: loop.records and loop.records[-1].outcome == "applied",
                      "the decision applied")
         task.cancel()
@@ -118,7 +119,7 @@ def test_new_ranks_that_cannot_start_hold_the_pool_with_the_reason():
                              scale_error=RankStartError("1 of 1 new prefill ranks failed to "
                                                         "start: TimeoutError: not ready"))
         loop = PlannerLoop(svc)
-        task = svc._spawn(loop.run())
+        task = svc.spawn(loop.run())
         await _until(lambda: loop.records and loop.records[-1].outcome == "failed",
                      "the failure recorded")
         looks = loop.num_looks
@@ -140,7 +141,7 @@ def test_a_look_that_raises_is_logged_and_the_loop_goes_on(caplog):
         svc = StandInService(_config())
         svc.refresh_error = RuntimeError("a rank's stats could not be read")
         loop = PlannerLoop(svc)
-        task = svc._spawn(loop.run())
+        task = svc.spawn(loop.run())
         await _until(lambda: loop.num_failed_looks >= 3, "three failed looks")
         svc.refresh_error = None
         await _until(lambda: loop.records, "a decision once looks work again")
@@ -157,7 +158,7 @@ def test_a_resize_past_its_deadline_is_recorded_and_the_loop_keeps_looking():
         svc = StandInService(_config(), scale_hangs=True)
         loop = PlannerLoop(svc)
         loop.scale_deadline_s = 0.1
-        task = svc._spawn(loop.run())
+        task = svc.spawn(loop.run())
         await _until(lambda: loop.records and loop.records[-1].outcome == "timed out",
                      "the deadline")
         looks = loop.num_looks

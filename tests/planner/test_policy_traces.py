@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
+from pdserve.planner.latency_window import LatencySample
 from pdserve.planner.policy import Decision, Planner, PolicyConfig
 from pdserve.planner.signals import PoolSignals, RankSignals, Signals
 from pdserve.router.config import RouterConfig
-from pdserve.router.latency_window import LatencySample
 
 INTERVAL = 5.0  # seconds between looks
 COOLDOWN = 30.0

@@ -418,7 +418,7 @@ def _digests(d: Path) -> dict[str, str]:
 
 
 def test_cached_builtin_model_gets_the_template(tiny_model_dir, tmp_path, monkeypatch):
-    from pdserve.router.cli_commands import ensure_model
+    from pdserve.engine.model_catalog import ensure_tiny_model
 
     fresh = _digests(Path(tiny_model_dir))
     cached = tmp_path / "cache" / "tiny-llama"
@@ -428,11 +428,11 @@ def test_cached_builtin_model_gets_the_template(tiny_model_dir, tmp_path, monkey
     (cached / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     assert ChatTemplate.from_model_dir(cached) is None
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
-    assert ensure_model(None) == str(cached)
+    assert ensure_tiny_model() == cached
     assert _digests(cached) == fresh  # only tokenizer_config.json changed, back to current
     assert ChatTemplate.from_model_dir(cached).render([{"role": "user", "content": "x"}]) \
         == "<s>### user\nx\n### assistant\n"
-    assert ensure_model(None) == str(cached) and _digests(cached) == fresh
+    assert ensure_tiny_model() == cached and _digests(cached) == fresh
 
 
 def test_imports_no_torch_or_transformers():

@@ -27,11 +27,11 @@ def _cli(*args, env=None, timeout=120):
 def served(tmp_path_factory, tiny_model_dir, spawn_serve):
     tmp = tmp_path_factory.mktemp("cli")
     env = _env(tmp)
-    # The default model is generated on first use into the cache; share the session's
-    # copy to save time (generation itself is covered by the make-tiny-model tests).
+    # The tiny model is generated on first use into the cache; share the session's copy
+    # to save time (generation itself is covered by the make-tiny-model tests).
     os.makedirs(tmp / "cache", exist_ok=True)
     os.symlink(tiny_model_dir, tmp / "cache" / "tiny-llama")
-    serve = spawn_serve(["--port", "0", "--num-cpus", "0.25"], env)
+    serve = spawn_serve(["--model", "tiny", "--port", "0", "--num-cpus", "0.25"], env)
     line = serve.wait_for("pdserve router listening on ", 180)
     check = serve.wait_for("self-check ", 120) if line else None
     assert line and check and "passed" in check, serve.log
@@ -42,7 +42,9 @@ def served(tmp_path_factory, tiny_model_dir, spawn_serve):
 def test_serve_prints_address_client_command_and_self_check(served):
     log = served["log"]
     assert f"--address {served['address']}" in log  # a client command to copy
-    assert "self-check: 'def add(x, y):' -> " in log
+    assert "(model 'tiny-llama')" in log  # its id in the HTTP API
+    # the tiny model has a chat template: the self-check asks a chat question
+    assert "self-check: 'What is the capital of France?' -> " in log
 
 
 def test_generate_json_equals_offline_llm_then_status_and_scale(served, reference):

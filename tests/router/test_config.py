@@ -58,14 +58,12 @@ def test_kv_transport_auto_is_device_when_both_pools_have_gpus(data, resolved):
     assert config.resolved_kv_transport() == resolved
 
 
-def test_flags_override_the_file(tmp_path):
+def test_flags_override_the_file(tiny_model_dir):
     from pdserve.router.cli_commands import serve_config
 
     from pdserve.cli import build_parser
 
-    model = tmp_path / "m"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
+    model = tiny_model_dir  # serve checks the model before anything starts
     args = build_parser().parse_args(
         ["serve", "--config", str(EXAMPLE), "--model", str(model), "--decode", "3",
          "--port", "0", "--kv-transport", "grpc", "--num-kv-blocks", "99"])

@@ -175,7 +175,8 @@ def test_embedded_serve_binds_every_socket_to_loopback(tmp_path, tiny_model_dir,
     os.symlink(tiny_model_dir, tmp_path / "cache" / "tiny-llama")
     assert not _service_pids(None, marker), "a Ray from an earlier run is still there"
 
-    serve = spawn_serve(["--port", "0", "--no-self-check", "--num-cpus", "0.25"], env)
+    serve = spawn_serve(["--model", "tiny", "--port", "0", "--no-self-check", "--num-cpus",
+                         "0.25"], env)
     proc = serve.proc
     seen: set[int] = set()
     try:

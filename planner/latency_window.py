@@ -5,6 +5,9 @@ in fixed buckets: they cannot say what the last minute looked like, nor which ra
 sample came from. These windows keep the last ``window_s`` seconds of samples (at most
 ``max_samples`` each, newest kept), each tagged with the rank that produced it, so the
 planner can leave out ranks still warming up and samples taken before a pool changed.
+The router records into them (``RouterService.latencies``) and shows their percentiles
+in `pdserve status`; they live with the planner that judges them, so the planner needs
+none of the router's modules (the router imports the planner, never the reverse).
 """
 
 from __future__ import annotations

@@ -1,0 +1,159 @@
+"""Perplexity of a model on a fixed English text, as llama.cpp's `llama-perplexity` scores
+it: the text is tokenized once, cut into chunks of ``ctx`` tokens, each chunk is run from
+its start, and only the second half of each chunk is scored (every scored token sees at
+least ctx/2 tokens of context).
+
+The text ships with Python (``pydoc_data.topics``: the language reference's topic
+pages), so every machine scores the same tokens without a download.
+
+    pdserve bench perplexity [--model M] [--ctx 512] [--chunks 16] [--transformers]
+                             [--llama-perplexity PATH/TO/llama-perplexity]
+
+pdserve's figure comes from its own model runner (the same weights and kernels that
+serve); ``--transformers`` adds transformers' on the same GGUF (fp32, dequantized), and
+``--llama-perplexity`` adds llama.cpp's on the file (it multiplies quantized weights, so
+it differs a little). Writes results/bench_perplexity.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import subprocess
+import time
+from pathlib import Path
+
+
+def reference_text() -> str:
+    """A fixed English text from the standard library: pydoc's topic pages, in key order."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def chunks(token_ids: list[int], ctx: int, count: int) -> list[list[int]]:
+    n = min(count, len(token_ids) // ctx)
+    return [token_ids[i * ctx:(i + 1) * ctx] for i in range(n)]
+
+
+def score(logits, chunk: list[int]) -> tuple[float, int]:
+    """(sum of negative log-likelihoods, tokens scored) over the chunk's second half;
+    ``logits`` [len(chunk), vocab] predict each next token."""
+    import torch
+
+    first = len(chunk) // 2
+    logp = torch.log_softmax(logits[first - 1:len(chunk) - 1].float(), dim=-1)
+    target = torch.tensor(chunk[first:])
+    nll = -logp.gather(1, target[:, None]).sum().item()
+    return nll, len(target)
+
+
+def pdserve_logits(runner, chunk: list[int]):
+    """Every position's logits for one chunk run from its start on pdserve's runner."""
+    from pdserve.engine.model_runner import RunnerRow
+
+    bs = runner.block_size
+    table = list(range(1, (len(chunk) + bs - 1) // bs + 1))
+    tokens, positions, meta, _ = runner.prepare([RunnerRow(chunk, 0, table, 0)])
+    hidden = runner.model(tokens, positions, runner.kv_cache, meta)
+    return runner.model.compute_logits(hidden)
+
+
+def perplexity(logits_of, token_chunks: list[list[int]]) -> float:
+    total, count = 0.0, 0
+    for chunk in token_chunks:
+        nll, n = score(logits_of(chunk), chunk)
+        total, count = total + nll, count + n
+    return math.exp(total / count)
+
+
+def pdserve_perplexity(model: str, token_chunks: list[list[int]]) -> float:
+    from pdserve.engine.model_runner import ModelRunner
+
+    ctx = max(len(c) for c in token_chunks)
+    runner = ModelRunner(model, block_size=16, num_kv_blocks=ctx // 16 + 2, num_state_slots=1)
+    return perplexity(lambda c: pdserve_logits(runner, c), token_chunks)
+
+
+def transformers_perplexity(hf_model, token_chunks: list[list[int]]) -> float:
+    import torch
+
+    def logits_of(chunk):
+        with torch.inference_mode():
+            return hf_model(torch.tensor([chunk])).logits[0]
+
+    return perplexity(logits_of, token_chunks)
+
+
+def load_transformers(model: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = Path(model)
+    if path.suffix == ".gguf":
+        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                    dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+
+
+def llama_cpp_perplexity(binary: str, model: str, text: str, ctx: int, count: int) -> float:
+    """llama.cpp's `llama-perplexity` on the same text (its own tokenizer and chunks)."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+        f.write(text)
+        f.flush()
+        out = subprocess.run([binary, "-m", model, "-f", f.name, "-c", str(ctx),
+                              "--chunks", str(count), "-t", "2", "-b", str(ctx)],
+                             capture_output=True, text=True, timeout=3600)
+    found = re.findall(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
+    if not found:
+        raise RuntimeError(f"llama-perplexity gave no estimate: {out.stderr[-2000:]}")
+    return float(found[-1])
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model (default: the default model)")
+    p.add_argument("--ctx", type=int, default=512, help="tokens per chunk (default 512)")
+    p.add_argument("--chunks", type=int, default=16, help="chunks scored (default 16)")
+    p.add_argument("--transformers", action="store_true",
+                   help="also score with transformers (fp32) on the same file")
+    p.add_argument("--llama-perplexity", default=None,
+                   help="path of llama.cpp's llama-perplexity: also score with it")
+    p.add_argument("--out", default="results/bench_perplexity.json")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve.engine.model_catalog import resolve_model
+    from pdserve.engine.tokenizer import Tokenizer
+
+    model = resolve_model(args.model).path
+    text = reference_text()
+    ids = Tokenizer.from_model(model).encode(text, add_special_tokens=False)
+    token_chunks = chunks(ids, args.ctx, args.chunks)
+    result: dict = {"model": model, "ctx": args.ctx, "chunks": len(token_chunks),
+                    "text": "pydoc_data.topics", "text_tokens": len(ids)}
+    t0 = time.perf_counter()
+    result["pdserve"] = pdserve_perplexity(model, token_chunks)
+    result["pdserve_s"] = round(time.perf_counter() - t0, 2)
+    print(f"pdserve      PPL {result['pdserve']:.4f}  ({result['pdserve_s']} s)", flush=True)
+    if args.transformers:
+        t0 = time.perf_counter()
+        result["transformers"] = transformers_perplexity(load_transformers(model), token_chunks)
+        result["pdserve_vs_transformers"] = result["pdserve"] / result["transformers"] - 1
+        print(f"transformers PPL {result['transformers']:.4f}  (pdserve "
+              f"{100 * result['pdserve_vs_transformers']:+.3f}%; "
+              f"{time.perf_counter() - t0:.1f} s)", flush=True)
+    if args.llama_perplexity:
+        result["llama_cpp"] = llama_cpp_perplexity(args.llama_perplexity, model, text,
+                                                   args.ctx, len(token_chunks))
+        result["pdserve_vs_llama_cpp"] = result["pdserve"] / result["llama_cpp"] - 1
+        print(f"llama.cpp    PPL {result['llama_cpp']:.4f}  (pdserve "
+              f"{100 * result['pdserve_vs_llama_cpp']:+.3f}%)", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
