@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet "gguf==0.19.0" "accelerate==1.16.0"
 	touch $(STAMP)
 
-test: setup
+test: setup lint
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q
 
 serve: setup
