@@ -87,6 +87,37 @@ def random_requests(num_prompts: int, input_len: int, output_len: int, *, vocab_
     return out
 
 
+CHAT_TOPICS = (
+    "the history of the printing press", "how volcanoes form", "a recipe for bread",
+    "the rules of chess", "why leaves change colour", "how a bicycle stays upright",
+    "the water cycle", "a trip to the mountains", "how vaccines work", "the life of bees",
+    "learning a new language", "how computers store numbers", "the moon landing",
+    "a day at the beach", "how to write a good email", "the planets of the solar system",
+)
+CHAT_ASKS = ("Tell me about {}.", "Write a short story about {}.", "Explain {} to a child.",
+             "Give me five facts about {}.", "Write a poem about {}.")
+
+
+def chat_requests(num_prompts: int, output_len: int, *, chat_template, tokenizer,
+                  seed: int = 0, prompt_format: str = "text") -> list[SampleRequest]:
+    """Chat turns (a question on a topic, numbered so that no two prompts are the same
+    and a server's prompt cache does not answer them), rendered by the model's chat
+    template: the prompt a chat client sends, as text or ids."""
+    if chat_template is None or tokenizer is None:
+        raise ValueError("the chat dataset needs the model's chat template and tokenizer")
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(num_prompts):
+        ask = CHAT_ASKS[int(rng.integers(len(CHAT_ASKS)))]
+        topic = CHAT_TOPICS[int(rng.integers(len(CHAT_TOPICS)))]
+        question = f"Request {seed}-{i}. " + ask.format(topic)
+        text = chat_template.render([{"role": "user", "content": question}])
+        ids = list(chat_template.encode(tokenizer, text))
+        out.append(SampleRequest(text if prompt_format == "text" else ids, len(ids),
+                                 output_len, "chat"))
+    return out
+
+
 def mixed_requests(num_prompts: int, *, vocab_size: int, long_ratio: float = 0.1,
                    long_input_len: int = 1024, long_output_len: int = 8,
                    short_input_len: int = 64, short_output_len: int = 64,

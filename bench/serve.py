@@ -405,7 +405,8 @@ def parse_floats(text: str) -> list[float]:
 
 def add_dataset_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("dataset")
-    g.add_argument("--dataset-name", choices=["random", "mixed", "prefix"], default="random",
+    g.add_argument("--dataset-name", choices=["random", "mixed", "prefix", "chat"],
+                   default="random",
                    help="prefix: shared system prompts, cold prompts of their length and "
                    "multi-turn conversations (bench/datasets.py)")
     g.add_argument("--num-prompts", type=int, default=100)
@@ -530,6 +531,19 @@ def build_requests(args: argparse.Namespace) -> list:
     if args.dataset_name == "random":
         return random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
                                **common)
+    if args.dataset_name == "chat":
+        from pdserve.bench.datasets import chat_requests
+        from pdserve.engine.model_catalog import resolve_model
+        from pdserve.router.chat_template import ChatTemplate
+
+        template = ChatTemplate.from_model_dir(resolve_model(args.model).path)
+        if tokenizer is None:
+            from pdserve.engine.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_model(resolve_model(args.model).path)
+        return chat_requests(args.num_prompts, args.random_output_len, chat_template=template,
+                             tokenizer=tokenizer, seed=args.seed,
+                             prompt_format=args.prompt_format)
     if args.dataset_name == "prefix":
         from pdserve.bench.datasets import prefix_requests
 
@@ -684,7 +698,7 @@ def run_serve(args: argparse.Namespace) -> int:
 # ---- `pdserve bench ...` -------------------------------------------------------------
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    from pdserve.bench import choices, compare_modes, kv_transfer, perplexity
+    from pdserve.bench import choices, compare_modes, kv_transfer, peers, perplexity
 
     sub = p.add_subparsers(dest="bench", metavar="BENCHMARK")
     sub.required = True
@@ -708,6 +722,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                        "and llama.cpp", description=perplexity.__doc__.splitlines()[0])
     perplexity.add_args(x)
     x.set_defaults(_bench=perplexity.run)
+    q = sub.add_parser("peers", help="pdserve beside llama.cpp and vLLM on the same model, "
+                       "one run", description=peers.__doc__.splitlines()[0])
+    peers.add_args(q)
+    q.set_defaults(_bench=peers.run)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -716,7 +734,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def register_commands(register) -> None:
     register("bench", "benchmarks: serve (load a router), compare-modes, kv-transfer, choices, "
-             "perplexity",
+             "perplexity, peers",
              add_bench_args, run_bench)
 
 

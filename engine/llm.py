@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.model_catalog import resolve_model
 from pdserve.engine.outputs import RequestOutput, TokenLogprobs
 from pdserve.scheduler.sampling_params import SamplingParams
 from tqdm.auto import tqdm
@@ -47,6 +48,8 @@ class LLM:
         if mode not in ("normal", "disaggregated"):
             raise ValueError(f"mode must be 'normal' or 'disaggregated', got {mode!r}")
         self.mode = mode
+        # a folder, a GGUF file, or a built-in name (smollm2-135m-instruct, tiny)
+        model_dir = resolve_model(model_dir).path
 
         def config(engine_type: str, stop_preempted: bool) -> EngineConfig:
             return EngineConfig(

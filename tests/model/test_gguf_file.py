@@ -291,3 +291,58 @@ def test_serve_refuses_a_bad_model_in_one_line_before_ray(tiny_gguf, tmp_path, c
     assert "Traceback" not in proc.stdout + proc.stderr
     assert not (tmp_path / "ray").exists()  # no Ray process started
     assert time.monotonic() - t0 < 60
+
+
+# ---- qwen2 / qwen3 files (no Q/K interleave; biases; q/k norms) ---------------------------
+
+@pytest.mark.parametrize("arch,cfg_cls,kw", [
+    ("qwen2", "Qwen2Config", {}),
+    ("qwen3", "Qwen3Config", dict(head_dim=32)),
+])
+def test_qwen_gguf_logits_match_transformers(tmp_path, arch, cfg_cls, kw):
+    transformers = pytest.importorskip("transformers")
+    cfg = getattr(transformers, cfg_cls)(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        rope_theta=10000.0, **kw)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # non-trivial norms and biases
+        for n, p in hf.named_parameters():
+            if n.endswith("norm.weight") or n.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.3)
+    w = gguf.GGUFWriter(str(tmp_path / "q.gguf"), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    names = gguf.get_tensor_name_map(
+        next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), cfg.num_hidden_layers)
+    for name, value in hf.state_dict().items():
+        base, _, suffix = name.rpartition(".")
+        w.add_tensor(f"{names.get_name(base)}.{suffix}", value.numpy().astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    runner = ModelRunner(tmp_path / "q.gguf", block_size=8, num_kv_blocks=16,
+                         num_state_slots=2, ring_len=8)
+    assert runner.config.architecture == f"{arch.capitalize()}ForCausalLM"
+    ids = torch.randint(0, 512, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    table, pos, worst = list(range(1, 8)), 0, 0.0
+    for q in (13, 1, 16):
+        lg = runner.compute_logits([RunnerRow(ids[pos:pos + q], pos, table, 1)])
+        pos += q
+        worst = max(worst, (lg[0] - ref[pos - 1]).abs().max().item())
+    assert worst < 1e-4, worst

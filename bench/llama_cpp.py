@@ -1,0 +1,89 @@
+"""llama.cpp's `llama-server`, `llama-perplexity` and `llama-bench`, built once from source
+into a cache, to measure pdserve beside it on the same GGUF file.
+
+llama.cpp ships no binary wheel and Debian 12 does not package it; the source package of
+`llama-cpp-python` (from the package registry) vendors it under `vendor/llama.cpp`. The
+build (cmake, Release, native ISA, no curl) takes about 8-15 minutes on 2 cores and is
+kept under ``$PDSERVE_CACHE/llama.cpp-<version>-<cpu flags hash>`` (a build for another
+CPU is not reused: GGML_NATIVE tunes it to this one).
+
+    python -m pdserve.bench.llama_cpp            # build (or find) and print the bin folder
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+LLAMA_CPP_PYTHON = "0.3.36"
+TARGETS = ("llama-server", "llama-perplexity", "llama-bench")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def build_dir() -> Path:
+    from pdserve.engine.model_catalog import model_cache_dir
+
+    tag = hashlib.sha256(_cpu_flags().encode()).hexdigest()[:10]
+    return model_cache_dir() / f"llama.cpp-{LLAMA_CPP_PYTHON}-{tag}"
+
+
+def binaries(build: Path | None = None) -> dict[str, Path] | None:
+    """The built binaries, or None when they are not all there."""
+    bin_dir = (build or build_dir()) / "build" / "bin"
+    found = {name: bin_dir / name for name in TARGETS}
+    return found if all(p.is_file() for p in found.values()) else None
+
+
+def ensure_built(jobs: int = 2, log=print) -> dict[str, Path]:
+    """The binaries, built first when the cache has none (minutes: progress is shown)."""
+    build = build_dir()
+    found = binaries(build)
+    if found:
+        return found
+    if shutil.which("cmake") is None:
+        raise RuntimeError("cmake is not installed (apt-get install cmake)")
+    build.mkdir(parents=True, exist_ok=True)
+    src = build / "src"
+    if not (src / "CMakeLists.txt").is_file():
+        with tempfile.TemporaryDirectory() as tmp:
+            log(f"fetching llama-cpp-python {LLAMA_CPP_PYTHON} (source) ...")
+            subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                            "--no-binary=:all:", f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
+                            "-d", tmp], check=True)
+            sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+            with tarfile.open(sdist) as tar:
+                tar.extractall(tmp, filter="data")
+            vendored = next(Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp"))
+            if src.exists():
+                shutil.rmtree(src)
+            shutil.copytree(vendored, src)
+    log(f"building llama.cpp into {build} (about 8-15 minutes on 2 cores) ...")
+    subprocess.run(["cmake", "-S", str(src), "-B", str(build / "build"),
+                    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                    "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=OFF"],
+                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(["cmake", "--build", str(build / "build"), "--target", *TARGETS,
+                    f"-j{jobs}"], check=True)
+    found = binaries(build)
+    if not found:
+        raise RuntimeError(f"the llama.cpp build in {build} left no {', '.join(TARGETS)}")
+    return found
+
+
+if __name__ == "__main__":
+    print(ensure_built()["llama-server"].parent)
