@@ -1,6 +1,6 @@
 """router/chat_template.py against transformers' apply_chat_template(tokenize=False):
 real-world templates (inline), where templates and special tokens are found, message
-validation, template errors, the built-in model's template, no torch on import."""
+validation, template errors, the built-in model's template, no torch on import or render."""
 
 from __future__ import annotations
 
@@ -435,10 +435,54 @@ def test_cached_builtin_model_gets_the_template(tiny_model_dir, tmp_path, monkey
     assert ensure_tiny_model() == cached and _digests(cached) == fresh
 
 
-def test_imports_no_torch_or_transformers():
-    code = ("import sys; import pdserve.router.chat_template, pdserve.engine.tiny_model; "
-            "print('torch' in sys.modules, 'transformers' in sys.modules)")
+def test_template_without_a_folder_renders_like_the_folder(tiny_model_dir):
+    """The GGUF path: a template string and special tokens, no tokenizer files."""
+    from pdserve.engine.tiny_model import CHAT_TEMPLATE
+
+    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    ours = ChatTemplate(CHAT_TEMPLATE, {"bos_token": "<s>", "eos_token": "</s>"}, "gguf")
+    assert ours.render(msgs) == ChatTemplate.from_model_dir(tiny_model_dir).render(msgs)
+    assert (ours.bos_token, ours.eos_token) == ("<s>", "</s>")
+    named = ChatTemplate({"default": "d{{ bos_token }}", "tool_use": "t"}, {"bos_token": "<s>"})
+    assert named.render(msgs) == "d<s>" and named.render(msgs, tools=[{"a": 1}]) == "t"
+    for bad in (({"default": 1},), ("x", {"bos_token": 1}), ("x", {"model_max_length": "9"})):
+        with pytest.raises(ValueError):
+            ChatTemplate(*bad)
+
+
+def test_apply_chat_template_options_are_not_template_variables(tiny_model_dir):
+    ours = ChatTemplate.from_model_dir(tiny_model_dir)
+    for name in ("tokenize", "return_dict", "return_assistant_tokens_mask", "chat_template"):
+        with pytest.raises(ValueError, match=f"chat_template_kwargs.{name}: reserved"):
+            ours.render([{"role": "user", "content": "x"}], chat_template_kwargs={name: True})
+
+
+def test_folder_without_a_tokenizer_is_a_clear_error(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "x"}))
+    with pytest.raises(ValueError, match="cannot load the tokenizer"):
+        ChatTemplate.from_model_dir(tmp_path)
+
+
+def _python(code: str) -> list[str]:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60)
+                         timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["False", "False"]
+    return out.stdout.split()
+
+
+def test_imports_no_torch():
+    assert _python("import sys; import pdserve.router.chat_template, pdserve.engine.tiny_model; "
+                   "print('torch' in sys.modules)") == ["False"]
+
+
+def test_renders_with_transformers_but_no_torch(tiny_model_dir):
+    """transformers' PreTrainedTokenizerFast renders; torch stays out of the process."""
+    code = ("import sys\n"
+            "from pdserve.router.chat_template import ChatTemplate\n"
+            f"t = ChatTemplate.from_model_dir({str(tiny_model_dir)!r})\n"
+            "g = ChatTemplate(t.template_source(), t.special_tokens)\n"
+            "msgs = [{'role': 'user', 'content': 'x'}]\n"
+            "assert t.render(msgs) == g.render(msgs) == '<s>### user\\nx\\n### assistant\\n'\n"
+            "try:\n    t.render([{'role': 'user'}])\nexcept ValueError:\n    pass\n"
+            "print('transformers' in sys.modules, 'torch' in sys.modules)")
+    assert _python(code) == ["True", "False"]
