@@ -111,7 +111,7 @@ def llama_cpp_server(model: str, log_dir: Path, parallel: int) -> Server:
 def hf_folder(model: str, out: Path) -> Path:
     """The GGUF as a Hugging Face folder (transformers dequantizes it; fp32), made once."""
     if (out / "config.json").is_file():
-        return out
+        return _plain_config(out)
     import torch
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -126,7 +126,17 @@ def hf_folder(model: str, out: Path) -> Path:
     save_model(hf, str(tmp / "model.safetensors"))  # save_pretrained refuses GGUF loads
     AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(tmp)
     tmp.rename(out)
-    return out
+    return _plain_config(out)
+
+
+def _plain_config(folder: Path) -> Path:
+    """The folder's config without transformers' `quantization_config: gguf` (the
+    weights are written dequantized; vLLM refuses a folder that claims gguf)."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    if config.pop("quantization_config", None) is not None:
+        path.write_text(json.dumps(config, indent=2) + "\n")
+    return folder
 
 
 def vllm_server(python: str, folder: Path, log_dir: Path, parallel: int) -> Server:
@@ -210,26 +220,40 @@ def run(args: argparse.Namespace) -> int:
         starts.append(("vLLM-CPU", lambda: vllm_server(args.vllm_python, folder, out_dir,
                                                        parallel)))
     rows: list[dict] = []
+    failed: dict[str, str] = {}
     for name, start in starts:
         print(f"starting {name} ...", flush=True)
         t0 = time.monotonic()
-        server = start()
         try:
-            server.wait_healthy()
-            print(f"  ready in {time.monotonic() - t0:.1f} s", flush=True)
-            for i, c in enumerate(args.concurrency):
-                n = max(8, args.prompts_per_stream * c)
-                m = drive(server, model, c, n, args.output_len, seed=1000 * (i + 1), out_dir=out_dir)
-                rows.append({"server": name, "concurrency": c, "num_prompts": n,
-                             "ready_s": round(time.monotonic() - t0, 1), **m})
-                print(f"  {c:>2} streams: {m['output_throughput']:.1f} tok/s, TTFT p50 "
-                      f"{m['median_ttft_ms']:.0f} ms, ITL p50/p99 {m['median_itl_ms']:.1f}/"
-                      f"{m['p99_itl_ms']:.1f} ms", flush=True)
-        finally:
-            server.stop()
+            rows += _measure(name, start, t0, args, model, out_dir)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+            failed[name] = str(exc)
+            print(f"  {name} FAILED: {exc}", flush=True)
     table = format_table(rows, args.concurrency)
     print(table)
-    Path(args.out).write_text(json.dumps({"model": model, "rows": rows, "table": table},
-                                         indent=2) + "\n")
+    Path(args.out).write_text(json.dumps({"model": model, "rows": rows, "failed": failed,
+                                          "table": table}, indent=2) + "\n")
     print(f"wrote {args.out}")
-    return 0
+    return 1 if failed else 0
+
+
+def _measure(name: str, start, t0: float, args: argparse.Namespace, model: str,
+             out_dir: Path) -> list[dict]:
+    rows = []
+    server = start()
+    try:
+        server.wait_healthy()
+        ready_s = round(time.monotonic() - t0, 1)
+        print(f"  ready in {ready_s} s", flush=True)
+        for i, c in enumerate(args.concurrency):
+            n = max(8, args.prompts_per_stream * c)
+            m = drive(server, model, c, n, args.output_len, seed=1000 * (i + 1),
+                      out_dir=out_dir)
+            rows.append({"server": name, "concurrency": c, "num_prompts": n,
+                         "ready_s": ready_s, **m})
+            print(f"  {c:>2} streams: {m['output_throughput']:.1f} tok/s, TTFT p50 "
+                  f"{m['median_ttft_ms']:.0f} ms, ITL p50/p99 {m['median_itl_ms']:.1f}/"
+                  f"{m['p99_itl_ms']:.1f} ms", flush=True)
+    finally:
+        server.stop()
+    return rows
