@@ -370,7 +370,7 @@ class OpenAIFront:
         c = _common(body, "chat", (top or 0) if want else None)
         if self.chat_template is None:
             raise HTTPError(400, f"the model {self.model_name!r} has no chat template "
-                            "(tokenizer_config.json chat_template); use /v1/completions",
+                            "(neither its folder nor its GGUF file carries one); use /v1/completions",
                             "messages")
         if "messages" not in body:
             raise HTTPError(400, "messages is required", "messages")
