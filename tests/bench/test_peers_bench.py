@@ -1,0 +1,54 @@
+"""bench peers and its chat workload, without starting peers: the prompts are chat
+turns rendered by the model's template, all different (no server answers one from a
+prompt cache); the table's ratios are to llama.cpp's row of the same concurrency; a
+missing llama.cpp build is reported as missing."""
+
+from __future__ import annotations
+
+from pdserve.bench import llama_cpp, peers
+from pdserve.bench.datasets import chat_requests
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.router.chat_template import ChatTemplate
+
+
+def test_chat_workload_is_rendered_and_unique(real_model_path):
+    template = ChatTemplate.from_model_dir(real_model_path)
+    tokenizer = Tokenizer.from_model(real_model_path)
+    reqs = chat_requests(12, 64, chat_template=template, tokenizer=tokenizer, seed=7)
+    assert len({r.prompt for r in reqs}) == 12
+    for r in reqs:
+        assert r.prompt.startswith("<|im_start|>system\n")
+        assert r.prompt.endswith("<|im_start|>assistant\n")
+        assert r.prompt_len == len(template.encode(tokenizer, r.prompt))
+        assert r.output_len == 64 and r.kind == "chat"
+    again = chat_requests(12, 64, chat_template=template, tokenizer=tokenizer, seed=7)
+    assert [r.prompt for r in again] == [r.prompt for r in reqs]  # a function of the seed
+    other = chat_requests(12, 64, chat_template=template, tokenizer=tokenizer, seed=8)
+    assert not {r.prompt for r in other} & {r.prompt for r in reqs}
+    ids = chat_requests(2, 8, chat_template=template, tokenizer=tokenizer, seed=7,
+                        prompt_format="ids")
+    assert ids[0].prompt == template.encode(tokenizer, reqs[0].prompt)
+
+
+def test_table_ratios_are_to_llama_cpp_at_the_same_concurrency():
+    def row(server, c, tps):
+        return {"server": server, "concurrency": c, "output_throughput": tps,
+                "median_ttft_ms": 10.0, "p99_ttft_ms": 20.0, "median_itl_ms": 5.0,
+                "p99_itl_ms": 9.0}
+
+    table = peers.format_table([row("pdserve 1P+1D", 1, 50.0), row("pdserve 1P+1D", 16, 300.0),
+                                row("llama.cpp", 1, 100.0), row("llama.cpp", 16, 200.0),
+                                row("vLLM-CPU", 4, 80.0)], [1, 4, 16])
+    lines = table.splitlines()
+    assert "| pdserve 1P+1D | 1 | 50.0 |" in lines[2] and lines[2].endswith("| 0.50x |")
+    assert lines[3].endswith("| 1.50x |")
+    assert lines[6].endswith("| - |")  # no llama.cpp row at 4 streams
+
+
+def test_missing_llama_cpp_build_is_none(tmp_path):
+    assert llama_cpp.binaries(tmp_path) is None
+    bin_dir = tmp_path / "build" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name in llama_cpp.TARGETS:
+        (bin_dir / name).write_text("")
+    assert set(llama_cpp.binaries(tmp_path)) == set(llama_cpp.TARGETS)
