@@ -35,6 +35,7 @@ def _decode_scheduler(n: int, steps: int) -> Scheduler:
         block_size=BLOCK_SIZE, num_blocks=n * per_seq + 1, num_state_slots=n + 1,
         max_model_len=PROMPT_LEN + steps + 64, max_num_seqs=max(n, 1),
         max_num_batched_tokens=max(n, 4096, PROMPT_LEN + steps + 64), stop_preempted_request=True,
+        chunked_prefill=False, enable_prefix_caching=False,  # as measured before
     )
     sched = Scheduler(config, EngineType.COMPLETION)
     sampling = SamplingParams(max_tokens=steps + 16, ignore_eos=True)
@@ -76,6 +77,7 @@ def bench_prefill(n: int, repeats: int) -> dict:
             block_size=BLOCK_SIZE, num_blocks=n * (PROMPT_LEN // BLOCK_SIZE + 1) + 1,
             num_state_slots=n + 1, max_model_len=4096, max_num_seqs=256,
             max_num_batched_tokens=max(4096, n * PROMPT_LEN), chunked_prefill=True,
+            enable_prefix_caching=False,  # as measured before
         )
         sched = Scheduler(config, EngineType.PROMPT)
         for i in range(n):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
@@ -36,31 +37,27 @@ class CompletionOutput:
 
 
 class LLM:
-    def __init__(self, model_dir: str, mode: str = "normal", *, block_size: int = 16,
-                 num_kv_blocks: int | None = None, max_num_batched_tokens: int | None = None,
-                 chunked_prefill: bool = True, max_num_seqs: int = 64,
+    """``LLM(model_dir, mode, **settings)``: ``settings`` are any ``EngineSettings``
+    fields (engine/config.py; the scheduler's policy, scheduler/config.py, included),
+    with their defaults, except two the offline API sets differently (module docstring):
+    ``stop_preempted_request=False`` and ``partial_prompts_first=True``."""
+
+    def __init__(self, model_dir: str, mode: str = "normal", *,
                  stop_preempted_request: bool = False, partial_prompts_first: bool = True,
-                 dtype: str = "float32",
-                 device: str = "cpu", max_model_len: int | None = None,
-                 compile: bool = False, decode_kernel: bool = True,
-                 chunk_time_budget_s: float | None = None,
-                 enable_prefix_caching: bool = True, kernel_isa: str = "auto") -> None:
+                 **settings: Any) -> None:
         if mode not in ("normal", "disaggregated"):
             raise ValueError(f"mode must be 'normal' or 'disaggregated', got {mode!r}")
+        fixed = sorted({"model_dir", "engine_type"} & set(settings))
+        if fixed:
+            raise TypeError(f"LLM() takes no {', '.join(fixed)} setting: mode chooses the engines")
         self.mode = mode
         # a folder, a GGUF file, or a built-in name (smollm2-135m-instruct, tiny)
         model_dir = resolve_model(model_dir).path
+        settings["partial_prompts_first"] = partial_prompts_first
 
         def config(engine_type: str, stop_preempted: bool) -> EngineConfig:
-            return EngineConfig(
-                model_dir=model_dir, engine_type=engine_type, block_size=block_size,
-                num_kv_blocks=num_kv_blocks, max_num_batched_tokens=max_num_batched_tokens,
-                chunked_prefill=chunked_prefill, max_num_seqs=max_num_seqs,
-                stop_preempted_request=stop_preempted, dtype=dtype, device=device,
-                partial_prompts_first=partial_prompts_first,
-                max_model_len=max_model_len, compile=compile, decode_kernel=decode_kernel,
-                chunk_time_budget_s=chunk_time_budget_s,
-                enable_prefix_caching=enable_prefix_caching, kernel_isa=kernel_isa)
+            return EngineConfig(model_dir=model_dir, engine_type=engine_type,
+                                stop_preempted_request=stop_preempted, **settings)
 
         if mode == "normal":
             self.engines = [LLMEngine(config("normal", stop_preempted_request))]

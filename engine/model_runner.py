@@ -45,6 +45,7 @@ from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.sampling import greedy
 from pdserve.kernels.sampling import sample as sample_tokens
 from pdserve.kernels.slot_mapping import full_slots, ring_slots
+from pdserve.scheduler.config import DEFAULT_BLOCK_SIZE
 from pdserve.scheduler.sampling_params import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -88,7 +89,7 @@ class ModelRunner:
         model_dir: str | Path,
         dtype: str | torch.dtype = "float32",
         device: str | torch.device = "cpu",
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         num_kv_blocks: int | None = None,
         num_state_slots: int | None = None,
         ring_len: int | None = None,

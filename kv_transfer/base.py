@@ -36,6 +36,9 @@ from typing import Any
 PAYLOAD, CAPACITY, TRANSPORT = "payload", "capacity", "transport"
 # the payload left out a prefix the receiver's cache no longer holds: send it whole
 CACHE_MISS = "cache_miss"
+# Seconds an exported payload (or an import answer) nobody asked for is kept before it is
+# forgotten (every endpoint, staging area and channel): a vanished router leaks nothing.
+PAYLOAD_MAX_AGE_S = 600.0
 
 
 @dataclass
@@ -168,7 +171,7 @@ class RankEndpoint:
 
     address: str | None = None  # where other processes reach this endpoint, if anywhere
 
-    def __init__(self, max_age_s: float = 600.0) -> None:
+    def __init__(self, max_age_s: float = PAYLOAD_MAX_AGE_S) -> None:
         self.max_age_s = max_age_s
         self._payloads: dict[str, tuple[float, Any]] = {}
         # export/release run on the rank's threads, get on a server's (grpc)

@@ -78,6 +78,7 @@ from pdserve.kv_transfer.base import (
     CACHE_MISS,
     CAPACITY,
     PAYLOAD,
+    PAYLOAD_MAX_AGE_S,
     TRANSPORT,
     DeliveryResult,
     KVSecret,
@@ -426,7 +427,7 @@ class GrpcEndpoint(RankEndpoint):
     ``chunk_timeout_s`` bound every stream (see the module docstring)."""
 
     def __init__(self, importer: Any, host: str, secret: KVSecret | None = None, *,
-                 max_age_s: float = 600.0, max_push_bytes: int | None = None,
+                 max_age_s: float = PAYLOAD_MAX_AGE_S, max_push_bytes: int | None = None,
                  stream_timeout_s: float = STREAM_TIMEOUT_S,
                  chunk_timeout_s: float = CHUNK_TIMEOUT_S,
                  max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS,

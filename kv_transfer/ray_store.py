@@ -50,6 +50,7 @@ from pdserve.kv_transfer.base import (
     CACHE_MISS,
     CAPACITY,
     PAYLOAD,
+    PAYLOAD_MAX_AGE_S,
     TRANSPORT,
     DeliveryResult,
     KVTransport,
@@ -80,7 +81,7 @@ COPIES = {"shared memory (one node)": 2, "object store, one node": 3,
 class RayEndpoint(RankEndpoint):
     """A rank's side: lends staging segments (sender), maps senders' ones (receiver)."""
 
-    def __init__(self, staging_bytes: int = 0, max_age_s: float = 600.0) -> None:
+    def __init__(self, staging_bytes: int = 0, max_age_s: float = PAYLOAD_MAX_AGE_S) -> None:
         super().__init__(max_age_s)
         self.staging = StagingArea(staging_bytes, _node_id(), max_age_s)
         self.reader = SharedPayloadReader()

@@ -38,6 +38,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from pdserve.kv_transfer.base import PAYLOAD_MAX_AGE_S
+
 HEADER_BYTES = 64  # generation (u64), then the payload from byte 64 (aligned)
 MIN_SEGMENT_BYTES = 1 << 20
 _GENERATION = struct.Struct("<Q")
@@ -126,7 +128,7 @@ class StagingArea:
 
     available = hasattr(os, "memfd_create")
 
-    def __init__(self, capacity_bytes: int, node_id: str = "", max_age_s: float = 600.0) -> None:
+    def __init__(self, capacity_bytes: int, node_id: str = "", max_age_s: float = PAYLOAD_MAX_AGE_S) -> None:
         self.capacity_bytes = capacity_bytes if self.available else 0
         self.node_id = node_id
         self.max_age_s = max_age_s

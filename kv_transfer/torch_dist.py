@@ -68,6 +68,7 @@ from pdserve.kv_transfer.base import (
     CACHE_MISS,
     CAPACITY,
     PAYLOAD,
+    PAYLOAD_MAX_AGE_S,
     TRANSPORT,
     DeliveryResult,
     KVTransport,
@@ -123,7 +124,7 @@ class DeviceEndpoint(RankEndpoint):
     (both), sends (source) and receives (destination) over them."""
 
     def __init__(self, device: str = "cpu", host: str = "127.0.0.1",
-                 max_age_s: float = 600.0, max_pairs: int = MAX_PAIRS) -> None:
+                 max_age_s: float = PAYLOAD_MAX_AGE_S, max_pairs: int = MAX_PAIRS) -> None:
         import torch
 
         super().__init__(max_age_s)

@@ -52,7 +52,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pdserve.kv_transfer.base import TRANSPORT, DeliveryResult
+from pdserve.kv_transfer.base import PAYLOAD_MAX_AGE_S, TRANSPORT, DeliveryResult
 from pdserve.kv_transfer.shared_memory import SharedPayload, SharedPayloadUnavailable
 
 log = logging.getLogger(__name__)
@@ -251,7 +251,7 @@ class LocalReply:
 class LocalImports:
     """The router's side: imports asked of decode ranks on its node, answered by reply."""
 
-    def __init__(self, max_pending: int = 65536, max_age_s: float = 600.0) -> None:
+    def __init__(self, max_pending: int = 65536, max_age_s: float = PAYLOAD_MAX_AGE_S) -> None:
         self._sock: socket.socket | None = None
         self.address = ""
         self._loop: asyncio.AbstractEventLoop | None = None

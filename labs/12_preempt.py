@@ -54,6 +54,7 @@ def build(scenario: dict, stop: bool) -> tuple[Scheduler, list[Sequence]]:
         max_model_len=scenario.get("max_model_len", 4096),
         max_num_seqs=scenario.get("max_num_seqs", 256),
         stop_preempted_request=stop,
+        chunked_prefill=False, enable_prefix_caching=False,  # the spec's table
     )
     sched = Scheduler(config, EngineType.NORMAL)
     seqs = []

@@ -51,6 +51,9 @@ from typing import Any
 from pdserve.kv_transfer.base import payload_without_prefix
 from pdserve.kv_transfer.wake_channel import ImportOnce
 from pdserve.rank.messages import (
+    DEFAULT_COLLECTIVE_TIMEOUT_S,
+    DEFAULT_MAX_FAILED_STEPS,
+    DEFAULT_POLL_TIMEOUT_S,
     AddRequest,
     AdmitResult,
     GroupJoined,
@@ -66,6 +69,7 @@ from pdserve.rank.messages import (
     TokenReport,
 )
 from pdserve.rank.step_timeline import StepTimeline
+from pdserve.scheduler.config import DEFAULT_BLOCK_SIZE
 
 log = logging.getLogger(__name__)
 # streamed attempts a PROMPT rank keeps a direct hand-off's decode rank for (hand_off_to)
@@ -160,8 +164,10 @@ class EngineRank:
     def __init__(self, engine_config: dict, *, engine_factory: Callable | None = None,
                  loop_factory: Callable | None = None,
                  communicator_factory: Callable | None = None,
-                 kv_transport: str = "ray", collective_timeout_s: float = 10.0,
-                 num_threads: int | None = None, max_failed_steps: int = 3,
+                 kv_transport: str = "ray",
+                 collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+                 num_threads: int | None = None,
+                 max_failed_steps: int = DEFAULT_MAX_FAILED_STEPS,
                  kv_secret: Any = None) -> None:
         """``kv_secret``: the cluster's ``KVSecret`` (the router's, through Ray), which the
         ``grpc`` KV endpoint checks every transfer against; held by the endpoint only."""
@@ -297,7 +303,7 @@ class EngineRank:
             host=_node_ip(), max_model_len=int(eng.max_model_len),
             vocab_size=int(getattr(getattr(eng, "runner", None), "vocab_size", None)
                            or tok.vocab_size),
-            eos_token_id=tok.eos_token_id, block_size=int(self.engine_config.get("block_size", 16)),
+            eos_token_id=tok.eos_token_id, block_size=int(self.engine_config.get("block_size", DEFAULT_BLOCK_SIZE)),
             num_total_blocks=stats.num_total_blocks, kv_address=self.kv_address,
             device=device, gpu_uuid=gpu_uuid, wake_address=self.wake_address)
 
@@ -707,7 +713,7 @@ class EngineRank:
         with self._cond:
             self._cond.notify_all()
 
-    def poll(self, timeout_s: float = 0.5) -> PollReply:
+    def poll(self, timeout_s: float = DEFAULT_POLL_TIMEOUT_S) -> PollReply:
         """Every step report since the last poll (waits up to `timeout_s` for one)."""
         with self._cond:
             if not self._reports and self._fatal is None:

@@ -19,6 +19,12 @@ from typing import Any
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.scheduler.sampling_params import SamplingParams
 
+# Bounds the router gives every rank it starts (RouterConfig's fields of the same names
+# take these defaults); a rank built without a router (tests) takes the same.
+DEFAULT_COLLECTIVE_TIMEOUT_S = 10.0  # joining a data-parallel group, its collectives
+DEFAULT_MAX_FAILED_STEPS = 3  # failed steps in a row before a rank reports itself fatal
+DEFAULT_POLL_TIMEOUT_S = 0.5  # how long one poll of a rank waits for a step report
+
 
 @dataclass(frozen=True)
 class AttemptKey:

@@ -138,11 +138,11 @@ def serve_config(args: argparse.Namespace):
         if args.num_gpus is not None:
             pool.num_gpus = args.num_gpus
         if args.max_num_seqs is not None:
-            pool.engine["max_num_seqs"] = args.max_num_seqs
+            pool.engine.max_num_seqs = args.max_num_seqs
         if args.num_kv_blocks is not None:
-            pool.engine["num_kv_blocks"] = args.num_kv_blocks
+            pool.engine.num_kv_blocks = args.num_kv_blocks
         if getattr(args, "no_prefix_caching", False):
-            pool.engine["enable_prefix_caching"] = False
+            pool.engine.enable_prefix_caching = False
     # Checked here, before any Ray process starts: a bad model is one line and exit 2.
     resolved = resolve_model(args.model or config.model_dir or None)
     config.model_dir = resolved.path

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from pdserve.engine.config import EngineSettings
+from pdserve.rank.messages import (
+    DEFAULT_COLLECTIVE_TIMEOUT_S,
+    DEFAULT_MAX_FAILED_STEPS,
+    DEFAULT_POLL_TIMEOUT_S,
+)
 from pdserve.router.auth import is_loopback_host
 from pdserve.scheduler.sampling_params import MAX_CHOICES
 
@@ -26,31 +32,37 @@ class PoolConfig:
     num_cpus: float = 0.5
     num_gpus: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)
-    # Engine settings (pdserve.engine.config.EngineConfig fields, minus engine_type).
-    engine: dict[str, Any] = field(default_factory=dict)
+    # The ranks' engine settings (engine/config.py: EngineSettings, the scheduler's
+    # policy included); the router sets model_dir and engine_type. A mapping given here
+    # (a program's) is checked and typed at construction.
+    engine: EngineSettings = field(default_factory=EngineSettings)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.engine, Mapping):
+            self.engine = EngineSettings.from_mapping(self.engine, f"{self.name}.engine")
+        elif not isinstance(self.engine, EngineSettings):
+            raise ValueError(f"{self.name}.engine must be a mapping of engine settings, got "
+                             f"{type(self.engine).__name__}")
 
     def validate(self) -> None:
         if self.replicas < 0:
             raise ValueError(f"{self.name} replicas must be >= 0, got {self.replicas}")
         if self.num_cpus < 0:
             raise ValueError(f"{self.name} num_cpus must be >= 0, got {self.num_cpus}")
-        self._validate_engine()
-
-    def _validate_engine(self) -> None:
-        """The engine settings as the ranks will take them, checked now (at start)
-        rather than when the first rank builds its engine."""
-        from pdserve.engine.config import EngineConfig
-
-        fixed = sorted({"model_dir", "engine_type"} & set(self.engine))
-        if fixed:
-            raise ValueError(f"{self.name} engine: {', '.join(fixed)} is set by the router, "
-                             "not in a pool's engine settings")
+        # Again at start: flags may have changed fields since construction.
         try:
-            EngineConfig(model_dir="", **self.engine)
-        except TypeError as exc:  # an unknown field
-            raise ValueError(f"{self.name} engine: {exc}") from None
+            self.engine.check()
         except ValueError as exc:
-            raise ValueError(f"{self.name} engine: {exc}") from None
+            raise ValueError(f"{self.name}.engine.{exc}") from None
+
+    def rank_engine_settings(self, model_dir: str) -> dict[str, Any]:
+        """What a rank of this pool builds its EngineConfig from (plain data, through
+        Ray): every setting, the model, and the device decided (a pool asking for GPUs
+        runs its engines on "cuda" unless told otherwise)."""
+        settings = dict(self.engine.settings(), model_dir=model_dir)
+        if settings["device"] is None:
+            settings["device"] = "cuda" if self.num_gpus else "cpu"
+        return settings
 
 
 @dataclass
@@ -103,9 +115,9 @@ class RouterConfig:
     prefill: PoolConfig = field(default_factory=lambda: PoolConfig("prefill", resources={"prefill": 1}))
     decode: PoolConfig = field(default_factory=lambda: PoolConfig("decode", resources={"decode": 1}))
     normal: PoolConfig = field(default_factory=lambda: PoolConfig("normal"))
-    collective_timeout_s: float = 10.0
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
     # How long a poll of a rank waits for a step report.
-    poll_timeout_s: float = 0.5
+    poll_timeout_s: float = DEFAULT_POLL_TIMEOUT_S
     # Test doubles and alternative engines: callables shipped to the actors.
     engine_factory: Callable | None = None
     loop_factory: Callable | None = None
@@ -138,7 +150,7 @@ class RouterConfig:
     # A rank whose engine loop failed more often than this in a row is replaced; one
     # whose steps fail max_failed_steps times in a row gives up by itself.
     max_group_heals: int = 2
-    max_failed_steps: int = 3
+    max_failed_steps: int = DEFAULT_MAX_FAILED_STEPS
     # Decode ranks tried for one hand-off before the request is re-prefilled.
     max_handoff_tries: int = 4
     # The SLO planner (planner/, docs/scaling.md "Autoscaling"): with autoscale on, the router
@@ -272,7 +284,7 @@ def config_from_dict(data: dict[str, Any], **overrides: Any) -> RouterConfig:
     a top-level `engine` mapping applies to every pool (a pool's own wins).
     """
     data = dict(data or {})
-    shared_engine = data.pop("engine", {}) or {}
+    shared_engine = _engine_mapping(data.pop("engine", None), "engine")
     unknown = set(data) - _FILE_FIELDS
     if unknown:
         raise ValueError(f"unknown router config field(s): {', '.join(sorted(unknown))}")
@@ -284,19 +296,27 @@ def config_from_dict(data: dict[str, Any], **overrides: Any) -> RouterConfig:
             if bad:
                 raise ValueError(f"unknown {key} pool field(s): {', '.join(sorted(bad))}")
             default = getattr(RouterConfig(model_dir=""), key)
-            engine = {**shared_engine, **value.pop("engine", {})}
+            engine = {**shared_engine, **_engine_mapping(value.pop("engine", None), f"{key}.engine")}
             kwargs[key] = PoolConfig(key, **{**_pool_kwargs(default), **value, "engine": engine})
         else:
             kwargs[key] = value
     for name in _POOL_NAMES:
         if name not in kwargs and shared_engine:
             default = getattr(RouterConfig(model_dir=""), name)
-            kwargs[name] = PoolConfig(name, **{**_pool_kwargs(default), "engine": dict(shared_engine)})
+            kwargs[name] = PoolConfig(name, **{**_pool_kwargs(default), "engine": shared_engine})
     kwargs.update({k: v for k, v in overrides.items() if v is not None})
     kwargs.setdefault("model_dir", "")
     config = RouterConfig(**kwargs)
     config.validate()
     return config
+
+
+def _engine_mapping(value: Any, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where} must be a mapping of engine settings, got {value!r}")
+    return dict(value)
 
 
 def _pool_kwargs(pool: PoolConfig) -> dict[str, Any]:

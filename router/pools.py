@@ -171,9 +171,8 @@ class Pool:
 
     def _new_actor(self) -> RankHandle:
         c = self.config
-        engine = dict(c.engine, model_dir=self.rc.model_dir)
-        if c.num_gpus:
-            engine.setdefault("device", "cuda")  # Ray sets CUDA_VISIBLE_DEVICES for the actor
+        # device "cuda" when the pool asks for GPUs: Ray sets the actor's CUDA_VISIBLE_DEVICES
+        engine = c.rank_engine_settings(self.rc.model_dir)
         cls = ray.remote(_actor_class(self.name))
         actor = cls.options(
             num_cpus=c.num_cpus, num_gpus=c.num_gpus or None, resources=dict(c.resources),

@@ -66,7 +66,8 @@ class RouterService:
         self.tokenizer: Any = None
         self.chat_template: Any = None  # the model's (ChatTemplate), None when it has none
         self.limits: ModelLimits | None = None
-        self.block_size = 16  # the ranks' (they must agree), known once they started
+        # the configured one until the ranks (they must agree) say theirs at start
+        self.block_size = config.pools()[0].engine.block_size
         self.num_rank_failures = 0
         self.num_moves = 0
         self.num_lost_reports = 0

@@ -1,10 +1,29 @@
-"""Scheduler settings, checked once at construction (spec section 2)."""
+"""Scheduler settings, checked once at construction (spec section 2).
+
+Two classes, each setting declared once:
+
+- ``SchedulerPolicy``: every setting a user picks (batch limits, chunking, the
+  prefill-attempt intervals, the opt-in policies of spec section 9, prefix caching).
+  ``EngineConfig`` (engine/config.py) extends it, so each one is a field of a serve
+  config's ``engine:`` mapping, an ``LLM(...)`` keyword and an ``EngineConfig`` field,
+  under the same name and with the default written here.
+- ``SchedulerConfig``: the policy plus the sizes the engine derives from its model and
+  memory (``num_blocks``, ``num_state_slots``, ``max_model_len``, ``ring_len``).
+
+Defaults are the service's and the offline API's (the engine's): up to 64 sequences,
+chunked prefill and prefix caching on. The spec's own table (256 sequences, no chunked
+prefill, no prefix caching) is what the scheduler's rule tests pass explicitly.
+"""
 
 from __future__ import annotations
 
 import enum
 import warnings
 from dataclasses import dataclass
+
+# Tokens per KV block: the one default of the engine, the scheduler, the model runner and
+# the router (which learns the ranks' actual size when they start).
+DEFAULT_BLOCK_SIZE = 16
 
 
 class EngineType(enum.IntEnum):
@@ -13,15 +32,17 @@ class EngineType(enum.IntEnum):
     COMPLETION = 2  # decode only; sequences arrive prefilled
 
 
-@dataclass
-class SchedulerConfig:
-    block_size: int
-    num_blocks: int  # includes the reserved id 0
-    num_state_slots: int  # includes the reserved slot 0
-    max_model_len: int
-    max_num_seqs: int = 256
+@dataclass(kw_only=True)
+class SchedulerPolicy:
+    """The scheduler's settings a user picks; see the module's docstring."""
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_num_seqs: int = 64
+    # None: max(max_model_len, 4096, max_num_seqs), decided by SchedulerConfig.
     max_num_batched_tokens: int | None = None
-    chunked_prefill: bool = False
+    chunked_prefill: bool = True
+    # A preempted request ends (insufficient_system_resource) rather than being
+    # recomputed; the offline LLM passes False (the spec's table).
     stop_preempted_request: bool = True
     prefill_attempt_interval: int = 70  # ALL points
     prefill_any_attempt_interval: int = 100  # ANY points
@@ -29,7 +50,6 @@ class SchedulerConfig:
     prefill_max_sum_seqlen_k: int | None = None  # None: no limit
     cp_size: int = 1
     lookahead_tokens: int = 0
-    ring_len: int = 134
     # Opt-in policies (spec section 9); defaults reproduce the released engine.
     continuation_at_back: bool = False
     hol_bypass_limit: int = 0  # K > 0: a smaller request may pass a LATER head K times
@@ -37,38 +57,46 @@ class SchedulerConfig:
     # A partly prefilled prompt already owns blocks for its whole prompt: let it finish
     # before a recompute-preempted request retakes the head, and past the watermark,
     # so the pool can never wedge with every free block held by unfinished prompts.
+    # The offline LLM turns it on (it recomputes preempted requests).
     partial_prompts_first: bool = False
     # Time-budget chunk sizer (scheduler/chunk_sizer.py): prompt steps sized to take at
     # most this many seconds by a cost model fitted to measured steps; None: off. Needs
     # chunked_prefill (a prompt longer than the budget must be split).
     chunk_time_budget_s: float | None = None
     # Prefix caching (scheduler/PREFIX_CACHING.md): full blocks keep their KV, named by
-    # a hash of their history, for later requests with the same prefix. Off here so the
-    # chapter's rules (S1-S37) read as written; the engine turns it on by default.
-    enable_prefix_caching: bool = False
+    # a hash of their history, for later requests with the same prefix. The chapter's
+    # rules (S1-S37) are written, and tested, with it off. Models with sliding-window
+    # layers run without it (the engine turns it off for them).
+    enable_prefix_caching: bool = True
 
-    def __post_init__(self) -> None:
+    def check_policy(self) -> None:
+        """ValueError (starting with the field's name) for a policy out of range; what
+        needs the derived sizes is checked by SchedulerConfig."""
         for name, low in (
-            ("block_size", 1), ("num_blocks", 2), ("num_state_slots", 2), ("max_model_len", 1),
-            ("max_num_seqs", 1), ("prefill_attempt_interval", 1),
+            ("block_size", 1), ("max_num_seqs", 1), ("prefill_attempt_interval", 1),
             ("prefill_any_attempt_interval", 1), ("cp_size", 1), ("lookahead_tokens", 0),
-            ("ring_len", 1), ("hol_bypass_limit", 0),
+            ("hol_bypass_limit", 0),
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = max(self.max_model_len, 4096, self.max_num_seqs)
-        elif self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_num_seqs ({self.max_num_seqs})"
-            )
-        if self.max_num_batched_tokens < self.block_size:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"block_size ({self.block_size})"
-            )
+        for name in ("chunked_prefill", "stop_preempted_request", "continuation_at_back",
+                     "decode_room_needs_no_block", "partial_prompts_first",
+                     "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        tokens = self.max_num_batched_tokens
+        if tokens is not None:
+            if not isinstance(tokens, int) or isinstance(tokens, bool):
+                raise ValueError(f"max_num_batched_tokens must be an integer or None, got {tokens!r}")
+            if tokens < self.max_num_seqs:
+                raise ValueError(
+                    f"max_num_batched_tokens ({tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
+                )
+            if tokens < self.block_size:
+                raise ValueError(
+                    f"max_num_batched_tokens ({tokens}) must be >= block_size ({self.block_size})"
+                )
         budget = self.chunk_time_budget_s
         if budget is not None:
             if isinstance(budget, bool) or not isinstance(budget, int | float) or budget <= 0:
@@ -76,8 +104,38 @@ class SchedulerConfig:
             if not self.chunked_prefill:
                 raise ValueError("chunk_time_budget_s needs chunked_prefill=True: prompts "
                                  "longer than a step's budget are split")
-        if not 0.0 <= self.prefill_watermark <= 1.0:
-            raise ValueError(f"prefill_watermark must be in [0, 1], got {self.prefill_watermark}")
+        watermark = self.prefill_watermark
+        if isinstance(watermark, bool) or not isinstance(watermark, int | float) \
+                or not 0.0 <= watermark <= 1.0:
+            raise ValueError(f"prefill_watermark must be in [0, 1], got {watermark!r}")
+        limit = self.prefill_max_sum_seqlen_k
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)):
+            raise ValueError(f"prefill_max_sum_seqlen_k must be an integer or None, got {limit!r}")
+
+
+@dataclass(kw_only=True)
+class SchedulerConfig(SchedulerPolicy):
+    """The policy plus the sizes the engine derives (its model, its KV memory)."""
+
+    num_blocks: int  # includes the reserved id 0
+    num_state_slots: int  # includes the reserved slot 0
+    max_model_len: int
+    ring_len: int = 134
+
+    def __post_init__(self) -> None:
+        for name, low in (("num_blocks", 2), ("num_state_slots", 2), ("max_model_len", 1),
+                          ("ring_len", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        self.check_policy()
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(self.max_model_len, 4096, self.max_num_seqs)
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"block_size ({self.block_size})"
+            )
         limit = self.prefill_max_sum_seqlen_k
         if limit is not None and limit < self.prompt_limit:
             raise ValueError(

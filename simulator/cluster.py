@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from pdserve.bench.serve_metrics import RequestRecord
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import EngineConfig, EngineSettings
 from pdserve.router import routing
 from pdserve.router.routing import PromptBlocks
 from pdserve.scheduler.config import EngineType, SchedulerConfig
@@ -49,10 +49,9 @@ class SimConfig:
     prefill: int = 1
     decode: int = 1
     replicas: int = 1  # normal mode's ranks
-    # EngineConfig fields for every rank (block_size, max_num_seqs, num_kv_blocks,
-    # kv_cache_memory_mb, max_num_batched_tokens, chunked_prefill, enable_prefix_caching,
-    # chunk_time_budget_s, ...): the engine's defaults apply to the rest.
-    engine: dict = field(default_factory=dict)
+    # Every rank's engine settings (engine/config.py, as a serve config's `engine:`;
+    # a mapping is typed at construction): the engine's defaults apply to the rest.
+    engine: EngineSettings = field(default_factory=EngineSettings)
     routing: str = "cache_aware"
     prefix_overlap_weight: float = 2.0
     kv_streaming: bool = True
@@ -60,6 +59,8 @@ class SimConfig:
     record_steps: bool = False  # keep every rank step (for timelines and tests)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.engine, EngineSettings):
+            self.engine = EngineSettings.from_mapping(self.engine or {}, "engine")
         if self.mode not in ("disaggregated", "normal"):
             raise ValueError(f"mode must be disaggregated or normal, got {self.mode!r}")
         for name in (("prefill", "decode") if self.mode == "disaggregated" else ("replicas",)):
@@ -72,7 +73,7 @@ class SimConfig:
 
     def scheduler_config(self, engine_type: str, costs: CostModel) -> SchedulerConfig:
         """What ``LLMEngine`` would give its scheduler with these settings."""
-        engine = EngineConfig(model_dir="", engine_type=engine_type, **self.engine)
+        engine = EngineConfig(model_dir="", engine_type=engine_type, **self.engine.settings())
         max_len = engine.max_model_len or costs.max_model_len
         blocks = engine.resolve_num_kv_blocks(costs.kv_bytes_per_token * engine.block_size,
                                               max_len)

@@ -27,7 +27,7 @@ ALL_EVERY, ANY_EVERY = 5, 3
 BASE_CONFIG = dict(
     block_size=4, num_blocks=64, num_state_slots=16, max_model_len=256, max_num_seqs=8,
     max_num_batched_tokens=256, prefill_attempt_interval=ALL_EVERY,
-    prefill_any_attempt_interval=ANY_EVERY,
+    prefill_any_attempt_interval=ANY_EVERY, chunked_prefill=False, enable_prefix_caching=False,
 )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pdserve.engine.config import EngineSettings
 from pdserve.router.config import config_from_dict, load_config
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "router" / "serve.example.yaml"
@@ -16,15 +17,19 @@ def test_example_file_loads():
     assert config.resolved_kv_transport() == "ray"  # the example's pools ask for no GPUs
     assert config.prefill.resources == {"prefill": 1}
     assert config.routing == "cache_aware" and config.max_choices == 16
-    assert config.decode.engine == {"block_size": 16, "max_num_seqs": 64,
-                                    "enable_prefix_caching": True, "kv_copy_threads": 2}
-    assert config.prefill.engine == {"block_size": 16, "max_num_seqs": 32,
-                                     "enable_prefix_caching": True, "kv_copy_threads": 2}
+    assert config.decode.engine == EngineSettings(block_size=16, max_num_seqs=64,
+                                                  enable_prefix_caching=True, kv_copy_threads=2)
+    assert config.prefill.engine == EngineSettings(max_num_seqs=32)
 
 
 @pytest.mark.parametrize("data, needle", [
-    ({"engine": {"kv_copy_threads": 0}}, "prefill engine: kv_copy_threads must be >= 1"),
-    ({"decode": {"engine": {"kv_copy_thread": 2}}}, "decode engine: .*kv_copy_thread"),
+    ({"engine": {"kv_copy_threads": 0}}, r"prefill\.engine\.kv_copy_threads must be >= 1"),
+    ({"decode": {"engine": {"kv_copy_thread": 2}}}, r"decode\.engine\.kv_copy_thread\b"),
+    ({"decode": {"engine": {"max_num_seqs": 0}}}, r"decode\.engine\.max_num_seqs must be"),
+    ({"engine": {"hol_bypass_limit": -1}}, r"prefill\.engine\.hol_bypass_limit must be"),
+    ({"engine": {"prefill_watermark": 2}}, r"prefill\.engine\.prefill_watermark must be"),
+    ({"engine": {"chunked_prefill": "no"}}, r"prefill\.engine\.chunked_prefill must be"),
+    ({"engine": 3}, "engine must be a mapping"),
     ({"prefill": {"engine": {"engine_type": "completion"}}}, "engine_type is set by the router"),
     ({"bogus": 1}, "bogus"),
     ({"prefill": {"replica": 2}}, "replica"),
@@ -71,5 +76,49 @@ def test_flags_override_the_file(tiny_model_dir):
     assert config.decode.replicas == 3 and config.prefill.replicas == 1
     assert config.port == 0 and config.kv_transport == "grpc"
     assert config.model_dir == str(model)
-    assert config.decode.engine["num_kv_blocks"] == 99
-    assert config.decode.engine["max_num_seqs"] == 64  # from the file
+    assert config.decode.engine.num_kv_blocks == 99
+    assert config.decode.engine.max_num_seqs == 64  # from the file
+
+
+def test_every_scheduler_policy_is_set_from_yaml():
+    """The policies of spec section 9 and the rest of the scheduler's settings: a pool's
+    engine: mapping reaches the SchedulerConfig its ranks build (the one default
+    elsewhere)."""
+    from dataclasses import fields
+
+    from pdserve.engine.config import EngineConfig
+    from pdserve.scheduler.config import SchedulerPolicy
+
+    policies = dict(continuation_at_back=True, hol_bypass_limit=3,
+                    decode_room_needs_no_block=True, prefill_watermark=0.5,
+                    prefill_max_sum_seqlen_k=4096, cp_size=2, lookahead_tokens=1,
+                    partial_prompts_first=True, prefill_attempt_interval=7,
+                    max_num_batched_tokens=512)
+    config = config_from_dict({"mode": "normal", "normal": {"engine": policies}})
+    engine = EngineConfig(**config.normal.rank_engine_settings("m"))
+    sched = engine.scheduler_config(num_blocks=100, max_model_len=2048, ring_len=8)
+    for name, value in policies.items():
+        assert getattr(sched, name) == value
+    for f in fields(SchedulerPolicy):
+        if f.name not in policies:
+            assert getattr(sched, f.name) == getattr(EngineConfig(model_dir="m"), f.name)
+
+
+def test_flags_set_typed_engine_settings_and_are_checked(tiny_model_dir):
+    from pdserve.router.cli_commands import serve_config
+
+    from pdserve.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["serve", "--config", str(EXAMPLE), "--model", str(tiny_model_dir),
+         "--max-num-seqs", "0"])
+    with pytest.raises(ValueError, match=r"prefill\.engine\.max_num_seqs must be"):
+        serve_config(args)
+
+
+def test_a_pool_on_gpus_runs_its_engines_on_cuda():
+    config = config_from_dict({"prefill": {"num_gpus": 1},
+                               "decode": {"num_gpus": 1, "engine": {"device": "cpu"}}})
+    assert config.prefill.rank_engine_settings("m")["device"] == "cuda"
+    assert config.decode.rank_engine_settings("m")["device"] == "cpu"  # told otherwise
+    assert config.normal.rank_engine_settings("m")["device"] == "cpu"

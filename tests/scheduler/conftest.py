@@ -23,7 +23,8 @@ class Kit:
     @staticmethod
     def config(**kw) -> SchedulerConfig:
         base = dict(block_size=4, num_blocks=64, num_state_slots=16, max_model_len=256,
-                    max_num_seqs=16, max_num_batched_tokens=256, chunked_prefill=True)
+                    max_num_seqs=16, max_num_batched_tokens=256, chunked_prefill=True,
+                    enable_prefix_caching=False)  # the rules S1-S37 as the spec writes them
         base.update(kw)
         return SchedulerConfig(**base)
 

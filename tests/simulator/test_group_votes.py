@@ -23,7 +23,8 @@ class BarrierComm:
 def config():
     return SchedulerConfig(block_size=4, num_blocks=40, num_state_slots=9, max_model_len=64,
                            max_num_seqs=4, max_num_batched_tokens=16, chunked_prefill=True,
-                           prefill_attempt_interval=3, prefill_any_attempt_interval=2)
+                           prefill_attempt_interval=3, prefill_any_attempt_interval=2,
+                           enable_prefix_caching=False)
 
 
 # (step, rank, prompt length, max_tokens): ranks get work at different steps so that
