@@ -101,17 +101,24 @@ class StepOutputs:
 
 @dataclass
 class EngineStats:
-    engine_type: str
-    rank: int
-    num_waiting: int
-    num_running: int
-    num_prompted: int
-    num_free_blocks: int
-    num_total_blocks: int
-    outstanding_prompt_tokens: int
-    num_preemptions: int
-    num_empty_steps: int
-    num_steps: int
+    """An engine's queues, KV use and counters: the one stats type from the engine to the
+    router's ``ClusterState`` proto. The rank sends it with every poll reply as it is
+    (``rank/messages.py`` ``PollReply.stats``), setting the two fields that are the rank's
+    (``rank``, ``num_woken_imports``); the router keeps the latest per rank
+    (``RankHandle.stats``) and turns it into the proto in one place
+    (``router/server.py`` ``rank_message``). Defaults: a rank not yet heard from."""
+
+    engine_type: str = ""
+    rank: int = 0
+    num_waiting: int = 0
+    num_running: int = 0
+    num_prompted: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    outstanding_prompt_tokens: int = 0
+    num_preemptions: int = 0
+    num_empty_steps: int = 0
+    num_steps: int = 0
     num_failed_steps: int = 0
     # Prefix caching (0 when off): prompt tokens looked up / found, hashes evicted,
     # blocks that hold a hash now
@@ -119,7 +126,13 @@ class EngineStats:
     cache_hit_tokens: int = 0
     cache_evictions: int = 0
     num_cached_blocks: int = 0
+    # set by the rank, not the engine: direct hand-offs whose prefill rank woke this
+    # rank through its wake channel (the ray KV transport's endpoint counts them)
+    num_woken_imports: int = 0
 
     @property
     def kv_usage(self) -> float:
-        return 1.0 - self.num_free_blocks / max(self.num_total_blocks, 1)
+        """Share of the KV blocks in use; 0 before the engine reported any blocks."""
+        if not self.num_total_blocks:
+            return 0.0
+        return 1.0 - self.num_free_blocks / self.num_total_blocks

@@ -40,14 +40,15 @@ actor classes without pulling torch into its process.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
+from pdserve.engine.outputs import EngineStats, HandOff, RequestOutput, StepOutputs
 from pdserve.kv_transfer.base import payload_without_prefix
 from pdserve.kv_transfer.wake_channel import ImportOnce
 from pdserve.rank.messages import (
@@ -57,13 +58,11 @@ from pdserve.rank.messages import (
     AddRequest,
     AdmitResult,
     GroupJoined,
-    HandedOffChoice,
     HandoffTicket,
     ImportResult,
     KVChunkTicket,
     PollReply,
     RankInfo,
-    RankStats,
     RankTimings,
     StepReport,
     TokenReport,
@@ -207,7 +206,7 @@ class EngineRank:
         self._failed_in_a_row = 0
         self._fatal: str | None = None
         self.timeline = StepTimeline()
-        self._last_stats: RankStats | None = None
+        self._last_stats: EngineStats | None = None
         self._imported_at: dict[str, float] = {}  # attempt -> monotonic time taken
         # PROMPT: streamed attempt -> the decode rank its hand-off goes to directly
         # (hand_off_to); bounded, oldest dropped (a dropped one is delivered by the router)
@@ -468,7 +467,7 @@ class EngineRank:
             self._call(lambda eng: eng.add_request(
                 request.attempt, list(request.prompt_token_ids), request.sampling,
                 arrival_time=arrival, forks=[(f.attempt, f.sampling) for f in request.forks],
-                stream_kv=getattr(request, "stream_kv", False)))
+                stream_kv=request.stream_kv))
         except (ValueError, TypeError, RuntimeError) as exc:
             return AdmitResult(False, _error_text(exc))
         return AdmitResult(True)
@@ -636,33 +635,26 @@ class EngineRank:
 
     # -- reporting -------------------------------------------------------------------
 
-    def _on_step(self, out: Any) -> None:
+    def _on_step(self, out: StepOutputs) -> None:
         end = time.time()
         self._count_failures(out)
-        cache_events = getattr(out, "cache_events", None) or []
-        out_chunks = getattr(out, "kv_chunks", None) or []
-        if not out.outputs and not out.handoffs and not cache_events and not out_chunks:
+        if not out.outputs and not out.handoffs and not out.cache_events and not out.kv_chunks:
             self.timeline.step(self.pool_name, self.rank, out, end)
             return
-        outputs = [TokenReport(o.request_id, list(o.new_token_ids), o.num_output_tokens,
-                               o.finish_reason, o.error, o.step_failed,
-                               logprobs=getattr(o, "new_logprobs", None),
-                               num_cached_tokens=getattr(o, "num_cached_tokens", 0))
-                   for o in out.outputs]
         hs = time.time() if out.handoffs else 0.0
-        kv_chunks = [KVChunkTicket(c.key, c.stream_of, c.first_block, c.num_blocks,
-                                   len(c.payload), self.endpoint.export(c.key, c.payload))
-                     for c in out_chunks]
+        kv_chunks = [KVChunkTicket.of(c, self.endpoint.export(c.key, c.payload))
+                     for c in out.kv_chunks]
         handoffs = [self._export(h) for h in out.handoffs]
         self.endpoint.forget_unexported()  # what a failed export was lent
         self.timeline.step(self.pool_name, self.rank, out, end, hs, time.time() if hs else 0.0)
+        report = StepReport.of(out, handoffs, kv_chunks)
         if self.engine_type == "normal" or self._imported_at:
-            self._add_timings(out, outputs)
+            self._add_timings(out, report.outputs)
         with self._cond:
-            self._reports.append(StepReport(out.kind, outputs, handoffs, cache_events, kv_chunks))
+            self._reports.append(report)
             self._cond.notify_all()
 
-    def _count_failures(self, out: Any) -> None:
+    def _count_failures(self, out: StepOutputs) -> None:
         """A rank whose steps keep failing gives up: it stops stepping and says so."""
         if any(o.step_failed for o in out.outputs):
             self._failed_in_a_row += 1
@@ -675,11 +667,11 @@ class EngineRank:
         elif out.num_rows:
             self._failed_in_a_row = 0
 
-    def _add_timings(self, out: Any, entries: list[TokenReport]) -> None:
+    def _add_timings(self, out: StepOutputs, entries: list[TokenReport]) -> None:
         """Durations on this rank's clock for the router's TTFT breakdown: a decode
         rank's wait from taking a payload to its first decode step; a normal rank's
         prefill queue and prefill, on the output that carries the first token."""
-        step_start = time.monotonic() - getattr(out, "duration_s", 0.0)
+        step_start = time.monotonic() - out.duration_s
         for o, entry in zip(out.outputs, entries, strict=True):
             taken = self._imported_at.pop(o.request_id, None) if self._imported_at else None
             if taken is not None:
@@ -689,24 +681,14 @@ class EngineRank:
             elif o.new_token_ids and o.num_output_tokens == len(o.new_token_ids):
                 entry.timings = _prefill_timings(o)
 
-    def _export(self, handoff: Any) -> HandoffTicket:
+    def _export(self, handoff: HandOff) -> HandoffTicket:
         locator = self.endpoint.export(handoff.request_id, handoff.payload)
         timings = _prefill_timings(handoff)
         if timings is not None:
             timings.kv_export_s = max(0.0, time.monotonic() - handoff.first_token_time)
             timings.kv_ready_wall = time.time() - timings.kv_export_s
-        return HandoffTicket(handoff.request_id, int(handoff.first_token_id),
-                             int(handoff.num_prompt_tokens), len(handoff.payload), locator,
-                             timings,
-                             first_token_logprobs=getattr(handoff, "first_token_logprobs", None),
-                             forks=[HandedOffChoice(f.request_id, int(f.first_token_id),
-                                                    f.first_token_logprobs)
-                                    for f in getattr(handoff, "forks", ())],
-                             num_cached_tokens=getattr(handoff, "num_cached_tokens", 0),
-                             streamed_blocks=getattr(handoff, "streamed_blocks", 0),
-                             stream_of=getattr(handoff, "stream_of", ""),
-                             direct_import=self._direct_import(
-                                 getattr(handoff, "stream_of", ""), locator))
+        return HandoffTicket.of(handoff, locator, timings,
+                                direct_import=self._direct_import(handoff.stream_of, locator))
 
     def _on_error(self, exc: BaseException) -> None:
         self._loop_error = self._redact(_error_text(exc))
@@ -722,7 +704,7 @@ class EngineRank:
         return PollReply(reports, self._poll_stats(), self.generation,
                          loop_error=self._loop_error or self._fatal, fatal=self._fatal is not None)
 
-    def _poll_stats(self) -> RankStats:
+    def _poll_stats(self) -> EngineStats:
         """Fresh stats when the engine is between steps, else the latest ones: a poll
         must not wait for a running step, or the reports it carries (first tokens among
         them) wait with it."""
@@ -736,17 +718,15 @@ class EngineRank:
             self._engine_lock.release()
         return self._stats(st)
 
-    def stats(self) -> RankStats:
+    def stats(self) -> EngineStats:
         with self._engine_lock:
             st = self.engine.stats()
         return self._stats(st)
 
-    def _stats(self, st: Any) -> RankStats:
-        d = asdict(st)
-        d["rank"] = self.rank
-        stats = RankStats(**{k: v for k, v in d.items() if k in _STATS_FIELDS},
-                          kv_usage=float(st.kv_usage))
-        stats.num_woken_imports = int(getattr(self.endpoint, "num_woken", 0))
+    def _stats(self, st: EngineStats) -> EngineStats:
+        """The engine's stats with the rank's own fields set."""
+        stats = dataclasses.replace(
+            st, rank=self.rank, num_woken_imports=int(getattr(self.endpoint, "num_woken", 0)))
         self._last_stats = stats
         return stats
 
@@ -793,7 +773,6 @@ class EngineRank:
                 pass
 
 
-_STATS_FIELDS = set(RankStats.__dataclass_fields__) - {"kv_usage", "num_woken_imports"}
 # how long a direct hand-off's Ray call waits for its wake's import in progress (that
 # import waits for the engine between two steps; the router's deadline is its own)
 WOKEN_IMPORT_WAIT_S = 30.0
@@ -811,16 +790,13 @@ def _locator_key(locator: Any) -> tuple | None:
     return (shared.pid, shared.fd, shared.inode, shared.generation)
 
 
-def _prefill_timings(x: Any) -> RankTimings | None:
+def _prefill_timings(x: RequestOutput | HandOff) -> RankTimings | None:
     """Prefill queue and compute, in seconds, from a RequestOutput's or HandOff's
     engine-clock times (None when the engine did not record them)."""
-    scheduled = getattr(x, "first_scheduled_time", None)
-    first = getattr(x, "first_token_time", None)
-    arrival = getattr(x, "arrival_time", None)
-    if scheduled is None or first is None or arrival is None:
+    if x.first_scheduled_time is None or x.first_token_time is None:
         return None
-    return RankTimings(prefill_queue_s=max(0.0, scheduled - arrival),
-                       prefill_s=max(0.0, first - scheduled))
+    return RankTimings(prefill_queue_s=max(0.0, x.first_scheduled_time - x.arrival_time),
+                       prefill_s=max(0.0, x.first_token_time - x.first_scheduled_time))
 
 
 def _node_ip() -> str:

@@ -3,6 +3,14 @@
 This is the one file to read to know the router <-> rank contract. Plain dataclasses,
 no torch (the router imports this module), picklable by Ray as they are.
 
+Two of the engine's own plain types (``engine/outputs.py``, torch-free) cross as they
+are and are part of this contract: ``TokenLogprobs`` (a token's logprobs) and
+``EngineStats`` (a rank's queues, KV use and counters, in every ``PollReply``). The
+rest of an engine step (``StepOutputs``) becomes a ``StepReport`` in one place: the
+``of`` constructors below (``StepReport.of``, ``TokenReport.of``, ``HandoffTicket.of``,
+``HandedOffChoice.of``, ``KVChunkTicket.of``), which add what only the rank knows (where
+a KV payload waits, the rank's timings).
+
 Identity: engines, payloads, transports and reports know a request only by its
 *attempt key* (``AttemptKey``): the router's internal request id, which no client can
 choose or predict, plus the number of this dispatch of it. A client's ``request_id``
@@ -14,9 +22,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# Per-token logprobs (logprob, top_ids, top_logprobs): the engine's own plain dataclass
-# (engine/outputs.py, torch-free), carried as it is; part of this contract.
-from pdserve.engine.outputs import TokenLogprobs
+# The engine's own plain dataclasses (engine/outputs.py, torch-free): TokenLogprobs and
+# EngineStats are carried as they are (part of this contract); the others are what the
+# ``of`` constructors below turn into reports.
+from pdserve.engine.outputs import (
+    EngineStats,
+    HandedOffFork,
+    HandOff,
+    KVChunk,
+    RequestOutput,
+    StepOutputs,
+    TokenLogprobs,
+)
 from pdserve.scheduler.sampling_params import SamplingParams
 
 # Bounds the router gives every rank it starts (RouterConfig's fields of the same names
@@ -65,32 +82,6 @@ class RankInfo:
     gpu_uuid: str = ""
     # a COMPLETION rank's wake channel on its node (ray transport; kv_transfer/wake_channel.py)
     wake_address: str = ""
-
-
-@dataclass
-class RankStats:
-    """An engine's queues and KV use, sent with every poll reply."""
-
-    engine_type: str = ""
-    rank: int = 0
-    num_waiting: int = 0
-    num_running: int = 0
-    num_prompted: int = 0
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0
-    outstanding_prompt_tokens: int = 0
-    num_preemptions: int = 0
-    num_empty_steps: int = 0
-    num_steps: int = 0
-    num_failed_steps: int = 0
-    kv_usage: float = 0.0
-    # Prefix caching: prompt tokens looked up / found, names evicted, named blocks now
-    cache_queried_tokens: int = 0
-    cache_hit_tokens: int = 0
-    cache_evictions: int = 0
-    num_cached_blocks: int = 0
-    # direct hand-offs whose prefill rank woke this rank through its wake channel
-    num_woken_imports: int = 0
 
 
 @dataclass
@@ -165,6 +156,14 @@ class TokenReport:
     logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0  # prompt tokens this attempt's prefill took from the cache
 
+    @classmethod
+    def of(cls, output: RequestOutput) -> TokenReport:
+        """The report of one engine output (the rank adds ``timings`` where it has them)."""
+        return cls(output.request_id, list(output.new_token_ids), output.num_output_tokens,
+                   finish_reason=output.finish_reason, error=output.error,
+                   step_failed=output.step_failed, logprobs=output.new_logprobs,
+                   num_cached_tokens=output.num_cached_tokens)
+
 
 @dataclass
 class HandoffTicket:
@@ -190,6 +189,19 @@ class HandoffTicket:
     # stream's decode rank (a Ray ObjectRef of its ImportResult), None if it did not
     direct_import: Any = None
 
+    @classmethod
+    def of(cls, handoff: HandOff, locator: Any, timings: RankTimings | None = None,
+           direct_import: Any = None) -> HandoffTicket:
+        """The ticket of an engine's hand-off whose payload the rank's transport endpoint
+        exported to ``locator``."""
+        return cls(handoff.request_id, int(handoff.first_token_id),
+                   int(handoff.num_prompt_tokens), len(handoff.payload), locator, timings,
+                   first_token_logprobs=handoff.first_token_logprobs,
+                   forks=[HandedOffChoice.of(f) for f in handoff.forks],
+                   num_cached_tokens=handoff.num_cached_tokens,
+                   streamed_blocks=handoff.streamed_blocks, stream_of=handoff.stream_of,
+                   direct_import=direct_import)
+
     @property
     def choices(self) -> list[HandedOffChoice]:
         """Every choice the payload carries, its lead (``attempt``) first."""
@@ -202,6 +214,10 @@ class HandedOffChoice:
     attempt: str
     first_token_id: int
     first_token_logprobs: TokenLogprobs | None = None
+
+    @classmethod
+    def of(cls, fork: HandedOffFork) -> HandedOffChoice:
+        return cls(fork.request_id, int(fork.first_token_id), fork.first_token_logprobs)
 
 
 @dataclass
@@ -217,6 +233,12 @@ class KVChunkTicket:
     nbytes: int
     locator: Any
 
+    @classmethod
+    def of(cls, chunk: KVChunk, locator: Any) -> KVChunkTicket:
+        """The ticket of a streamed chunk the rank's transport endpoint exported."""
+        return cls(chunk.key, chunk.stream_of, chunk.first_block, chunk.num_blocks,
+                   len(chunk.payload), locator)
+
 
 @dataclass
 class StepReport:
@@ -228,6 +250,14 @@ class StepReport:
     cache_events: list[tuple[bool, bytes]] = field(default_factory=list)
     kv_chunks: list[KVChunkTicket] = field(default_factory=list)  # in the order made
 
+    @classmethod
+    def of(cls, step: StepOutputs, handoffs: list[HandoffTicket],
+           kv_chunks: list[KVChunkTicket]) -> StepReport:
+        """One engine step's report: its outputs and cache events as they are, with the
+        tickets of the hand-offs and KV chunks the rank exported from it."""
+        return cls(step.kind, [TokenReport.of(o) for o in step.outputs], handoffs,
+                   step.cache_events, kv_chunks)
+
 
 @dataclass
 class PollReply:
@@ -237,7 +267,7 @@ class PollReply:
     rank gave up (steps kept failing) and must be replaced."""
 
     steps: list[StepReport]
-    stats: RankStats
+    stats: EngineStats  # the engine's, with the rank's own fields set (engine/outputs.py)
     generation: int
     loop_error: str | None = None
     fatal: bool = False

@@ -24,7 +24,7 @@ from typing import Any
 
 import ray
 from pdserve.planner.host import RankStartError  # raised here; the planner acts on it
-from pdserve.rank.messages import RankInfo, RankStats
+from pdserve.rank.messages import EngineStats, RankInfo
 from pdserve.router import routing
 from pdserve.router.config import PoolConfig, RouterConfig
 from pdserve.router.routing import PromptBlocks
@@ -52,7 +52,7 @@ class RankHandle:
     state: str = STARTING
     rank: int = -1
     info: RankInfo | None = None
-    stats: RankStats = field(default_factory=RankStats)
+    stats: EngineStats = field(default_factory=EngineStats)  # from its latest poll
     inflight: set[str] = field(default_factory=set)  # attempt keys on this rank
     exports: set[str] = field(default_factory=set)   # its payloads not yet delivered
     outstanding_tokens: int = 0   # prompt tokens sent here and not yet prefilled

@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from pdserve.router.auth import Authenticator, AuthError, Principal
 from pdserve.router.config import RouterConfig
 from pdserve.router.embedded_ray import public_binds
+from pdserve.router.pools import RankHandle
 from pdserve.router.request_stream import merged_chunks
 from pdserve.router.service import RouterService
 from pdserve.router.validation import RequestError, check_request_id, prepare
@@ -106,7 +107,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         pools = [router_pb2.PoolState(
             name=p["name"], target_replicas=p["target_replicas"],
             group_generation=p["group_generation"],
-            ranks=[router_pb2.RankState(**r) for r in p["ranks"]]) for p in d.pop("pools")]
+            ranks=[rank_message(r) for r in p["ranks"]]) for p in d.pop("pools")]
         return router_pb2.ClusterState(pools=pools, planner=planner_message(d.pop("planner")),
                                        **d)
 
@@ -131,6 +132,24 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         records.sort(key=lambda r: (r["start"], r["pool"], r["rank"]))
         return router_pb2.Timeline(steps=[
             router_pb2.StepRecord(**{k: v for k, v in r.items() if k != "seq"}) for r in records])
+
+
+def rank_message(r: RankHandle) -> router_pb2.RankState:
+    """ClusterState's entry for one rank: the router's view of it and the engine's stats
+    from its latest poll (engine/outputs.py ``EngineStats``), the one place they become
+    the proto."""
+    st = r.stats
+    return router_pb2.RankState(
+        rank=r.rank, actor_id=r.actor._actor_id.hex() if r.actor else "",
+        node_id=r.info.node_id if r.info else "", state=r.state,
+        num_waiting=st.num_waiting, num_running=st.num_running,
+        num_prompted=st.num_prompted, num_free_blocks=st.num_free_blocks,
+        num_total_blocks=st.num_total_blocks or (r.info.num_total_blocks if r.info else 0),
+        kv_usage=st.kv_usage, outstanding_prompt_tokens=st.outstanding_prompt_tokens,
+        num_steps=st.num_steps, num_empty_steps=st.num_empty_steps,
+        num_preemptions=st.num_preemptions, num_inflight=len(r.inflight),
+        cache_queried_tokens=st.cache_queried_tokens, cache_hit_tokens=st.cache_hit_tokens,
+        cache_evictions=st.cache_evictions, num_cached_blocks=st.num_cached_blocks)
 
 
 def planner_message(state: dict) -> router_pb2.PlannerState:

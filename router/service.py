@@ -24,10 +24,10 @@ from pdserve.kv_transfer.wake_channel import LocalReply
 from pdserve.planner.latency_window import RecentLatencies
 from pdserve.rank.messages import (
     AddRequest,
+    EngineStats,
     ForkSpec,
     HandoffTicket,
     KVChunkTicket,
-    RankStats,
     StepReport,
 )
 from pdserve.router.config import RouterConfig
@@ -791,29 +791,10 @@ class RouterService:
     # -- state -----------------------------------------------------------------------
 
     def cluster_state(self) -> dict:
-        pools = []
-        for pool in self.pools.values():
-            ranks = []
-            for r in pool.ranks:
-                st = r.stats
-                ranks.append({
-                    "rank": r.rank, "actor_id": r.actor._actor_id.hex() if r.actor else "",
-                    "node_id": r.info.node_id if r.info else "", "state": r.state,
-                    "num_waiting": st.num_waiting, "num_running": st.num_running,
-                    "num_prompted": st.num_prompted, "num_free_blocks": st.num_free_blocks,
-                    "num_total_blocks": st.num_total_blocks or (
-                        r.info.num_total_blocks if r.info else 0),
-                    "kv_usage": float(st.kv_usage),
-                    "outstanding_prompt_tokens": st.outstanding_prompt_tokens,
-                    "num_steps": st.num_steps, "num_empty_steps": st.num_empty_steps,
-                    "num_preemptions": st.num_preemptions, "num_inflight": len(r.inflight),
-                    "cache_queried_tokens": st.cache_queried_tokens,
-                    "cache_hit_tokens": st.cache_hit_tokens,
-                    "cache_evictions": st.cache_evictions,
-                    "num_cached_blocks": st.num_cached_blocks,
-                })
-            pools.append({"name": pool.name, "target_replicas": pool.target, "ranks": ranks,
-                          "group_generation": pool.generation})
+        """GetClusterState's content; each pool's ``ranks`` are its ``RankHandle``s as
+        they are now, which server.py's ``rank_message`` turns into the proto."""
+        pools = [{"name": pool.name, "target_replicas": pool.target, "ranks": list(pool.ranks),
+                  "group_generation": pool.generation} for pool in self.pools.values()]
         return {"mode": self.config.mode, "model": self.config.model_dir, "pools": pools,
                 "num_inflight": len(self.tracker), "max_queue_depth": self.config.max_queue_depth,
                 "kv_transport": self.transport.name, "planner": self.planner_state()}
@@ -852,7 +833,7 @@ class RouterService:
             *(asyncio.wait_for(r.actor.stats.remote(), self.config.rank_call_timeout_s)
               for r in ranks), return_exceptions=True)
         for r, st in zip(ranks, results, strict=True):
-            if isinstance(st, RankStats):
+            if isinstance(st, EngineStats):
                 r.stats = st
 
     async def scale(self, pool_name: str, replicas: int) -> int:

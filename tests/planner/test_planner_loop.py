@@ -12,7 +12,7 @@ import dataclasses
 from pdserve.planner.host import RankStartError
 from pdserve.planner.latency_window import RecentLatencies
 from pdserve.planner.loop import PlannerLoop
-from pdserve.rank.messages import RankStats
+from pdserve.rank.messages import EngineStats
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pools import RankHandle
@@ -55,7 +55,7 @@ class StandInService:
             raise self.refresh_error
         for pool in self.pools.values():
             for r in pool.ranks:
-                r.stats = RankStats()
+                r.stats = EngineStats()
 
     async def scale(self, pool_name: str, replicas: int) -> int:
         self.scale_calls.append((pool_name, replicas))
