@@ -13,7 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.kv_transfer.base import DeliveryResult, KVSecret, KVTransport, RankEndpoint
+from pdserve.kv_transfer.base import (
+    DeliveryResult,
+    FailureKind,
+    KVSecret,
+    KVTransport,
+    RankEndpoint,
+)
 
 TRANSPORTS = ("ray", "grpc", "device", "in_process")
 
@@ -70,5 +76,5 @@ def make_endpoint(name: str, importer: Any, host: str, *, secret: KVSecret | Non
     raise ValueError(f"kv_transport must be one of {TRANSPORTS}, got {name!r}")
 
 
-__all__ = ["DeliveryResult", "KVSecret", "KVTransport", "RankEndpoint", "TRANSPORTS",
+__all__ = ["DeliveryResult", "FailureKind", "KVSecret", "KVTransport", "RankEndpoint", "TRANSPORTS",
            "make_endpoint", "make_transport"]

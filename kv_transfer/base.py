@@ -8,14 +8,19 @@ COMPLETION rank. Each backend is one module holding every side of it:
    travels to the router inside a ``HandoffTicket``.
 2. Deliver (in the router): ``KVTransport.deliver(ticket, src, dst)`` makes the decode
    rank ``dst`` import the payload; its ``DeliveryResult`` says whether the decode rank
-   confirmed the import, or why not (``payload``: refused, never retry; ``capacity``:
-   try another rank; ``transport``: the bytes did not arrive, retry or re-prefill).
+   confirmed the import, or why not, as a ``FailureKind`` set where the failure is known
+   (``payload``: refused, never retry; ``capacity``: try another rank; ``cache_miss``:
+   send it whole; ``transport``: the bytes did not arrive, retry or re-prefill). The
+   decode rank's answer (``rank.messages.ImportResult``) is this same type.
 3. Receive (on the decode rank): the payload reaches ``EngineRank.import_prefilled``
    (as a resolved Ray argument, or pushed over gRPC chunks, ...).
 4. Release / discard (router -> prefill rank): the payload is released only after the
    decode rank confirmed its import (``release``), or when its request ended on the way
-   (``discard``). An endpoint also forgets payloads nobody asked for within
-   ``max_age_s``, so a router that vanished cannot leak them.
+   (``discard``). Every backend goes through ``KVTransport``'s one release path: each
+   call to the source waits at most ``release_timeout_s`` (``RELEASE_TIMEOUT_S``); one
+   that passes it is logged and counted (``num_release_timeouts``), never waited for
+   longer. An endpoint also forgets payloads nobody asked for within ``max_age_s``, so
+   a router that vanished (or a release that never arrived) cannot leak them.
 
 ``KVSecret`` is the per-cluster key of transports that authenticate their traffic
 (``grpc``): the router makes one at start and hands it to its ranks through Ray only.
@@ -26,28 +31,60 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import logging
 import secrets
 import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
-PAYLOAD, CAPACITY, TRANSPORT = "payload", "capacity", "transport"
-# the payload left out a prefix the receiver's cache no longer holds: send it whole
-CACHE_MISS = "cache_miss"
+log = logging.getLogger(__name__)
+
+
+class FailureKind(str, Enum):
+    """Why a delivery (or the decode rank's import) failed; a ``str`` (its value), so it
+    compares, hashes, pickles and serializes as the plain word."""
+
+    NONE = ""  # it did not fail
+    PAYLOAD = "payload"  # the decode rank refused the payload: never retry it
+    CAPACITY = "capacity"  # the decode rank has no room now: try another
+    TRANSPORT = "transport"  # the bytes did not arrive (a rank died, a relay failed)
+    CACHE_MISS = "cache_miss"  # it left out a prefix the receiver no longer holds
+    # ray's shared-memory path only: the receiver could not map the sender's segment
+    # (the router falls back to the object store; never a delivery's final kind)
+    UNREACHABLE = "unreachable"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+PAYLOAD, CAPACITY, TRANSPORT = FailureKind.PAYLOAD, FailureKind.CAPACITY, FailureKind.TRANSPORT
+CACHE_MISS, UNREACHABLE = FailureKind.CACHE_MISS, FailureKind.UNREACHABLE
 # Seconds an exported payload (or an import answer) nobody asked for is kept before it is
 # forgotten (every endpoint, staging area and channel): a vanished router leaks nothing.
 PAYLOAD_MAX_AGE_S = 600.0
+# Seconds the router waits for a source rank to free a payload (release / discard) before
+# it logs and counts the call as timed out; the payload then expires on the rank.
+RELEASE_TIMEOUT_S = 10.0
 
 
 @dataclass
 class DeliveryResult:
+    """One delivery's outcome, and the decode rank's answer to an import (the same type:
+    ``rank.messages.ImportResult``). ``kind`` is set where the failure is known; a plain
+    word (a wake-channel reply, a test) becomes its ``FailureKind`` (ValueError if none)."""
+
     ok: bool
     attempt: str = ""
-    kind: str = ""  # on failure: PAYLOAD | CAPACITY | TRANSPORT
+    kind: FailureKind = FailureKind.NONE  # on failure: why
     error: str = ""
-    nbytes: int = 0
+    nbytes: int = 0  # the payload's size as it arrived
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, FailureKind):
+            self.kind = FailureKind(self.kind)
 
 
 class KVSecret:
@@ -112,7 +149,13 @@ def payload_without_prefix(data: Any, num_blocks: int) -> bytes:
 
 
 class KVTransport(ABC):
-    """The router's side: deliver, release, discard."""
+    """The router's side: deliver, release, discard.
+
+    Release and discard are one path for every backend: ``held_key`` names what the
+    source holds for a ticket (None: nothing to tell it), ``_free_on_source`` tells it
+    (the source rank's ``release_kv`` / ``release_kv_many`` Ray calls unless a backend
+    overrides it), and ``_free`` bounds that call by ``release_timeout_s``: past it, or
+    when the call fails, the release is logged and counted, never waited for longer."""
 
     name: str = ""
     # whether a prefill rank can ask the decode rank for the import itself (ray only;
@@ -133,9 +176,14 @@ class KVTransport(ABC):
     def forget_direct(self, reply_id: str) -> None:
         return None
 
+    # the deadline of each call that tells a source rank to free payloads
+    release_timeout_s: float = RELEASE_TIMEOUT_S
+
     def __init__(self) -> None:
         self.bytes_moved = 0
         self.num_deliveries = 0
+        self.num_release_timeouts = 0  # the source did not answer within the deadline
+        self.num_release_errors = 0  # the call failed (a dead source freed it already)
 
     @abstractmethod
     async def deliver(self, ticket: Any, src: Any, dst: Any,
@@ -150,13 +198,49 @@ class KVTransport(ABC):
         await self.discard(ticket, src)
 
     async def release_many(self, tickets: list[Any], src: Any) -> None:
-        """``release`` of several payloads of one source (a request's streamed chunks);
-        a transport whose release is a call to the source makes it one call."""
-        await asyncio.gather(*(self.release(ticket, src) for ticket in tickets))
+        """``release`` of several payloads of one source (a request's streamed chunks),
+        in one call to the source."""
+        keys = [key for key in map(self.held_key, tickets) if key is not None]
+        if keys:
+            await self._free(src, keys, many=True)
 
-    @abstractmethod
     async def discard(self, ticket: Any, src: Any) -> None:
         """Free the payload behind ``ticket`` without importing it anywhere."""
+        key = self.held_key(ticket)
+        if key is not None:
+            await self._free(src, [key], many=False)
+
+    def held_key(self, ticket: Any) -> str | None:
+        """The key the source holds ``ticket``'s payload under until it is told to free
+        it; None when there is nothing to tell (it goes with the router's reference)."""
+        return ticket.attempt
+
+    async def _free_on_source(self, src: Any, keys: list[str], many: bool) -> None:
+        """Tell rank ``src`` to free ``keys`` (``many``: one ``release_kv_many`` call,
+        else ``release_kv`` of the one key)."""
+        if many:
+            await src.actor.release_kv_many.remote(keys)
+        else:
+            await src.actor.release_kv.remote(keys[0])
+
+    async def _free(self, src: Any, keys: list[str], many: bool) -> bool:
+        """``_free_on_source`` within ``release_timeout_s``; True once the source
+        answered. Past the deadline, or on a failed call, it is logged and counted (the
+        payload then expires on the source after its ``max_age_s``)."""
+        try:
+            await asyncio.wait_for(self._free_on_source(src, keys, many),
+                                   self.release_timeout_s)
+        except asyncio.TimeoutError:
+            self.num_release_timeouts += 1
+            log.warning("%s KV release of %d payload(s) (%s) got no answer within %gs",
+                        self.name, len(keys), keys[0], self.release_timeout_s)
+            return False
+        except Exception as exc:  # a dead source holds nothing any more
+            self.num_release_errors += 1
+            log.info("%s KV release of %d payload(s) (%s) failed: %s: %s", self.name,
+                     len(keys), keys[0], type(exc).__name__, exc)
+            return False
+        return True
 
     async def close(self) -> None:
         return None

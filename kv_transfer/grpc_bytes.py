@@ -41,7 +41,8 @@ serialize/parse happen once on each side of every hop):
    payload whole and queues it (copies into tensors, then into KV blocks).
    A refused push never reaches the importer: no blocks are taken, nothing is queued.
 6. Release / discard: the router releases the payload (``release_kv`` on the prefill
-   rank, through Ray) only after the decode rank confirmed the import.
+   rank, through Ray) only after the decode rank confirmed the import, within the
+   base's release deadline (``RELEASE_TIMEOUT_S``; past it: logged and counted).
 
 Limits: a Fetch or Push stream is aborted (``DEADLINE_EXCEEDED``) when it runs longer
 than ``stream_timeout_s`` in all, or when a Push's next chunk (a Fetch's next write)
@@ -633,17 +634,8 @@ class GrpcBytesTransport(KVTransport):
         self._delivered(moved)
         return DeliveryResult(True, attempt=reply.request_id, nbytes=moved)
 
-    async def discard(self, ticket: Any, src: Any) -> None:
-        try:
-            await src.actor.release_kv.remote(ticket.locator[1])
-        except Exception:  # a dead source holds nothing any more
-            pass
-
-    async def release_many(self, tickets: list[Any], src: Any) -> None:
-        try:  # one call for all of them
-            await src.actor.release_kv_many.remote([t.locator[1] for t in tickets])
-        except Exception:
-            pass
+    def held_key(self, ticket: Any) -> str | None:
+        return ticket.locator[1]  # (address, attempt); freed through the base's path
 
     async def close(self) -> None:
         for channel in self._channels.values():

@@ -4,7 +4,8 @@
    attempt key.
 2. Deliver: the router side calls ``dst.import_prefilled(bytes)`` directly (``src`` and
    ``dst`` are objects with an ``endpoint`` and an ``import_prefilled`` method).
-3. Release / discard: drop the bytes from the source's endpoint.
+3. Release / discard: drop the bytes from the source's endpoint (through the base's one
+   release path, like every backend).
 The payload still goes through its bytes form, so what is tested is what crosses a
 process boundary on the other transports.
 """
@@ -42,5 +43,9 @@ class InProcessTransport(KVTransport):
         self._delivered(len(data))
         return DeliveryResult(True, attempt=result.attempt, nbytes=len(data))
 
-    async def discard(self, ticket: Any, src: Any) -> None:
-        src.endpoint.release(ticket.locator)
+    def held_key(self, ticket: Any) -> str | None:
+        return ticket.locator
+
+    async def _free_on_source(self, src: Any, keys: list[str], many: bool) -> None:
+        for key in keys:
+            src.endpoint.release(key)

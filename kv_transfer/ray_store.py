@@ -25,9 +25,10 @@
    private copy first, since the segment is reused once the import is confirmed. After
    the copy the receiver checks the segment's generation again and refuses (TRANSPORT)
    an import whose bytes the sender reused meanwhile.
-4. Release / discard: the router tells the source (``release_kv``) once the import is
-   confirmed or the request ended; the segment is then reused for the next payload. An
-   object-store payload goes when the router drops its last reference.
+4. Release / discard: the router tells the source (``release_kv``, through base.py's one
+   release path and its deadline) once the import is confirmed or the request ended;
+   the segment is then reused for the next payload. An object-store payload goes when
+   the router drops its last reference.
 
 Copies of the KV bytes (``COPIES``):
 - one node, shared memory: gather into the segment (1); scatter into the receiver's
@@ -41,7 +42,6 @@ re-prefilled elsewhere.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
@@ -52,6 +52,7 @@ from pdserve.kv_transfer.base import (
     PAYLOAD,
     PAYLOAD_MAX_AGE_S,
     TRANSPORT,
+    UNREACHABLE,
     DeliveryResult,
     KVTransport,
     RankEndpoint,
@@ -71,9 +72,8 @@ from pdserve.kv_transfer.wake_channel import (
 
 log = logging.getLogger(__name__)
 
-# what import_shared answers when it cannot map the sender's segment: use the object path
-UNREACHABLE = "unreachable"
-RELEASE_TIMEOUT_S = 10.0
+# UNREACHABLE (base.FailureKind): what import_shared answers when it cannot map the
+# sender's segment: use the object path
 COPIES = {"shared memory (one node)": 2, "object store, one node": 3,
           "object store, across nodes": 4}
 
@@ -284,20 +284,7 @@ class RayObjectStoreTransport(KVTransport):
         self._delivered(nbytes)
         return DeliveryResult(True, attempt=result.attempt, nbytes=nbytes)
 
-    async def release_many(self, tickets: list[Any], src: Any) -> None:
-        keys = [t.attempt for t in tickets if isinstance(t.locator, SharedPayload)]
-        if keys:  # one call for all of them (objects go with the router's references)
-            try:
-                await asyncio.wait_for(src.actor.release_kv_many.remote(keys), RELEASE_TIMEOUT_S)
-            except Exception:
-                pass
-
-    async def discard(self, ticket: Any, src: Any) -> None:
+    def held_key(self, ticket: Any) -> str | None:
         # An object goes with the router's last reference; a staged segment is the
-        # source's to reuse, so it must be told (a dead source freed it already).
-        if isinstance(ticket.locator, SharedPayload):
-            try:
-                await asyncio.wait_for(src.actor.release_kv.remote(ticket.attempt),
-                                       RELEASE_TIMEOUT_S)
-            except Exception:
-                pass
+        # source's to reuse, so it must be told (through the base's release path).
+        return ticket.attempt if isinstance(ticket.locator, SharedPayload) else None

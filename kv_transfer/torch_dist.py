@@ -38,7 +38,8 @@ in a gloo pair stages the bytes through host memory.
    or unreachable, a send or receive that failed or timed out, the payload gone) is
    ``transport``, and the pair group is dropped on both ranks (each closes it once its
    transfers on it ended) so the next delivery forms a new one.
-4. Release / discard: the router tells the source (``release_kv``); it drops the tensor.
+4. Release / discard: the router tells the source (``release_kv``, through base.py's one
+   release path and its deadline); it drops the tensor.
    An endpoint also forgets payloads nobody asked for within ``max_age_s``.
 
 Copies of the KV bytes (``COPIES``; "wire" = NCCL's transfer, or gloo's socket):
@@ -79,7 +80,6 @@ log = logging.getLogger(__name__)
 
 PREFIX = "pdserve/kv"
 MAX_PAIRS = 64  # pair groups one rank keeps (the oldest idle one goes first)
-RELEASE_TIMEOUT_S = 10.0
 COPIES = {"nccl, GPU to GPU": 3, "gloo, CPU ranks": 3, "gloo, staged through host memory": 5}
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 # a cut payload's head may grow by one 64-byte alignment step; its tensors only shrink
@@ -485,12 +485,6 @@ class DeviceTransport(KVTransport):
         self.num_pairs_dropped += 1
         for actor in (src.actor, dst.actor):
             _fire(actor, name)
-
-    async def discard(self, ticket: Any, src: Any) -> None:
-        try:
-            await asyncio.wait_for(src.actor.release_kv.remote(ticket.attempt), RELEASE_TIMEOUT_S)
-        except Exception:  # a dead source freed it already
-            pass
 
 
 async def _joined(joins: list[Any], bound: float) -> None:

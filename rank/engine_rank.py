@@ -49,7 +49,15 @@ from collections.abc import Callable
 from typing import Any
 
 from pdserve.engine.outputs import EngineStats, HandOff, RequestOutput, StepOutputs
-from pdserve.kv_transfer.base import payload_without_prefix
+from pdserve.kv_transfer.base import (
+    CACHE_MISS,
+    CAPACITY,
+    PAYLOAD,
+    TRANSPORT,
+    UNREACHABLE,
+    FailureKind,
+    payload_without_prefix,
+)
 from pdserve.kv_transfer.wake_channel import ImportOnce
 from pdserve.rank.messages import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
@@ -152,6 +160,18 @@ def default_communicator_factory(rank: int, world_size: int, address: Any,
 
 def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+def _refused_kind(exc: BaseException) -> FailureKind:
+    """Why the engine refused an import, by the type it raised: no room (CAPACITY), a
+    left-out prefix its cache lost (CACHE_MISS), else the payload itself (PAYLOAD)."""
+    from pdserve.engine.engine import CacheMissError, NoCapacityError  # loaded with the engine
+
+    if isinstance(exc, NoCapacityError):
+        return CAPACITY
+    if isinstance(exc, CacheMissError):
+        return CACHE_MISS
+    return PAYLOAD
 
 
 class EngineRank:
@@ -481,10 +501,7 @@ class EngineRank:
             attempt = self._call(lambda eng: eng.import_prefilled(
                 payload, borrowed=borrowed, skip_blocks=skip_blocks))
         except Exception as exc:
-            name = type(exc).__name__
-            kind = ("capacity" if "Capacity" in name else
-                    "cache_miss" if "CacheMiss" in name else "payload")
-            return ImportResult(False, kind=kind, error=_error_text(exc))
+            return ImportResult(False, kind=_refused_kind(exc), error=_error_text(exc))
         self._imported_at[attempt] = time.monotonic()
         self.timeline.imported(self.pool_name, self.rank, start, time.time())
         nbytes = len(payload)
@@ -502,7 +519,7 @@ class EngineRank:
             return self._import_shared(locator, skip_blocks)
         return self._once.called(
             key, lambda: self._import_shared(locator, 0), WOKEN_IMPORT_WAIT_S,
-            lambda: ImportResult(False, kind="transport", error=(
+            lambda: ImportResult(False, kind=TRANSPORT, error=(
                 f"the woken import of this payload took over {WOKEN_IMPORT_WAIT_S:g}s")))
 
     def _woken(self, locator: Any) -> None:
@@ -512,7 +529,6 @@ class EngineRank:
             self._once.woken(key, lambda: self._import_shared(locator, 0))
 
     def _import_shared(self, locator: Any, skip_blocks: int) -> ImportResult:
-        from pdserve.kv_transfer.ray_store import UNREACHABLE
         from pdserve.kv_transfer.shared_memory import SharedPayloadUnavailable
 
         try:
@@ -522,10 +538,10 @@ class EngineRank:
         result = self.import_prefilled(view, borrowed=True, skip_blocks=skip_blocks)
         del view
         # what it read (taken, or refused as malformed) is void if the sender reused it
-        if (result.ok or result.kind == "payload") and not self.endpoint.still_valid(locator):
+        if (result.ok or result.kind == PAYLOAD) and not self.endpoint.still_valid(locator):
             if result.ok:
                 self.abort(result.attempt)
-            return ImportResult(False, kind="transport",
+            return ImportResult(False, kind=TRANSPORT,
                                 error="the sender reused the KV segment while it was read")
         return result
 
@@ -542,7 +558,7 @@ class EngineRank:
     # decode rank), formed by the router on first use (this rank hosts its store when it
     # is the source: kv_pair_open; both join: kv_pair_join), then one kv_send on the
     # source and one kv_receive on the destination per payload, called concurrently.
-    # Each answers an ImportResult and never raises (a failure is kind "transport").
+    # Each answers an ImportResult and never raises (a failure is kind TRANSPORT).
 
     def kv_pair_open(self, pair: str, timeout_s: float) -> str:
         """Source: host pair ``pair``'s store on this node; its tcp:// address."""
@@ -564,7 +580,7 @@ class EngineRank:
         try:
             nbytes = self.endpoint.send(pair, attempt, skip_blocks, timeout_s)
         except Exception as exc:
-            return ImportResult(False, kind="transport",
+            return ImportResult(False, kind=TRANSPORT,
                                 error=self.endpoint.redact(_error_text(exc)))
         return ImportResult(True, attempt=attempt, nbytes=nbytes)
 
@@ -575,7 +591,7 @@ class EngineRank:
         try:
             data = self.endpoint.receive(pair, nbytes, skip_blocks, timeout_s)
         except Exception as exc:
-            return ImportResult(False, kind="transport",
+            return ImportResult(False, kind=TRANSPORT,
                                 error=self.endpoint.redact(_error_text(exc)))
         return self.import_prefilled(data)
 

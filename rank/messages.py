@@ -34,6 +34,8 @@ from pdserve.engine.outputs import (
     StepOutputs,
     TokenLogprobs,
 )
+from pdserve.kv_transfer.base import DeliveryResult
+from pdserve.kv_transfer.base import FailureKind as FailureKind  # part of the contract
 from pdserve.scheduler.sampling_params import SamplingParams
 
 # Bounds the router gives every rank it starts (RouterConfig's fields of the same names
@@ -128,13 +130,12 @@ class AdmitResult:
     error: str = ""
 
 
-@dataclass
-class ImportResult:
-    ok: bool
-    attempt: str = ""
-    kind: str = ""  # on failure: "payload" | "capacity" | "cache_miss"
-    error: str = ""
-    nbytes: int = 0  # the payload's size as it arrived
+# A decode rank's answer to an import (``import_prefilled``, ``import_shared``,
+# ``kv_send`` / ``kv_receive``): part of this contract, but one type with the router's
+# delivery outcome, defined once in kv_transfer/base.py: ok, attempt, kind (a
+# ``FailureKind``, set where the failure is known: payload, capacity, cache_miss,
+# transport; ray's unreachable), error, nbytes (the payload's size as it arrived).
+ImportResult = DeliveryResult
 
 
 @dataclass
