@@ -5,6 +5,10 @@ streamed at once -> KV payload handed to the decode rank with the most free bloc
 -> each decode step's tokens fanned out to the client streams. Normal: one pool of
 NORMAL ranks does both phases. Every request ends with exactly one finish event;
 an abort (client gone, deadline, `Abort`) reaches the request wherever it is.
+
+The KV hand-off's delivery to a decode rank (its four ways, the direct hand-off, its
+counters) lives in router/handoff.py (``HandoffDelivery``); ``_hand_off`` here runs
+each one as a task and cleans up after it.
 """
 
 from __future__ import annotations
@@ -19,8 +23,6 @@ from typing import Any
 import grpc
 import ray
 from pdserve.kv_transfer import KVSecret, make_transport
-from pdserve.kv_transfer.base import CACHE_MISS, PAYLOAD, TRANSPORT, DeliveryResult
-from pdserve.kv_transfer.wake_channel import LocalReply
 from pdserve.planner.latency_window import RecentLatencies
 from pdserve.rank.messages import (
     AddRequest,
@@ -31,9 +33,10 @@ from pdserve.rank.messages import (
     StepReport,
 )
 from pdserve.router.config import RouterConfig
+from pdserve.router.handoff import HandoffDelivery, HandoffGroup, waits_on
 from pdserve.router.kv_stream import KVStream, send_chunks
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pools import DEAD, READY, Pool, PromptBlocks, RankHandle
+from pdserve.router.pools import DEAD, Pool, PromptBlocks, RankHandle
 from pdserve.router.requests import DECODE, HANDOFF, PREFILL, QUEUED, RequestState, RequestTracker
 from pdserve.router.validation import ModelLimits, PreparedRequest, RequestError
 
@@ -72,19 +75,39 @@ class RouterService:
         self.num_moves = 0
         self.num_lost_reports = 0
         self.num_handoffs_in_flight = 0
-        self.num_kv_blocks_skipped = 0  # KV blocks a decode rank's cache held: not sent
         self.num_kv_chunks_streamed = 0  # chunks that reached a decode rank ahead of time
-        self.num_direct_handoffs = 0  # hand-offs a prefill rank had its decode rank import
-        self.num_direct_refused = 0  # ... that the decode rank refused (then delivered)
-        self.num_direct_local = 0  # ... whose answer came through the wake channel, not Ray
         self.num_early_reports = 0  # decode reports held until their hand-off's ticket came
         self._streams: dict[str, KVStream] = {}  # attempt -> its KV streamed ahead
         # Recent TTFT and inter-token samples by rank: the planner's, and status'.
         self.latencies = RecentLatencies(config.planner_window_s)
         self.planner = None  # the SLO planner's loop (planner/loop.py), with autoscale
         self.metrics = RouterMetrics(self)
+        # the KV hand-off's delivery (router/handoff.py), with its counters
+        self.handoffs = HandoffDelivery(config, self.pools, self.transport, self.metrics,
+                                        self._streams, spawn=self.spawn, move=self._move,
+                                        finish=self._finish, abort_on=self._abort_on)
         self._tasks: set[asyncio.Task] = set()
         self._stopping = False
+
+    @property
+    def num_kv_blocks_skipped(self) -> int:
+        """KV blocks a decode rank's cache held: not sent."""
+        return self.handoffs.num_kv_blocks_skipped
+
+    @property
+    def num_direct_handoffs(self) -> int:
+        """Hand-offs a prefill rank had its decode rank import."""
+        return self.handoffs.num_direct_handoffs
+
+    @property
+    def num_direct_refused(self) -> int:
+        """Direct hand-offs the decode rank refused (then the router delivered them)."""
+        return self.handoffs.num_direct_refused
+
+    @property
+    def num_direct_local(self) -> int:
+        """Direct hand-offs whose answer came through the wake channel, not Ray."""
+        return self.handoffs.num_direct_local
 
     @property
     def num_kv_streams(self) -> int:
@@ -453,7 +476,7 @@ class RouterService:
         group = self._take_handoff(rank, ticket)
         if not group.live:
             if ticket.direct_import is not None:
-                self.spawn(self._undo_direct(ticket, self._streams.get(ticket.stream_of)))
+                self.spawn(self.handoffs.undo_direct(ticket, self._streams.get(ticket.stream_of)))
             self.spawn(self.transport.discard(ticket, rank))
             if ticket.stream_of:
                 self._drop_stream(ticket.stream_of)
@@ -472,7 +495,7 @@ class RouterService:
 
     def _take_chunk(self, rank: RankHandle, chunk: KVChunkTicket) -> None:
         state = self.tracker.by_attempt(chunk.stream_of)
-        if state is None or not _waits_on(state, chunk.stream_of) \
+        if state is None or not waits_on(state, chunk.stream_of) \
                 or state.prefill_rank is not rank:
             self.spawn(self.transport.discard(chunk, rank))  # its attempt ended or moved
             return
@@ -498,13 +521,13 @@ class RouterService:
                                        self.config.handoff_timeout_s, self._abort_on)
             if result.ok:
                 self.num_kv_chunks_streamed += stream.delivered - before
-                if stream.direct_dst is None and self._can_hand_off_directly(stream):
+                if stream.direct_dst is None and self.handoffs.can_hand_off_directly(stream):
                     stream.direct_dst = stream.dst
-                    self.spawn(self._tell_direct(stream.src, stream.attempt, stream.dst))
+                    self.spawn(self.handoffs.tell_direct(stream.src, stream.attempt, stream.dst))
             else:
                 stream.broken = True
                 if stream.direct_dst is not None:  # the hand-off goes through the router
-                    self.spawn(self._tell_direct(stream.src, stream.attempt, None))
+                    self.spawn(self.handoffs.tell_direct(stream.src, stream.attempt, None))
                 log.info("streaming KV of %s stopped: %s: %s", stream.attempt, result.kind,
                          result.error)
 
@@ -531,10 +554,10 @@ class RouterService:
         if not imported and partial and dst is not None and dst.state != DEAD:
             await self._abort_on(dst, attempt)
 
-    def _take_handoff(self, rank: RankHandle, ticket: HandoffTicket) -> _HandoffGroup:
+    def _take_handoff(self, rank: RankHandle, ticket: HandoffTicket) -> HandoffGroup:
         """Stream each choice's first token (before any KV moves); the ones that go on
         make the hand-off's group."""
-        group = _HandoffGroup([c.attempt for c in ticket.choices])
+        group = HandoffGroup([c.attempt for c in ticket.choices])
         for choice in ticket.choices:
             state = self.tracker.by_attempt(choice.attempt)
             if state is not None and not group.prompt_hashes:
@@ -558,14 +581,14 @@ class RouterService:
             group.members.append((state, choice.attempt))
         return group
 
-    async def _hand_off(self, group: _HandoffGroup, src: RankHandle,
+    async def _hand_off(self, group: HandoffGroup, src: RankHandle,
                         ticket: HandoffTicket) -> None:
         """Deliver the payload to a decode rank; released only once the import is
         confirmed. Never ends without each of its choices moving on: decoding, moved,
         or ended."""
         self.num_handoffs_in_flight += 1  # each holds its payload's ticket
         try:
-            await self._deliver(group, src, ticket)
+            await self.handoffs.deliver(group, src, ticket)
         except asyncio.CancelledError:
             if not self._stopping:
                 for state in group.live:
@@ -584,187 +607,6 @@ class RouterService:
                     await self._close_stream(ticket.stream_of, imported=group.decoding)
             finally:
                 self.num_handoffs_in_flight -= 1
-
-    async def _deliver(self, group: _HandoffGroup, src: RankHandle,
-                       ticket: HandoffTicket) -> None:
-        tried: set[int] = set()
-        last_error = ""
-        pool = self.pools["decode"]
-        started = time.monotonic()
-        hashes = group.prompt_hashes if self.config.routing == "cache_aware" else []
-        stream = self._streams.get(ticket.stream_of) if ticket.streamed_blocks else None
-        if ticket.streamed_blocks and (stream is None or stream.num_blocks != ticket.streamed_blocks):
-            if ticket.direct_import is not None:
-                self.spawn(self._undo_direct(ticket, stream))
-            for state in group.live:  # its payload is incomplete without them
-                self._move(state, "the KV chunks streamed ahead of its hand-off were lost")
-            return
-        direct = ticket.direct_import if stream is not None and stream.direct_dst is not None \
-            else None
-        if ticket.direct_import is not None and direct is None:
-            self.spawn(self._undo_direct(ticket, stream))
-        if stream is not None:
-            stream.handing_off = True
-            hashes = []  # the payload already leaves out what went ahead
-        retry_whole: RankHandle | None = None  # its cache lost the prefix: send it all
-        for _ in range(self.config.max_handoff_tries):
-            if direct is not None:
-                dst, skip = stream.direct_dst, 0  # it was asked for the import already
-            elif retry_whole is not None:
-                dst, skip, retry_whole = retry_whole, 0, None
-            elif stream is not None and stream.dst is not None and not stream.broken \
-                    and stream.dst.state == READY and stream.dst.uid not in tried:
-                dst, skip = stream.dst, 0  # it holds the chunks already
-            else:
-                dst = await pool.wait_for_decode(tried, self.config.rank_wait_s,
-                                                 lambda: not group.live, hashes)
-                # the prefix the decode rank's cache holds stays on the prefill rank
-                skip = dst.cached_prefix_blocks(hashes) if dst is not None and hashes else 0
-            if not group.live:
-                return
-            if dst is None:
-                break
-            tried.add(dst.uid)
-            for state, key in group.members:
-                state.decode_rank = dst
-                dst.inflight.add(key)
-            dst.pending_imports += 1
-            try:
-                try:
-                    if direct is not None:
-                        self.num_direct_local += isinstance(direct, LocalReply)
-                        result, direct = await self._direct_result(direct, ticket, dst), None
-                        self.num_direct_handoffs += result.ok
-                        self.num_direct_refused += not result.ok
-                    else:
-                        result = await self._deliver_to(ticket, src, dst, skip, stream)
-                except asyncio.TimeoutError:
-                    # The import may still land: the attempts move, so a late one is stale.
-                    for key in group.attempts:
-                        self.spawn(self._abort_on(dst, key))
-                    for state in group.live:
-                        self._move(state, f"the KV hand-off to {dst.name} timed out after "
-                                   f"{self.config.handoff_timeout_s:g}s")
-                    return
-            finally:
-                dst.pending_imports -= 1
-            if result.ok:
-                took = time.monotonic() - started
-                self.metrics.handed_off(result.nbytes or ticket.nbytes, took)
-                self.num_kv_blocks_skipped += skip
-                self.spawn(self.transport.release(ticket, src))
-                live, live_keys = group.live, group.live_attempts
-                for key in group.attempts:  # choices that ended meanwhile, or never joined
-                    if key not in live_keys:
-                        dst.inflight.discard(key)
-                        await self._abort_on(dst, key)
-                for state in live:
-                    state.timings["kv_handoff_s"] = took
-                    state.handoff_group = None
-                    if dst.state == DEAD:  # it died while importing: its poller missed it
-                        self._move(state, f"{dst.name} died during the hand-off")
-                    else:
-                        state.stage = DECODE
-                        group.decoding = True
-                return
-            for key in group.attempts:
-                dst.inflight.discard(key)
-            last_error = result.error
-            if stream is not None and stream.dst is dst:  # what it took of the chunks goes
-                async with stream.lock:
-                    await self._abort_on(dst, stream.attempt)
-                    stream.dst, stream.delivered = None, 0
-            if not group.live:
-                return
-            if result.kind == PAYLOAD:
-                for state in group.live:
-                    self._finish(state, "error",
-                                 f"KV payload rejected by {dst.name}: {result.error}")
-                return
-            if result.kind == CACHE_MISS:  # evicted since it said so: the whole payload
-                dst.cached_blocks.difference_update(hashes[:skip])
-                retry_whole = dst
-                continue
-            if result.kind == TRANSPORT:
-                for key in group.attempts:  # in case half of it arrived
-                    await self._abort_on(dst, key)
-                if src.state == DEAD:
-                    for state in group.live:
-                        self._move(state, f"KV payload lost: {src.name} died")
-                    return
-            # capacity, a decode rank gone, or a failed relay: try the next one
-        for state in group.live:
-            self._move(state, "no decode rank could take the prefilled request"
-                       + (f" (last: {last_error})" if last_error else ""))
-
-    async def _deliver_to(self, ticket: HandoffTicket, src: RankHandle, dst: RankHandle,
-                          skip: int, stream: KVStream | None) -> DeliveryResult:
-        """The payload to ``dst``, after every chunk that went ahead of it."""
-        if stream is not None:
-            async with stream.lock:
-                sent = await send_chunks(self.transport, stream, dst,
-                                         self.config.handoff_timeout_s, self._abort_on)
-            if not sent.ok:
-                return sent
-        return await asyncio.wait_for(self.transport.deliver(ticket, src, dst, skip_blocks=skip),
-                                      self.config.handoff_timeout_s)
-
-    def _can_hand_off_directly(self, stream: KVStream) -> bool:
-        """A direct hand-off needs the transport's support and both ranks on one node
-        (the decode rank maps the prefill rank's shared memory)."""
-        src, dst = stream.src, stream.dst
-        if not self.transport.direct_handoff or dst is None or dst.state != READY:
-            return False
-        src_node = getattr(src.info, "node_id", "") if src.info else ""
-        return bool(src_node) and src_node == (getattr(dst.info, "node_id", "") if dst.info else "")
-
-    async def _tell_direct(self, src: RankHandle, attempt: str, dst: RankHandle | None) -> None:
-        """Tell ``src`` where ``attempt``'s hand-off goes directly (None: nowhere), and,
-        on one node, where and under which id ``dst`` answers this router. Lost word
-        costs only speed: the router delivers what the prefill rank does not."""
-        stream = self._streams.get(attempt)
-        wake, reply, reply_id = "", "", ""
-        if dst is not None:
-            wake = getattr(dst.info, "wake_address", "") if dst.info else ""
-            if wake and stream is not None and not stream.direct_reply:
-                reply, reply_id = self.transport.expect_direct(src, dst)
-                stream.direct_reply = reply_id
-        try:
-            await asyncio.wait_for(
-                src.actor.hand_off_to.remote(attempt, dst.actor if dst is not None else None,
-                                             wake, reply, reply_id),
-                self.config.rank_call_timeout_s)
-        except Exception:
-            pass
-
-    async def _direct_result(self, ref: Any, ticket: HandoffTicket,
-                             dst: RankHandle | None) -> DeliveryResult:
-        """What the decode rank answered the prefill rank's direct import (to this router
-        through the wake channel, or to the prefill rank's Ray call), within the
-        hand-off's deadline (asyncio.TimeoutError past it, as a delivery's)."""
-        if isinstance(ref, LocalReply):
-            return await asyncio.wait_for(self.transport.direct_answer(ref, dst, ticket.nbytes),
-                                          self.config.handoff_timeout_s)
-        try:
-            answer = await asyncio.wait_for(ref, self.config.handoff_timeout_s)
-        except asyncio.TimeoutError:
-            raise
-        except Exception as exc:  # the decode rank died, or the prefill rank that owns it
-            return DeliveryResult(False, kind=TRANSPORT, error=f"{type(exc).__name__}: {exc}")
-        return self.transport.direct_result(answer, ticket.nbytes)
-
-    async def _undo_direct(self, ticket: HandoffTicket, stream: KVStream | None) -> None:
-        """A direct import nobody continues: once it answered, abort what it took."""
-        dst = stream.direct_dst if stream is not None else None
-        try:
-            answer = await self._direct_result(ticket.direct_import, ticket, dst)
-        except Exception:
-            answer = None
-        # a refusal took nothing; after a failed transport it may have (abort is harmless)
-        if dst is not None and dst.state != DEAD and (
-                answer is None or answer.ok or answer.kind == TRANSPORT):
-            for choice in ticket.choices:
-                await self._abort_on(dst, choice.attempt)
 
     async def _rank_died(self, pool: Pool, rank: RankHandle, why: str) -> None:
         if rank.state == DEAD:
@@ -855,29 +697,6 @@ class RouterService:
                                f"{pool.target} ranks; retry when it is done")
         pool.scaling = self.spawn(pool.scale(replicas))
         return await asyncio.shield(pool.scaling)
-
-
-class _HandoffGroup:
-    """The choices one KV payload carries (n > 1: several; else one) and which of them
-    still wait for it: a choice that ended or moved meanwhile has left the group."""
-
-    def __init__(self, attempts: list[str]) -> None:
-        self.attempts = attempts  # every choice the payload carries, the lead first
-        self.members: list[tuple[RequestState, str]] = []  # joined: (state, its attempt)
-        self.decoding = False  # the payload reached a decode rank for at least one
-        self.prompt_hashes: list[bytes] = []  # the payload's prompt blocks' names
-
-    @property
-    def live(self) -> list[RequestState]:
-        return [s for s, key in self.members if _waits_on(s, key)]
-
-    @property
-    def live_attempts(self) -> set[str]:
-        return {key for s, key in self.members if _waits_on(s, key)}
-
-
-def _waits_on(state: RequestState, attempt: str) -> bool:
-    return not (state.finished or state.aborted) and state.attempt_key == attempt
 
 
 def _ranks_of(state: RequestState) -> list[RankHandle]:

@@ -48,7 +48,9 @@ def test_long_prompts_stream_their_kv_and_decode_the_offline_tokens(make_router,
         asyncio.run(router.service.refresh_stats())
         woken = sum(r.stats.num_woken_imports for r in router.service.pools["decode"].ranks)
         assert (woken > 0) == (transport == "ray")
-        assert woken <= router.service.num_direct_handoffs
+        # (a wake whose import the decode rank refused, e.g. no room at that instant, is
+        # counted as a refused direct hand-off and then delivered by the router)
+        assert woken <= router.service.num_direct_handoffs + router.service.num_direct_refused
         assert (router.service.num_direct_local > 0) == (transport == "ray")
         local = getattr(router.service.transport, "num_local_imports", 0)
         assert (local >= router.service.num_kv_chunks_streamed) == (transport == "ray")
@@ -95,7 +97,7 @@ def test_a_direct_hand_off_that_fails_is_delivered_by_the_router(make_router, re
     payload itself, and nothing is left on either decode rank."""
     router = make_router(prefill=1, decode=2, engine=ENGINE)
     service, sent_to = router.service, []
-    tell = service._tell_direct
+    tell = service.handoffs.tell_direct
 
     async def tell_the_other_rank(src, attempt, dst):
         if dst is not None:
@@ -104,7 +106,7 @@ def test_a_direct_hand_off_that_fails_is_delivered_by_the_router(make_router, re
         sent_to.append(dst)
         await tell(src, attempt, dst)
 
-    service._tell_direct = tell_the_other_rank
+    service.handoffs.tell_direct = tell_the_other_rank
     try:
         prompts = long_prompts(3, seed=21)
         outs = asyncio.run(_generate_all(router, prompts, delay_s=0.2))
