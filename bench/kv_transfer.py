@@ -450,15 +450,20 @@ def _share_config(model_dir: str, max_tokens: int, chunk_tokens: int, folder: st
 def _time_to_second_token(address: str, prompt: list[int]) -> dict:
     from pdserve.router.client import Client
 
+    # More tokens than the two timed: with a direct hand-off the decode rank starts at
+    # once, and a request that ended before the router had booked its delivery would
+    # carry no delivery time in its timings.
+    max_tokens = 8
     with Client(address, timeout=600) as client:
         start = time.perf_counter()
         stamps, last = [], None
-        for msg in client.stream(prompt, max_tokens=2, temperature=0, ignore_eos=True):
+        for msg in client.stream(prompt, max_tokens=max_tokens, temperature=0,
+                                 ignore_eos=True):
             now = time.perf_counter()
             stamps += [now] * len(msg.token_ids)
             last = msg
-    if last is None or last.finish_reason != "length" or len(stamps) != 2:
-        raise RuntimeError(f"a {len(prompt)}-token prompt did not give 2 tokens: "
+    if last is None or last.finish_reason != "length" or len(stamps) != max_tokens:
+        raise RuntimeError(f"a {len(prompt)}-token prompt did not give {max_tokens} tokens: "
                            f"{getattr(last, 'finish_reason', None)} {getattr(last, 'error', '')}")
     t = last.timings
     # The hand-off whole (kv_handoff_span_ms): from the first token sampled on the prefill
