@@ -32,7 +32,7 @@ serve: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
-	$(PY) scripts/lint_imports.py
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) results .pytest_cache

@@ -1,5 +1,7 @@
 """Check the import contracts in ``pyproject.toml`` (``[tool.importlinter]``) with
-import-linter's own ``lint-imports``.
+import-linter's own ``lint-imports`` on a tree of links (the tests use it to check a
+copy of the package with a wrong-way import added; the repository's own ``pdserve/``
+holds committed links to its parts, so a plain ``lint-imports`` works there too).
 
 import-linter finds a package's modules by walking the folder of its ``__init__.py``,
 but pdserve's subpackages are top-level folders mapped into it by ``package-dir``
@@ -49,8 +51,10 @@ def link_tree(dest: Path, root: Path = ROOT) -> Path:
         shutil.rmtree(dest)
     pkg = dest / ROOT_PACKAGE
     pkg.mkdir(parents=True)
+    subpackages = {name.split(".")[1] for name in dirs}
     for entry in top.iterdir():  # pdserve/__init__.py, pdserve/cli.py, ...
-        if entry.name != "__pycache__":
+        # (pdserve/ also holds committed links to the parts: made afresh below)
+        if entry.name != "__pycache__" and entry.name not in subpackages:
             (pkg / entry.name).symlink_to(entry)
     for name, folder in sorted(dirs.items()):
         parts = name.split(".")[1:]
