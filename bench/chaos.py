@@ -164,6 +164,7 @@ class Reference:
 async def _run_request(client, plan: RequestPlan, outcome: RequestOutcome,
                        cancelled: dict[int, asyncio.Event]) -> None:
     import grpc
+
     from pdserve.router.client import build_request
 
     request = build_request(plan.prompt, max_tokens=plan.max_tokens, temperature=0.0,
@@ -210,6 +211,7 @@ async def _read(client, call, plan: RequestPlan, outcome: RequestOutcome) -> Non
 
 async def _event(harness: Any, plan: ScenarioPlan, log: list[str], victims: list) -> None:
     import grpc
+
     from pdserve.router.client import AsyncClient
 
     if plan.event == "none":

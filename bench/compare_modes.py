@@ -106,6 +106,7 @@ def inprocess_router(spec: dict, *, model: str, engine: dict | None = None,
     """A router on an event loop of its own thread, in this process's Ray (started if
     needed); yields its address."""
     import ray
+
     from pdserve.router.config import PoolConfig, RouterConfig
     from pdserve.router.server import start_router
 

@@ -44,6 +44,7 @@ def _paths_here() -> list[str]:
 
 def _engine(model_dir: str, path: str, batch: int):
     import torch
+
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine import LLMEngine
 

@@ -85,8 +85,9 @@ DECODE_STEPS_MAX = 64  # positions a decode benchmark may advance past its conte
 
 
 def bench_decode(runner, hf, batch: int, context: int, repeats: int) -> dict:
-    from pdserve.engine.model_runner import RunnerRow
     from transformers import DynamicCache
+
+    from pdserve.engine.model_runner import RunnerRow
 
     cfg, dev, bs = runner.config, runner.device, runner.block_size
     nb = math.ceil((context + DECODE_STEPS_MAX) / bs)
@@ -142,9 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    from transformers import AutoModelForCausalLM
+
     from pdserve.engine.model_runner import ModelRunner, resolve_device, resolve_dtype
     from pdserve.engine.tiny_model import make_tiny_model
-    from transformers import AutoModelForCausalLM
 
     tmp = None
     model_dir = args.model_dir

@@ -65,6 +65,7 @@ def kv_cache(num_blocks: int, seed: int | None, copy_threads: int = 1):
     """A KV cache of ``num_blocks`` usable blocks (random contents with ``seed``),
     copying blocks in and out with ``copy_threads`` threads."""
     import torch
+
     from pdserve.kernels.kv_cache import KVCache
 
     cache = KVCache(LAYERS, KV_HEADS, HEAD_DIM, num_blocks + 1, BLOCK_SIZE,
@@ -246,6 +247,7 @@ async def grpc_ceiling_seconds(sizes_mib: list[float], repeats: int) -> dict[flo
     `Push`, which counts the chunks' data and answers (no MAC, relay, checks or join)."""
     import grpc
     import numpy as np
+
     from pdserve.kv_transfer import grpc_bytes as gb
     from pdserve.rpc import kv_transfer_pb2 as pb
 
@@ -303,8 +305,9 @@ def two_nodes() -> tuple[str, str]:
 async def _measure_transport(name: str, sizes_mib: list[float], repeats: int,
                              copy_threads: int, across_nodes: bool = False) -> dict:
     import ray
-    from pdserve.kv_transfer import KVSecret, make_transport
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from pdserve.kv_transfer import KVSecret, make_transport
 
     actor_cls = ray.remote(num_cpus=0)(PayloadRank)
     src_cls = dst_cls = actor_cls
@@ -591,6 +594,7 @@ def run(args: argparse.Namespace) -> int:
 
     idle_openmp_passively()  # the stand-in ranks idle their copy threads as ranks do
     import ray
+
     from pdserve.bench.serve import write_json
 
     sizes = [float(s) for s in args.sizes.replace(",", " ").split()]

@@ -90,6 +90,7 @@ def _write_timeline(address: str, since: float, png: str,
     """The run's step records (JSON beside the PNG) and their picture; a router that
     cannot give them costs the picture, not the run's results."""
     import grpc
+
     from pdserve.bench.plots import plot_timeline
 
     try:
@@ -184,9 +185,10 @@ async def collect(address: str, requests: list, *, request_rate: float = math.in
     replace the rate's arrival process; the run lasts `hold_s` at least; with
     `sample_interval_s` a `PoolSampler` records the pools meanwhile (`Run.sampler`).
     """
+    from tqdm import tqdm
+
     from pdserve.bench.datasets import arrival_offsets
     from pdserve.bench.serve_metrics import RequestRecord
-    from tqdm import tqdm
 
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")

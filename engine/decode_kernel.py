@@ -11,6 +11,7 @@ Other steps take the torch path.
 from __future__ import annotations
 
 import torch
+
 from pdserve.kernels import decode_step
 from pdserve.kernels.attention import AttentionMetadata
 from pdserve.kernels.kv_cache import KVCache

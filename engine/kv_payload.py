@@ -30,6 +30,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import torch
+
 from pdserve.scheduler.sampling_params import MAX_CHOICES
 
 MAGIC = b"PDKV"

@@ -16,12 +16,13 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.model_catalog import resolve_model
 from pdserve.engine.outputs import RequestOutput, TokenLogprobs
 from pdserve.scheduler.sampling_params import SamplingParams
-from tqdm.auto import tqdm
 
 
 @dataclass

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.weights import WeightsError, load_checked
 from pdserve.kernels import skinny_gemm
@@ -27,7 +29,6 @@ from pdserve.kernels.attention import AttentionMetadata, attention_step
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.norms import RMSNorm
 from pdserve.kernels.rope import RopeTable, apply_rope_signed, inv_frequencies
-from torch import nn
 
 
 def _onednn_packing_available() -> bool:

@@ -34,6 +34,7 @@ from itertools import chain
 from pathlib import Path
 
 import torch
+
 from pdserve.engine.config import DEFAULT_KV_COPY_THREADS
 from pdserve.engine.model import load_model
 from pdserve.engine.outputs import TokenLogprobs

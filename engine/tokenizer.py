@@ -65,10 +65,11 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
-        from pdserve.engine.gguf_file import GGUFModel
         from transformers.integrations.gguf.gguf_tokenizer_mapping import (
             convert_gguf_tokenizer,
         )
+
+        from pdserve.engine.gguf_file import GGUFModel
 
         gguf = GGUFModel.open(path)
         tokenizer_dict = gguf.tokenizer_dict()

@@ -60,8 +60,9 @@ def load_checked(
     Names in ``optional`` may be absent (e.g. a tied ``lm_head.weight``). Extra
     tensors in the files are ignored. Shapes are checked before any data is read.
     """
-    from pdserve.engine.gguf_file import GGUFModel, find_gguf
     from safetensors import safe_open
+
+    from pdserve.engine.gguf_file import GGUFModel, find_gguf
 
     gguf_path = find_gguf(model_dir)
     if gguf_path is not None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from pdserve.kernels.decode_kv import DecodeKV, DecodePlan
 
 

@@ -38,6 +38,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+
 from pdserve.kernels import cbuild, skinny_gemm
 
 # Phases of a layer, in decode_step.c's PH_* order ("norm" includes the final norm).

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from pdserve.kernels.slot_mapping import DEFAULT_RING_LEN
 
 

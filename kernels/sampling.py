@@ -17,6 +17,7 @@ import ctypes
 import functools
 
 import torch
+
 from pdserve.kernels import cbuild
 
 _M32 = 0xFFFFFFFF

@@ -31,6 +31,7 @@ import ctypes
 import functools
 
 import torch
+
 from pdserve.kernels import cbuild
 
 PANEL = 16

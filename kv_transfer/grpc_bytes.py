@@ -75,6 +75,7 @@ from concurrent import futures
 from typing import Any
 
 import grpc
+
 from pdserve.kv_transfer.base import (
     CACHE_MISS,
     CAPACITY,

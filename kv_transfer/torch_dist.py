@@ -163,6 +163,7 @@ class DeviceEndpoint(RankEndpoint):
         """Join pair ``pair``'s group as ``rank`` (0: source, 1: destination); returns
         once the group formed (gloo: both ranks connected), at most ``timeout_s``."""
         import torch.distributed as dist
+
         from pdserve.engine.dp_comm import _parse_tcp
 
         if backend not in ("gloo", "nccl"):
@@ -369,6 +370,7 @@ def tensor_without_prefix(data: Any, num_blocks: int) -> Any:
     the same device (one device copy of the rest). One that cannot leave a prefix out (a
     sliding-window ring) goes whole: the receiver then finds no blocks skipped."""
     import torch
+
     from pdserve.engine.kv_payload import KVPayload, KVPayloadError
 
     try:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+
 from pdserve.router.validation import RequestError
 
 MIN_TOKEN_CHARS = 16

@@ -164,6 +164,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     import signal
 
     import ray
+
     from pdserve.router.auth import Authenticator
     from pdserve.router.server import server_credentials, start_router
 

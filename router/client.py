@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+
 from pdserve.rpc import router_pb2, router_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"

@@ -34,9 +34,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from pdserve.router.auth import is_loopback_host as is_loopback
-
 from pdserve.native import build_shared, find_compiler
+from pdserve.router.auth import is_loopback_host as is_loopback
 
 SOURCE = Path(__file__).with_name("loopback_bind.c")
 FLAGS = ["-O2", "-shared", "-fPIC"]

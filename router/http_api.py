@@ -26,11 +26,12 @@ from typing import Any
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.responses import StreamingResponse
+
 from pdserve.router.auth import Authenticator, AuthError
 from pdserve.router.request_stream import Chunk, merged_chunks, stream_chunks
 from pdserve.router.validation import RequestError, prepare
 from pdserve.rpc import router_pb2
-from starlette.responses import StreamingResponse
 
 MAX_BODY_BYTES = 16 << 20
 MAX_PROMPTS = 64  # prompts in one /v1/completions call

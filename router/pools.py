@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+
 from pdserve.planner.host import RankStartError  # raised here; the planner acts on it
 from pdserve.rank.messages import EngineStats, RankInfo
 from pdserve.router import routing

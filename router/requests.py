@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+
 from pdserve.rank.messages import AddRequest, AttemptKey
 from pdserve.router.validation import PreparedRequest, RequestError
 

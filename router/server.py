@@ -16,6 +16,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
 from pdserve.router.auth import Authenticator, AuthError, Principal
 from pdserve.router.config import RouterConfig
 from pdserve.router.embedded_ray import public_binds

@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 import ray
+
 from pdserve.kv_transfer import KVSecret, make_transport
 from pdserve.planner.latency_window import RecentLatencies
 from pdserve.rank.messages import (

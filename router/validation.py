@@ -11,6 +11,7 @@ import math
 from dataclasses import asdict, dataclass
 
 import grpc
+
 from pdserve.scheduler.sampling_params import MAX_LOGPROBS, SamplingParams
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs")

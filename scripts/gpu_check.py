@@ -140,9 +140,10 @@ def main() -> int:
         summary["ok"] = "error" not in summary["device_transport"]
         print(json.dumps(summary))
         return 0 if summary["ok"] else 1
+    from transformers import AutoModelForCausalLM
+
     from pdserve.engine.model_runner import ModelRunner, RunnerRow
     from pdserve.engine.tiny_model import make_tiny_model
-    from transformers import AutoModelForCausalLM
 
     dev = torch.device(args.device)
     summary: dict = {"device": str(dev), "torch": torch.__version__}

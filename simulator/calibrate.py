@@ -64,6 +64,7 @@ def _timed_steps(engine, n: int) -> list[tuple]:
 def measure_engine(model_dir: str, repeats: int = 3) -> tuple[list, list]:
     """Prompt samples (rows as (q, c), s) and decode samples (rows, context, s)."""
     import numpy as np
+
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine import LLMEngine
     from pdserve.scheduler.output import StepKind

@@ -20,6 +20,7 @@ from array import array
 from dataclasses import dataclass
 
 import numpy as np
+
 from pdserve.bench.serve_metrics import RequestRecord
 
 # Token owners are collected in a list (a list comprehension appends them fastest) and

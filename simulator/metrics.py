@@ -17,6 +17,7 @@ import math
 from datetime import datetime
 
 import numpy as np
+
 from pdserve.bench.serve import format_summary
 from pdserve.bench.serve_metrics import DEFAULT_PERCENTILES, latency_stats, per_request_lists
 from pdserve.simulator.client_log import ClientLog

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+
 from pdserve.bench.datasets import FIRST_PROMPT_ID, arrival_offsets
 
 BATCH = 10_000

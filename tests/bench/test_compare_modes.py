@@ -7,6 +7,7 @@ import contextlib
 import math
 
 import pytest
+
 from pdserve.bench.compare_modes import (
     DEPLOYMENTS,
     compare,

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+
 from pdserve.bench.datasets import (
     FIRST_PROMPT_ID,
     arrival_offsets,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from pdserve.bench import kv_transfer
 from pdserve.bench.kv_transfer import BLOCK_BYTES, PayloadRank
 

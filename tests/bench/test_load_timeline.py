@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+
 from pdserve.bench.load_timeline import RateSchedule, attainment_bins
 from pdserve.bench.serve_metrics import RequestRecord
 

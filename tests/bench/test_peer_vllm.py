@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+
 from pdserve.bench import peer_vllm
 
 # The worker protocol, answered with HF generate (shift: tokens made wrong on purpose).

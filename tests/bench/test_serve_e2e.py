@@ -8,6 +8,7 @@ import json
 import time
 
 import pytest
+
 from pdserve.bench.datasets import arrival_offsets, random_requests
 from pdserve.bench.serve import main as serve_main
 from pdserve.bench.serve import run_benchmark

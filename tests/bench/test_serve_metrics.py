@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from pdserve.bench.serve_metrics import (
     RequestRecord,
     calculate_metrics,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from pdserve.bench.serve_metrics import RequestRecord, breakdown_summary
 
 TOL_S = 0.025  # the router's clock against the client's

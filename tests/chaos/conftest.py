@@ -4,6 +4,7 @@ injected step faults, shared by every chaos module."""
 from __future__ import annotations
 
 import pytest
+
 from pdserve.bench import chaos
 
 

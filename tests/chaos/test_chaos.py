@@ -5,6 +5,7 @@ offline engine's, nothing left on any rank or in the router, pools back at size.
 from __future__ import annotations
 
 import pytest
+
 from pdserve.bench import chaos
 
 # Seeds chosen so that each transport sees every kind of event exactly twice and every

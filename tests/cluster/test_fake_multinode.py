@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from pdserve.bench.kv_transfer import WARMUPS
 
 REPO = Path(__file__).resolve().parents[2]

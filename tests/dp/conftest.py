@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pdserve.engine.dp_comm import RankPool
 
 POOL_SIZE = 4

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+
 from pdserve.engine.dp_comm import (
     CollectiveError,
     DeadRank,

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+
 from pdserve.engine.dp_comm import CollectiveError, TorchDistCommunicator, listen_store
 
 WORLD = 3

@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from pdserve.scheduler import (
     EngineType,
     SamplingParams,

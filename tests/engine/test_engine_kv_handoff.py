@@ -2,6 +2,7 @@
 engine's behaviour when its pool runs out."""
 
 import pytest
+
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine, NoCapacityError
 from pdserve.engine.kv_payload import KVPayload, KVPayloadError

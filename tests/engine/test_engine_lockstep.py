@@ -3,6 +3,7 @@ the same kind of step at every step under uneven load, ranks with nothing to do
 included, and the pool parks when no rank has work."""
 
 import pytest
+
 from pdserve.engine.dp_comm import RankPool
 
 pytestmark = pytest.mark.timeout(240)
@@ -10,6 +11,7 @@ pytestmark = pytest.mark.timeout(240)
 
 def lockstep_rank(ctx, model_dir: str, load: dict, engine_type: str):
     import torch
+
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine import LLMEngine
     from pdserve.engine.engine_loop import EngineLoop

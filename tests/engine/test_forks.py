@@ -11,6 +11,7 @@ choice, a failed step) ends each choice once and frees everything."""
 from __future__ import annotations
 
 import pytest
+
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.kv_payload import KVPayload

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from pdserve.engine.kv_payload import KVPayload, KVPayloadError
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+
 from pdserve.engine.kv_payload import (
     MAX_HEADER_BYTES,
     MAX_TOKEN_IDS,

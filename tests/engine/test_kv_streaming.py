@@ -3,6 +3,7 @@ chunk completes go ahead as "chunk" payloads, the hand-off carries only the rest
 the decode side's reserved blocks are freed on every path."""
 
 import pytest
+
 from pdserve.engine import engine as engine_module
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import CacheMissError, LLMEngine, NoCapacityError

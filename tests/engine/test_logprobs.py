@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pdserve.engine.llm import LLM
 from pdserve.engine.model_runner import ModelRunner, RunnerRow
 from pdserve.scheduler.sampling_params import SamplingParams

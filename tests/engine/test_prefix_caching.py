@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from pdserve.engine.llm import LLM
 from pdserve.scheduler.sampling_params import SamplingParams
 

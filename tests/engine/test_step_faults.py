@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.rank.fault_injection import FaultyEngineFactory, InjectedFault

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pdserve.engine.model_runner import ModelRunner, RunnerRow
 from pdserve.kernels import cbuild, decode_step
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pdserve.engine.model_runner import ModelRunner, RunnerRow
 
 # Mixed lengths: short, crossing blocks (16), longer than the window (32), longer

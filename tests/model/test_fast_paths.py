@@ -8,12 +8,13 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from pdserve.engine.model import MatMul
 from pdserve.engine.model_runner import ModelRunner, RunnerRow
 from pdserve.kernels import cbuild
 from pdserve.kernels.sampling import sample
 from pdserve.scheduler.sampling_params import SamplingParams
-from torch import nn
 
 TOL = 1e-5
 

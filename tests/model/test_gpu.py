@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pdserve.engine.model_runner import ModelRunner
 
 pytestmark = [

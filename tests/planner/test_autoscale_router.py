@@ -8,9 +8,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from pdserve.router.client import AsyncClient, Client
-
 from pdserve.cli import main as pdserve_main
+from pdserve.router.client import AsyncClient, Client
 
 PROMPTS = [f"request {i}: the quick brown fox jumps over the lazy dog" for i in range(8)]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from pdserve.router.config import config_from_dict, load_config
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "router" / "serve.example.yaml"
@@ -55,9 +56,8 @@ def test_autoscale_in_normal_mode_is_refused_with_what_to_do():
 
 
 def _serve_config(model, *flags):
-    from pdserve.router.cli_commands import serve_config
-
     from pdserve.cli import build_parser
+    from pdserve.router.cli_commands import serve_config
 
     return serve_config(build_parser().parse_args(["serve", "--model", str(model), *flags]))
 

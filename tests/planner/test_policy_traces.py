@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
+
 from pdserve.planner.latency_window import LatencySample
 from pdserve.planner.policy import Decision, Planner, PolicyConfig
 from pdserve.planner.signals import PoolSignals, RankSignals, Signals

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from pdserve.bench.harness import RouterHarness
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]

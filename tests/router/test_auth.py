@@ -11,6 +11,7 @@ import time
 
 import grpc
 import pytest
+
 from pdserve.router.auth import (
     Authenticator,
     AuthError,

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from pdserve.router.chat_template import MAX_CONTENT_BYTES, MAX_MESSAGES, ChatTemplate
 
 # ---- templates (as published with the models, trimmed to their tools-free paths where noted)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+
 from pdserve.router.client import Client
 
 PROMPT = "the quick brown fox"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from pdserve.router.client import Client
 from pdserve.router.requests import RequestTracker
 

@@ -11,6 +11,7 @@ import time
 
 import grpc
 import pytest
+
 from pdserve.rank.messages import AttemptKey
 from pdserve.router.client import Client, build_request
 from pdserve.router.requests import RequestTracker

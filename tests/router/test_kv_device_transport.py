@@ -18,6 +18,7 @@ import time
 import pytest
 import ray
 import torch
+
 from pdserve.engine.dp_comm import DeadRank, RankPool
 from pdserve.engine.kv_payload import KVPayload, KVPayloadError
 from pdserve.kv_transfer.torch_dist import DeviceEndpoint, pair_backend, tensor_without_prefix

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+
 from pdserve.kv_transfer import KVSecret, make_transport
 from pdserve.kv_transfer.base import (
     CACHE_MISS,

@@ -14,6 +14,7 @@ import time
 import grpc
 import msgpack
 import pytest
+
 from pdserve.engine.kv_payload import VERSION
 from pdserve.kv_transfer import make_transport
 from pdserve.kv_transfer.base import KVSecret

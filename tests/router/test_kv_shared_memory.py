@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+
 from pdserve.engine.kv_payload import ALIGN, KVPayload
 from pdserve.kv_transfer.shared_memory import (
     SharedPayload,

@@ -10,6 +10,7 @@ import random
 
 import pytest
 import ray
+
 from pdserve.router.client import AsyncClient
 
 MAX_TOKENS = 8

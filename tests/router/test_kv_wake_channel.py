@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+
 from pdserve.kv_transfer import wake_channel
 from pdserve.kv_transfer.base import DeliveryResult
 from pdserve.kv_transfer.shared_memory import SharedPayload, StagingArea

@@ -13,6 +13,7 @@ import asyncio
 import grpc
 import pytest
 import torch
+
 from pdserve.router.client import Client
 from pdserve.router.requests import RequestState
 from pdserve.router.validation import PreparedRequest

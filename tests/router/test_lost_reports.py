@@ -6,6 +6,7 @@ is caught by the stall bound."""
 from __future__ import annotations
 
 import pytest
+
 from pdserve.rank.fault_injection import FaultyEngineFactory
 from pdserve.router.client import Client
 

@@ -8,6 +8,7 @@ import time
 import urllib.request
 
 import pytest
+
 from pdserve.router.client import Client
 from pdserve.rpc import router_pb2
 

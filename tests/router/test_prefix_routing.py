@@ -12,6 +12,7 @@ import random
 import urllib.request
 
 import pytest
+
 from pdserve.router.client import Client
 
 MAX_TOKENS = 6

@@ -14,6 +14,7 @@ import sys
 import time
 
 import pytest
+
 from pdserve.bench.harness import RouterHarness
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -46,6 +47,7 @@ def test_grpc_chat_answers_paris(real_router):
 
 def test_grpc_chat_is_validated(real_router):
     import grpc
+
     from pdserve.router.client import Client
 
     with Client(real_router.address, timeout=60) as c:

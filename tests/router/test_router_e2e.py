@@ -10,6 +10,7 @@ import threading
 
 import grpc
 import pytest
+
 from pdserve.router.client import AsyncClient, Client, build_request
 
 PROMPTS = [

@@ -9,6 +9,7 @@ import time
 
 import pytest
 import ray
+
 from pdserve.router.client import AsyncClient, Client
 
 

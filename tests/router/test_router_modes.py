@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from pdserve.router.client import AsyncClient, Client
 
 PROMPTS = ["def foo(x):", "the quick brown fox",

@@ -10,6 +10,7 @@ import time
 
 import grpc
 import pytest
+
 from pdserve.router.client import AsyncClient, Client
 
 

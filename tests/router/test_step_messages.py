@@ -9,6 +9,7 @@ import pickle
 from types import SimpleNamespace
 
 import pytest
+
 from pdserve.engine.outputs import (
     EngineStats,
     HandedOffFork,

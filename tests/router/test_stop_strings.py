@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+
 from pdserve.router.client import Client
 from pdserve.router.text_output import TextOutput
 

@@ -13,6 +13,7 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from pdserve.router.validation import (
     MAX_PROMPT_BYTES,
     MAX_REQUEST_ID_CHARS,

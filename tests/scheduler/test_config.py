@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
+
 from pdserve.scheduler import EngineType, Scheduler, SchedulerConfig
 
 BASE = dict(block_size=16, num_blocks=100, num_state_slots=10, max_model_len=2048)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from pdserve.scheduler import AllocStatus, EngineType, SequenceStatus, StepKind
 
 ST = SequenceStatus

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pdserve.scheduler import EngineType, SequenceStatus, StepKind
 
 PROMPT = EngineType.PROMPT

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from pdserve.scheduler import EngineType, StepKind
 from pdserve.scheduler.votes import Communicator, SingleRankCommunicator
 

@@ -1,4 +1,5 @@
 import pytest
+
 from pdserve.simulator.cost_model import CostModel, DecodeStepCost, HandoffCost, PromptStepCost
 
 

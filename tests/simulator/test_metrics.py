@@ -5,6 +5,7 @@ import argparse
 import math
 
 import pytest
+
 from pdserve.bench.serve import Run, summarize
 from pdserve.simulator.cli import add_args, sim_config, workload
 from pdserve.simulator.cluster import Cluster
