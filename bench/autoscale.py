@@ -136,7 +136,8 @@ def run_scenario(model: str, s: Scenario, args: argparse.Namespace, results: Pat
     from pdserve.bench.harness import RouterHarness
     from pdserve.bench.load_timeline import RateSchedule
     from pdserve.bench.plots import plot_pool_timeline
-    from pdserve.bench.serve import collect, summarize, write_json
+    from pdserve.bench.serve_client import collect
+    from pdserve.bench.serve_report import summarize, write_json
 
     schedule = RateSchedule.parse(f"{args.load_s}:{s.rate},{args.quiet_s}:0")
     offsets = schedule.offsets(seed=args.seed)
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown scenario {unknown[0]!r}; choose from {', '.join(SCENARIOS)}")
 
     from pdserve.bench.harness import start_embedded_ray
-    from pdserve.bench.serve import write_json
+    from pdserve.bench.serve_report import write_json
 
     # before ray is imported: it binds loopback then
     model = start_embedded_ray(args.model, resources={"prefill": 8, "decode": DECODE_UNITS})

@@ -325,58 +325,67 @@ def restore_and_check(harness: Any, sizes: dict[str, int], result: ScenarioResul
     bring the pools back to `sizes`, then check that nothing is left anywhere."""
     svc = harness.service
     deadline = time.monotonic() + timeout_s
-
-    async def settle() -> None:
-        while any(v.state != "dead" for v in victims) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        for name, pool in svc.pools.items():
-            if pool.scaling is not None:
-                await asyncio.wait([pool.scaling], timeout=max(1.0, deadline - time.monotonic()))
-            while len(pool.ready()) != sizes[name] and time.monotonic() < deadline:
-                if pool.lock.locked():  # a dead rank's replacement is on its way
-                    await asyncio.sleep(0.1)
-                    continue
-                try:
-                    await svc.scale(name, sizes[name])
-                except Exception as exc:
-                    result.problems.append(f"restoring {name} to {sizes[name]}: {exc}")
-                    await asyncio.sleep(0.5)
-
-    harness.call(settle(), timeout=timeout_s + 30)
+    harness.call(_restore_pools(svc, sizes, result, deadline, victims), timeout=timeout_s + 30)
     stats = harness.wait_drained(max(5.0, deadline - time.monotonic()))
     if len(svc.tracker):
-        result.leaked += 1
-        result.problems.append(f"the router still holds {len(svc.tracker)} requests")
+        _leaked(result, f"the router still holds {len(svc.tracker)} requests")
     for name, ranks in stats.items():
-        for r in ranks:
-            if r["state"] == "dead":
-                continue
-            if r["state"] != "ready":
-                result.leaked += 1
-                result.problems.append(f"{name} rank {r['rank']} is {r['state']}")
-            if r["num_free_blocks"] != r["num_total_blocks"]:
-                result.leaked += 1
-                result.problems.append(f"{name} rank {r['rank']}: {r['num_free_blocks']} of "
-                                       f"{r['num_total_blocks']} blocks free")
-        live = [r for r in ranks if r["state"] == "ready"]
-        if len(live) != sizes[name]:
-            result.leaked += 1
-            result.problems.append(f"{name} pool has {len(live)} ranks, not {sizes[name]}")
+        _check_drained_pool(name, ranks, sizes, result)
     for err in harness.drained_errors():
-        result.leaked += 1
-        result.problems.append(err)
+        _leaked(result, err)
+    _check_router_released(svc, result)
+
+
+def _leaked(result: ScenarioResult, problem: str) -> None:
+    result.leaked += 1
+    result.problems.append(problem)
+
+
+async def _restore_pools(svc: Any, sizes: dict[str, int], result: ScenarioResult,
+                         deadline: float, victims: list) -> None:
+    while any(v.state != "dead" for v in victims) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    for name, pool in svc.pools.items():
+        if pool.scaling is not None:
+            await asyncio.wait([pool.scaling], timeout=max(1.0, deadline - time.monotonic()))
+        while len(pool.ready()) != sizes[name] and time.monotonic() < deadline:
+            if pool.lock.locked():  # a dead rank's replacement is on its way
+                await asyncio.sleep(0.1)
+                continue
+            try:
+                await svc.scale(name, sizes[name])
+            except Exception as exc:
+                result.problems.append(f"restoring {name} to {sizes[name]}: {exc}")
+                await asyncio.sleep(0.5)
+
+
+def _check_drained_pool(name: str, ranks: list[dict], sizes: dict[str, int],
+                        result: ScenarioResult) -> None:
+    """Every live rank of the pool ready with all its blocks free, as many as `sizes` says."""
+    for r in ranks:
+        if r["state"] == "dead":
+            continue
+        if r["state"] != "ready":
+            _leaked(result, f"{name} rank {r['rank']} is {r['state']}")
+        if r["num_free_blocks"] != r["num_total_blocks"]:
+            _leaked(result, f"{name} rank {r['rank']}: {r['num_free_blocks']} of "
+                            f"{r['num_total_blocks']} blocks free")
+    live = [r for r in ranks if r["state"] == "ready"]
+    if len(live) != sizes[name]:
+        _leaked(result, f"{name} pool has {len(live)} ranks, not {sizes[name]}")
+
+
+def _check_router_released(svc: Any, result: ScenarioResult) -> None:
+    """No KV stream, hand-off or rank's in-flight request left at the router."""
     if svc.num_kv_streams:  # KV streamed ahead of a hand-off that never came
-        result.leaked += 1
-        result.problems.append(f"router still holds {svc.num_kv_streams} KV streams")
+        _leaked(result, f"router still holds {svc.num_kv_streams} KV streams")
     if svc.num_handoffs_in_flight:  # each holds a payload's ticket (a Ray object ref)
-        result.leaked += 1
-        result.problems.append(f"{svc.num_handoffs_in_flight} hand-offs still hold payloads")
+        _leaked(result, f"{svc.num_handoffs_in_flight} hand-offs still hold payloads")
     for pool in svc.pools.values():
         for r in pool.ranks:
             if r.state != "dead" and (r.inflight or r.exports):
-                result.leaked += 1
-                result.problems.append(f"{r.name}: router still counts {sorted(r.inflight)} "
-                                       f"in flight, {sorted(r.exports)} exported")
+                _leaked(result, f"{r.name}: router still counts {sorted(r.inflight)} "
+                                f"in flight, {sorted(r.exports)} exported")
 
 
 def chaos_router_config(model_dir: str, transport: str, *, fault_rate: float = 0.01,

@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
         add_load_args,
         build_requests,
         load_kwargs,
-        write_json,
     )
+    from pdserve.bench.serve_report import write_json
     from pdserve.engine.model_catalog import resolve_model
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -6,7 +6,7 @@
 Each deployment is brought up in turn (`pdserve serve` in a subprocess with its own
 embedded Ray, by default; `--launch inprocess` runs the router on a thread of this
 process instead), loaded with the same seeded requests at the same seeded arrival
-times (`bench/serve.py`), and shut down. With the mixed workload each deployment then
+times (`bench/serve_client.py`), and shut down. With the mixed workload each deployment then
 also serves the short chats alone (a control, at their share of the rate): the ratio
 of the chats' ITL with and without long prompts among them is the interference that
 disaggregation is meant to remove. Writes JSON (full results; a side by side table of
@@ -30,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.bench.standalone import standalone_main
@@ -43,14 +44,10 @@ COMPARED = ("p99_itl_ms", "median_itl_ms", "p99_ttft_ms", "median_ttft_ms", "p99
             "p99_e2el_ms", "request_goodput", "request_throughput", "output_throughput")
 
 
-@contextlib.contextmanager
-def subprocess_router(spec: dict, *, model: str | None = None, num_kv_blocks: int | None = None,
-                      max_num_seqs: int | None = None, kv_transport: str = "ray",
-                      start_timeout: float = 300.0, python: str | None = None,
-                      extra_args: tuple[str, ...] = ()):
-    """`pdserve serve` for one deployment on a free port; yields its address.
-    `python`: the interpreter (and so the pdserve build) that serves; default this one;
-    `extra_args`: more `pdserve serve` flags."""
+def _serve_command(spec: dict, *, model: str | None, num_kv_blocks: int | None,
+                   max_num_seqs: int | None, kv_transport: str, python: str | None,
+                   extra_args: tuple[str, ...]) -> list[str]:
+    """The `pdserve serve` command line of one deployment, on a free port."""
     cmd = [python or sys.executable, "-m", "pdserve.cli", "serve", "--port", "0", "--no-self-check",
            "--mode", spec["mode"], "--kv-transport", kv_transport]
     for pool in ("prefill", "decode", "normal"):
@@ -62,7 +59,31 @@ def subprocess_router(spec: dict, *, model: str | None = None, num_kv_blocks: in
         cmd += ["--num-kv-blocks", str(num_kv_blocks)]
     if max_num_seqs:
         cmd += ["--max-num-seqs", str(max_num_seqs)]
-    cmd += list(extra_args)
+    return cmd + list(extra_args)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after a minute."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+@contextlib.contextmanager
+def subprocess_router(spec: dict, *, model: str | None = None, num_kv_blocks: int | None = None,
+                      max_num_seqs: int | None = None, kv_transport: str = "ray",
+                      start_timeout: float = 300.0, python: str | None = None,
+                      extra_args: tuple[str, ...] = ()):
+    """`pdserve serve` for one deployment on a free port; yields its address.
+    `python`: the interpreter (and so the pdserve build) that serves; default this one;
+    `extra_args`: more `pdserve serve` flags."""
+    cmd = _serve_command(spec, model=model, num_kv_blocks=num_kv_blocks,
+                         max_num_seqs=max_num_seqs, kv_transport=kv_transport, python=python,
+                         extra_args=extra_args)
     ray_tmp = tempfile.mkdtemp(prefix="pdcmp", dir="/tmp")
     env = dict(os.environ, PDSERVE_RAY_TMP=ray_tmp,
                OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), PYTHONUNBUFFERED="1")
@@ -89,13 +110,7 @@ def subprocess_router(spec: dict, *, model: str | None = None, num_kv_blocks: in
             raise RuntimeError(f"`{' '.join(cmd[2:])}` did not start:\n" + "\n".join(tail))
         yield found[0]
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        _stop(proc)
         reader.join(5)
         shutil.rmtree(ray_tmp, ignore_errors=True)  # that Ray's session files and logs
 
@@ -179,6 +194,63 @@ def interference(results: dict[str, dict], controls: dict[str, dict], kind: str 
     return out
 
 
+@dataclass
+class _Rounds:
+    """The runs of each deployment so far (and of its control: the short chats alone)."""
+
+    launchers: dict[str, contextlib.AbstractContextManager]
+    requests: list
+    shorts: list  # the control's requests; empty: no control
+    collect_kw: dict
+    rate: float
+    rounds: int
+    runs: dict[str, list] = field(init=False)
+    controls: dict[str, list] = field(init=False)
+    startup: dict[str, float] = field(default_factory=dict)  # seconds to bring each up
+
+    def __post_init__(self) -> None:
+        self.runs = {n: [] for n in self.launchers}
+        self.controls = {n: [] for n in self.launchers}
+
+    def run(self, name: str, address: str, k: int) -> None:
+        """Round `k` of deployment `name`: the workload, then its control."""
+        from pdserve.bench.serve_client import collect
+
+        print(f"{name}: round {k + 1}/{self.rounds}, {len(self.requests)} requests ...",
+              file=sys.stderr, flush=True)
+        kw = dict(self.collect_kw, label=name)
+        if k:
+            kw["num_warmups"] = 0
+        self.runs[name].append(asyncio.run(collect(address, self.requests, **kw)))
+        if self.shorts:
+            kw.update(num_warmups=0, label=f"{name} (short only)",
+                      request_rate=self.rate * len(self.shorts) / len(self.requests))
+            self.controls[name].append(asyncio.run(collect(address, self.shorts, **kw)))
+
+    def start(self, stack: contextlib.ExitStack, name: str) -> str:
+        """Brings deployment `name` up (down when `stack` closes); its address."""
+        t = time.perf_counter()
+        address = stack.enter_context(self.launchers[name])
+        self.startup[name] = time.perf_counter() - t
+        print(f"{name}: router at {address} (up in {self.startup[name]:.1f} s)",
+              file=sys.stderr, flush=True)
+        return address
+
+    def run_all(self) -> None:
+        """Every round: one deployment up at a time, or all up together in turns."""
+        names = list(self.launchers)
+        if self.rounds == 1:
+            for name in names:
+                with contextlib.ExitStack() as stack:
+                    self.run(name, self.start(stack, name), 0)
+            return
+        with contextlib.ExitStack() as stack:
+            addresses = {name: self.start(stack, name) for name in names}
+            for k in range(self.rounds):
+                for name in (names if k % 2 == 0 else names[::-1]):
+                    self.run(name, addresses[name], k)
+
+
 def compare(launchers: dict[str, contextlib.AbstractContextManager], requests: list,
             control: bool = False, rounds: int = 1, **bench_kwargs) -> dict:
     """Run `requests` against each deployment; `launchers` maps a name to a context
@@ -190,7 +262,7 @@ def compare(launchers: dict[str, contextlib.AbstractContextManager], requests: l
     merged into one result. With `control`, every run of the mixed workload is
     followed by the short chats alone, at their own share of the request rate.
     """
-    from pdserve.bench.serve import collect, summarize
+    from pdserve.bench.serve_report import summarize
 
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
@@ -199,50 +271,19 @@ def compare(launchers: dict[str, contextlib.AbstractContextManager], requests: l
     shorts = control_requests(requests) if control else []
     collect_kw = {k: v for k, v in bench_kwargs.items() if k not in ("slos", "percentiles")}
     rate = bench_kwargs.get("request_rate", math.inf)
-    runs: dict[str, list] = {n: [] for n in launchers}
-    ctl: dict[str, list] = {n: [] for n in launchers}
-    startup: dict[str, float] = {}
-
-    def one_round(name: str, address: str, k: int) -> None:
-        print(f"{name}: round {k + 1}/{rounds}, {len(requests)} requests ...", file=sys.stderr,
-              flush=True)
-        kw = dict(collect_kw, label=name)
-        if k:
-            kw["num_warmups"] = 0
-        runs[name].append(asyncio.run(collect(address, requests, **kw)))
-        if shorts:
-            kw.update(num_warmups=0, label=f"{name} (short only)",
-                      request_rate=rate * len(shorts) / len(requests))
-            ctl[name].append(asyncio.run(collect(address, shorts, **kw)))
-
-    def start(stack: contextlib.ExitStack, name: str) -> str:
-        t = time.perf_counter()
-        address = stack.enter_context(launchers[name])
-        startup[name] = time.perf_counter() - t
-        print(f"{name}: router at {address} (up in {startup[name]:.1f} s)", file=sys.stderr,
-              flush=True)
-        return address
+    deployments = _Rounds(launchers, requests, shorts, collect_kw, rate, rounds)
+    deployments.run_all()
 
     names = list(launchers)
-    if rounds == 1:
-        for name in names:
-            with contextlib.ExitStack() as stack:
-                one_round(name, start(stack, name), 0)
-    else:
-        with contextlib.ExitStack() as stack:
-            addresses = {name: start(stack, name) for name in names}
-            for k in range(rounds):
-                for name in (names if k % 2 == 0 else names[::-1]):
-                    one_round(name, addresses[name], k)
-
     results = {}
     for name in names:
-        results[name] = summarize(runs[name], label=name, **bench_kwargs)
-        results[name]["startup_s"] = startup[name]
+        results[name] = summarize(deployments.runs[name], label=name, **bench_kwargs)
+        results[name]["startup_s"] = deployments.startup[name]
     out = {"deployments": results, "comparison": side_by_side(results), "rounds": rounds}
     if shorts:
         kw = dict(bench_kwargs, request_rate=rate * len(shorts) / len(requests))
-        controls = {n: summarize(ctl[n], label=f"{n} (short only)", **kw) for n in names}
+        controls = {n: summarize(deployments.controls[n], label=f"{n} (short only)", **kw)
+                    for n in names}
         out["controls"] = controls
         out["interference"] = interference(results, controls)
     return out
@@ -306,7 +347,8 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.router.embedded_ray import idle_openmp_passively
 
     idle_openmp_passively()
-    from pdserve.bench.serve import build_requests, load_kwargs, write_json
+    from pdserve.bench.serve import build_requests, load_kwargs
+    from pdserve.bench.serve_report import write_json
 
     names = [m for m in args.modes.replace(",", " ").split()]
     unknown = [m for m in names if m not in DEPLOYMENTS]

@@ -143,6 +143,46 @@ def mixed_requests(num_prompts: int, *, vocab_size: int, long_ratio: float = 0.1
     return out
 
 
+def _conversations(ids, num_conversations: int, num_turns: int, turn_len: int,
+                   output_len: int) -> list[list[list[int]]]:
+    """Each conversation's prompts: its whole history so far at every turn."""
+    conversations = []
+    for _ in range(num_conversations):
+        history, prompts = [], []
+        for _turn in range(num_turns):
+            history = history + ids(turn_len)
+            prompts.append(list(history))
+            history = history + ids(output_len)  # the reply the next turn re-sends
+        conversations.append(prompts)
+    return conversations
+
+
+def _turn_slots(items: list[tuple[str, object]], order) -> dict[int, list[int]]:
+    """Per conversation, the positions in `order` its turns landed on."""
+    slots: dict[int, list[int]] = {}
+    for position, item in enumerate(order):
+        kind, value = items[item]
+        if kind == "turn":
+            slots.setdefault(value[0], []).append(position)
+    return slots
+
+
+def _place_single_prompts(out: list, items: list[tuple[str, object]], order, systems: list,
+                          output_len: int) -> None:
+    """The shared and cold requests at their positions; a system prompt's first use
+    is `first` (its cache is cold)."""
+    seen_systems: set[int] = set()
+    for position, item in enumerate(order):
+        kind, value = items[item]
+        if kind == "turn":
+            continue
+        first = kind == "shared" and id(systems[item % len(systems)]) not in seen_systems
+        if kind == "shared":
+            seen_systems.add(id(systems[item % len(systems)]))
+        out[position] = SampleRequest(value, len(value), output_len,
+                                      "first" if first else kind)
+
+
 def prefix_requests(num_prompts: int, *, vocab_size: int, system_len: int = 1024,
                     question_len: int = 32, num_system_prompts: int = 2, turns: int = 4,
                     turn_len: int = 64, output_len: int = 16, seed: int = 0
@@ -164,33 +204,13 @@ def prefix_requests(num_prompts: int, *, vocab_size: int, system_len: int = 1024
     for i in range(num_shared):
         items.append(("shared", systems[i % len(systems)] + ids(question_len)))
     items += [("cold", ids(system_len + question_len)) for _ in range(num_cold)]
-    conversations = []
-    for _ in range(num_conversations):
-        history, prompts = [], []
-        for _turn in range(num_turns):
-            history = history + ids(turn_len)
-            prompts.append(list(history))
-            history = history + ids(output_len)  # the reply the next turn re-sends
-        conversations.append(prompts)
+    conversations = _conversations(ids, num_conversations, num_turns, turn_len, output_len)
     items += [("turn", (c, t)) for c in range(num_conversations) for t in range(num_turns)]
     order = rng.permutation(len(items))
     # a conversation's turns keep their order: the k-th of its slots gets its turn k
-    slots: dict[int, list[int]] = {}
-    for position, item in enumerate(order):
-        kind, value = items[item]
-        if kind == "turn":
-            slots.setdefault(value[0], []).append(position)
+    slots = _turn_slots(items, order)
     out: list[SampleRequest | None] = [None] * len(items)
-    seen_systems: set[int] = set()
-    for position, item in enumerate(order):
-        kind, value = items[item]
-        if kind == "turn":
-            continue
-        first = kind == "shared" and id(systems[item % len(systems)]) not in seen_systems
-        if kind == "shared":
-            seen_systems.add(id(systems[item % len(systems)]))
-        out[position] = SampleRequest(value, len(value), output_len,
-                                      "first" if first else kind)
+    _place_single_prompts(out, items, order, systems, output_len)
     for c, positions in slots.items():
         for t, position in enumerate(sorted(positions)):
             prompt = conversations[c][t]

@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             for batch in args.batch:
                 rows.append(run_case(size, model_dir, batch, paths, args))
                 print(format_rows(rows[-1:]), flush=True)
-    from pdserve.bench.serve import write_json
+    from pdserve.bench.serve_report import write_json
 
     out = write_json(args.result_file, {"benchmark": "decode_paths", "cpu": cpu_description(),
                                         "results": rows})

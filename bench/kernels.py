@@ -125,7 +125,7 @@ def bench_decode(runner, hf, batch: int, context: int, repeats: int) -> dict:
             "hf_step_ms": 1e3 * t_hf, "ratio": t_ours / t_hf}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-dir", help="HF model folder (default: the built-in tiny llama)")
     ap.add_argument("--size", choices=["tiny", "small"], default="tiny",
@@ -138,6 +138,50 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--full", action="store_true", help="more shapes (slower)")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--out", default="results/bench_kernels.json")
+    return ap
+
+
+def _shapes(full: bool, repeats: int | None) -> tuple[list, list, int]:
+    """(prefill (batch, prompt length) shapes, decode (batch, context) shapes, repeats)."""
+    if full:
+        prefill_shapes = [(1, 128), (1, 512), (4, 128), (4, 512), (16, 256)]
+        decode_shapes = [(1, 128), (8, 128), (32, 128), (1, 512), (8, 512), (32, 512),
+                         (64, 512), (32, 1024)]
+        return prefill_shapes, decode_shapes, repeats or 7
+    prefill_shapes = [(1, 128), (4, 256), (1, 512)]
+    decode_shapes = [(1, 512), (8, 512), (32, 128), (32, 512)]
+    return prefill_shapes, decode_shapes, repeats or 5
+
+
+def _summary(prefill: list[dict], decode: list[dict]) -> dict:
+    head_d = next((d for d in decode if (d["batch"], d["context"]) == (32, 512)), decode[-1])
+    total_ours = sum(p["batch"] * p["prompt_len"] / p["pdserve_tokens_per_s"] for p in prefill)
+    total_hf = sum(p["batch"] * p["prompt_len"] / p["hf_tokens_per_s"] for p in prefill)
+    ntok = sum(p["batch"] * p["prompt_len"] for p in prefill)
+    return {
+        "decode_32x512_pdserve_ms": head_d["pdserve_step_ms"],
+        "decode_32x512_hf_ms": head_d["hf_step_ms"],
+        "decode_32x512_time_ratio_vs_hf": head_d["ratio"],
+        "prefill_pdserve_tokens_per_s": ntok / total_ours,
+        "prefill_hf_tokens_per_s": ntok / total_hf,
+        "prefill_throughput_ratio_vs_hf": total_hf / total_ours,
+    }
+
+
+def _print_results(result: dict, out: Path) -> None:
+    for p in result["prefill"]:
+        print(f"prefill B={p['batch']:3d} L={p['prompt_len']:5d}: "
+              f"{p['pdserve_tokens_per_s']:9.0f} tok/s vs HF {p['hf_tokens_per_s']:9.0f} "
+              f"(x{p['ratio']:.2f})")
+    for d in result["decode"]:
+        print(f"decode  B={d['batch']:3d} C={d['context']:5d}: {d['pdserve_step_ms']:8.2f} ms "
+              f"vs HF {d['hf_step_ms']:8.2f} ms (time ratio {d['ratio']:.2f})")
+    print(json.dumps(result["summary"], indent=2))
+    print(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.threads:
@@ -156,15 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype)
 
-    if args.full:
-        prefill_shapes = [(1, 128), (1, 512), (4, 128), (4, 512), (16, 256)]
-        decode_shapes = [(1, 128), (8, 128), (32, 128), (1, 512), (8, 512), (32, 512),
-                         (64, 512), (32, 1024)]
-        repeats = args.repeats or 7
-    else:
-        prefill_shapes = [(1, 128), (4, 256), (1, 512)]
-        decode_shapes = [(1, 512), (8, 512), (32, 128), (32, 512)]
-        repeats = args.repeats or 5
+    prefill_shapes, decode_shapes, repeats = _shapes(args.full, args.repeats)
     if repeats + 1 > DECODE_STEPS_MAX:
         ap.error(f"--repeats must be < {DECODE_STEPS_MAX}")
     need_blocks = max(
@@ -179,10 +215,6 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     prefill = [bench_prefill(runner, hf, b, n, repeats) for b, n in prefill_shapes]
     decode = [bench_decode(runner, hf, b, c, repeats) for b, c in decode_shapes]
-    head_d = next((d for d in decode if (d["batch"], d["context"]) == (32, 512)), decode[-1])
-    total_ours = sum(p["batch"] * p["prompt_len"] / p["pdserve_tokens_per_s"] for p in prefill)
-    total_hf = sum(p["batch"] * p["prompt_len"] / p["hf_tokens_per_s"] for p in prefill)
-    ntok = sum(p["batch"] * p["prompt_len"] for p in prefill)
     result = {
         "model_dir": None if tmp else model_dir,
         "model": f"built-in {args.variant}/{args.size}" if tmp else Path(model_dir).name,
@@ -195,14 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": repeats,
         "prefill": prefill,
         "decode": decode,
-        "summary": {
-            "decode_32x512_pdserve_ms": head_d["pdserve_step_ms"],
-            "decode_32x512_hf_ms": head_d["hf_step_ms"],
-            "decode_32x512_time_ratio_vs_hf": head_d["ratio"],
-            "prefill_pdserve_tokens_per_s": ntok / total_ours,
-            "prefill_hf_tokens_per_s": ntok / total_hf,
-            "prefill_throughput_ratio_vs_hf": total_hf / total_ours,
-        },
+        "summary": _summary(prefill, decode),
         "seconds": time.time() - t0,
         "notes": "decode ratio = pdserve/HF step time (lower is better); prefill ratio = "
                  "pdserve/HF tokens per second (higher is better)",
@@ -210,15 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    for p in prefill:
-        print(f"prefill B={p['batch']:3d} L={p['prompt_len']:5d}: "
-              f"{p['pdserve_tokens_per_s']:9.0f} tok/s vs HF {p['hf_tokens_per_s']:9.0f} "
-              f"(x{p['ratio']:.2f})")
-    for d in decode:
-        print(f"decode  B={d['batch']:3d} C={d['context']:5d}: {d['pdserve_step_ms']:8.2f} ms "
-              f"vs HF {d['hf_step_ms']:8.2f} ms (time ratio {d['ratio']:.2f})")
-    print(json.dumps(result["summary"], indent=2))
-    print(f"wrote {out}")
+    _print_results(result, out)
     if tmp:
         tmp.cleanup()
     return 0

@@ -260,11 +260,53 @@ def weight_read_bytes(model) -> int:
         p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" in n)
 
 
+def _run_steps(eng, prompts: list[list[int]], params, profiled: bool) -> tuple[dict, dict]:
+    """Every prompt through the engine to the end: the steps' wall times per kind and,
+    when `profiled`, each step's (wall, categories, ops) from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for i, p in enumerate(prompts):
+        eng.add_request(f"a{profiled}-{i}", p, params)
+    walls: dict[str, list[float]] = {"prompt": [], "decode": []}
+    profs: dict[str, list] = {}
+    while eng.has_work():
+        if profiled:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                out = eng.step()
+        else:
+            out = eng.step()
+        if not out.num_scheduled_tokens:
+            continue  # the scheduler's empty vote steps (no model call, ~10 us)
+        walls[out.kind].append(out.duration_s)
+        if profiled:
+            profs.setdefault(out.kind, []).append((out.duration_s, *_categorise(prof)))
+    return walls, profs
+
+
+def _mean_breakdown(profs: dict, kind: str) -> dict:
+    """Mean ms per step of each op category and the top ops, of the profiled steps of
+    `kind`."""
+    rows = profs.get(kind, [])
+    if not rows:
+        return {}
+    out = {k: round(1000 * statistics.mean(r[1][k] for r in rows), 2) for k in rows[0][1]}
+    out["sum_of_ops"] = round(sum(out.values()), 2)
+    out["profiled_step_wall"] = round(1000 * statistics.mean(r[0] for r in rows), 2)
+    # The C decode step (kernels/decode_step) is one call, not an aten op: it is
+    # most of this remainder in decode steps (its phases are timed separately).
+    out["outside_aten_ops"] = round(out["profiled_step_wall"] - out["sum_of_ops"], 2)
+    ops: dict[str, float] = {}
+    for r in rows:
+        for k, v in r[2].items():
+            ops[k] = ops.get(k, 0.0) + v / len(rows)
+    out["top_ops"] = {k: round(1000 * v, 2) for k, v in
+                      sorted(ops.items(), key=lambda kv: -kv[1])[:8]}
+    return out
+
+
 def analyse(model_dir: str, prompts: list[list[int]], max_tokens: int) -> dict:
     """Profile a pdserve run step by step (the prefill step; the decode steps) and
     compare the decode step with reading the weights once at measured bandwidth."""
-    from torch.profiler import ProfilerActivity, profile
-
     from pdserve import LLM, SamplingParams
 
     llm = LLM(model_dir, max_num_seqs=len(prompts), max_num_batched_tokens=4096)
@@ -273,32 +315,14 @@ def analyse(model_dir: str, prompts: list[list[int]], max_tokens: int) -> dict:
     llm.generate(prompt_token_ids=[p[:16] for p in prompts[:2]],
                  sampling_params=SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
 
-    def run_steps(profiled: bool):
-        for i, p in enumerate(prompts):
-            eng.add_request(f"a{profiled}-{i}", p, params)
-        walls: dict[str, list[float]] = {"prompt": [], "decode": []}
-        profs: dict[str, list] = {}
-        while eng.has_work():
-            if profiled:
-                with profile(activities=[ProfilerActivity.CPU]) as prof:
-                    out = eng.step()
-            else:
-                out = eng.step()
-            if not out.num_scheduled_tokens:
-                continue  # the scheduler's empty vote steps (no model call, ~10 us)
-            walls[out.kind].append(out.duration_s)
-            if profiled:
-                profs.setdefault(out.kind, []).append((out.duration_s, *_categorise(prof)))
-        return walls, profs
-
     runner = eng.runner
     kernel = getattr(runner.model, "_kernel", None)  # the C decode step, when it is on
-    run_steps(False)  # lets the thread tuner settle on this run's shapes
+    _run_steps(eng, prompts, params, False)  # lets the thread tuner settle on this run's shapes
     if kernel is not None:
         kernel.step.start_profile()
-    walls, _ = run_steps(False)  # wall times without profiler overhead
+    walls, _ = _run_steps(eng, prompts, params, False)  # wall times without profiler overhead
     phases = kernel.step.stop_profile() if kernel is not None else {}
-    _, profs = run_steps(True)
+    _, profs = _run_steps(eng, prompts, params, True)
     bw = measure_bandwidth()
     weight_bytes = weight_read_bytes(runner.model)
     cfg = runner.config
@@ -309,31 +333,13 @@ def analyse(model_dir: str, prompts: list[list[int]], max_tokens: int) -> dict:
     limit_s = weight_bytes / (bw["read_GBps"] * 1e9)
     limit_kv_s = (weight_bytes + kv_bytes) / (bw["read_GBps"] * 1e9)
 
-    def mean_breakdown(kind: str) -> dict:
-        rows = profs.get(kind, [])
-        if not rows:
-            return {}
-        out = {k: round(1000 * statistics.mean(r[1][k] for r in rows), 2) for k in rows[0][1]}
-        out["sum_of_ops"] = round(sum(out.values()), 2)
-        out["profiled_step_wall"] = round(1000 * statistics.mean(r[0] for r in rows), 2)
-        # The C decode step (kernels/decode_step) is one call, not an aten op: it is
-        # most of this remainder in decode steps (its phases are timed separately).
-        out["outside_aten_ops"] = round(out["profiled_step_wall"] - out["sum_of_ops"], 2)
-        ops: dict[str, float] = {}
-        for r in rows:
-            for k, v in r[2].items():
-                ops[k] = ops.get(k, 0.0) + v / len(rows)
-        out["top_ops"] = {k: round(1000 * v, 2) for k, v in
-                          sorted(ops.items(), key=lambda kv: -kv[1])[:8]}
-        return out
-
     result = {
         "note": "breakdowns: self CPU ms per step by op category on the main thread, from "
                 "torch.profiler (a separate, profiled run); *_ms: wall, unprofiled",
         "prefill_step_ms": round(1000 * prefill_s, 1),
         "decode_step_ms_median": round(1000 * decode_s, 2),
-        "prefill_breakdown_ms_self_cpu": mean_breakdown("prompt"),
-        "decode_breakdown_ms_self_cpu": mean_breakdown("decode"),
+        "prefill_breakdown_ms_self_cpu": _mean_breakdown(profs, "prompt"),
+        "decode_breakdown_ms_self_cpu": _mean_breakdown(profs, "decode"),
         "bandwidth": bw,
         "weight_bytes_read_per_decode_step": weight_bytes,
         "kv_bytes_read_per_decode_step_mid_run": kv_bytes,

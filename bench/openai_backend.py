@@ -22,7 +22,7 @@ class _Usage:
 
 @dataclass
 class Message:
-    """What bench/serve.py reads of a GenerateResponse."""
+    """What bench/serve_client.py reads of a GenerateResponse."""
 
     token_ids: list[int] = field(default_factory=list)
     request_id: str = ""

@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(format_rows(rows[-1:]), flush=True)
             finally:
                 worker.close()
-    from pdserve.bench.serve import write_json
+    from pdserve.bench.serve_report import write_json
 
     out = write_json(args.result_file, {"benchmark": "peer_vllm", "cpu": cpu_description(),
                                         "results": rows})

@@ -259,6 +259,17 @@ def plot_pool_timeline(timeline: dict, path: str | Path, title: str = "") -> Pat
     if not samples:
         raise ValueError("no pool samples to draw")
     fig, (ranks, load, slo) = plt.subplots(3, 1, figsize=(12, 9), sharex=True)
+    _draw_pool_ranks(ranks, timeline)
+    _draw_pool_load(load, timeline)
+    _draw_slo_attainment(slo, timeline)
+    ranks.set_title(title or "ranks per pool, load and SLO attainment")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _draw_pool_ranks(ranks, timeline: dict) -> None:
+    """Ready and target ranks per pool, and the planner's decisions as arrows."""
+    samples = timeline["samples"]
     ts = [s["t"] for s in samples]
     pools = sorted({p for s in samples for p in s["target"]}, key=lambda p: _POOL_ORDER.get(p, 9))
     for i, pool in enumerate(pools):
@@ -283,6 +294,10 @@ def plot_pool_timeline(timeline: dict, path: str | Path, title: str = "") -> Pat
     ranks.legend(fontsize=8, loc="upper right", ncol=2)
     ranks.grid(alpha=0.3)
 
+
+def _draw_pool_load(load, timeline: dict) -> None:
+    """Requests sent per second per bin, the schedule's rate, and requests in flight."""
+    samples = timeline["samples"]
     bins = timeline.get("bins") or []
     bin_s = timeline.get("bin_s") or 1.0
     if bins:
@@ -297,11 +312,17 @@ def plot_pool_timeline(timeline: dict, path: str | Path, title: str = "") -> Pat
         load.plot(xs, ys, color="k", linewidth=1, label="scheduled rate")
     load.set_ylabel("requests / s")
     inflight = load.twinx()
-    inflight.plot(ts, [s["num_inflight"] for s in samples], color="tab:orange", linewidth=1)
+    inflight.plot([s["t"] for s in samples], [s["num_inflight"] for s in samples],
+                  color="tab:orange", linewidth=1)
     inflight.set_ylabel("in flight", color="tab:orange")
     load.legend(fontsize=8, loc="upper left")
     load.grid(alpha=0.3)
 
+
+def _draw_slo_attainment(slo, timeline: dict) -> None:
+    """The share of each bin's requests that met the objectives (when there are any)."""
+    bins = timeline.get("bins") or []
+    bin_s = timeline.get("bin_s") or 1.0
     judged = timeline.get("objectives_ms") or {}
     if judged and bins:
         xs = [b["t"] + bin_s / 2 for b in bins if b["attainment"] is not None]
@@ -315,9 +336,6 @@ def plot_pool_timeline(timeline: dict, path: str | Path, title: str = "") -> Pat
     slo.set_ylabel("SLO attainment (%)")
     slo.set_xlabel("seconds since the run's start")
     slo.grid(alpha=0.3)
-    ranks.set_title(title or "ranks per pool, load and SLO attainment")
-    fig.tight_layout()
-    return _save(fig, path)
 
 
 def _save(fig, path: str | Path) -> Path:

@@ -11,336 +11,31 @@ so output lengths are controlled. Every time is measured by this client with
 names are those of `vllm bench serve` (plus per-request lists and pdserve extras) and
 a PNG of the latency CDFs (or, with --sweep-rates, of throughput and latency against
 the request rate).
+
+This module is the command line (the workload from its arguments, the runs it asks
+for); the client that sends and records is `serve_client.py`, the result dict, its
+summary table and the files written are `serve_report.py`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import sys
-import time
-from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
+
+from pdserve.bench.serve_client import collect
+from pdserve.bench.serve_report import (
+    format_summary,
+    summarize,
+    write_json,
+    write_pool_timeline,
+    write_timeline,
+)
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_RESULT = "results/bench_serve.json"
-
-
-# ---- running ---------------------------------------------------------------------------
-
-async def _stream_one(client, req, rec, *, temperature: float, ignore_eos: bool,
-                      timeout: float | None) -> None:
-    """Send one request and record, as messages arrive, what the client sees."""
-    import grpc
-
-    rec.send_time = time.perf_counter()
-    try:
-        async for msg in client.stream(req.prompt, max_tokens=req.output_len,
-                                       temperature=temperature, ignore_eos=ignore_eos,
-                                       timeout=timeout):
-            now = time.perf_counter()
-            rec.record_message(now, len(msg.token_ids))
-            if msg.request_id:
-                rec.request_id = msg.request_id
-            if msg.finish_reason:
-                rec.end_time = now
-                rec.finish_reason = msg.finish_reason
-                rec.error = msg.error
-                rec.usage_prompt_tokens = msg.usage.prompt_tokens
-                rec.usage_completion_tokens = msg.usage.completion_tokens
-                rec.usage_cached_tokens = getattr(msg.usage, "cached_prompt_tokens", 0)
-                rec.breakdown = _breakdown(msg)
-    except grpc.RpcError as exc:
-        code = exc.code() if hasattr(exc, "code") else None
-        rec.error = f"{getattr(code, 'name', 'RPC_ERROR')}: {exc.details() if hasattr(exc, 'details') else exc}"
-    except Exception as exc:  # anything else is the request's error, not the run's
-        rec.error = f"{type(exc).__name__}: {exc}"
-    if not rec.finish_reason and not rec.error:
-        rec.error = "the stream ended without a finish_reason"
-    if rec.finish_reason == "error" and not rec.error:
-        rec.error = "finish_reason error"
-
-
-def _breakdown(msg) -> dict | None:
-    """The router's per-request TTFT breakdown: the `timings` field of the last
-    GenerateResponse as a dict of every field (ms; kv_bytes an int), or None."""
-    try:
-        if not msg.HasField("timings"):
-            return None
-    except ValueError:  # no such field in this proto
-        return None
-    t = msg.timings
-    return {f.name: getattr(t, f.name) for f in t.DESCRIPTOR.fields}
-
-
-async def fetch_timeline(address: str, since: float,
-                         client_options: dict | None = None) -> list[dict]:
-    """The router's step records of every live rank since unix time `since`."""
-    from pdserve.router.client import AsyncClient
-
-    async with AsyncClient(address, timeout=60, **(client_options or {})) as client:
-        return await client.timeline(since)
-
-
-def _write_timeline(address: str, since: float, png: str,
-                    client_options: dict | None = None) -> None:
-    """The run's step records (JSON beside the PNG) and their picture; a router that
-    cannot give them costs the picture, not the run's results."""
-    import grpc
-
-    from pdserve.bench.plots import plot_timeline
-
-    try:
-        steps = asyncio.run(fetch_timeline(address, since, client_options))
-    except grpc.RpcError as exc:
-        print(f"no timeline: the router's GetTimeline failed ({exc.code().name}: "
-              f"{exc.details()})", file=sys.stderr)
-        return
-    write_json(Path(png).with_suffix(".json"), {"since_unix_s": since, "steps": steps})
-    if not steps:
-        print("no timeline: the ranks kept no steps of this run", file=sys.stderr)
-        return
-    plot_timeline(steps, png)
-    print(f"wrote {png} ({len(steps)} steps)", flush=True)
-
-
-def pool_timeline_png(png: str | Path) -> Path:
-    """Where --timeline FILE.png draws the pools: FILE_pools.png."""
-    png = Path(png)
-    return png.with_name(png.stem + "_pools.png")
-
-
-def _write_pool_timeline(results: list[dict], png: str) -> None:
-    """Replicas per pool, load and SLO attainment of the (first sampled) run."""
-    from pdserve.bench.plots import plot_pool_timeline
-
-    sampled = [r for r in results if (r.get("pool_timeline") or {}).get("samples")]
-    if not sampled:
-        print("no pool timeline: no cluster state could be sampled", file=sys.stderr)
-        return
-    out = plot_pool_timeline(sampled[0]["pool_timeline"], pool_timeline_png(png),
-                             title=sampled[0].get("label") or "")
-    print(f"wrote {out} ({len(sampled[0]['pool_timeline']['samples'])} samples)", flush=True)
-
-
-def _rank_counters(state) -> dict:
-    """Per-rank step counters from GetClusterState (for before/after deltas)."""
-    out = {}
-    for pool in state.pools:
-        for r in pool.ranks:
-            out[f"{pool.name}/{r.rank}"] = {"num_steps": int(r.num_steps),
-                                            "num_empty_steps": int(r.num_empty_steps),
-                                            "num_preemptions": int(r.num_preemptions)}
-    return out
-
-
-async def _cluster_info(client) -> dict | None:
-    try:
-        state = await client.cluster_state()
-    except Exception:
-        return None
-    return {"mode": state.mode, "model": state.model, "kv_transport": state.kv_transport,
-            "pools": {p.name: len(p.ranks) for p in state.pools},
-            "counters": _rank_counters(state)}
-
-
-def _counter_deltas(before: dict | None, after: dict | None) -> dict | None:
-    if not before or not after:
-        return None
-    out = {}
-    for rank, c in after["counters"].items():
-        b = before["counters"].get(rank, {})
-        out[rank] = {k: v - b.get(k, 0) for k, v in c.items()}
-    return out
-
-
-@dataclass
-class Run:
-    """One pass of a workload over a router: the client's records and the clocks."""
-
-    records: list
-    start: float
-    duration: float
-    before: dict | None = None  # GetClusterState before and after (step counters)
-    after: dict | None = None
-    wall_start: float = 0.0  # time.time() at `start` (to ask the ranks for their steps)
-    sampler: object = None  # load_timeline.PoolSampler, when the pools were sampled
-
-
-async def collect(address: str, requests: list, *, request_rate: float = math.inf,
-                  burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
-                  temperature: float = 0.0, ignore_eos: bool = True,
-                  request_timeout: float | None = None, num_warmups: int = 1,
-                  progress: bool = True, client=None, label: str = "",
-                  client_options: dict | None = None, offsets: list[float] | None = None,
-                  hold_s: float = 0.0, sample_interval_s: float | None = None) -> Run:
-    """Send `requests` (datasets.SampleRequest) on their arrival schedule; record each.
-
-    `client` is anything with AsyncClient's `stream(prompt, **kw)` (and, optionally,
-    `cluster_state()`); by default an AsyncClient on `address` (with `client_options`:
-    token, TLS), closed at the end. `offsets` (send times, e.g. a rate schedule's)
-    replace the rate's arrival process; the run lasts `hold_s` at least; with
-    `sample_interval_s` a `PoolSampler` records the pools meanwhile (`Run.sampler`).
-    """
-    from tqdm import tqdm
-
-    from pdserve.bench.datasets import arrival_offsets
-    from pdserve.bench.serve_metrics import RequestRecord
-
-    if max_concurrency is not None and max_concurrency < 1:
-        raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
-    own_client = client is None
-    if own_client:
-        from pdserve.router.client import AsyncClient
-
-        client = AsyncClient(address, **(client_options or {}))
-    try:
-        for i in range(num_warmups):  # not timed: connects, warms the ranks
-            req = requests[i % len(requests)]
-            warm = RequestRecord(prompt_len=req.prompt_len)
-            await _stream_one(client, type(req)(req.prompt, req.prompt_len, min(4, req.output_len)),
-                              warm, temperature=temperature, ignore_eos=ignore_eos,
-                              timeout=request_timeout or 300)
-            if not warm.success:
-                raise RuntimeError(f"warm-up request to {address} failed: {warm.error}")
-        before = await _cluster_info(client) if hasattr(client, "cluster_state") else None
-
-        if offsets is None:
-            offsets = arrival_offsets(len(requests), request_rate, burstiness, seed)
-        elif len(offsets) != len(requests):
-            raise ValueError(f"{len(offsets)} send times for {len(requests)} requests")
-        sampler = None
-        if sample_interval_s is not None and hasattr(client, "cluster_state"):
-            from pdserve.bench.load_timeline import PoolSampler
-
-            sampler = PoolSampler(client, sample_interval_s)
-        records = [RequestRecord(prompt_len=r.prompt_len, expected_output_len=r.output_len,
-                                 kind=r.kind) for r in requests]
-        sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-        bar = tqdm(total=len(requests), disable=not progress, desc=label or "requests",
-                   file=sys.stderr, leave=False)
-
-        done = [asyncio.Event() for _ in requests]
-
-        async def one(i: int) -> None:
-            rec = records[i]
-            rec.scheduled_time = start + offsets[i]
-            delay = rec.scheduled_time - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            after = getattr(requests[i], "after", None)
-            if after is not None:  # a conversation's next turn: once the last one ended
-                await done[after].wait()
-                rec.scheduled_time = max(rec.scheduled_time, time.perf_counter())
-            try:
-                if sem is None:
-                    await _stream_one(client, requests[i], rec, temperature=temperature,
-                                      ignore_eos=ignore_eos, timeout=request_timeout)
-                else:
-                    async with sem:
-                        await _stream_one(client, requests[i], rec, temperature=temperature,
-                                          ignore_eos=ignore_eos, timeout=request_timeout)
-            finally:
-                done[i].set()
-            bar.update(1)
-
-        wall_start, start = time.time(), time.perf_counter()
-        if sampler is not None:
-            sampler.start(start)
-        try:
-            await asyncio.gather(*(one(i) for i in range(len(requests))))
-            duration = time.perf_counter() - start
-            bar.close()
-            rest = hold_s - (time.perf_counter() - start)
-            if rest > 0:  # the schedule's quiet end: the pools settle, the sampler watches
-                print(f"load done; watching the pools for {rest:.0f} s more", file=sys.stderr)
-                await asyncio.sleep(rest)
-        finally:
-            if sampler is not None:
-                await sampler.stop()
-        after = await _cluster_info(client) if hasattr(client, "cluster_state") else None
-    finally:
-        if own_client:
-            await client.close()
-    return Run(records, start, duration, before, after, wall_start, sampler)
-
-
-def summarize(runs: list[Run], *, address: str = "", label: str = "",
-              request_rate: float = math.inf, burstiness: float = 1.0,
-              max_concurrency: int | None = None, seed: int = 0,
-              slos: dict[str, float] | None = None, percentiles=None,
-              temperature: float = 0.0, ignore_eos: bool = True, rate_schedule=None,
-              **_ignored) -> dict:
-    """The result dict of one or more runs of the same workload: metrics over all their
-    requests, duration the sum of theirs; per-request lists in run order; with a sampled
-    run, its `pool_timeline` (load_timeline.py; `rate_schedule`: the load it followed)."""
-    from pdserve.bench.serve_metrics import (
-        DEFAULT_PERCENTILES,
-        breakdown_summary,
-        calculate_metrics,
-        metrics_by_kind,
-        per_request_lists,
-    )
-
-    percentiles = tuple(percentiles or DEFAULT_PERCENTILES)
-    records = [r for run in runs for r in run.records]
-    duration = sum(run.duration for run in runs)
-    result = {
-        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
-        "backend": "pdserve",
-        "label": label,
-        "address": address,
-        "num_prompts": len(records),
-        "request_rate": request_rate if math.isfinite(request_rate) else "inf",
-        "burstiness": burstiness,
-        "max_concurrency": max_concurrency,
-        "seed": seed,
-        "temperature": temperature,
-        "ignore_eos": ignore_eos,
-        "percentiles": list(percentiles),
-        "num_runs": len(runs),
-    }
-    result.update(calculate_metrics(records, duration, slos, percentiles))
-    result["by_kind"] = metrics_by_kind(records, duration, slos, percentiles)
-    result["ttft_breakdown"] = breakdown_summary(records, percentiles)
-    result["start_unix_s"] = runs[0].wall_start if runs else None
-    # The server's own counts, beside the client's (input_lens / output_lens).
-    result["usage_prompt_tokens"] = [r.usage_prompt_tokens for r in records]
-    result["usage_completion_tokens"] = [r.usage_completion_tokens for r in records]
-    result["usage_cached_tokens"] = [r.usage_cached_tokens for r in records]
-    result["prefix_cache_hit_rate"] = _hit_rate(records)
-    kinds = sorted({r.kind for r in records})
-    result["prefix_cache_hit_rate_by_kind"] = {
-        k: _hit_rate([r for r in records if r.kind == k]) for k in kinds}
-    lists: dict = {}
-    for run in runs:  # send offsets relative to each run's own start
-        for key, values in per_request_lists(run.records, run.start).items():
-            lists.setdefault(key, []).extend(values)
-    result.update(lists)
-    result["cluster"] = runs[-1].after or runs[-1].before if runs else None
-    deltas: dict = {}
-    for run in runs:
-        for rank, c in (_counter_deltas(run.before, run.after) or {}).items():
-            acc = deltas.setdefault(rank, {})
-            for k, v in c.items():
-                acc[k] = acc.get(k, 0) + v
-    result["rank_step_deltas"] = deltas or None
-    if runs and runs[-1].sampler is not None:
-        from pdserve.bench.load_timeline import pool_timeline
-
-        result["rate_schedule"] = rate_schedule.describe() if rate_schedule else None
-        result["pool_timeline"] = pool_timeline(runs[-1], slos=slos, schedule=rate_schedule)
-    return result
-
-
-def _hit_rate(records: list) -> float | None:
-    """Prompt tokens the server reported cached / prompt tokens, successful requests."""
-    done = [r for r in records if r.success and r.usage_cached_tokens is not None]
-    total = sum(r.prompt_len for r in done)
-    return sum(r.usage_cached_tokens for r in done) / total if total else None
 
 
 async def run_benchmark(address: str, requests: list, **kwargs) -> dict:
@@ -351,51 +46,6 @@ async def run_benchmark(address: str, requests: list, **kwargs) -> dict:
                   if k not in ("slos", "percentiles", "rate_schedule")}
     run = await collect(address, requests, **collect_kw)
     return summarize([run], address=address, **kwargs)
-
-
-def format_summary(r: dict) -> str:
-    """The vLLM-style summary table."""
-    lines = [f"{' Serving Benchmark Result ' + (r.get('label') or ''):=^60}"]
-
-    def row(name, value, fmt="{:<40} {:<10.2f}"):
-        lines.append(fmt.format(name, value) if value is not None else f"{name:<40} n/a")
-
-    row("Successful requests:", r["completed"], "{:<40} {:<10}")
-    row("Failed requests:", r["failed"], "{:<40} {:<10}")
-    row("Request rate configured (RPS):", r["request_rate"], "{:<40} {:<10}")
-    row("Benchmark duration (s):", r["duration"])
-    row("Total input tokens:", r["total_input_tokens"], "{:<40} {:<10}")
-    row("Total generated tokens:", r["total_output_tokens"], "{:<40} {:<10}")
-    row("Request throughput (req/s):", r["request_throughput"])
-    if r.get("request_goodput") is not None:
-        row("Request goodput (req/s):", r["request_goodput"])
-    row("Output token throughput (tok/s):", r["output_throughput"])
-    row("Total token throughput (tok/s):", r["total_token_throughput"])
-    for key, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
-                       ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
-        lines.append(f"{title:-^60}")
-        row(f"Mean {key.upper()} (ms):", r[f"mean_{key}_ms"])
-        row(f"Median {key.upper()} (ms):", r[f"median_{key}_ms"])
-        for p in r["percentiles"]:
-            if p == 50:
-                continue  # the median, just above
-            label = str(int(p)) if float(p).is_integer() else str(p)
-            row(f"P{label} {key.upper()} (ms):", r[f"p{label}_{key}_ms"])
-    b = r.get("ttft_breakdown")
-    if b:
-        lines.append(f"{'Server-side timings (ms; mean / median / p99)':-^60}")
-        p = "p99" if "p99" in b["client_ttft_ms"] else list(b["client_ttft_ms"])[-1]
-        for key, name in (("router_queue_ms", "router queue"), ("prefill_queue_ms", "prefill queue"),
-                          ("prefill_ms", "prefill"), ("kv_export_ms", "KV export"),
-                          ("transit_ms", "transit (Ray calls, polls)"),
-                          ("ttft_ms", "= TTFT at the router"), ("client_ttft_ms", "TTFT at the client"),
-                          ("kv_handoff_ms", "after token 1: KV hand-off"),
-                          ("decode_queue_ms", "after token 1: decode queue")):
-            v = b[key]
-            lines.append(f"{name + ':':<34} {v['mean']:>8.2f} {v['median']:>8.2f} {v[p]:>8.2f}")
-        lines.append(f"{'KV bytes per hand-off (mean):':<34} {b['kv_bytes']['mean']:>8.0f}")
-    lines.append("=" * 60)
-    return "\n".join(lines)
 
 
 # ---- command line ----------------------------------------------------------------------
@@ -575,13 +225,6 @@ def load_kwargs(args: argparse.Namespace) -> dict:
                 request_timeout=args.request_timeout, progress=not args.disable_tqdm)
 
 
-def write_json(path: str | Path, data: dict) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1) + "\n")
-    return path
-
-
 def _rate_schedule(args: argparse.Namespace):
     """The parsed --rate-schedule (None without one); sets --num-prompts to its count."""
     if not args.rate_schedule:
@@ -606,48 +249,91 @@ def _rate_schedule(args: argparse.Namespace):
     return schedule, offsets
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def _options_error(args: argparse.Namespace, kwargs: dict, sampled: bool) -> str | None:
+    """Adds the pools' sampling interval (when `sampled`) and the client's options to
+    `kwargs`; what is wrong with the arguments, if anything."""
     from pdserve.router.cli_commands import client_options
 
-    schedule, offsets = _rate_schedule(args)
-    requests = build_requests(args)
-    kwargs = load_kwargs(args)
-    if schedule is not None:
-        kwargs.update(offsets=offsets, hold_s=schedule.total_s, rate_schedule=schedule)
-    if schedule is not None or args.timeline:
+    if sampled:
         from pdserve.bench.load_timeline import checked_interval
 
         try:
             kwargs["sample_interval_s"] = checked_interval(args.sample_interval)
         except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+            return str(exc)
     try:
         kwargs["client_options"] = client_options(args)
     except (ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return str(exc)
     if args.backend == "openai":
         if not args.base_url:
-            print("error: --backend openai needs --base-url", file=sys.stderr)
-            return 2
+            return "--backend openai needs --base-url"
         if args.timeline:
-            print("error: --timeline needs the pdserve backend (the router's GetTimeline)",
-                  file=sys.stderr)
-            return 2
+            return "--timeline needs the pdserve backend (the router's GetTimeline)"
+    return None
 
-    async def bench_once(requests, **kw) -> dict:  # one run, with a client of its own
-        if args.backend != "openai":
-            return await run_benchmark(args.address, requests, **kw)
-        from pdserve.bench.openai_backend import OpenAIBackend
 
-        backend = OpenAIBackend(args.base_url, args.served_model_name,
-                                kw.pop("client_options")["token"])
-        try:
-            return await run_benchmark(args.base_url, requests, client=backend, **kw)
-        finally:
-            await backend.close()
+async def _bench_once(args: argparse.Namespace, requests: list, **kw) -> dict:
+    """One run, with a client of its own (the router's, or an OpenAI server's)."""
+    if args.backend != "openai":
+        return await run_benchmark(args.address, requests, **kw)
+    from pdserve.bench.openai_backend import OpenAIBackend
 
+    backend = OpenAIBackend(args.base_url, args.served_model_name,
+                            kw.pop("client_options")["token"])
+    try:
+        return await run_benchmark(args.base_url, requests, client=backend, **kw)
+    finally:
+        await backend.close()
+
+
+def _run_sweep(args: argparse.Namespace, requests: list, kwargs: dict, dataset: dict,
+               plot: str | None) -> list[dict]:
+    """One run per --sweep-rates rate (the first warmed up); written and drawn."""
+    runs = []
+    for i, rate in enumerate(parse_floats(args.sweep_rates)):
+        r = asyncio.run(_bench_once(args, requests, request_rate=rate,
+                                    num_warmups=args.num_warmups if i == 0 else 0,
+                                    label=f"rate {rate:g}", **kwargs))
+        r.update(dataset)
+        print(format_summary(r), flush=True)
+        runs.append(r)
+    out = {"sweep_rates": [r["request_rate"] for r in runs], "runs": runs, **dataset}
+    write_json(args.result_file, out)
+    if plot:
+        from pdserve.bench.plots import plot_cdfs, plot_sweep
+
+        plot_sweep(runs, plot)
+        plot_cdfs({f"rate {r['request_rate']}": r for r in runs},
+                  str(Path(plot).with_name(Path(plot).stem + "_cdf.png")))
+    return runs
+
+
+def _run_once(args: argparse.Namespace, requests: list, kwargs: dict, dataset: dict,
+              plot: str | None) -> dict:
+    """One run at --request-rate; written and drawn."""
+    r = asyncio.run(_bench_once(args, requests, request_rate=args.request_rate,
+                                num_warmups=args.num_warmups, label=args.label, **kwargs))
+    r.update(dataset)
+    print(format_summary(r), flush=True)
+    write_json(args.result_file, r)
+    if plot:
+        from pdserve.bench.plots import plot_cdfs
+
+        plot_cdfs({args.label or "pdserve": r}, plot)
+    return r
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    schedule, offsets = _rate_schedule(args)
+    requests = build_requests(args)
+    kwargs = load_kwargs(args)
+    if schedule is not None:
+        kwargs.update(offsets=offsets, hold_s=schedule.total_s, rate_schedule=schedule)
+    error = _options_error(args, kwargs, sampled=schedule is not None or bool(args.timeline))
+    if error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     if args.compare_caching:
         from pdserve.bench import prefix_compare
 
@@ -657,39 +343,13 @@ def run_serve(args: argparse.Namespace) -> int:
     plot = None if args.no_plot else (args.plot or str(Path(args.result_file).with_suffix(".png")))
     try:
         if args.sweep_rates:
-            rates = parse_floats(args.sweep_rates)
-            runs = []
-            for i, rate in enumerate(rates):
-                r = asyncio.run(bench_once(requests, request_rate=rate,
-                                              num_warmups=args.num_warmups if i == 0 else 0,
-                                              label=f"rate {rate:g}", **kwargs))
-                r.update(dataset)
-                print(format_summary(r), flush=True)
-                runs.append(r)
-            out = {"sweep_rates": [r["request_rate"] for r in runs], "runs": runs, **dataset}
-            write_json(args.result_file, out)
-            if plot:
-                from pdserve.bench.plots import plot_cdfs, plot_sweep
-
-                plot_sweep(runs, plot)
-                plot_cdfs({f"rate {r['request_rate']}": r for r in runs},
-                          str(Path(plot).with_name(Path(plot).stem + "_cdf.png")))
+            results = _run_sweep(args, requests, kwargs, dataset, plot)
         else:
-            r = asyncio.run(bench_once(requests, request_rate=args.request_rate,
-                                          num_warmups=args.num_warmups, label=args.label,
-                                          **kwargs))
-            r.update(dataset)
-            print(format_summary(r), flush=True)
-            write_json(args.result_file, r)
-            if plot:
-                from pdserve.bench.plots import plot_cdfs
-
-                plot_cdfs({args.label or "pdserve": r}, plot)
+            results = [_run_once(args, requests, kwargs, dataset, plot)]
         if args.timeline:
-            first = runs[0] if args.sweep_rates else r
-            _write_timeline(args.address, first["start_unix_s"], args.timeline,
-                            kwargs["client_options"])
-            _write_pool_timeline(runs if args.sweep_rates else [r], args.timeline)
+            write_timeline(args.address, results[0]["start_unix_s"], args.timeline,
+                           kwargs["client_options"])
+            write_pool_timeline(results, args.timeline)
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

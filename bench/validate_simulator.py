@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         for w in runs[name]:
             for kind, r in runs[name][w].items():
                 runs[name][w][kind] = {k: v for k, v in r.items() if not isinstance(v, list)}
-    from pdserve.bench.serve import write_json
+    from pdserve.bench.serve_report import write_json
 
     out = write_json(args.result_file, {"benchmark": "validate_simulator",
                                         "num_prompts": args.num_prompts,

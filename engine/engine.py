@@ -29,30 +29,20 @@ import collections
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_payload import (
-    ForkedChoice,
-    KVPayload,
-    KVPayloadError,
-    dtype_name,
-    write_payload,
-)
-from pdserve.engine.model_runner import ModelRunner, RunnerRow
-from pdserve.engine.outputs import (
-    EngineStats,
-    HandedOffFork,
-    HandOff,
-    KVChunk,
-    RequestOutput,
-    StepOutputs,
-)
+from pdserve.engine.errors import CacheMissError, NoCapacityError
+from pdserve.engine.kv_export import KVExport, handoff_groups, new_payload_buffer
+from pdserve.engine.kv_payload import KVPayload, KVPayloadError, dtype_name
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.outputs import EngineStats, HandOff, RequestOutput, StepOutputs
+from pdserve.engine.partial_imports import PartialImports
+from pdserve.engine.request_outputs import request_outputs
+from pdserve.engine.step_inputs import RunnerRow
 from pdserve.scheduler.block_pool import AllocStatus
 from pdserve.scheduler.config import EngineType
 from pdserve.scheduler.output import SchedulerOutput, StepKind, StepResult
-from pdserve.scheduler.prefix_hash import chain_hashes
 from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.scheduler.scheduler import Scheduler
 from pdserve.scheduler.sequence import Sequence
@@ -61,31 +51,9 @@ from pdserve.scheduler.votes import Communicator
 log = logging.getLogger(__name__)
 
 
-class NoCapacityError(ValueError):
-    """A request that can never fit this engine's KV pool."""
-
-
-class CacheMissError(ValueError):
-    """A payload that left out a prefix this engine's cache does not hold."""
-
-
 # A partial import nobody continued for this long frees its blocks (its router or
 # prefill rank is gone; a live stream sends its next chunk or its hand-off sooner).
 PARTIAL_IMPORT_MAX_AGE_S = 120.0
-
-
-class _PartialImport:
-    """KV streamed ahead of a request's hand-off: blocks reserved and written here."""
-
-    __slots__ = ("block_ids", "token_ids", "block_hashes", "updated")
-
-    def __init__(self) -> None:
-        self.block_ids: list[int] = []
-        self.token_ids: list[int] = []  # the tokens of those blocks
-        # their prefix-cache hashes, made as the chunks come (prefix caching on): the
-        # hand-off's import then hashes only its own blocks, on the second token's path
-        self.block_hashes: list[bytes] = []
-        self.updated = time.monotonic()
 
 
 class LLMEngine:
@@ -120,9 +88,10 @@ class LLMEngine:
         # (request id, nbytes) -> a writable buffer a hand-off's payload is written into:
         # the rank's KV transport lends its own (shared memory) so that the blocks are
         # gathered straight into the bytes it hands over
-        self.payload_buffer: Callable[[str, int], Any] = _new_payload_buffer
-        self._streamed: dict[str, int] = {}  # PROMPT: request id -> blocks streamed ahead
-        self._partial: dict[str, _PartialImport] = {}  # COMPLETION: by the streamed attempt
+        self.payload_buffer: Callable[[str, int], Any] = new_payload_buffer
+        self._export = KVExport(self.runner, config.block_size)  # PROMPT
+        self._partial = PartialImports(self.scheduler, self.runner.kv_cache,  # COMPLETION
+                                       config.block_size)
 
     # -- admission -------------------------------------------------------------------
 
@@ -144,7 +113,7 @@ class LLMEngine:
         seq.forks = list(forks)
         if stream_kv and self.engine_type == EngineType.PROMPT \
                 and not self.runner.kv_cache.ring_layers:
-            self._streamed[request_id] = 0
+            self._export.streamed[request_id] = 0
         self._requests[request_id] = seq
         for fork_id, _ in forks:
             self._requests[fork_id] = None  # type: ignore[assignment]  # id reserved
@@ -198,18 +167,9 @@ class LLMEngine:
         """The blocks of a payload's left-out prefix: its chunks' (a partial import), or
         this engine's prefix cache's; referenced from now on."""
         skipped, prompt = payload.skipped_blocks, payload.token_ids[:payload.num_prompt_tokens]
-        partial = self._partial.get(payload.stream_of) if payload.stream_of else None
-        if partial is not None and len(partial.block_ids) >= skipped:
-            if prompt[:len(partial.token_ids)] != partial.token_ids:
-                raise KVPayloadError(f"request {payload.request_id!r}: its prompt differs from "
-                                     f"the tokens its streamed KV chunks carried")
-            del self._partial[payload.stream_of]
-            self.scheduler.release_blocks(partial.block_ids[skipped:])
-            payload.cached_block_hashes = partial.block_hashes[:skipped]
-            return partial.block_ids[:skipped]
-        if partial is not None:  # short of what the payload left out: of no use now
-            self._drop_partial(payload.stream_of)
-        held = self.scheduler.take_cached_prefix(prompt, skipped)
+        held = self._partial.take_prefix(payload, prompt)
+        if held is None:
+            held = self.scheduler.take_cached_prefix(prompt, skipped)
         if held is None:
             raise CacheMissError(
                 f"request {payload.request_id!r} left out {skipped} blocks of KV this engine "
@@ -220,54 +180,16 @@ class LLMEngine:
         """Write a streamed chunk into blocks reserved for its request, in order."""
         if self.runner.kv_cache.ring_layers:
             raise KVPayloadError("a sliding-window model takes no streamed KV chunks")
-        partial = self._partial.get(chunk.stream_of)
-        have = len(partial.block_ids) if partial is not None else 0
-        if chunk.skipped_blocks != have:
-            raise KVPayloadError(f"KV chunk {chunk.request_id!r} starts at block "
-                                 f"{chunk.skipped_blocks}, but {have} blocks of "
-                                 f"{chunk.stream_of!r} arrived before it")
-        if partial is not None and chunk.token_ids[:have * self.config.block_size] \
-                != partial.token_ids:
-            raise KVPayloadError(f"KV chunk {chunk.request_id!r}: its tokens differ from the "
-                                 "chunks before it")
-        if chunk.stream_of in self._requests:
-            raise KVPayloadError(f"request {chunk.stream_of!r} is already here: no more chunks")
-        self.runner.kv_cache.check_import(chunk.tensors, chunk.num_prompt_tokens, have)
-        num_blocks = chunk.num_prompt_tokens // self.config.block_size - have
-        block_ids = self.scheduler.reserve_blocks(num_blocks)
-        if block_ids is None:
-            raise NoCapacityError(f"no room for {num_blocks} blocks of streamed KV of "
-                                  f"{chunk.stream_of!r}")
-        try:
-            self.runner.kv_cache.write_blocks(block_ids, chunk.tensors["k_blocks"],
-                                              chunk.tensors["v_blocks"])
-        except Exception:
-            self.scheduler.release_blocks(block_ids)
-            raise
-        if partial is None:
-            partial = self._partial[chunk.stream_of] = _PartialImport()
-        partial.block_ids += block_ids
-        partial.token_ids = list(chunk.token_ids)
-        if self.scheduler.caching:
-            partial.block_hashes = chain_hashes(partial.token_ids, self.config.block_size,
-                                                len(partial.block_ids), partial.block_hashes)
-        partial.updated = time.monotonic()
+        self._partial.add_chunk(chunk, self._requests)
         return chunk.request_id
 
-    def _drop_partial(self, stream_of: str) -> bool:
-        partial = self._partial.pop(stream_of, None)
-        if partial is not None:
-            self.scheduler.release_blocks(partial.block_ids)
-        return partial is not None
-
     def _expire_partials(self) -> None:
-        cutoff = time.monotonic() - PARTIAL_IMPORT_MAX_AGE_S
-        for stream_of in [k for k, p in self._partial.items() if p.updated < cutoff]:
+        for stream_of in self._partial.expired(PARTIAL_IMPORT_MAX_AGE_S):
             log.warning("streamed KV of %s expired: no hand-off followed its chunks", stream_of)
-            self._drop_partial(stream_of)
+            self._partial.drop(stream_of)
 
     def abort(self, request_id: str) -> bool:
-        if self._drop_partial(request_id) and request_id not in self._requests:
+        if self._partial.drop(request_id) and request_id not in self._requests:
             return True
         if request_id not in self._requests:
             return False
@@ -323,16 +245,12 @@ class LLMEngine:
         for child in result.forked:
             self._unforked.pop(child.request_id, None)
             self._requests[child.request_id] = child
-        kv_chunks = self._stream_ahead(sched_out) if self._streamed else []
-        handoffs = []
-        for group in _handoff_groups(result.handed_off):
-            try:
-                handoffs.append(self._hand_off(group))
-            except Exception as exc:
-                self._fail_handoff(group, exc, result)
+        kv_chunks = self._export.stream_ahead(sched_out, self.payload_buffer) \
+            if self._export.streamed else []
+        handoffs = self._hand_off_all(result)
         outputs = self._collect_outputs(result)
-        if self._streamed:  # requests that ended before their hand-off
-            self._streamed = {k: n for k, n in self._streamed.items() if k in self._requests}
+        if self._export.streamed:
+            self._export.forget_ended(self._requests)
         self.num_steps += 1
         if sched_out.is_empty:
             self.num_empty_steps += 1
@@ -427,129 +345,34 @@ class LLMEngine:
         return tokens
 
     def _collect_outputs(self, result: StepResult) -> list[RequestOutput]:
-        by_id: dict[str, RequestOutput] = {}
-        # A handed-off request's first token travels in its HandOff, not here.
-        handed_off = {seq.request_id for seq in result.handed_off}
-        step_logprobs = self._step_logprobs  # empty unless a request asked for logprobs
-        for seq in result.updated:
-            if seq.request_id in handed_off or seq.request_id in self._failed:
-                continue
-            out = self._output_for(by_id, seq)
-            out.new_token_ids.append(seq.token_ids[-1])
-            if step_logprobs:
-                # Every token of a request that asked was drawn by a row that computed
-                # its logprobs, so new_logprobs stays aligned with new_token_ids.
-                lp = step_logprobs.get(seq.request_id)
-                if lp is not None:
-                    if out.new_logprobs is None:
-                        out.new_logprobs = []
-                    out.new_logprobs.append(lp)
-        for seq in result.finished:
-            out = self._output_for(by_id, seq)
-            cause = self._failed.pop(seq.request_id, None)
-            if cause is None:
-                out.finish_reason = seq.finish_reason
-            else:
-                out.finish_reason, out.error, out.step_failed = "error", cause, True
-                out.new_token_ids.clear()
-                out.new_logprobs = None
-            self._requests.pop(seq.request_id, None)
-            for fork_id, _ in seq.forks:  # ended before its prompt completed: so do they
-                self._unforked.pop(fork_id, None)
-                self._requests.pop(fork_id, None)
-                by_id[fork_id] = RequestOutput(
-                    fork_id, [], finish_reason=out.finish_reason, error=out.error,
-                    step_failed=out.step_failed, num_prompt_tokens=seq.prompt_len,
-                    arrival_time=seq.arrival_time)
-            seq.forks = []
-        for request_id in self._aborted_unstarted:
-            by_id[request_id] = RequestOutput(request_id, [], finish_reason="abort")
-            self._requests.pop(request_id, None)
+        outputs, ended = request_outputs(result, self._step_logprobs, self._failed,
+                                         self._aborted_unstarted)
         self._aborted_unstarted.clear()
-        return list(by_id.values())
-
-    @staticmethod
-    def _output_for(by_id: dict[str, RequestOutput], seq: Sequence) -> RequestOutput:
-        out = by_id.get(seq.request_id)
-        if out is None:
-            out = by_id[seq.request_id] = RequestOutput(
-                seq.request_id, [], num_prompt_tokens=seq.prompt_len,
-                arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
-                first_scheduled_time=seq.first_scheduled_time,
-                num_cached_tokens=seq.num_cached_tokens)
-        out.num_output_tokens = seq.output_len
-        out.first_token_time = seq.first_token_time
-        return out
+        for request_id in ended:
+            self._unforked.pop(request_id, None)  # the forks of a prompt that ended
+            self._requests.pop(request_id, None)
+        return outputs
 
     # -- KV hand-off -----------------------------------------------------------------
 
-    def _stream_ahead(self, sched_out: SchedulerOutput) -> list[KVChunk]:
-        """Chunks of the full blocks this prompt step completed, for streaming prompts
-        that are not done yet (a done one hands its remaining blocks off)."""
-        if sched_out.kind != StepKind.PROMPT:
-            return []
-        chunks, block_size = [], self.config.block_size
-        for row in sched_out.scheduled:
-            seq = row.seq
-            sent = self._streamed.get(seq.request_id)
-            if sent is None or seq.is_finished or seq.processed >= seq.prompt_len:
-                continue
-            full = seq.processed // block_size
-            if full <= sent:
-                continue
-            key = f"{seq.request_id}/kv{sent}"
-            chunk = KVPayload(
-                request_id=key, model_fingerprint=self.runner.model_fingerprint,
-                dtype=dtype_name(self.runner.dtype), block_size=block_size,
-                num_layers=self.runner.num_layers, token_ids=seq.token_ids[:full * block_size],
-                num_prompt_tokens=full * block_size, sampling={}, skipped_blocks=sent,
-                kind="chunk", stream_of=seq.request_id)
+    def _hand_off_all(self, result: StepResult) -> list[HandOff]:
+        """A hand-off for each prompt handed off this step; one whose export fails ends
+        with ``error`` (its blocks back) and the others go on."""
+        handoffs = []
+        for group in handoff_groups(result.handed_off):
             try:
-                buffer = self._export_payload(chunk, seq, full * block_size, sent, key)
-            except Exception as exc:  # what went ahead stays needed; the rest goes at hand-off
-                log.warning("streaming KV of %s stopped: %s: %s", seq.request_id,
-                            type(exc).__name__, exc)
-                continue
-            self._streamed[seq.request_id] = full
-            chunks.append(KVChunk(seq.request_id, key, sent, full - sent, buffer))
-        return chunks
-
-    def _export_payload(self, payload: KVPayload, seq: Sequence, num_tokens: int,
-                        first_block: int, key: str) -> Any:
-        """Gather ``seq``'s blocks from ``first_block`` on straight into the buffer the
-        transport lends for ``payload``."""
-        return write_payload(payload, self.runner.kv_cache, seq.block_table, seq.state_slot,
-                             num_tokens, self.payload_buffer, key, first_block)
+                handoffs.append(self._hand_off(group))
+            except Exception as exc:
+                self._fail_handoff(group, exc, result)
+        return handoffs
 
     def _hand_off(self, group: list[Sequence]) -> HandOff:
-        """One payload for the choices of one prompt that go on (n > 1: they share the
-        prompt's KV); the first of them leads, the others travel as its forks."""
-        seq, others = group[0], group[1:]
-        stream_of = seq.fork_of or seq.request_id  # a fork leads when its parent stopped
-        streamed = self._streamed.pop(stream_of, 0)
-        payload = KVPayload(
-            request_id=seq.request_id, model_fingerprint=self.runner.model_fingerprint,
-            dtype=dtype_name(self.runner.dtype), block_size=self.config.block_size,
-            num_layers=self.runner.num_layers, token_ids=list(seq.token_ids),
-            num_prompt_tokens=seq.prompt_len, sampling=asdict(seq.sampling),
-            arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
-            forks=[ForkedChoice(o.request_id, o.token_ids[-1], asdict(o.sampling))
-                   for o in others],
-            skipped_blocks=streamed, stream_of=stream_of if streamed else "")
-        buffer = self._export_payload(payload, seq, seq.prompt_len, streamed, seq.request_id)
+        """Export the choices of one prompt that go on; their blocks go back."""
+        handoff = self._export.hand_off(group, self.payload_buffer, self._step_logprobs)
         for member in group:
             self.scheduler.release_handed_off(member)
             self._requests.pop(member.request_id, None)
-        return HandOff(seq.request_id, seq.token_ids[-1], buffer, seq.prompt_len,
-                       arrival_time=seq.arrival_time,
-                       first_scheduled_time=seq.first_scheduled_time,
-                       first_token_time=seq.first_token_time,
-                       first_token_logprobs=self._step_logprobs.get(seq.request_id),
-                       forks=[HandedOffFork(o.request_id, o.token_ids[-1],
-                                            self._step_logprobs.get(o.request_id))
-                              for o in others],
-                       num_cached_tokens=seq.num_cached_tokens,
-                       streamed_blocks=streamed, stream_of=stream_of if streamed else "")
+        return handoff
 
     def _admit_imports(self) -> None:
         while self._pending_imports:
@@ -621,7 +444,8 @@ class LLMEngine:
         assert not self._requests, f"requests still registered: {sorted(self._requests)}"
         assert not self._unforked, f"forks never made: {sorted(self._unforked)}"
         assert not self._partial, f"streamed KV never imported: {sorted(self._partial)}"
-        assert not self._streamed, f"streams never handed off: {sorted(self._streamed)}"
+        assert not self._export.streamed, \
+            f"streams never handed off: {sorted(self._export.streamed)}"
         self.scheduler.assert_drained()
 
     def stats(self) -> EngineStats:
@@ -650,18 +474,5 @@ def _payload_sampling(settings: dict, where: str) -> SamplingParams:
         raise KVPayloadError(f"KV payload {where} settings are invalid: {exc}") from exc
 
 
-def _handoff_groups(handed_off: list[Sequence]) -> list[list[Sequence]]:
-    """Handed-off sequences by the prompt they share (a fork with its parent), the
-    parent first when it goes on too."""
-    groups: dict[str, list[Sequence]] = {}
-    for seq in handed_off:
-        groups.setdefault(seq.fork_of or seq.request_id, []).append(seq)
-    return [sorted(g, key=lambda seq: seq.fork_of is not None) for g in groups.values()]
-
-
 _KIND_NAMES = {StepKind.PROMPT: "prompt", StepKind.DECODE: "decode",
                StepKind.EMPTY_PROMPT: "empty_prompt"}
-
-
-def _new_payload_buffer(request_id: str, nbytes: int) -> bytearray:
-    return bytearray(nbytes)

@@ -15,7 +15,8 @@ numpy, not id by id.
 No copies of its own: a sender lays the payload out first (``KVPayload.layout``) and
 gathers its KV blocks straight into the tensor section of whatever buffer its transport
 hands over (``PayloadLayout.write``); a receiver's tensors are views of the bytes it was
-given (``from_bytes``), which the engine scatters straight into its blocks.
+given (``from_bytes``), which the engine scatters straight into its blocks. The tensor
+section itself (its entries, layout and views) is engine/kv_payload_tensors.py.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import struct
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +31,16 @@ import msgpack
 import numpy as np
 import torch
 
+from pdserve.engine.kv_payload_tensors import (
+    DeviceBytes,
+    KVPayloadError,
+    PayloadLayout,
+    TensorSpec,
+    check_tensor_specs,
+    dtype_name,
+    is_int,
+    tensor_views,
+)
 from pdserve.scheduler.sampling_params import MAX_CHOICES
 
 MAGIC = b"PDKV"
@@ -44,27 +54,11 @@ _PREFIX = struct.Struct("<4sHI")
 MAX_HEADER_BYTES = 64 << 20
 MAX_TOKEN_IDS = 1 << 22  # token_ids: prompt plus first token
 _TOKEN_ID = np.dtype("<i8")  # token_ids' element on the wire
-MAX_TENSORS = 1024
-MAX_TENSOR_DIMS = 8
 _MAX_MAP_LEN = 1024  # the header and its sampling dict hold a dozen keys each
 # The longest lists a header holds: tensors (MAX_TENSORS), forks (MAX_FORKS) and a
 # sampling dict's stop_token_ids (the router takes at most 64); token_ids are bytes.
 _MAX_ARRAY_LEN = 1 << 16
 ALIGN = 64  # the tensor section's start, in bytes from the payload's first byte
-
-_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-
-
-class KVPayloadError(ValueError):
-    """A payload that cannot be imported; the message names what is wrong."""
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _unpack_header(raw: memoryview) -> dict:
@@ -104,14 +98,14 @@ class _HeaderFields:
 
     def int_at_least(self, name: str, minimum: int) -> int:
         value = self.get(name)
-        if not _is_int(value) or value < minimum:
+        if not is_int(value) or value < minimum:
             raise KVPayloadError(f"KV payload header field {name!r} must be an int >= {minimum}, "
                                  f"got {value!r}")
         return value
 
     def finite_number(self, name: str) -> float:
         value = self.get(name)
-        if not (isinstance(value, float) or _is_int(value)) or not math.isfinite(value):
+        if not (isinstance(value, float) or is_int(value)) or not math.isfinite(value):
             raise KVPayloadError(f"KV payload header field {name!r} must be a finite number, "
                                  f"got {value!r}")
         return float(value)
@@ -173,7 +167,7 @@ def _check_forks(entries: list, vocab_size: int | None, lead_id: str) -> list[Fo
                                  f"new non-empty str, got {request_id!r:.100}")
         seen.add(request_id)
         upper = vocab_size if vocab_size is not None else 1 << 63
-        if not _is_int(first_token_id) or not 0 <= first_token_id < upper:
+        if not is_int(first_token_id) or not 0 <= first_token_id < upper:
             raise KVPayloadError(f"KV payload header field '{where}.first_token_id' must be a "
                                  f"token id below {upper}, got {first_token_id!r:.100}")
         if not isinstance(sampling, dict):
@@ -182,71 +176,6 @@ def _check_forks(entries: list, vocab_size: int | None, lead_id: str) -> list[Fo
         forks.append(ForkedChoice(request_id, first_token_id,
                                   _check_sampling(sampling, f"{where}.sampling")))
     return forks
-
-
-@dataclass(frozen=True)
-class _TensorSpec:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-def _check_tensor_specs(entries: list, tensor_bytes: int) -> list[_TensorSpec]:
-    """Every entry well formed, inside the tensor section, sized by its shape, and the
-    entries tiling the section exactly (no overlap, no gap, no duplicate name)."""
-    if len(entries) > MAX_TENSORS:
-        raise KVPayloadError(f"KV payload names {len(entries)} tensors, more than {MAX_TENSORS}")
-    specs: list[_TensorSpec] = []
-    names: set[str] = set()
-    for index, entry in enumerate(entries):
-        where = f"KV payload tensors[{index}]"
-        if not isinstance(entry, list) or len(entry) != 5:
-            raise KVPayloadError(f"{where} must be [name, dtype, shape, offset, nbytes], "
-                                 f"got {entry!r:.200}")
-        name, dtype, shape, offset, nbytes = entry
-        if not isinstance(name, str):
-            raise KVPayloadError(f"{where}: name must be a str, got {type(name).__name__}")
-        where = f"KV payload tensor {name!r}"
-        if name in names:
-            raise KVPayloadError(f"{where} appears twice")
-        names.add(name)
-        if not isinstance(dtype, str) or dtype not in _DTYPES:
-            raise KVPayloadError(f"{where}: unknown dtype {dtype!r}")
-        if (not isinstance(shape, list) or len(shape) > MAX_TENSOR_DIMS
-                or not all(_is_int(d) and d >= 0 for d in shape)):
-            raise KVPayloadError(f"{where}: shape must be a list of at most {MAX_TENSOR_DIMS} "
-                                 f"ints >= 0, got {shape!r:.200}")
-        for label, value in (("offset", offset), ("nbytes", nbytes)):
-            if not _is_int(value) or value < 0:
-                raise KVPayloadError(f"{where}: {label} must be an int >= 0, got {value!r}")
-        if offset + nbytes > tensor_bytes:
-            raise KVPayloadError(f"{where}: bytes [{offset}, {offset + nbytes}) lie outside "
-                                 f"the tensor section of {tensor_bytes} bytes")
-        expected = math.prod(shape) * _DTYPES[dtype].itemsize
-        if nbytes != expected:
-            raise KVPayloadError(f"{where}: nbytes {nbytes} does not match shape {shape} of "
-                                 f"{dtype} ({expected} bytes)")
-        specs.append(_TensorSpec(name, dtype, tuple(shape), offset, nbytes))
-    end = 0
-    for spec in sorted((s for s in specs if s.nbytes), key=lambda s: s.offset):
-        if spec.offset < end:
-            raise KVPayloadError(f"KV payload tensor {spec.name!r} overlaps the tensor before it "
-                                 f"(offset {spec.offset} < {end})")
-        end = spec.offset + spec.nbytes
-    covered = sum(spec.nbytes for spec in specs)
-    if covered != tensor_bytes:
-        raise KVPayloadError(f"KV payload header field 'tensor_bytes' is {tensor_bytes}, but its "
-                             f"tensors hold {covered} bytes")
-    return specs
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    for name, value in _DTYPES.items():
-        if value == dtype:
-            return name
-    raise KVPayloadError(f"dtype {dtype} cannot be carried in a KV payload")
 
 
 MAX_FORKS = MAX_CHOICES - 1  # the lead's siblings
@@ -330,7 +259,7 @@ class KVPayload:
         specs, offset = [], 0
         for name, (dtype, shape) in shapes.items():
             nbytes = math.prod(shape) * dtype.itemsize
-            specs.append(_TensorSpec(name, dtype_name(dtype), tuple(shape), offset, nbytes))
+            specs.append(TensorSpec(name, dtype_name(dtype), tuple(shape), offset, nbytes))
             offset += nbytes
         header = {
             "request_id": self.request_id,
@@ -381,7 +310,7 @@ class KVPayload:
         raises KVPayloadError naming the field or tensor. ``data`` may also be a 1-D
         uint8 tensor (see ``from_tensor``).
         """
-        data = _DeviceBytes(data) if isinstance(data, torch.Tensor) else memoryview(data).cast("B")
+        data = DeviceBytes(data) if isinstance(data, torch.Tensor) else memoryview(data).cast("B")
         if len(data) < _PREFIX.size:
             raise KVPayloadError(f"KV payload truncated: {len(data)} bytes, no header")
         magic, version, header_len = _PREFIX.unpack(data[: _PREFIX.size])
@@ -429,9 +358,9 @@ class KVPayload:
         arrival_time = fields.finite_number("arrival_time")
         first_token_time = (None if fields.get("first_token_time") is None
                             else fields.finite_number("first_token_time"))
-        specs = _check_tensor_specs(fields.of_type("tensors", list), tensor_bytes)
+        specs = check_tensor_specs(fields.of_type("tensors", list), tensor_bytes)
 
-        tensors = _views(data, body, specs)
+        tensors = tensor_views(data, body, specs)
         return cls(
             request_id=request_id,
             model_fingerprint=model_fingerprint,
@@ -479,91 +408,6 @@ class KVPayload:
                 f"KV payload token_ids has {len(self.token_ids)} ids, expected prompt "
                 f"({self.num_prompt_tokens}) plus one first token"
             )
-
-
-@dataclass(frozen=True)
-class PayloadLayout:
-    """A payload's bytes before its tensors are filled in: the prefix and header
-    (``head``), then each tensor at ``len(head) + spec.offset``."""
-
-    head: bytes
-    specs: list[_TensorSpec]
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.head) + sum(spec.nbytes for spec in self.specs)
-
-    def write(self, buffer: Any) -> dict[str, torch.Tensor]:
-        """Write the head into ``buffer`` (writable, exactly ``nbytes`` long) and return
-        its tensors as views of it, for the sender to fill. ``buffer`` may also be a
-        contiguous 1-D uint8 tensor on any device: the head is copied in, and the views
-        are tensors on that device."""
-        if isinstance(buffer, torch.Tensor):
-            _check_byte_tensor(buffer)
-            if buffer.numel() != self.nbytes:
-                raise ValueError(f"a KV payload of {self.nbytes} bytes cannot be written into a "
-                                 f"tensor of {buffer.numel()} bytes")
-            buffer[:len(self.head)].copy_(torch.frombuffer(bytearray(self.head), dtype=torch.uint8))
-            return _views(_DeviceBytes(buffer), len(self.head), self.specs)
-        view = memoryview(buffer).cast("B")
-        if len(view) != self.nbytes:
-            raise ValueError(f"a KV payload of {self.nbytes} bytes cannot be written into a "
-                             f"buffer of {len(view)}")
-        view[:len(self.head)] = self.head
-        return _views(view, len(self.head), self.specs)
-
-
-def _check_byte_tensor(data: torch.Tensor) -> None:
-    if data.dtype != torch.uint8 or data.dim() != 1 or not data.is_contiguous():
-        raise KVPayloadError(f"a KV payload tensor must be contiguous 1-D uint8, got "
-                             f"{data.dtype} of shape {tuple(data.shape)}")
-
-
-class _DeviceBytes:
-    """A payload in a uint8 tensor, read like bytes: slices are small CPU copies (the
-    prefix and header); ``_views`` makes its tensors views of the tensor itself."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        _check_byte_tensor(tensor)
-        self.tensor = tensor
-
-    def __len__(self) -> int:
-        return self.tensor.numel()
-
-    def __getitem__(self, index: slice) -> memoryview:
-        return memoryview(self.tensor[index].cpu().numpy()).cast("B")
-
-    def views(self, start: int, specs: list[_TensorSpec]) -> dict[str, torch.Tensor]:
-        out = {}
-        for spec in specs:
-            torch_dtype = _DTYPES[spec.dtype]
-            begin = start + spec.offset
-            flat = self.tensor[begin:begin + spec.nbytes]
-            try:
-                out[spec.name] = flat.view(torch_dtype).view(spec.shape)
-            except RuntimeError as exc:  # an offset not a multiple of the element size
-                raise KVPayloadError(f"KV payload tensor {spec.name!r} cannot be viewed as "
-                                     f"{spec.dtype} at byte {begin}: {exc}") from None
-        return out
-
-
-def _views(data: Any, start: int, specs: list[_TensorSpec]) -> dict[str, torch.Tensor]:
-    """Each spec's tensor as a view of ``data`` (its offsets count from ``start``)."""
-    if isinstance(data, _DeviceBytes):
-        return data.views(start, specs)
-    tensors = {}
-    with warnings.catch_warnings():  # a read-only buffer: the receiver only reads it
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        for spec in specs:
-            torch_dtype = _DTYPES[spec.dtype]
-            if spec.nbytes == 0:  # torch.frombuffer refuses an empty buffer
-                tensors[spec.name] = torch.empty(spec.shape, dtype=torch_dtype)
-                continue
-            flat = torch.frombuffer(data, dtype=torch_dtype,
-                                    count=spec.nbytes // torch_dtype.itemsize,
-                                    offset=start + spec.offset)
-            tensors[spec.name] = flat.view(spec.shape)
-    return tensors
 
 
 def write_payload(payload: KVPayload, kv_cache: Any, block_table: list[int], state_slot: int,

@@ -203,38 +203,51 @@ def _parse_rope(raw: dict, source: str) -> RopeConfig:
 
 
 def _parse_windows(raw: dict, family: str, n: int, source: str) -> tuple[int | None, ...]:
-    window = raw.get("sliding_window")
     if family == "llama":
         return (None,) * n
-    if family in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
-        window = None
-    if window is not None:
-        window = int(window)
-        if window < 1:
-            raise ModelConfigError(f"{source}: sliding_window must be >= 1, got {window}")
+    window = _sliding_window(raw, family, source)
     layer_types = raw.get("layer_types")
     if layer_types is not None:
-        if len(layer_types) != n:
-            raise ModelConfigError(
-                f"{source}: layer_types has {len(layer_types)} entries, expected {n}"
-            )
-        out: list[int | None] = []
-        for i, t in enumerate(layer_types):
-            if t == "full_attention":
-                out.append(None)
-            elif t == "sliding_attention":
-                if window is None:
-                    raise ModelConfigError(
-                        f"{source}: layer_types[{i}] is sliding_attention but no sliding_window"
-                    )
-                out.append(window)
-            else:
-                raise ModelConfigError(f"{source}: unsupported layer_types[{i}] {t!r}")
-        return tuple(out)
+        return _windows_by_layer_type(layer_types, window, n, source)
     if window is None:
         return (None,) * n
     if family == "mistral":
         return (window,) * n
     first = int(raw.get("max_window_layers", n))
     return tuple(window if i >= first else None for i in range(n))
+
+
+def _sliding_window(raw: dict, family: str, source: str) -> int | None:
+    """The configured window; qwen2/qwen3 configs carry one that applies only with
+    ``use_sliding_window``."""
+    window = raw.get("sliding_window")
+    if family in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+        return None
+    if window is None:
+        return None
+    window = int(window)
+    if window < 1:
+        raise ModelConfigError(f"{source}: sliding_window must be >= 1, got {window}")
+    return window
+
+
+def _windows_by_layer_type(layer_types: list, window: int | None, n: int,
+                           source: str) -> tuple[int | None, ...]:
+    if len(layer_types) != n:
+        raise ModelConfigError(
+            f"{source}: layer_types has {len(layer_types)} entries, expected {n}"
+        )
+    out: list[int | None] = []
+    for i, t in enumerate(layer_types):
+        if t == "full_attention":
+            out.append(None)
+        elif t == "sliding_attention":
+            if window is None:
+                raise ModelConfigError(
+                    f"{source}: layer_types[{i}] is sliding_attention but no sliding_window"
+                )
+            out.append(window)
+        else:
+            raise ModelConfigError(f"{source}: unsupported layer_types[{i}] {t!r}")
+    return tuple(out)
 

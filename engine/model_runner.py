@@ -23,14 +23,9 @@ tokens of its forks): they follow the rows' entries, in row order.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import math
-import time
-from dataclasses import dataclass, field
 from dataclasses import replace as dataclass_replace
-from itertools import chain
 from pathlib import Path
 
 import torch
@@ -38,34 +33,18 @@ import torch
 from pdserve.engine.config import DEFAULT_KV_COPY_THREADS
 from pdserve.engine.model import load_model
 from pdserve.engine.outputs import TokenLogprobs
+from pdserve.engine.step_inputs import RunnerRow, check_rows, decode_inputs, general_inputs
+from pdserve.engine.thread_tuner import ThreadTuner
 from pdserve.engine.weights import file_digest, weight_files
 from pdserve.kernels import cbuild
-from pdserve.kernels.attention import AttentionGroup, AttentionMetadata
 from pdserve.kernels.decode_kv import DecodeKV
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.sampling import greedy
 from pdserve.kernels.sampling import sample as sample_tokens
-from pdserve.kernels.slot_mapping import full_slots, ring_slots
 from pdserve.scheduler.config import DEFAULT_BLOCK_SIZE
-from pdserve.scheduler.sampling_params import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-_GREEDY = SamplingParams(temperature=0.0)
-
-
-@dataclass
-class RunnerRow:
-    token_ids: list[int]
-    start_pos: int
-    block_table: list[int]
-    state_slot: int = -1
-    sampling: SamplingParams = field(default_factory=lambda: _GREEDY)
-    sample: bool = True
-    output_index: int = 0
-    # More tokens drawn from this row's logits, one per entry's settings: the first
-    # tokens of the forks that share its prompt (n > 1). Only on a row that samples.
-    extra_draws: tuple[SamplingParams, ...] = ()
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -310,29 +289,9 @@ class ModelRunner:
         hidden = self.model(tokens, positions, self.kv_cache, meta, keep)
         return self.model.compute_logits(hidden) if len(want) else None
 
-    def _check(self, rows: list[RunnerRow]) -> None:
-        bs, cache = self.block_size, self.kv_cache
-        for n, r in enumerate(rows):
-            q = len(r.token_ids)
-            if q < 1:
-                raise ValueError(f"row {n}: token_ids is empty")
-            if r.start_pos < 0:
-                raise ValueError(f"row {n}: start_pos must be >= 0, got {r.start_pos}")
-            if cache.full_layers and len(r.block_table) * bs < r.start_pos + q:
-                raise ValueError(
-                    f"row {n}: block_table has {len(r.block_table)} blocks of {bs}, "
-                    f"too few for seqlen_k {r.start_pos + q}"
-                )
-            if r.extra_draws and not r.sample:
-                raise ValueError(f"row {n}: extra_draws on a row that samples nothing")
-            if cache.ring_layers and not 0 <= r.state_slot < cache.num_state_slots:
-                raise ValueError(
-                    f"row {n}: state_slot {r.state_slot} out of range [0, {cache.num_state_slots})"
-                )
-
     def prepare(self, rows: list[RunnerRow]):
         """Flat tokens/positions and attention metadata for a step (on the device)."""
-        self._check(rows)
+        check_rows(rows, self.block_size, self.kv_cache)
         decode_rows = [i for i, r in enumerate(rows) if len(r.token_ids) == 1]
         all_decode = len(decode_rows) == len(rows)
         kernel_step = all_decode and self.decode_kernel
@@ -347,117 +306,14 @@ class ModelRunner:
             # rows drops all slots: see DecodeKV's safety rules).
             plan = self.decode_kv.plan([rows[i].block_table for i in decode_rows],
                                        [rows[i].start_pos for i in decode_rows])
+        args = (rows, plan, self.device, self.block_size, self.kv_cache)
         if kernel_step or (all_decode and not self.kv_cache.ring_layers):
-            tokens, positions, meta, last = self._prepare_decode(rows, plan)
+            tokens, positions, meta, last = decode_inputs(*args)
         else:
-            tokens, positions, meta, last = self._prepare_general(rows, plan)
+            tokens, positions, meta, last = general_inputs(*args)
         meta.decode_kv, meta.decode_plan = self.decode_kv, plan
         meta.max_position = max(r.start_pos + len(r.token_ids) for r in rows) - 1
         return tokens, positions, meta, last
-
-    def _prepare_decode(self, rows: list[RunnerRow], plan):
-        """All rows decode (q = 1), and either every layer is full attention or the C
-        step runs (it needs no ring metadata, only each row's state slot): the metadata
-        is a few per-row lists, built in Python without the general path's tensor
-        algebra."""
-        dev, bs, cache = self.device, self.block_size, self.kv_cache
-        b = len(rows)
-        pos = [r.start_pos for r in rows]
-        ar = torch.arange(b, device=dev)
-        positions = torch.tensor(pos, device=dev)
-        bt = slot_mapping = states = None
-        if cache.full_layers:
-            slot_mapping = torch.tensor(
-                [r.block_table[p // bs] * bs + p % bs for r, p in zip(rows, pos, strict=True)],
-                device=dev)
-            if plan is None:  # the gather path and the C step read the block tables
-                nb = math.ceil((max(pos) + 1) / bs)
-                bt = torch.tensor([(r.block_table[:nb] + [0] * nb)[:nb] for r in rows],
-                                  device=dev)
-        if cache.ring_layers:
-            states = torch.tensor([r.state_slot for r in rows], device=dev)
-        group = AttentionGroup(
-            token_index=ar[:, None], q_valid=torch.ones(b, 1, dtype=torch.bool, device=dev),
-            q_pos=positions[:, None], block_tables=bt, ring_rows=None, ring_pos=None,
-            valid_tokens=ar, valid_flat=None, fresh=False, decode=True, covers_all=True,
-            state_slots=states)
-        meta = AttentionMetadata(groups=[group], slot_mapping=slot_mapping,
-                                 ring_dest=None, ring_src=None, num_tokens=b)
-        tokens = torch.tensor([r.token_ids[0] for r in rows], device=dev)
-        return tokens, positions, meta, ar
-
-    def _prepare_general(self, rows: list[RunnerRow], plan):
-        dev, bs, cache = self.device, self.block_size, self.kv_cache
-        b = len(rows)
-        q_lens = torch.tensor([len(r.token_ids) for r in rows], dtype=torch.long)
-        starts = torch.tensor([r.start_pos for r in rows], dtype=torch.long)
-        tokens = torch.tensor(list(chain.from_iterable(r.token_ids for r in rows)),
-                              dtype=torch.long)
-        t = tokens.numel()
-        cu = torch.zeros(b + 1, dtype=torch.long)
-        cu[1:] = q_lens.cumsum(0)
-        token_row = torch.repeat_interleave(torch.arange(b), q_lens)
-        positions = starts[token_row] + torch.arange(t) - cu[token_row]
-        seqlen_k = starts + q_lens
-
-        bt = None
-        slot_mapping = None
-        if cache.full_layers:
-            nb = max(math.ceil((r.start_pos + len(r.token_ids)) / bs) for r in rows)
-            bt = torch.tensor([(r.block_table[:nb] + [0] * nb)[:nb] for r in rows],
-                              dtype=torch.long)
-            slot_mapping = full_slots(bt, token_row, positions, bs)
-        ring_dest = ring_src = slots = None
-        R = cache.ring_len
-        if cache.ring_layers:
-            slots = torch.tensor([r.state_slot for r in rows], dtype=torch.long)
-            dest = ring_slots(slots, seqlen_k, q_lens, token_row, positions, R)
-            keep = dest >= 0
-            ring_dest, ring_src = dest[keep], torch.arange(t)[keep]
-
-        decode = q_lens == 1
-        fresh = ~decode & (starts == 0)
-        chunk = ~decode & ~fresh
-        parts = [(m.nonzero().flatten(), f) for m, f in
-                 ((decode, False), (fresh, True), (chunk, False))]
-        groups = []
-        for ri, is_fresh in parts:
-            if ri.numel() == 0:
-                continue
-            ql, st = q_lens[ri], starts[ri]
-            ar = torch.arange(int(ql.max()))
-            q_valid = ar[None, :] < ql[:, None]
-            off = torch.where(q_valid, ar[None, :], 0)
-            token_index = cu[ri][:, None] + off
-            g_bt = ring_rows = ring_pos = None
-            is_decode = bool(ql.max() == 1)
-            if bt is not None and not is_fresh and not (is_decode and plan is not None):
-                nb_g = math.ceil(int(seqlen_k[ri].max()) / bs)
-                g_bt = bt[ri, :nb_g].to(dev)
-            if slots is not None and not is_fresh:
-                ar_r = torch.arange(R)
-                ring_rows = (slots[ri][:, None] * R + ar_r[None, :]).to(dev)
-                last = st[:, None] - 1
-                ring_pos = (last - torch.remainder(last - ar_r[None, :], R)).to(dev)
-            groups.append(AttentionGroup(
-                token_index=token_index.to(dev), q_valid=q_valid.to(dev),
-                q_pos=(st[:, None] + off).to(dev), block_tables=g_bt, ring_rows=ring_rows,
-                ring_pos=ring_pos, valid_tokens=token_index[q_valid].to(dev),
-                valid_flat=None if bool(q_valid.all()) else
-                q_valid.flatten().nonzero().flatten().to(dev),
-                fresh=is_fresh, decode=is_decode,
-            ))
-        if len(groups) == 1:
-            groups[0].covers_all = True
-        meta = AttentionMetadata(
-            groups=groups,
-            slot_mapping=slot_mapping.to(dev) if slot_mapping is not None else None,
-            ring_dest=ring_dest.to(dev) if ring_dest is not None else None,
-            ring_src=ring_src.to(dev) if ring_src is not None else None,
-            num_tokens=t,
-        )
-        last_index = (cu[1:] - 1).to(dev)
-        return tokens.to(dev), positions.to(dev), meta, last_index
 
     def _sample(self, logits: torch.Tensor, rows: list[RunnerRow]) -> torch.Tensor:
         sp = [r.sampling for r in rows]
@@ -481,68 +337,6 @@ class ModelRunner:
             seeds.to(dev),
             torch.tensor([r.output_index for r in rows], dtype=torch.long, device=dev),
         )
-
-
-class ThreadTuner:
-    """Runs each CPU decode step with 1 thread or with torch's current thread count,
-    whichever has been faster lately for steps of that size.
-
-    Why: on a 2-core machine shared with other work, two OpenMP threads wait at every
-    barrier for a peer that the OS has descheduled. Measured under load 6-10 on 2
-    cores, one thread ran the small model's decode steps about 2x faster (wall time),
-    while an idle machine favours two. So: time the steps. Per size bucket, an average
-    of seconds per token for each choice; untried choices first, then the faster one,
-    with every ``explore``-th step on the other so that a change in load is noticed.
-    Only decode steps are tuned: they are many and short, so a wrong try costs one
-    step's difference. Prefill steps are few and long (one is a large share of an
-    offline batch): one exploratory prefill on 1 thread of an idle machine cost ~1 s
-    of a 5 s run of the small model, so they always use every thread. Thread count
-    does not change results (oneDNN and MKL matmuls and SDPA gave bitwise equal
-    outputs for 1 and 2 threads at this model's decode and prefill shapes).
-    torch's global setting is restored after each step, so other code in the process
-    (e.g. transformers in a benchmark) keeps the caller's thread count.
-    """
-
-    def __init__(self, enabled: bool = True, explore: int = 24, smoothing: float = 0.3):
-        self.enabled = enabled
-        self.explore = explore
-        self.smoothing = smoothing
-        self.cost: dict[tuple, float] = {}  # (kind, bucket, threads) -> s per token (EMA)
-        self.steps: dict[tuple, int] = {}  # (kind, bucket) -> steps seen
-
-    def choose(self, key: tuple, max_threads: int) -> int:
-        choices = (max_threads, 1) if max_threads > 1 else (1,)
-        untried = [c for c in choices if key + (c,) not in self.cost]
-        n = self.steps[key] = self.steps.get(key, 0) + 1
-        if untried:
-            return untried[0]
-        best = min(choices, key=lambda c: self.cost[key + (c,)])
-        if n % self.explore == 0:
-            return next((c for c in choices if c != best), best)
-        return best
-
-    def record(self, key: tuple, threads: int, seconds: float, tokens: int) -> None:
-        per = seconds / max(tokens, 1)
-        old = self.cost.get(key + (threads,))
-        self.cost[key + (threads,)] = per if old is None else (
-            (1 - self.smoothing) * old + self.smoothing * per)
-
-    @contextlib.contextmanager
-    def step(self, rows: list[RunnerRow]):
-        caller = torch.get_num_threads()
-        tokens = sum(len(r.token_ids) for r in rows)
-        if not self.enabled or caller <= 1 or tokens != len(rows):
-            yield
-            return
-        key = ("decode", tokens.bit_length())
-        threads = self.choose(key, caller)
-        torch.set_num_threads(threads)
-        start = time.perf_counter()
-        try:
-            yield
-            self.record(key, threads, time.perf_counter() - start, tokens)
-        finally:
-            torch.set_num_threads(caller)
 
 
 def _seed64(seed: int) -> int:

@@ -95,25 +95,11 @@ class DecodeKV:
         if not starts or not c.full_layers:
             return None
         bs = c.block_size
-        slots: list[int] = [-1] * len(starts)
-        for n, (bt, s) in enumerate(zip(block_tables, starts, strict=True)):
-            slot = old.pop((tuple(bt[:math.ceil(s / bs)]), s), None)
-            if slot is not None:
-                slots[n] = slot
-        used = {s for s in slots if s >= 0}
-        free = (i for i in range(len(starts) + len(used)) if i not in used)
-        fills = []
-        for n, s in enumerate(slots):
-            if s < 0:
-                slots[n] = next(free)
-                fills.append(n)
+        slots, fills = _assign_slots(old, block_tables, starts, bs)
         num_slots = max(slots) + 1
         length = max(starts) + 1
         bs_len = max((math.ceil(starts[n] / bs) * bs for n in fills), default=0)
-        need = max(length, bs_len)
-        capacity = self.capacity
-        if need > capacity:
-            capacity = math.ceil((need + 1) / self.length_step) * self.length_step
+        capacity = self._capacity_for(max(length, bs_len))
         if self._bytes(num_slots, capacity) > self.max_bytes:
             return None
         self._grow(num_slots, capacity)
@@ -124,22 +110,19 @@ class DecodeKV:
         identity = slots == list(range(len(starts)))
         mask = None
         if not identity or any(s != length - 1 for s in starts):
-            lens = torch.ones(num_slots, dtype=torch.long)  # idle slots see key 0 only
-            lens[torch.tensor(slots)] = torch.tensor(starts) + 1
-            hide = torch.arange(length)[None, :] >= lens[:, None]
-            mask = torch.zeros(num_slots, 1, 1, length, dtype=c.dtype).masked_fill_(
-                hide[:, None, None, :], float("-inf")).to(dev)
-        fill_slots = fill_blocks = None
-        if fills:
-            nb = max(math.ceil(starts[n] / bs) for n in fills)
-            if nb:
-                fill_slots = torch.tensor([slots[n] for n in fills], device=dev)
-                fill_blocks = torch.tensor(
-                    [(block_tables[n][:nb] + [0] * nb)[:nb] for n in fills], device=dev)
+            mask = _key_mask(slots, starts, num_slots, length, c.dtype).to(dev)
+        fill_slots, fill_blocks = _fill_sources(block_tables, starts, slots, fills, bs, dev)
         return DecodePlan(
             slots=torch.tensor(slots, device=dev), positions=torch.tensor(starts, device=dev),
             num_slots=num_slots, length=length, identity=identity, mask=mask,
             fill_slots=fill_slots, fill_blocks=fill_blocks)
+
+    def _capacity_for(self, need: int) -> int:
+        """Positions per slot for keys [0, need): the current capacity, else grown in
+        steps of ``length_step``."""
+        if need <= self.capacity:
+            return self.capacity
+        return math.ceil((need + 1) / self.length_step) * self.length_step
 
     def attention(self, plan: DecodePlan, layer: int, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -175,6 +158,51 @@ class DecodeKV:
             rows = blocks.index_select(0, idx)  # [F * nb, bs, Hk, D]
             rows = rows.view(f, nb * blocks.shape[1], *blocks.shape[2:]).transpose(1, 2)
             dst[plan.fill_slots, :, :nb * blocks.shape[1]] = rows
+
+
+def _assign_slots(old: dict[tuple, int], block_tables: list[list[int]], starts: list[int],
+                  bs: int) -> tuple[list[int], list[int]]:
+    """Each row's slot: the one its key names in ``old`` (popped: no second row takes
+    it), else the lowest free one; and the rows that got a new slot (to fill)."""
+    slots: list[int] = [-1] * len(starts)
+    for n, (bt, s) in enumerate(zip(block_tables, starts, strict=True)):
+        slot = old.pop((tuple(bt[:math.ceil(s / bs)]), s), None)
+        if slot is not None:
+            slots[n] = slot
+    used = {s for s in slots if s >= 0}
+    free = (i for i in range(len(starts) + len(used)) if i not in used)
+    fills = []
+    for n, s in enumerate(slots):
+        if s < 0:
+            slots[n] = next(free)
+            fills.append(n)
+    return slots, fills
+
+
+def _key_mask(slots: list[int], starts: list[int], num_slots: int, length: int,
+              dtype: torch.dtype) -> torch.Tensor:
+    """[num_slots, 1, 1, length] additive mask: each row's slot sees keys [0, start]."""
+    lens = torch.ones(num_slots, dtype=torch.long)  # idle slots see key 0 only
+    lens[torch.tensor(slots)] = torch.tensor(starts) + 1
+    hide = torch.arange(length)[None, :] >= lens[:, None]
+    return torch.zeros(num_slots, 1, 1, length, dtype=dtype).masked_fill_(
+        hide[:, None, None, :], float("-inf"))
+
+
+def _fill_sources(block_tables: list[list[int]], starts: list[int], slots: list[int],
+                  fills: list[int], bs: int, dev: torch.device
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The slots of the rows in ``fills`` and the block ids (0-padded) to fill them from;
+    (None, None) when no row has a position before its start to copy."""
+    if not fills:
+        return None, None
+    nb = max(math.ceil(starts[n] / bs) for n in fills)
+    if not nb:
+        return None, None
+    fill_slots = torch.tensor([slots[n] for n in fills], device=dev)
+    fill_blocks = torch.tensor(
+        [(block_tables[n][:nb] + [0] * nb)[:nb] for n in fills], device=dev)
+    return fill_slots, fill_blocks
 
 
 def _decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, plan: DecodePlan,

@@ -1,24 +1,24 @@
 """KV transports: how a prefilled payload gets from a prefill rank to a decode rank.
 
-One module per backend, each holding all its sides (see base.py): ``ray`` (shared
+One folder per backend, each holding all its sides (see base.py): ``ray`` (shared
 memory on one node, the object store across nodes; the default without GPUs), ``device``
 (device to device over a torch.distributed pair group per prefill/decode pair: NCCL
 between GPUs, gloo otherwise; the default when both pools hold GPUs, see
 ``RouterConfig.kv_transport`` "auto"), ``grpc`` (bytes through the router, chunked) and
 ``in_process`` (ranks in one process: tests). ``grpc`` authenticates every transfer with the
-cluster's ``KVSecret`` (see grpc_bytes.py); the others ignore ``secret``.
+cluster's ``KVSecret`` (see grpc/); the others ignore ``secret``.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from pdserve.kv_transfer.base import (
     DeliveryResult,
+    EndpointSizing,
     FailureKind,
     KVSecret,
     KVTransport,
     RankEndpoint,
+    RankHost,
 )
 
 TRANSPORTS = ("ray", "grpc", "device", "in_process")
@@ -30,51 +30,55 @@ def make_transport(name: str, secret: KVSecret | None = None, *,
     ``device`` bounds each rank's send and receive by ``timeout_s``, the router's
     hand-off timeout)."""
     if name == "ray":
-        from pdserve.kv_transfer.ray_store import RayObjectStoreTransport
+        from pdserve.kv_transfer.ray.transport import RayObjectStoreTransport
 
         return RayObjectStoreTransport()
     if name == "grpc":
-        from pdserve.kv_transfer.grpc_bytes import GrpcBytesTransport
+        from pdserve.kv_transfer.grpc.transport import GrpcBytesTransport
 
         return GrpcBytesTransport(secret)
     if name == "device":
-        from pdserve.kv_transfer.torch_dist import DeviceTransport
+        from pdserve.kv_transfer.device.transport import DeviceTransport
 
         return DeviceTransport() if timeout_s is None else DeviceTransport(timeout_s)
     if name == "in_process":
-        from pdserve.kv_transfer.in_process import InProcessTransport
+        from pdserve.kv_transfer.in_process.transport import InProcessTransport
 
         return InProcessTransport()
     raise ValueError(f"kv_transport must be one of {TRANSPORTS}, got {name!r}")
 
 
-def make_endpoint(name: str, importer: Any, host: str, *, secret: KVSecret | None = None,
-                  max_push_bytes: int | None = None, staging_bytes: int = 0,
-                  device: str | None = None) -> RankEndpoint:
-    """A rank's side of transport ``name``; ``importer.import_prefilled`` receives.
+def make_endpoint(name: str, importer: RankHost, host: str, *, secret: KVSecret | None = None,
+                  sizing: EndpointSizing | None = None) -> RankEndpoint:
+    """A rank's side of transport ``name``, serving ``importer`` (the rank: its
+    ``import_prefilled`` receives) on the node address ``host``.
 
-    ``grpc``: without ``secret`` the endpoint refuses every request; ``max_push_bytes``
-    bounds a pushed payload (default: ``grpc_bytes.DEFAULT_MAX_PUSH_BYTES``).
-    ``ray``: ``staging_bytes`` bounds the shared memory a sender keeps for payloads on
-    their way (0: none, every payload goes through the object store).
-    ``device``: the engine's device (``"cpu"``, ``"cuda:0"``), where the ``device``
-    endpoint lends its payload tensors; its pair stores bind ``host``."""
+    ``grpc``: without ``secret`` the endpoint refuses every request; a pushed payload is
+    bounded by the longest sequence ``sizing`` allows (its default cap when unknown).
+    ``ray``: ``sizing.staging_bytes`` bounds the shared memory a sender keeps for
+    payloads on their way (0: none, every payload goes through the object store).
+    ``device``: ``sizing.device`` is where the endpoint lends its payload tensors; its
+    pair stores bind ``host``."""
+    sizing = sizing or EndpointSizing()
     if name == "ray":
-        from pdserve.kv_transfer.ray_store import RayEndpoint
+        from pdserve.kv_transfer.ray.endpoint import RayEndpoint
 
-        return RayEndpoint(staging_bytes)
+        return RayEndpoint(sizing.staging_bytes, importer=importer)
     if name == "grpc":
-        from pdserve.kv_transfer.grpc_bytes import GrpcEndpoint
+        from pdserve.kv_transfer.grpc.endpoint import GrpcEndpoint
+        from pdserve.kv_transfer.grpc.wire import max_payload_bytes
 
-        return GrpcEndpoint(importer, host, secret, max_push_bytes=max_push_bytes)
+        limit = (max_payload_bytes(sizing.max_tokens, sizing.max_tensor_bytes)
+                 if sizing.max_tokens else None)
+        return GrpcEndpoint(importer, host, secret, max_push_bytes=limit)
     if name == "device":
-        from pdserve.kv_transfer.torch_dist import DeviceEndpoint
+        from pdserve.kv_transfer.device.endpoint import DeviceEndpoint
 
-        return DeviceEndpoint(device or "cpu", host)
+        return DeviceEndpoint(sizing.device, host, importer=importer)
     if name == "in_process":
         return RankEndpoint()
     raise ValueError(f"kv_transport must be one of {TRANSPORTS}, got {name!r}")
 
 
-__all__ = ["DeliveryResult", "FailureKind", "KVSecret", "KVTransport", "RankEndpoint", "TRANSPORTS",
-           "make_endpoint", "make_transport"]
+__all__ = ["DeliveryResult", "EndpointSizing", "FailureKind", "KVSecret", "KVTransport",
+           "RankEndpoint", "RankHost", "TRANSPORTS", "make_endpoint", "make_transport"]

@@ -1,7 +1,11 @@
 """The one interface every KV transport implements, with all its sides.
 
 A transport moves a prefilled attempt's KV payload from a PROMPT rank to a
-COMPLETION rank. Each backend is one module holding every side of it:
+COMPLETION rank. Each backend is one folder holding every side of it (``ray/``,
+``grpc/``, ``device/``, ``in_process/``): the router's ``KVTransport``, the rank's
+``RankEndpoint``, and the typed calls one makes of the other. A rank knows no backend:
+it builds its endpoint with ``make_endpoint`` and passes every backend call it gets
+(``EngineRank.kv_call``) to ``RankEndpoint.handle``, which answers it by the call's type.
 
 1. Export (on the prefill rank): ``RankEndpoint.export(attempt, payload)`` keeps the
    payload where the transport can reach it and returns a picklable *locator*, which
@@ -12,7 +16,7 @@ COMPLETION rank. Each backend is one module holding every side of it:
    (``payload``: refused, never retry; ``capacity``: try another rank; ``cache_miss``:
    send it whole; ``transport``: the bytes did not arrive, retry or re-prefill). The
    decode rank's answer (``rank.messages.ImportResult``) is this same type.
-3. Receive (on the decode rank): the payload reaches ``EngineRank.import_prefilled``
+3. Receive (on the decode rank): the payload reaches ``RankHost.import_prefilled``
    (as a resolved Ray argument, or pushed over gRPC chunks, ...).
 4. Release / discard (router -> prefill rank): the payload is released only after the
    decode rank confirmed its import (``release``), or when its request ended on the way
@@ -36,9 +40,10 @@ import secrets
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -159,10 +164,16 @@ class KVTransport(ABC):
 
     name: str = ""
     # whether a prefill rank can ask the decode rank for the import itself (ray only;
-    # see router/kv_stream.py): then ``direct_result`` reads what it answered
+    # see router/kv_stream.py): then ``tell_direct`` says where, ``direct_answer`` reads
+    # what the decode rank answered
     direct_handoff: bool = False
+    num_direct_local = 0  # direct hand-offs answered without a Ray call
 
-    def direct_result(self, result: Any, nbytes: int) -> DeliveryResult:
+    def tell_direct(self, src: Any, attempt: str, dst: Any, reply: str = "",
+                    reply_id: str = "") -> Any:
+        """Tell prefill rank ``src`` that ``attempt``'s hand-off goes directly to ``dst``
+        (None: it does not), answering this router at ``reply`` under ``reply_id`` when
+        given; an awaitable the caller bounds."""
         raise NotImplementedError(f"the {self.name} transport hands nothing off directly")
 
     def expect_direct(self, src: Any, dst: Any) -> tuple[str, str]:
@@ -170,7 +181,9 @@ class KVTransport(ABC):
         the router itself (ray, one node); ("", ""): through the prefill rank's call."""
         return "", ""
 
-    async def direct_answer(self, reply: Any, dst: Any, nbytes: int) -> DeliveryResult:
+    async def direct_answer(self, direct: Any, dst: Any, nbytes: int) -> DeliveryResult:
+        """What the decode rank answered a direct hand-off (``direct``: the ticket's
+        ``direct_import``), as ``deliver`` would report it."""
         raise NotImplementedError(f"the {self.name} transport takes no direct answers")
 
     def forget_direct(self, reply_id: str) -> None:
@@ -250,10 +263,42 @@ class KVTransport(ABC):
         self.num_deliveries += 1
 
 
+@dataclass(frozen=True)
+class EndpointSizing:
+    """What a rank's KV cache allows its endpoint (computed by the rank from its engine).
+
+    ``staging_bytes``: memory a sender may keep for payloads on their way (ray's shared
+    memory; 0: none). ``max_tokens`` / ``max_tensor_bytes``: the longest sequence the
+    rank could ever import, and its KV bytes (0: unknown; a receiver's own default cap
+    applies). ``device``: where the engine's KV cache lives ("cpu", "cuda:0")."""
+
+    staging_bytes: int = 0
+    max_tokens: int = 0
+    max_tensor_bytes: int = 0
+    device: str = "cpu"
+
+
+class RankHost(Protocol):
+    """What an endpoint asks of the rank it serves (the decode side's import, and the
+    undoing of one whose bytes turned out stale)."""
+
+    def import_prefilled(self, payload: Any, *, borrowed: bool = False,
+                         skip_blocks: int = 0) -> DeliveryResult: ...
+
+    def abort(self, attempt: str) -> bool: ...
+
+
 class RankEndpoint:
-    """A rank's side: holds exported payloads until released (kept in this process)."""
+    """A rank's side: holds exported payloads until released (kept in this process).
+
+    A backend's endpoint answers its router side's calls by type (``calls``); the rank
+    passes them on unread (``EngineRank.kv_call`` -> ``handle``). The other hooks a rank
+    calls are the same for every backend: ``payload_buffer`` / ``export`` / ``release``
+    (prefill), ``hand_off_directly`` (prefill, after an export), ``listen_for_wakes``
+    (decode, once)."""
 
     address: str | None = None  # where other processes reach this endpoint, if anywhere
+    num_woken = 0  # imports a sender's wake started here (ray only)
 
     def __init__(self, max_age_s: float = PAYLOAD_MAX_AGE_S) -> None:
         self.max_age_s = max_age_s
@@ -287,6 +332,30 @@ class RankEndpoint:
 
     def __len__(self) -> int:
         return len(self._payloads)
+
+    def calls(self) -> dict[type, Callable[..., Any]]:
+        """The router side's calls this endpoint answers, by type (none here)."""
+        return {}
+
+    def handle(self, call: Any, *data: Any) -> Any:
+        """Answer one call of this backend's router side (``data``: arguments Ray
+        resolved for it, such as a payload's ObjectRef)."""
+        handler = self.calls().get(type(call))
+        if handler is None:
+            raise TypeError(f"{type(self).__name__} takes no {type(call).__name__} call")
+        return handler(call, *data)
+
+    def hand_off_directly(self, stream_of: str, locator: Any) -> Any:
+        """After exporting the hand-off of streamed attempt ``stream_of``: ask its decode
+        rank to import it now, if the router said where it goes and the backend can;
+        where that rank's answer reaches the router (the ticket's ``direct_import``),
+        or None (the router delivers it)."""
+        return None
+
+    def listen_for_wakes(self) -> str:
+        """Receiver: serve imports asked by other processes on this node without a Ray
+        call; the address to give them ("" where the backend has no such channel)."""
+        return ""
 
     def close(self) -> None:
         with self._payloads_lock:

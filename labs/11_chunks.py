@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_REQUESTS = "A:0:12,B:3:2,C:3:2"
@@ -56,6 +56,42 @@ class Run:
         return self.steps[-1].end if self.steps else 0
 
 
+def _check_arguments(requests: list[Request], budget: int, overhead: int) -> None:
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1, got {budget}")
+    if overhead < 0:
+        raise ValueError(f"overhead must be >= 0, got {overhead}")
+    names = [r.name for r in requests]
+    if len(set(names)) != len(names):
+        raise ValueError(f"request names must be unique, got {names}")
+
+
+@dataclass
+class _Queue:
+    """Requests yet to arrive (``pending``, by arrival), the names of those waiting for
+    a step, and the time each finished its prompt."""
+
+    pending: deque[Request]
+    waiting: deque[str] = field(default_factory=deque)
+    done_at: dict[str, int] = field(default_factory=dict)
+
+    def admit(self, until: int) -> None:
+        """Every request that arrived by ``until`` joins ``waiting``."""
+        while self.pending and self.pending[0].arrival <= until:
+            req = self.pending.popleft()
+            if req.positions > 0:
+                self.waiting.append(req.name)
+            else:  # nothing to prefill: the first token is due on arrival
+                self.done_at[req.name] = req.arrival
+
+    def put_back(self, name: str, rotate: bool) -> None:
+        """An unfinished prompt: behind the arrivals (``rotate``) or before them."""
+        if rotate:
+            self.waiting.append(name)
+        else:
+            self.waiting.appendleft(name)
+
+
 def simulate(
     requests: list[Request], budget: int, overhead: int = 1, rotate: bool = False
 ) -> tuple[list[Step], dict[str, int]]:
@@ -65,52 +101,30 @@ def simulate(
     the back of ``waiting`` (behind the arrivals seen during its step) instead of the
     front. Pure: no printing, no clock.
     """
-    if budget < 1:
-        raise ValueError(f"budget must be >= 1, got {budget}")
-    if overhead < 0:
-        raise ValueError(f"overhead must be >= 0, got {overhead}")
-    names = [r.name for r in requests]
-    if len(set(names)) != len(names):
-        raise ValueError(f"request names must be unique, got {names}")
+    _check_arguments(requests, budget, overhead)
     # Stable sort: requests arriving together keep the order they were given in.
-    pending = deque(sorted(requests, key=lambda r: r.arrival))
+    queue = _Queue(deque(sorted(requests, key=lambda r: r.arrival)))
     remaining = {r.name: r.positions for r in requests}
     arrival = {r.name: r.arrival for r in requests}
-    waiting: deque[str] = deque()
-    done_at: dict[str, int] = {}
     steps: list[Step] = []
-    now = 0
-
-    def admit(until: int) -> None:
-        while pending and pending[0].arrival <= until:
-            req = pending.popleft()
-            if req.positions > 0:
-                waiting.append(req.name)
-            else:  # nothing to prefill: the first token is due on arrival
-                done_at[req.name] = req.arrival
-
-    if pending:
-        now = min(0, pending[0].arrival)
-    admit(now)
-    while waiting or pending:
-        if not waiting:  # idle: jump to the next arrival
-            now = max(now, pending[0].arrival)
-            admit(now)
+    now = min(0, queue.pending[0].arrival) if queue.pending else 0
+    queue.admit(now)
+    while queue.waiting or queue.pending:
+        if not queue.waiting:  # idle: jump to the next arrival
+            now = max(now, queue.pending[0].arrival)
+            queue.admit(now)
             continue
-        name = waiting.popleft()
+        name = queue.waiting.popleft()
         q = min(budget, remaining[name])
         start, now = now, now + overhead + q
         remaining[name] -= q
-        admit(now)  # arrivals during this step come before a put-back continuation
+        queue.admit(now)  # arrivals during this step come before a put-back continuation
         if remaining[name]:
-            if rotate:
-                waiting.append(name)
-            else:
-                waiting.appendleft(name)
+            queue.put_back(name, rotate)
         else:
-            done_at[name] = now
-        steps.append(Step(start, now, name, q, tuple(waiting)))
-    delays = {r.name: done_at[r.name] - arrival[r.name] for r in requests}
+            queue.done_at[name] = now
+        steps.append(Step(start, now, name, q, tuple(queue.waiting)))
+    delays = {r.name: queue.done_at[r.name] - arrival[r.name] for r in requests}
     return steps, delays
 
 

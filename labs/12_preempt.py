@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from pdserve.scheduler import EngineType, Scheduler, SchedulerConfig, Sequence
-from pdserve.scheduler.scheduler import decode_priority
+from pdserve.scheduler.decode_path import decode_priority
 
 RESULTS_FILE = Path("results") / "12_preempt.txt"
 

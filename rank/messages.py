@@ -82,7 +82,7 @@ class RankInfo:
     # device transport's pair backend (NCCL between two different GPUs)
     device: str = "cpu"
     gpu_uuid: str = ""
-    # a COMPLETION rank's wake channel on its node (ray transport; kv_transfer/wake_channel.py)
+    # a COMPLETION rank's wake channel on its node (ray transport; kv_transfer/ray/wake_channel.py)
     wake_address: str = ""
 
 

@@ -50,7 +50,7 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
 
 def run_chat(args: argparse.Namespace, stdin: TextIO = sys.stdin,
              stdout: TextIO = sys.stdout) -> int:
-    from pdserve.router.cli_commands import connect, rpc_error
+    from pdserve.router.cli_commands import connect
 
     conversation = Conversation(args.system)
     interactive = stdin.isatty()
@@ -62,33 +62,46 @@ def run_chat(args: argparse.Namespace, stdin: TextIO = sys.stdin,
     with client:
         if interactive:
             print(f"pdserve chat with {args.address}; {HELP}", file=stdout, flush=True)
-        while True:
-            line = _read_line(stdin, stdout, interactive)
-            if line is None or line.strip() == "/exit":
-                return 0
-            text = line.strip()
-            if not text:
-                continue
-            if text.startswith("/"):
-                _command(text, conversation, stdout)
-                continue
-            conversation.turns.append({"role": "user", "content": text})
-            try:
-                answer, finish = _stream_answer(client, conversation, args, stdout)
-            except KeyboardInterrupt:
-                conversation.turns.pop()
-                print("\n[stopped]", file=stdout, flush=True)
-                continue
-            except Exception as exc:  # the router refused or went away
-                conversation.turns.pop()
-                code = rpc_error(exc, args.address)
-                if code == 2:  # unreachable: no point in going on
-                    return 2
-                continue
-            if finish == "error":
-                conversation.turns.pop()
-                continue
-            conversation.turns.append({"role": "assistant", "content": answer})
+        return _converse(client, conversation, args, stdin, stdout, interactive)
+
+
+def _converse(client, conversation: Conversation, args: argparse.Namespace, stdin: TextIO,
+              stdout: TextIO, interactive: bool) -> int:
+    """Read lines until the input ends or /exit: commands act, anything else is asked."""
+    while True:
+        line = _read_line(stdin, stdout, interactive)
+        if line is None or line.strip() == "/exit":
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/"):
+            _command(text, conversation, stdout)
+        elif not _ask(client, conversation, text, args, stdout):
+            return 2
+
+
+def _ask(client, conversation: Conversation, text: str, args: argparse.Namespace,
+         stdout: TextIO) -> bool:
+    """One turn: the answer joins the conversation only when it ended well. False when
+    the router cannot be reached (no point in going on)."""
+    from pdserve.router.cli_commands import rpc_error
+
+    conversation.turns.append({"role": "user", "content": text})
+    try:
+        answer, finish = _stream_answer(client, conversation, args, stdout)
+    except KeyboardInterrupt:
+        conversation.turns.pop()
+        print("\n[stopped]", file=stdout, flush=True)
+        return True
+    except Exception as exc:  # the router refused or went away
+        conversation.turns.pop()
+        return rpc_error(exc, args.address) != 2
+    if finish == "error":
+        conversation.turns.pop()
+    else:
+        conversation.turns.append({"role": "assistant", "content": answer})
+    return True
 
 
 def _read_line(stdin: TextIO, stdout: TextIO, interactive: bool) -> str | None:

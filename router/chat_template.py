@@ -123,28 +123,7 @@ class ChatTemplate:
         **kwargs)``, kwargs being ``chat_template_kwargs`` (a request's) and ``extra`` (the
         caller's; it wins), both checked: template variables, or ``tools``, ``documents``
         and ``continue_final_message`` (with ``add_generation_prompt=False``)."""
-        kwargs: dict[str, Any] = {}
-        budget = [MAX_CONTENT_BYTES]
-        for where, given in (("chat_template_kwargs", chat_template_kwargs), ("", extra)):
-            if given is None:
-                continue
-            if not isinstance(given, dict):
-                raise ValueError(f"{where}: must be an object")
-            for key, value in given.items():
-                name = f"{where}.{key}" if where else str(key)
-                if not isinstance(key, str):
-                    raise ValueError(f"{where or 'template kwargs'}: names must be strings")
-                if key in RESERVED_KWARGS:
-                    raise ValueError(f"{name}: reserved, cannot be set as a template variable")
-                kwargs[key] = _plain(value, name, budget, 0)
-        for name in ("tools", "documents"):
-            value = kwargs.get(name)
-            if value is not None and not (isinstance(value, list)
-                                          and all(isinstance(v, dict) for v in value)):
-                raise ValueError(f"{name}: must be a list of objects")
-        continue_final = kwargs.get("continue_final_message", False)
-        if continue_final is not False and not isinstance(continue_final, (bool, str)):
-            raise ValueError("continue_final_message: must be a boolean or a field name")
+        kwargs = _template_kwargs(chat_template_kwargs, extra)
         chat = validate_messages(messages)
         self.template_source(kwargs.get("tools"))
         try:
@@ -193,27 +172,27 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
         raise ValueError(f"messages: at most {MAX_MESSAGES} messages are allowed, "
                          f"got {len(messages)}")
     budget = [MAX_CONTENT_BYTES]
-    out = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise ValueError(f"{where}: must be an object with 'role' and 'content'")
-        if "role" not in message or message["role"] is None:
-            raise ValueError(f"{where}.role: missing")
-        if not isinstance(message["role"], str):
-            raise ValueError(f"{where}.role: must be a string")
-        if "content" not in message or message["content"] is None:
-            raise ValueError(f"{where}.content: missing")
-        plain: dict[str, Any] = {}
-        for key, value in message.items():
-            if not isinstance(key, str):
-                raise ValueError(f"{where}: field names must be strings")
-            if key == "content":
-                plain[key] = _content_text(value, f"{where}.content", budget)
-            elif value is not None:  # transformers drops None-valued keys
-                plain[key] = _plain(value, f"{where}.{key}", budget, 0)
-        out.append(plain)
-    return out
+    return [_message(message, f"messages[{i}]", budget) for i, message in enumerate(messages)]
+
+
+def _message(message: Any, where: str, budget: list[int]) -> dict[str, Any]:
+    if not isinstance(message, dict):
+        raise ValueError(f"{where}: must be an object with 'role' and 'content'")
+    if "role" not in message or message["role"] is None:
+        raise ValueError(f"{where}.role: missing")
+    if not isinstance(message["role"], str):
+        raise ValueError(f"{where}.role: must be a string")
+    if "content" not in message or message["content"] is None:
+        raise ValueError(f"{where}.content: missing")
+    plain: dict[str, Any] = {}
+    for key, value in message.items():
+        if not isinstance(key, str):
+            raise ValueError(f"{where}: field names must be strings")
+        if key == "content":
+            plain[key] = _content_text(value, f"{where}.content", budget)
+        elif value is not None:  # transformers drops None-valued keys
+            plain[key] = _plain(value, f"{where}.{key}", budget, 0)
+    return plain
 
 
 def _content_text(content: Any, where: str, budget: list[int]) -> str:
@@ -244,6 +223,10 @@ def _content_text(content: Any, where: str, budget: list[int]) -> str:
 def _charge(text: str, where: str, budget: list[int]) -> None:
     # UTF-8 is at least one byte a character: the length decides most cases unencoded.
     n = len(text) if len(text) > budget[0] else len(text.encode("utf-8", "surrogatepass"))
+    _spend(n, where, budget)
+
+
+def _spend(n: int, where: str, budget: list[int]) -> None:
     budget[0] -= n
     if budget[0] < 0:
         raise ValueError(f"{where}: the messages are too large (at most "
@@ -255,29 +238,70 @@ def _plain(value: Any, where: str, budget: list[int], depth: int) -> Any:
     if isinstance(value, str):
         _charge(value, where, budget)
         return str.__str__(value)
-    budget[0] -= 1
-    if budget[0] < 0:
-        raise ValueError(f"{where}: the messages are too large (at most "
-                         f"{MAX_CONTENT_BYTES} bytes of text in all)")
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
+    _spend(1, where, budget)  # a value that is not text counts one
+    if value is None or isinstance(value, (bool, int, float)):
+        return _plain_scalar(value)
     if depth >= MAX_DEPTH:
         raise ValueError(f"{where}: nested more than {MAX_DEPTH} levels deep")
     if isinstance(value, (list, tuple)):
         return [_plain(v, f"{where}[{i}]", budget, depth + 1) for i, v in enumerate(value)]
     if isinstance(value, dict):
-        out = {}
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise ValueError(f"{where}: object keys must be strings")
-            _charge(k, where, budget)
-            out[str.__str__(k)] = _plain(v, f"{where}.{k}", budget, depth + 1)
-        return out
+        return _plain_object(value, where, budget, depth)
     raise ValueError(f"{where}: must be a JSON value, got {type(value).__name__}")
+
+
+def _plain_scalar(value: None | bool | int | float) -> None | bool | int | float:
+    # Subclasses (an IntEnum, numpy-like floats) become the plain type a template expects.
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return int.__int__(value)
+    return float.__float__(value)
+
+
+def _plain_object(value: dict, where: str, budget: list[int], depth: int) -> dict[str, Any]:
+    out = {}
+    for k, v in value.items():
+        if not isinstance(k, str):
+            raise ValueError(f"{where}: object keys must be strings")
+        _charge(k, where, budget)
+        out[str.__str__(k)] = _plain(v, f"{where}.{k}", budget, depth + 1)
+    return out
+
+
+# ---- template variables ----------------------------------------------------------------------
+
+def _template_kwargs(chat_template_kwargs: dict | None, extra: dict) -> dict[str, Any]:
+    """``render``'s template variables: a request's ``chat_template_kwargs`` and the
+    caller's ``extra`` (it wins), as plain JSON, reserved names refused."""
+    kwargs: dict[str, Any] = {}
+    budget = [MAX_CONTENT_BYTES]
+    for where, given in (("chat_template_kwargs", chat_template_kwargs), ("", extra)):
+        if given is None:
+            continue
+        if not isinstance(given, dict):
+            raise ValueError(f"{where}: must be an object")
+        for key, value in given.items():
+            name = f"{where}.{key}" if where else str(key)
+            if not isinstance(key, str):
+                raise ValueError(f"{where or 'template kwargs'}: names must be strings")
+            if key in RESERVED_KWARGS:
+                raise ValueError(f"{name}: reserved, cannot be set as a template variable")
+            kwargs[key] = _plain(value, name, budget, 0)
+    _check_known_kwargs(kwargs)
+    return kwargs
+
+
+def _check_known_kwargs(kwargs: dict[str, Any]) -> None:
+    """The variables transformers itself reads must have the shape it expects."""
+    for name in ("tools", "documents"):
+        value = kwargs.get(name)
+        if value is not None and not (isinstance(value, list)
+                                      and all(isinstance(v, dict) for v in value)):
+            raise ValueError(f"{name}: must be a list of objects")
+    continue_final = kwargs.get("continue_final_message", False)
+    if continue_final is not False and not isinstance(continue_final, (bool, str)):
+        raise ValueError("continue_final_message: must be a boolean or a field name")
 
 
 def _describe(exc: BaseException) -> str:

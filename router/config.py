@@ -179,6 +179,18 @@ class RouterConfig:
     planner_backoff_s: float = 600.0
 
     def validate(self) -> None:
+        # Section by section, in a fixed order: the first problem found is the one reported.
+        self._validate_routing()
+        self._validate_admission()
+        self._validate_endpoints()
+        self._validate_security()
+        self._validate_bounds()
+        for pool in self.pools():
+            pool.validate()
+        self._validate_planner()
+        self._validate_planner_pools()
+
+    def _validate_routing(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.routing not in ROUTINGS:
@@ -190,10 +202,14 @@ class RouterConfig:
             raise ValueError(f"kv_streaming must be true or false, got {self.kv_streaming!r}")
         if self.kv_transport not in TRANSPORTS:
             raise ValueError(f"kv_transport must be one of {TRANSPORTS}, got {self.kv_transport!r}")
+
+    def _validate_admission(self) -> None:
         if self.max_queue_depth < 1:
             raise ValueError(f"max_queue_depth must be >= 1, got {self.max_queue_depth}")
         if not 1 <= self.max_choices <= MAX_CHOICES:
             raise ValueError(f"max_choices must be in [1, {MAX_CHOICES}], got {self.max_choices}")
+
+    def _validate_endpoints(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.http_port is not None and not 0 <= self.http_port < 65536:
@@ -203,6 +219,8 @@ class RouterConfig:
             raise ValueError("served_model_name must be 1..256 printable characters")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+
+    def _validate_security(self) -> None:
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("tls_cert_file and tls_key_file go together: give both or neither")
         if not (self.tls_cert_file or self.insecure or is_loopback_host(self.host)):
@@ -211,26 +229,27 @@ class RouterConfig:
                 "read prompts, completions and tokens in plaintext. Serve TLS "
                 "(--tls-cert-file/--tls-key-file), or pass --insecure (YAML: insecure: true) "
                 "if the network itself is trusted")
+
+    def _validate_bounds(self) -> None:
+        """The timeouts and retry counts that keep the router from waiting forever."""
         for name in ("poll_timeout_s", "rank_wait_s", "handoff_timeout_s", "rank_unresponsive_s",
                      "rank_call_timeout_s", "rank_start_timeout_s", "group_timeout_s",
                      "drain_timeout_s", "collective_timeout_s", "request_stall_timeout_s"):
             value = getattr(self, name)
-            if not (isinstance(value, int | float) and 0 < value < float("inf")):
+            if not _positive_finite(value):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         for name in ("max_attempts", "max_replicas", "max_failed_steps", "max_handoff_tries"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for pool in self.pools():
-            pool.validate()
-        self._validate_planner()
 
     def _validate_planner(self) -> None:
+        """The planner's objectives and timing."""
         if not isinstance(self.autoscale, bool):
             raise ValueError(f"autoscale must be true or false, got {self.autoscale!r}")
         for name in ("slo_ttft_ms", "slo_itl_ms", "planner_interval_s", "planner_cooldown_s",
                      "planner_window_s", "planner_backoff_s"):
             value = getattr(self, name)
-            if not (isinstance(value, int | float) and 0 < value < float("inf")):
+            if not _positive_finite(value):
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
         if not (isinstance(self.planner_warmup_s, int | float)
                 and 0 <= self.planner_warmup_s < float("inf")):
@@ -239,6 +258,9 @@ class RouterConfig:
             raise ValueError(f"slo_percentile must be in (0, 100], got {self.slo_percentile!r}")
         if self.planner_min_samples < 1:
             raise ValueError(f"planner_min_samples must be >= 1, got {self.planner_min_samples}")
+
+    def _validate_planner_pools(self) -> None:
+        """The pool sizes the planner may choose between, and the mode it needs."""
         for pool in ("prefill", "decode"):
             low, high = getattr(self, f"min_{pool}"), getattr(self, f"max_{pool}")
             if not 1 <= low <= high:
@@ -309,6 +331,10 @@ def config_from_dict(data: dict[str, Any], **overrides: Any) -> RouterConfig:
     config = RouterConfig(**kwargs)
     config.validate()
     return config
+
+
+def _positive_finite(value: Any) -> bool:
+    return isinstance(value, int | float) and 0 < value < float("inf")
 
 
 def _engine_mapping(value: Any, where: str) -> dict[str, Any]:

@@ -25,11 +25,11 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 from pdserve.kv_transfer.base import CACHE_MISS, PAYLOAD, TRANSPORT, DeliveryResult, KVTransport
-from pdserve.kv_transfer.wake_channel import LocalReply
 from pdserve.rank.messages import HandoffTicket
 from pdserve.router.config import RouterConfig
 from pdserve.router.kv_stream import KVStream, send_chunks
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.placement import decoding_on
 from pdserve.router.pools import DEAD, READY, Pool, RankHandle
 from pdserve.router.requests import DECODE, RequestState
 
@@ -96,7 +96,6 @@ class HandoffDelivery:
         self.num_kv_blocks_skipped = 0  # KV blocks a decode rank's cache held: not sent
         self.num_direct_handoffs = 0  # hand-offs a prefill rank had its decode rank import
         self.num_direct_refused = 0  # ... that the decode rank refused (then delivered)
-        self.num_direct_local = 0  # ... whose answer came through the wake channel, not Ray
 
     # -- delivery --------------------------------------------------------------------
 
@@ -165,8 +164,7 @@ class HandoffDelivery:
         choices moved or ended), False to try the next decode rank."""
         d.tried.add(dst.uid)
         for state, key in d.group.members:
-            state.decode_rank = dst
-            dst.inflight.add(key)
+            decoding_on(dst, state, key)
         result = await self._import(d, dst, skip)
         if result is None:
             return True
@@ -181,7 +179,6 @@ class HandoffDelivery:
         try:
             try:
                 if d.direct is not None:
-                    self.num_direct_local += isinstance(d.direct, LocalReply)
                     result, d.direct = await self._direct_result(d.direct, d.ticket, dst), None
                     self.num_direct_handoffs += result.ok
                     self.num_direct_refused += not result.ok
@@ -285,17 +282,14 @@ class HandoffDelivery:
         on one node, where and under which id ``dst`` answers this router. Lost word
         costs only speed: the router delivers what the prefill rank does not."""
         stream = self.streams.get(attempt)
-        wake, reply, reply_id = "", "", ""
-        if dst is not None:
-            wake = getattr(dst.info, "wake_address", "") if dst.info else ""
-            if wake and stream is not None and not stream.direct_reply:
-                reply, reply_id = self.transport.expect_direct(src, dst)
-                stream.direct_reply = reply_id
+        reply, reply_id = "", ""
+        if dst is not None and dst.info and getattr(dst.info, "wake_address", "") \
+                and stream is not None and not stream.direct_reply:
+            reply, reply_id = self.transport.expect_direct(src, dst)
+            stream.direct_reply = reply_id
         try:
-            await asyncio.wait_for(
-                src.actor.hand_off_to.remote(attempt, dst.actor if dst is not None else None,
-                                             wake, reply, reply_id),
-                self.config.rank_call_timeout_s)
+            await asyncio.wait_for(self.transport.tell_direct(src, attempt, dst, reply, reply_id),
+                                   self.config.rank_call_timeout_s)
         except Exception:
             pass
 
@@ -304,16 +298,8 @@ class HandoffDelivery:
         """What the decode rank answered the prefill rank's direct import (to this router
         through the wake channel, or to the prefill rank's Ray call), within the
         hand-off's deadline (asyncio.TimeoutError past it, as a delivery's)."""
-        if isinstance(ref, LocalReply):
-            return await asyncio.wait_for(self.transport.direct_answer(ref, dst, ticket.nbytes),
-                                          self.config.handoff_timeout_s)
-        try:
-            answer = await asyncio.wait_for(ref, self.config.handoff_timeout_s)
-        except asyncio.TimeoutError:
-            raise
-        except Exception as exc:  # the decode rank died, or the prefill rank that owns it
-            return DeliveryResult(False, kind=TRANSPORT, error=f"{type(exc).__name__}: {exc}")
-        return self.transport.direct_result(answer, ticket.nbytes)
+        return await asyncio.wait_for(self.transport.direct_answer(ref, dst, ticket.nbytes),
+                                      self.config.handoff_timeout_s)
 
     async def undo_direct(self, ticket: HandoffTicket, stream: KVStream | None) -> None:
         """A direct import nobody continues: once it answered, abort what it took."""

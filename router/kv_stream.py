@@ -14,14 +14,14 @@ blocks each step completes as a chunk (a ``KVChunkTicket``) while the rest compu
    import; the hand-off then sends every chunk again with its payload, so a failure
    costs time, never tokens.
 4. Direct hand-off (ray, one node): once ``dst`` holds the first chunks, the prefill
-   rank is told (``EngineRank.hand_off_to``) to ask ``dst`` for the hand-off's import
+   rank is told (``KVTransport.tell_direct``) to ask ``dst`` for the hand-off's import
    itself as it exports the payload, so the import starts while the first token is on
    its way to the router, not after (``HandoffTicket.direct_import``: that call's
    ObjectRef). On one node the prefill rank wakes ``dst`` through its local socket
    instead, and ``dst`` answers the router there under an id the router gave with its
    word (``direct_reply``; the ticket's ``direct_import`` is then a ``LocalReply``): no
    Ray call, and the import starts ~0.5 ms after the export instead of 2-5 ms
-   (kv_transfer/wake_channel.py). The router awaits its answer instead of delivering;
+   (kv_transfer/ray/wake_channel.py). The router awaits its answer instead of delivering;
    if it failed (a
    chunk still on its way, ``dst`` full or gone), the import is aborted and the
    hand-off is delivered as in 2, every chunk again. The router stays the one that
@@ -35,10 +35,15 @@ blocks each step completes as a chunk (a ``KVChunkTicket``) while the rest compu
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.kv_transfer.base import TRANSPORT, DeliveryResult, KVTransport
+from pdserve.router.pools import DEAD
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -89,3 +94,84 @@ async def send_chunks(transport: KVTransport, stream: KVStream, dst: Any, timeou
         stream.delivered += 1
         moved += result.nbytes or chunk.nbytes
     return DeliveryResult(True, nbytes=moved)
+
+
+class KVStreams:
+    """The router's KV streams by attempt: takes each chunk a prefill rank reports,
+    delivers the chunks ahead of the hand-off (1 above), tells the prefill rank when a
+    direct hand-off can go (4), and frees a stream's chunks once its attempt ends (5).
+    ``handoffs`` (router/handoff.py) is set by the router once both exist."""
+
+    def __init__(self, config: Any, decode_pool: Callable[[], Any], transport: KVTransport, *,
+                 spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task],
+                 abort_on: Callable[[Any, str], Coroutine[Any, Any, None]]) -> None:
+        self.config = config
+        self.decode_pool = decode_pool
+        self.transport = transport
+        self.spawn = spawn
+        self.abort_on = abort_on
+        self.handoffs: Any = None
+        self.streams: dict[str, KVStream] = {}  # attempt -> its KV streamed ahead
+        self.num_chunks_streamed = 0  # chunks that reached a decode rank ahead of time
+
+    def take_chunk(self, rank: Any, chunk: Any, goes_on: bool) -> None:
+        """A chunk ``rank`` exported; ``goes_on``: its attempt is still the request's, on
+        that rank (else the chunk is freed at once)."""
+        if not goes_on:
+            self.spawn(self.transport.discard(chunk, rank))  # its attempt ended or moved
+            return
+        stream = self.streams.get(chunk.stream_of)
+        if stream is None:
+            stream = self.streams[chunk.stream_of] = KVStream(chunk.stream_of, rank)
+        stream.chunks.append(chunk)
+        if not stream.broken:
+            self.spawn(self._stream_ahead(stream))
+
+    async def _stream_ahead(self, stream: KVStream) -> None:
+        """Deliver the chunks that arrived so far to the stream's decode rank."""
+        async with stream.lock:
+            if stream.closed or stream.broken or stream.handing_off:
+                return
+            if stream.dst is None:
+                stream.dst = self.decode_pool().choose_decode()
+                if stream.dst is None:
+                    stream.broken = True  # no decode rank now: the hand-off sends them all
+                    return
+            before = stream.delivered
+            result = await send_chunks(self.transport, stream, stream.dst,
+                                       self.config.handoff_timeout_s, self.abort_on)
+            if result.ok:
+                self.num_chunks_streamed += stream.delivered - before
+                if stream.direct_dst is None and self.handoffs.can_hand_off_directly(stream):
+                    stream.direct_dst = stream.dst
+                    self.spawn(self.handoffs.tell_direct(stream.src, stream.attempt, stream.dst))
+            else:
+                stream.broken = True
+                if stream.direct_dst is not None:  # the hand-off goes through the router
+                    self.spawn(self.handoffs.tell_direct(stream.src, stream.attempt, None))
+                log.info("streaming KV of %s stopped: %s: %s", stream.attempt, result.kind,
+                         result.error)
+
+    def drop(self, attempt: str) -> None:
+        """The attempt ended or moved before its hand-off: its chunks go."""
+        if attempt in self.streams:
+            self.spawn(self.close(attempt, imported=False))
+
+    async def close(self, attempt: str, imported: bool) -> None:
+        """The chunks go from the prefill rank; unless a hand-off imported them, the
+        decode rank's partial import goes too."""
+        stream = self.streams.pop(attempt, None)
+        if stream is None:
+            return
+        async with stream.lock:  # after a delivery in progress
+            stream.closed = True
+            dst, partial = stream.dst, stream.delivered > 0
+        if stream.direct_reply:  # an answer nobody awaits now (a no-op once awaited)
+            self.transport.forget_direct(stream.direct_reply)
+        if imported:
+            self.spawn(self.transport.release_many(stream.chunks, stream.src))
+        else:
+            for chunk in stream.chunks:
+                self.spawn(self.transport.discard(chunk, stream.src))
+        if not imported and partial and dst is not None and dst.state != DEAD:
+            await self.abort_on(dst, attempt)

@@ -233,10 +233,7 @@ class Pool:
                 for r in live[1:]:
                     self._declare_dead(r, f"the group did not form in {tries - 1} tries")
                 live = live[:1]
-            if any(r.state != STARTING for r in live):
-                await asyncio.gather(
-                    *(asyncio.wait_for(r.actor.pause.remote(), self.rc.group_timeout_s)
-                      for r in live if r.state != STARTING), return_exceptions=True)
+            await self._pause(live)
             self.generation += 1
             if not live:
                 self.ranks = [r for r in self.ranks if r.state == DEAD and r.inflight]
@@ -249,51 +246,72 @@ class Pool:
             except Exception as exc:
                 self._declare_dead(live[0], f"it could not host the group store: {exc}")
                 continue
-            peers_of = {r.uid: [p.actor for p in live if p.uid != r.uid] for r in live}
-            nonce = secrets.token_hex(16)  # this formation's store keys; never logged
-            results = await asyncio.gather(
-                *(asyncio.wait_for(r.actor.join_group.remote(i, len(live), address,
-                                                             self.generation, peers_of[r.uid],
-                                                             nonce=nonce),
-                                   self.rc.group_timeout_s)
-                  for i, r in enumerate(live)), return_exceptions=True)
-            failed = [(r, res) for r, res in zip(live, results, strict=True)
-                      if isinstance(res, BaseException)]
-            if failed:
-                # A rank that timed out waiting for a slow peer is not to blame: only the
-                # ones that no longer answer are dropped; the rest try again.
-                log.warning("%s: forming group %d failed (%s: %s); retrying", self.name,
-                            self.generation, type(failed[0][1]).__name__, failed[0][1])
-                answers = await asyncio.gather(
-                    *(asyncio.wait_for(r.actor.ping.remote(), self.rc.rank_call_timeout_s)
-                      for r in live), return_exceptions=True)
-                for r, answer in zip(live, answers, strict=True):
-                    if isinstance(answer, BaseException):
-                        self._declare_dead(r, "it failed to join the group and does not "
-                                           f"answer: {type(answer).__name__}: {answer}")
+            if not await self._join(live, address):
                 continue
             if address is not None:
-                # Every rank joined: rank 0 may close the store (nobody can reach it then).
-                try:
-                    await asyncio.wait_for(live[0].actor.group_formed.remote(self.generation),
-                                           self.rc.rank_call_timeout_s)
-                except Exception as exc:  # the store stays open; the group works anyway
-                    log.warning("%s: rank 0 did not close group %d's store: %s", self.name,
-                                self.generation, exc)
-            for i, r in enumerate(live):
-                r.rank = i
-                was_new = r.state == STARTING
-                if r.state != DRAINING:
-                    r.state = READY
-                if was_new:
-                    r.ready_at = time.monotonic()
-                if was_new and self.on_new_rank is not None:
-                    self.on_new_rank(self, r)
-            keep = {r.uid for r in live}
-            self.ranks = live + [r for r in self.ranks if r.uid not in keep and r.state == DEAD
-                                 and r.inflight]
+                await self._close_store(live[0])
+            self._formed(live)
             return
         raise RuntimeError(f"{self.name} group could not be formed in {tries} tries")
+
+    async def _pause(self, live: list[RankHandle]) -> None:
+        """Stop the loops of the members that run one, at a shared step boundary."""
+        if any(r.state != STARTING for r in live):
+            await asyncio.gather(
+                *(asyncio.wait_for(r.actor.pause.remote(), self.rc.group_timeout_s)
+                  for r in live if r.state != STARTING), return_exceptions=True)
+
+    async def _join(self, live: list[RankHandle], address: str | None) -> bool:
+        """Every member joins group ``self.generation``; False (members that no longer
+        answer declared dead) when any join failed."""
+        peers_of = {r.uid: [p.actor for p in live if p.uid != r.uid] for r in live}
+        nonce = secrets.token_hex(16)  # this formation's store keys; never logged
+        results = await asyncio.gather(
+            *(asyncio.wait_for(r.actor.join_group.remote(i, len(live), address,
+                                                         self.generation, peers_of[r.uid],
+                                                         nonce=nonce),
+                               self.rc.group_timeout_s)
+              for i, r in enumerate(live)), return_exceptions=True)
+        failed = [(r, res) for r, res in zip(live, results, strict=True)
+                  if isinstance(res, BaseException)]
+        if not failed:
+            return True
+        # A rank that timed out waiting for a slow peer is not to blame: only the
+        # ones that no longer answer are dropped; the rest try again.
+        log.warning("%s: forming group %d failed (%s: %s); retrying", self.name,
+                    self.generation, type(failed[0][1]).__name__, failed[0][1])
+        answers = await asyncio.gather(
+            *(asyncio.wait_for(r.actor.ping.remote(), self.rc.rank_call_timeout_s)
+              for r in live), return_exceptions=True)
+        for r, answer in zip(live, answers, strict=True):
+            if isinstance(answer, BaseException):
+                self._declare_dead(r, "it failed to join the group and does not "
+                                   f"answer: {type(answer).__name__}: {answer}")
+        return False
+
+    async def _close_store(self, first: RankHandle) -> None:
+        """Every rank joined: rank 0 may close the store (nobody can reach it then)."""
+        try:
+            await asyncio.wait_for(first.actor.group_formed.remote(self.generation),
+                                   self.rc.rank_call_timeout_s)
+        except Exception as exc:  # the store stays open; the group works anyway
+            log.warning("%s: rank 0 did not close group %d's store: %s", self.name,
+                        self.generation, exc)
+
+    def _formed(self, live: list[RankHandle]) -> None:
+        """The group of ``live`` formed: they are the pool's ranks, in group order."""
+        for i, r in enumerate(live):
+            r.rank = i
+            was_new = r.state == STARTING
+            if r.state != DRAINING:
+                r.state = READY
+            if was_new:
+                r.ready_at = time.monotonic()
+            if was_new and self.on_new_rank is not None:
+                self.on_new_rank(self, r)
+        keep = {r.uid for r in live}
+        self.ranks = live + [r for r in self.ranks if r.uid not in keep and r.state == DEAD
+                             and r.inflight]
 
     def _declare_dead(self, r: RankHandle, why: str) -> None:
         log.error("%s: %s", r.name, why)

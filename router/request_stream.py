@@ -36,19 +36,12 @@ async def stream_chunks(svc, state) -> AsyncIterator[Chunk]:
     out = TextOutput(svc.tokenizer, prepared.prompt_token_ids, prepared.stop,
                      prepared.include_stop_str_in_output)
     sent_tokens = 0
-    last_chunk = None
+    clock = _TokenClock(svc, state)
     try:
         while True:
             event = await state.events.get()
             if event.token_ids:
-                now = time.monotonic()
-                if last_chunk is not None:
-                    svc.metrics.inter_token(now - last_chunk)
-                    _note(svc.latencies.itl, now, now - last_chunk, state.decode_rank)
-                elif state.first_token_at is not None:  # the planner's recent TTFT
-                    _note(svc.latencies.ttft, now, state.first_token_at - state.created,
-                          state.prefill_rank or state.decode_rank)
-                last_chunk = now
+                clock.tokens_arrived()
             delta = out.push(event.token_ids)
             logprobs = event.logprobs  # aligned with the event's tokens, when asked for
             if logprobs is not None:
@@ -79,6 +72,25 @@ async def stream_chunks(svc, state) -> AsyncIterator[Chunk]:
             svc.end_now(state, "client disconnected or deadline exceeded")  # aborts: tasks
         svc.metrics.request_finished(state, time.monotonic())
         svc.tracker.release(state.rid)
+
+
+class _TokenClock:
+    """A stream's token timing: each gap between chunks is an inter-token sample (the
+    metrics' and the planner's), the first chunk the planner's recent TTFT."""
+
+    def __init__(self, svc, state) -> None:
+        self.svc, self.state = svc, state
+        self.last_chunk: float | None = None
+
+    def tokens_arrived(self) -> None:
+        svc, state, now = self.svc, self.state, time.monotonic()
+        if self.last_chunk is not None:
+            svc.metrics.inter_token(now - self.last_chunk)
+            _note(svc.latencies.itl, now, now - self.last_chunk, state.decode_rank)
+        elif state.first_token_at is not None:  # the planner's recent TTFT
+            _note(svc.latencies.ttft, now, state.first_token_at - state.created,
+                  state.prefill_rank or state.decode_rank)
+        self.last_chunk = now
 
 
 def _note(window, now: float, seconds: float, rank) -> None:

@@ -72,6 +72,13 @@ class SchedulerPolicy:
     def check_policy(self) -> None:
         """ValueError (starting with the field's name) for a policy out of range; what
         needs the derived sizes is checked by SchedulerConfig."""
+        self._check_counts()
+        self._check_switches()
+        self._check_batched_tokens()
+        self._check_chunk_time_budget()
+        self._check_prefill_limits()
+
+    def _check_counts(self) -> None:
         for name, low in (
             ("block_size", 1), ("max_num_seqs", 1), ("prefill_attempt_interval", 1),
             ("prefill_any_attempt_interval", 1), ("cp_size", 1), ("lookahead_tokens", 0),
@@ -80,30 +87,40 @@ class SchedulerPolicy:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+    def _check_switches(self) -> None:
         for name in ("chunked_prefill", "stop_preempted_request", "continuation_at_back",
                      "decode_room_needs_no_block", "partial_prompts_first",
                      "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+    def _check_batched_tokens(self) -> None:
         tokens = self.max_num_batched_tokens
-        if tokens is not None:
-            if not isinstance(tokens, int) or isinstance(tokens, bool):
-                raise ValueError(f"max_num_batched_tokens must be an integer or None, got {tokens!r}")
-            if tokens < self.max_num_seqs:
-                raise ValueError(
-                    f"max_num_batched_tokens ({tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
-                )
-            if tokens < self.block_size:
-                raise ValueError(
-                    f"max_num_batched_tokens ({tokens}) must be >= block_size ({self.block_size})"
-                )
+        if tokens is None:
+            return
+        if not isinstance(tokens, int) or isinstance(tokens, bool):
+            raise ValueError(f"max_num_batched_tokens must be an integer or None, got {tokens!r}")
+        if tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
+            )
+        if tokens < self.block_size:
+            raise ValueError(
+                f"max_num_batched_tokens ({tokens}) must be >= block_size ({self.block_size})"
+            )
+
+    def _check_chunk_time_budget(self) -> None:
         budget = self.chunk_time_budget_s
-        if budget is not None:
-            if isinstance(budget, bool) or not isinstance(budget, int | float) or budget <= 0:
-                raise ValueError(f"chunk_time_budget_s must be a number > 0 or None, got {budget!r}")
-            if not self.chunked_prefill:
-                raise ValueError("chunk_time_budget_s needs chunked_prefill=True: prompts "
-                                 "longer than a step's budget are split")
+        if budget is None:
+            return
+        if isinstance(budget, bool) or not isinstance(budget, int | float) or budget <= 0:
+            raise ValueError(f"chunk_time_budget_s must be a number > 0 or None, got {budget!r}")
+        if not self.chunked_prefill:
+            raise ValueError("chunk_time_budget_s needs chunked_prefill=True: prompts "
+                             "longer than a step's budget are split")
+
+    def _check_prefill_limits(self) -> None:
         watermark = self.prefill_watermark
         if isinstance(watermark, bool) or not isinstance(watermark, int | float) \
                 or not 0.0 <= watermark <= 1.0:

@@ -1,5 +1,10 @@
-"""Chooses each step's batch: the step-kind votes, the prefill and decode paths,
-preemption and output processing of the spec (S4-S35). Pure Python, no torch."""
+"""Chooses each step's batch (spec S4-S35). Pure Python, no torch.
+
+Here: admission, forks, the step-kind votes (S6-S11), the opt-in policies (spec
+section 9) and processing a step's outputs (S32). The prefill path (S12-S25) is
+scheduler/prefill_path.py, the decode path and preemption (S26-S30)
+scheduler/decode_path.py, blocks and state slots (S1-S5, S15, S27, S28, S35)
+scheduler/block_manager.py; ``Scheduler`` is all of them."""
 
 from __future__ import annotations
 
@@ -7,11 +12,13 @@ import logging
 import time
 from collections import deque
 
-from pdserve.scheduler.block_pool import AllocStatus, BlockPool, CachingBlockPool
+from pdserve.scheduler.block_manager import BlockManager
+from pdserve.scheduler.block_pool import AllocStatus
 from pdserve.scheduler.chunk_sizer import ChunkSizer
 from pdserve.scheduler.config import EngineType, SchedulerConfig
-from pdserve.scheduler.output import ScheduledSequence, SchedulerOutput, StepKind, StepResult
-from pdserve.scheduler.prefix_hash import cacheable_blocks, chain_hashes
+from pdserve.scheduler.decode_path import DecodePath
+from pdserve.scheduler.output import SchedulerOutput, StepKind, StepResult
+from pdserve.scheduler.prefill_path import PrefillPath
 from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.scheduler.sequence import Sequence, SequenceStatus
 from pdserve.scheduler.votes import Communicator, SingleRankCommunicator
@@ -19,10 +26,9 @@ from pdserve.scheduler.votes import Communicator, SingleRankCommunicator
 logger = logging.getLogger(__name__)
 
 WAITING = SequenceStatus.WAITING
-RUNNING = SequenceStatus.RUNNING
 
 
-class Scheduler:
+class Scheduler(PrefillPath, DecodePath, BlockManager):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -30,16 +36,9 @@ class Scheduler:
         communicator: Communicator | None = None,
     ) -> None:
         config.check_engine_type(engine_type)
-        self.config = config
+        BlockManager.__init__(self, config)
         self.engine_type = EngineType(engine_type)
         self.comm = communicator if communicator is not None else SingleRankCommunicator()
-        self.caching = config.enable_prefix_caching
-        self.blocks = CachingBlockPool(config.num_blocks) if self.caching else BlockPool(
-            config.num_blocks)
-        self.num_cache_queried_tokens = 0  # prompt tokens looked up in the prefix cache
-        self.num_cache_hit_tokens = 0  # ... and found there
-        self._block_size = config.block_size
-        self.states = BlockPool(config.num_state_slots)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # may hold finished sequences until the next decode pass
         self.prompted: deque[tuple[Sequence, bool]] = deque()
@@ -151,36 +150,6 @@ class Scheduler:
         seq.state_slot = self.states.allocate_one()
         self.prompted.append((seq, False))
 
-    def take_cached_prefix(self, token_ids: list[int], num_blocks: int) -> list[int] | None:
-        """Prefix caching, a prefilled import's side: reference the cached blocks of the
-        first ``num_blocks`` full blocks of ``token_ids``; None (nothing taken) unless
-        all of them are cached."""
-        if not self.caching:
-            return None
-        hits = self.blocks.lookup(chain_hashes(token_ids, self.config.block_size, num_blocks))
-        if len(hits) < num_blocks:
-            return None
-        self.blocks.take(hits)
-        return hits
-
-    def reserve_blocks(self, num_blocks: int) -> list[int] | None:
-        """Blocks for KV streamed ahead of its request (a COMPLETION engine's partial
-        import), referenced until ``add_prefilled`` takes them or ``release_blocks``;
-        None without room."""
-        if self.blocks.can_allocate(num_blocks) != AllocStatus.OK:
-            return None
-        return self.blocks.allocate(num_blocks)
-
-    def release_blocks(self, block_ids: list[int]) -> None:
-        """Drop references taken by ``take_cached_prefix`` for an import that never ran."""
-        if block_ids:
-            self.blocks.free(block_ids)
-
-    def register_prefilled(self, seq: Sequence) -> None:
-        """Prefix caching: an imported prompt's blocks hold its KV now: name them."""
-        if self.caching:
-            self._register_full_blocks(seq)
-
     def release_handed_off(self, seq: Sequence) -> None:
         """The engine exported a handed-off sequence's KV: its blocks go back (S35)."""
         self._free_resources(seq)
@@ -272,20 +241,8 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._live) or bool(self._unreported)
 
-    @property
-    def num_free_blocks(self) -> int:
-        return self.blocks.num_free
-
-    @property
-    def cache_usage(self) -> float:
-        return self.blocks.num_used / self.config.num_blocks  # S5
-
-    def blocks_needed(self, seq: Sequence) -> int:
-        return self._ceil_blocks(len(seq) + seq.in_flight + seq.draft_len)  # S4
-
     def assert_drained(self) -> None:
-        problems = [f"blocks: {p}" for p in self.blocks.leaks()]
-        problems += [f"state slots: {p}" for p in self.states.leaks()]
+        problems = self._leaks()
         if problems:
             holders = [s for s in (*self._live.values(), *self.running) if s.block_table]
             raise AssertionError("; ".join(problems) + f"; holders: {holders[:8]}")
@@ -340,252 +297,6 @@ class Scheduler:
         if any_point:  # one wish is enough
             return self.comm.all_reduce_min(0 if want else 1) == 0
         return self.comm.all_reduce_min(1 if want else 0) == 1  # every rank must wish
-
-    # ---- the prefill path (S12-S25) ----
-
-    def _schedule_prefill(self, budget: int) -> SchedulerOutput | None:
-        cfg = self.config
-        out = SchedulerOutput(StepKind.PROMPT)
-        num_curr_seqs = len(self.running)
-        budget_used = 0
-        sum_k_remain = cfg.prefill_max_sum_seqlen_k
-        waiting = self.waiting
-        while waiting:
-            seq = waiting[0]
-            if seq.status.is_finished:  # S12
-                waiting.popleft()
-                self._retire_into(seq, out.ignored)
-                continue
-            if not seq.schedulable:  # S13
-                break
-            hits: list[int] = []
-            if not seq.block_table:
-                hits = self._cached_prefix(seq)
-                verdict = self._check_fresh(seq, hits)
-                if verdict is AllocStatus.LATER:
-                    if self._bypass_later_head(seq):
-                        continue
-                    break  # head-of-line blocking (S14)
-                if verdict is AllocStatus.NEVER:
-                    waiting.popleft()
-                    seq.status = SequenceStatus.FINISHED_IGNORED
-                    self._retire_into(seq, out.ignored)
-                    continue
-            elif seq.fork_pending and self._fork_blocks_status(seq) != AllocStatus.OK:
-                break  # S15
-            if num_curr_seqs + 1 > cfg.max_num_seqs:  # S16
-                break
-            if sum_k_remain is not None:  # S17: the whole length, not this chunk's keys
-                if sum_k_remain < len(seq):
-                    break
-                sum_k_remain -= len(seq)
-            q, chunked = self._chunk_len(seq, budget - budget_used,
-                                         len(hits) * cfg.block_size if hits else seq.processed)
-            if q is None:  # S20-S22
-                break
-            budget_used += -(-q // cfg.cp_align) * cfg.cp_align  # S23
-            self._commit_prompt(seq, q, chunked, out, hits)
-            waiting.popleft()
-            if not chunked:
-                num_curr_seqs += 1
-            elif self.engine_type == EngineType.NORMAL:  # S24
-                break
-        out.num_batched_tokens = budget_used
-        if self.engine_type == EngineType.NORMAL and not out.scheduled and not out.ignored:
-            return None  # S25: the vote decides
-        return out
-
-    def _check_fresh(self, seq: Sequence, hits: list[int]) -> AllocStatus:
-        """S14: a fresh prompt longer than the limit can never run; else the joint check
-        (cached blocks it takes that sit in the free list count against it too)."""
-        if len(seq) > self.config.prompt_limit:
-            return AllocStatus.NEVER
-        needed = self.blocks_needed(seq) - len(hits)
-        if hits:
-            needed += self.blocks.num_free_among(hits)
-        return self._can_allocate_with_state(needed)
-
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Prefix caching: the cached blocks of the longest run of its history's full
-        blocks (never the one with its last token), to take when it is scheduled."""
-        if not self.caching:
-            return []
-        bs = self.config.block_size
-        n = cacheable_blocks(len(seq), bs)
-        if len(seq.block_hashes) < n:
-            seq.block_hashes = chain_hashes(seq.token_ids, bs, n, seq.block_hashes)
-        return self.blocks.lookup(seq.block_hashes[:n])
-
-    def _register_full_blocks(self, seq: Sequence) -> None:
-        """Prefix caching: name each block whose positions are all computed now."""
-        bs = self.config.block_size
-        full = seq.processed // bs
-        if full <= seq.num_registered:
-            return
-        if len(seq.block_hashes) < full:
-            seq.block_hashes = chain_hashes(seq.token_ids, bs, full, seq.block_hashes)
-        table, hashes, register = seq.block_table, seq.block_hashes, self.blocks.register
-        for i in range(seq.num_registered, full):
-            register(table[i], hashes[i])
-        seq.num_registered = full
-
-    def _chunk_len(self, seq: Sequence, budget_left: int,
-                   processed: int | None = None) -> tuple[int | None, bool]:
-        """``processed``: where the chunk starts (a fresh prompt's cached prefix ends)."""
-        cfg = self.config
-        if processed is None:
-            processed = seq.processed
-        work = len(seq) - processed  # S18
-        align = cfg.cp_align
-        q = min(work, budget_left // align * align)
-        ckpts = seq.checkpoints  # S19
-        while ckpts and ckpts[0] <= processed:
-            ckpts.pop(0)
-        if ckpts and processed + q >= ckpts[0]:
-            q = ckpts[0] - processed  # consumed once processed reaches it
-        chunked = q < work
-        if q == 0 or (chunked and not cfg.chunked_prefill) or q < max(cfg.lookahead_tokens, 1):
-            return None, chunked  # S20, S21, S22
-        return q, chunked
-
-    def _commit_prompt(self, seq: Sequence, q: int, chunked: bool, out: SchedulerOutput,
-                       hits: list[int] = ()) -> None:
-        if seq.status != WAITING:
-            raise RuntimeError(f"prompt of {seq.request_id!r} selected while {seq.status.name}")
-        if not seq.block_table:
-            if self.caching:
-                self._take_cached_prefix(seq, hits)
-            seq.block_table += self.blocks.allocate(self.blocks_needed(seq) - len(seq.block_table))
-            seq.state_slot = self.states.allocate_one()
-        elif seq.fork_pending:
-            self._unshare(seq, out)
-            missing = self.blocks_needed(seq) - len(seq.block_table)
-            if missing > 0:
-                seq.block_table += self.blocks.allocate(missing)
-        if not chunked:
-            seq.status = RUNNING
-        seqlen_k = seq.processed + seq.in_flight + q  # S36
-        seq.in_flight += q
-        out.scheduled.append(ScheduledSequence(seq, q, seqlen_k, not chunked))
-
-    def _take_cached_prefix(self, seq: Sequence, hits: list[int]) -> None:
-        bs = self.config.block_size
-        self.blocks.take(hits)
-        seq.block_table = list(hits)
-        seq.num_registered = len(hits)
-        seq.processed = len(hits) * bs
-        self.num_cache_queried_tokens += len(seq)
-        self.num_cache_hit_tokens += seq.processed
-        if seq.output_len == 0 and not seq.num_cached_tokens:  # its prompt, not a recompute
-            seq.num_cached_tokens = seq.processed
-
-    # ---- the decode path (S26-S29) ----
-
-    def _schedule_decode(self) -> SchedulerOutput:
-        out = SchedulerOutput(StepKind.DECODE)
-        self._sweep_finished(out.ignored)
-        self._admit_prompted(out)
-        running = self.running
-        # Longest output first, ties in arrival order: candidates come from the end.
-        running.sort(key=decode_priority)
-        max_seqs = self.config.max_num_seqs
-        candidate_fits = self._candidate_fits
-        scheduled: list[Sequence] = []
-        left, right = 0, len(running)
-        append_slot = self._append_slot
-        while left < right and len(scheduled) < max_seqs:
-            seq = running[right - 1]
-            fits = candidate_fits(seq)
-            while not fits and right - left > 1:
-                self._preempt(running[left], out)
-                left += 1
-                fits = candidate_fits(seq)
-            if fits:
-                append_slot(seq)
-                scheduled.append(seq)
-            else:
-                self._preempt(seq, out)
-            right -= 1
-        scheduled.sort(key=len, reverse=True)  # S29: batch order, longest history first
-        out.scheduled = rows = [
-            ScheduledSequence(seq, 1, seq.processed + seq.in_flight + 1, True) for seq in scheduled
-        ]  # S36, before the in-flight counts grow
-        for seq in scheduled:
-            seq.in_flight += 1
-        out.num_batched_tokens = len(rows)
-        # Anything the max_num_seqs cap left unvisited stays running, unscheduled.
-        self.running = scheduled + running[left:right] if left < right else scheduled
-        self.decode_step += 1  # S11
-        return out
-
-    def _sweep_finished(self, ignored: list[Sequence]) -> None:
-        """S26: finished sequences leave running; aborted ones can sit anywhere in waiting."""
-        if not self._maybe_finished_in_queues:  # spares a scan of both queues every step
-            return
-        keep = []
-        for seq in self.running:
-            if seq.status.is_finished:
-                self._retire_into(seq, ignored)
-            else:
-                keep.append(seq)
-        self.running = keep
-        for seq in [s for s in self.waiting if s.status.is_finished]:
-            self.waiting.remove(seq)
-            self._retire_into(seq, ignored)
-        self._maybe_finished_in_queues = False
-
-    def _admit_prompted(self, out: SchedulerOutput) -> None:
-        """S27: prefilled (imported or forked) sequences join running while there is room."""
-        prompted, max_seqs = self.prompted, self.config.max_num_seqs
-        while prompted and len(self.running) < max_seqs:
-            seq, forked = prompted[0]
-            if seq.status.is_finished:
-                prompted.popleft()
-                self._retire_into(seq, out.ignored)
-                continue
-            if forked:
-                if self.blocks.num_free < 1 or self.states.num_free < 1:
-                    break
-                self._unshare(seq, out)
-            prompted.popleft()
-            if seq.status == WAITING:
-                seq.status = RUNNING
-            self.running.append(seq)
-
-    def _append_slot(self, seq: Sequence) -> None:
-        """Grow the table by one block when the next position needs it; shrink a table
-        longer than needed (S28)."""
-        table = seq.block_table
-        bs = self._block_size
-        need = (len(seq.token_ids) + seq.in_flight + seq.draft_len + bs - 1) // bs  # S4
-        have = len(table)
-        if have < need:
-            table.append(self.blocks.allocate_one())
-        elif have > need:
-            self.blocks.free(table[need:])
-            del table[need:]
-
-    # ---- preemption (S30) ----
-
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        if seq.status != RUNNING:
-            raise RuntimeError(f"preempting {seq.request_id!r} while {seq.status.name}")
-        self.num_preemptions += 1
-        out.num_preempted += 1
-        out.preempted.append(seq)
-        stop = self.config.stop_preempted_request
-        if stop or seq.so_status != 0:
-            why = "stop_preempted_request is set" if stop else (
-                f"structured output (so_status {seq.so_status}) cannot be recomputed")
-            logger.warning("request %s is preempted and stops: %s", seq.request_id, why)
-            seq.status = SequenceStatus.FINISHED_PREEMPTED
-            self._retire_into(seq, out.ignored)
-            return
-        logger.warning("request %s is preempted and will be recomputed", seq.request_id)
-        seq.reset_for_recompute()
-        self._requeue_preempted(seq)
-        seq.status = WAITING
-        self._free_resources(seq)
 
     # ---- processing a step's outputs (S32) ----
 
@@ -668,7 +379,7 @@ class Scheduler:
         self._retire(seq)
         return False
 
-    # ---- resources ----
+    # ---- admission and retirement ----
 
     def _admit(self, seq: Sequence) -> None:
         if seq.request_id in self._live:
@@ -676,59 +387,6 @@ class Scheduler:
         if seq.status != WAITING or seq.retired:
             raise ValueError(f"request {seq.request_id!r} must be new and WAITING, is {seq.status.name}")
         self._live[seq.request_id] = seq
-
-    def _ceil_blocks(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.config.block_size)
-
-    def _can_allocate_with_state(self, num_blocks: int) -> AllocStatus:
-        status = self.blocks.can_allocate(num_blocks)  # S3
-        if status is AllocStatus.OK and self.states.num_free == 0:
-            return AllocStatus.LATER
-        return status
-
-    def _can_allocate_group(self, num_blocks: int, num_states: int) -> AllocStatus:
-        if num_states == 1:
-            return self._can_allocate_with_state(num_blocks)
-        return max(self.blocks.can_allocate(num_blocks), self.states.can_allocate(num_states),
-                   key=lambda status: status.value)
-
-    def _partial_blocks(self, num_tokens: int) -> int:
-        """1 if the last of ``num_tokens`` positions sits in a partly filled block."""
-        return 1 if num_tokens % self.config.block_size else 0
-
-    def _fork_blocks_status(self, seq: Sequence) -> AllocStatus:
-        keep = self._ceil_blocks(seq.processed)
-        new = self.blocks_needed(seq) - keep + (1 if seq.processed % self.config.block_size else 0)
-        return self._can_allocate_with_state(new)
-
-    def _unshare(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Keep the shared full blocks that cover processed positions, copy the partial
-        last one, drop the rest and clone the state slot (S15, S27)."""
-        table = seq.block_table
-        keep = self._ceil_blocks(seq.processed)
-        if len(table) > keep:
-            self.blocks.free(table[keep:])
-            del table[keep:]
-        full = seq.processed // self.config.block_size
-        if full < keep:
-            new = self.blocks.allocate_one()
-            out.block_copies.append((table[full], new))
-            self.blocks.free_one(table[full])
-            table[full] = new
-        new_slot = self.states.allocate_one()
-        out.state_copies.append((seq.state_slot, new_slot))
-        self.states.free_one(seq.state_slot)
-        seq.state_slot = new_slot
-        seq.fork_pending = False
-
-    def _free_resources(self, seq: Sequence) -> None:
-        seq.num_registered = 0
-        if seq.block_table:
-            self.blocks.free(seq.block_table)
-            seq.block_table = []
-        if seq.state_slot != -1:
-            self.states.free_one(seq.state_slot)
-            seq.state_slot = -1
 
     def _retire(self, seq: Sequence) -> bool:
         """A finished sequence frees everything it held and is reported, exactly once (S35)."""
@@ -744,9 +402,3 @@ class Scheduler:
     def _retire_into(self, seq: Sequence, ignored: list[Sequence]) -> None:
         if self._retire(seq):
             ignored.append(seq)
-
-
-def decode_priority(seq: Sequence) -> tuple[int, float, int]:
-    """Sort key of running before a decode pass (S28): longest output first, ties in
-    arrival order. Candidates come from the end of the sorted list, victims from the front."""
-    return (seq.prompt_len - len(seq.token_ids), seq.arrival_time, seq.order)

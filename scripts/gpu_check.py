@@ -31,7 +31,7 @@ TRANSPORT_SIZES_MIB = (16, 64, 256)
 def _transport_rank(rank: int, device: str, backend: str, sizes: tuple, reps: int,
                     address_q, result_q) -> None:
     """One side of the measured pair (rank 0 sends, rank 1 receives), in its own process."""
-    from pdserve.kv_transfer.torch_dist import DeviceEndpoint
+    from pdserve.kv_transfer.device.endpoint import DeviceEndpoint
 
     try:
         if device == "cuda":
@@ -70,15 +70,11 @@ def _transport_rank(rank: int, device: str, backend: str, sizes: tuple, reps: in
         result_q.put((rank, False, f"{type(exc).__name__}: {exc}"))
 
 
-def device_transport_check(dev: torch.device, reps: int = 5) -> dict:
-    """The device transport between two processes against a device memcpy, in MiB/s."""
+def _run_pair(dev: torch.device, backend: str, reps: int) -> tuple[dict, str | None]:
+    """Both ranks of the measured pair, each in a process of its own: {rank: (ok,
+    MiB/s per size or the error)}, and why a rank gave no result, if one did not."""
     import torch.multiprocessing as tmp
 
-    on_cuda = dev.type == "cuda"
-    backend = "nccl" if on_cuda and torch.cuda.device_count() >= 2 else "gloo"
-    out: dict = {"backend": backend, "path": (
-        "nccl, GPU to GPU" if backend == "nccl" else
-        "gloo, staged through host memory (one GPU)" if on_cuda else "gloo, CPU ranks")}
     ctx = tmp.get_context("spawn")
     address_q, result_q = ctx.Queue(), ctx.Queue()
     procs = [ctx.Process(target=_transport_rank, daemon=True,
@@ -86,17 +82,46 @@ def device_transport_check(dev: torch.device, reps: int = 5) -> dict:
                                result_q)) for r in (0, 1)]
     for p in procs:
         p.start()
-    results = {}
+    results, error = {}, None
     try:
         for _ in procs:
             rank, ok, value = result_q.get(timeout=300)
             results[rank] = (ok, value)
     except Exception as exc:
-        out["error"] = f"no result from both ranks: {type(exc).__name__}: {exc}"
+        error = f"no result from both ranks: {type(exc).__name__}: {exc}"
     for p in procs:
         p.join(10)
         if p.is_alive():
             p.terminate()
+    return results, error
+
+
+def _memcpy_mib_s(dev: torch.device, mib: int, reps: int) -> float:
+    """A device copy of ``mib`` MiB between two preallocated tensors, in MiB/s."""
+    on_cuda = dev.type == "cuda"
+    src = torch.full((mib << 20,), 7, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    if on_cuda:
+        torch.cuda.synchronize(dev)
+    start = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    if on_cuda:
+        torch.cuda.synchronize(dev)
+    return reps * mib / (time.perf_counter() - start)
+
+
+def device_transport_check(dev: torch.device, reps: int = 5) -> dict:
+    """The device transport between two processes against a device memcpy, in MiB/s."""
+    on_cuda = dev.type == "cuda"
+    backend = "nccl" if on_cuda and torch.cuda.device_count() >= 2 else "gloo"
+    out: dict = {"backend": backend, "path": (
+        "nccl, GPU to GPU" if backend == "nccl" else
+        "gloo, staged through host memory (one GPU)" if on_cuda else "gloo, CPU ranks")}
+    results, error = _run_pair(dev, backend, reps)
+    if error is not None:
+        out["error"] = error
     failed = [f"rank {r}: {v}" for r, (ok, v) in sorted(results.items()) if not ok]
     if failed:
         out["error"] = "; ".join(failed)
@@ -104,24 +129,14 @@ def device_transport_check(dev: torch.device, reps: int = 5) -> dict:
         return out
     received = results[1][1]
     for mib in TRANSPORT_SIZES_MIB:
-        src = torch.full((mib << 20,), 7, dtype=torch.uint8, device=dev)
-        dst = torch.empty_like(src)
-        dst.copy_(src)
-        if on_cuda:
-            torch.cuda.synchronize(dev)
-        start = time.perf_counter()
-        for _ in range(reps):
-            dst.copy_(src)
-        if on_cuda:
-            torch.cuda.synchronize(dev)
-        memcpy = reps * mib / (time.perf_counter() - start)
+        memcpy = _memcpy_mib_s(dev, mib, reps)
         out[f"{mib}MiB"] = {"transport_mib_s": round(received[mib], 1),
                             "memcpy_mib_s": round(memcpy, 1),
                             "ratio": round(received[mib] / memcpy, 4)}
     return out
 
 
-def main() -> int:
+def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--no-bench", action="store_true")
@@ -129,22 +144,79 @@ def main() -> int:
                     help="skip the device KV transport's bandwidth check")
     ap.add_argument("--only-transport", action="store_true",
                     help="only the device KV transport's bandwidth check")
-    args = ap.parse_args()
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print(json.dumps({"skipped": "no CUDA device"}))
-        return 0
-    if args.only_transport:
-        dev = torch.device(args.device)
-        summary = {"device": str(dev), "torch": torch.__version__,
-                   "device_transport": device_transport_check(dev)}
-        summary["ok"] = "error" not in summary["device_transport"]
-        print(json.dumps(summary))
-        return 0 if summary["ok"] else 1
+    return ap.parse_args()
+
+
+def _only_transport(device: str) -> int:
+    dev = torch.device(device)
+    summary = {"device": str(dev), "torch": torch.__version__,
+               "device_transport": device_transport_check(dev)}
+    summary["ok"] = "error" not in summary["device_transport"]
+    print(json.dumps(summary))
+    return 0 if summary["ok"] else 1
+
+
+def _greedy_against_hf(hf, runner, dev: torch.device, prompts: list[list[int]]
+                       ) -> tuple[float, bool]:
+    """(largest logit difference over the chunked prefills, whether every greedy
+    continuation equals transformers' generate)."""
+    from pdserve.engine.model_runner import RunnerRow
+
+    worst, same = 0.0, True
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            ref = hf(torch.tensor([p], device=dev)).logits[0]
+            want = hf.generate(torch.tensor([p], device=dev), max_new_tokens=12,
+                               do_sample=False, pad_token_id=2)[0, len(p):].tolist()
+        table = list(range(1 + 12 * i, 13 + 12 * i))
+        pos, got = 0, []
+        for q in (37, 37, 1000):  # chunked prefill
+            chunk = p[pos:pos + q]
+            if not chunk:
+                break
+            lg = runner.compute_logits([RunnerRow(chunk, pos, table, i)])
+            pos += len(chunk)
+            worst = max(worst, (lg[0] - ref[pos - 1]).abs().max().item())
+        got.append(int(lg[0].argmax()))
+        while len(got) < len(want):
+            got += runner.execute([RunnerRow([got[-1]], pos, table, i,
+                                             output_index=len(got))])
+            pos += 1
+        same &= got == want[:len(got)]
+    return worst, same
+
+
+def _check_variant(variant: str, folder: str, dev: torch.device, summary: dict) -> bool:
+    """One built-in model variant: fp32 equal to transformers, bf16 finite (into
+    ``summary``); whether both held."""
     from transformers import AutoModelForCausalLM
 
     from pdserve.engine.model_runner import ModelRunner, RunnerRow
     from pdserve.engine.tiny_model import make_tiny_model
 
+    path = make_tiny_model(Path(folder) / variant, variant)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(dev).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [[1] + torch.randint(3, 4096, (n - 1,), generator=g).tolist()
+               for n in (5, 40, 150)]
+    runner = ModelRunner(path, device=dev, num_kv_blocks=64, num_state_slots=4)
+    worst, same = _greedy_against_hf(hf, runner, dev, prompts)
+    summary[f"{variant}_fp32_max_logit_diff"] = worst
+    summary[f"{variant}_fp32_greedy_equal"] = same
+    ok = same and worst < 1e-3
+    b16 = ModelRunner(path, device=dev, dtype="bfloat16", num_kv_blocks=16)
+    lb = b16.compute_logits([RunnerRow(prompts[1], 0, [1, 2, 3], 0)])
+    summary[f"{variant}_bf16_finite"] = bool(torch.isfinite(lb).all())
+    return ok and summary[f"{variant}_bf16_finite"]
+
+
+def main() -> int:
+    args = _parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(json.dumps({"skipped": "no CUDA device"}))
+        return 0
+    if args.only_transport:
+        return _only_transport(args.device)
     dev = torch.device(args.device)
     summary: dict = {"device": str(dev), "torch": torch.__version__}
     if dev.type == "cuda":
@@ -153,40 +225,7 @@ def main() -> int:
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         for variant in ("llama", "mistral-swa"):
-            path = make_tiny_model(Path(tmp) / variant, variant)
-            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(dev).eval()
-            g = torch.Generator().manual_seed(0)
-            prompts = [[1] + torch.randint(3, 4096, (n - 1,), generator=g).tolist()
-                       for n in (5, 40, 150)]
-            runner = ModelRunner(path, device=dev, num_kv_blocks=64, num_state_slots=4)
-            worst, same = 0.0, True
-            for i, p in enumerate(prompts):
-                with torch.no_grad():
-                    ref = hf(torch.tensor([p], device=dev)).logits[0]
-                    want = hf.generate(torch.tensor([p], device=dev), max_new_tokens=12,
-                                       do_sample=False, pad_token_id=2)[0, len(p):].tolist()
-                table = list(range(1 + 12 * i, 13 + 12 * i))
-                pos, got = 0, []
-                for q in (37, 37, 1000):  # chunked prefill
-                    chunk = p[pos:pos + q]
-                    if not chunk:
-                        break
-                    lg = runner.compute_logits([RunnerRow(chunk, pos, table, i)])
-                    pos += len(chunk)
-                    worst = max(worst, (lg[0] - ref[pos - 1]).abs().max().item())
-                got.append(int(lg[0].argmax()))
-                while len(got) < len(want):
-                    got += runner.execute([RunnerRow([got[-1]], pos, table, i,
-                                                     output_index=len(got))])
-                    pos += 1
-                same &= got == want[:len(got)]
-            summary[f"{variant}_fp32_max_logit_diff"] = worst
-            summary[f"{variant}_fp32_greedy_equal"] = same
-            ok &= same and worst < 1e-3
-            b16 = ModelRunner(path, device=dev, dtype="bfloat16", num_kv_blocks=16)
-            lb = b16.compute_logits([RunnerRow(prompts[1], 0, [1, 2, 3], 0)])
-            summary[f"{variant}_bf16_finite"] = bool(torch.isfinite(lb).all())
-            ok &= summary[f"{variant}_bf16_finite"]
+            ok &= _check_variant(variant, tmp, dev, summary)
     summary["equivalence_seconds"] = round(time.time() - t0, 1)
     if not args.no_bench:
         from pdserve.bench.kernels import main as bench_main

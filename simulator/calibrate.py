@@ -61,52 +61,71 @@ def _timed_steps(engine, n: int) -> list[tuple]:
     return steps
 
 
-def measure_engine(model_dir: str, repeats: int = 3) -> tuple[list, list]:
-    """Prompt samples (rows as (q, c), s) and decode samples (rows, context, s)."""
-    import numpy as np
+class _Samples:
+    """The timed steps kept for the fits, and the requests that make them (seeded)."""
 
-    from pdserve.engine.config import EngineConfig
-    from pdserve.engine.engine import LLMEngine
-    from pdserve.scheduler.output import StepKind
-    from pdserve.scheduler.sampling_params import SamplingParams
+    def __init__(self, seed: int = 0) -> None:
+        import numpy as np
 
-    rng = np.random.default_rng(0)
-    prompt_samples, decode_samples = [], []
-    ids = iter(range(10**9))
+        self.rng = np.random.default_rng(seed)
+        self.ids = iter(range(10**9))
+        self.prompt: list = []  # (rows as (q, c), seconds)
+        self.decode: list = []  # (rows, context, seconds)
 
-    def add(engine, n_tokens: int, max_tokens: int) -> None:
-        engine.add_request(f"r{next(ids)}", rng.integers(8, 4000, n_tokens).tolist(),
+    def add(self, engine, n_tokens: int, max_tokens: int) -> None:
+        from pdserve.scheduler.sampling_params import SamplingParams
+
+        engine.add_request(f"r{next(self.ids)}", self.rng.integers(8, 4000, n_tokens).tolist(),
                            SamplingParams(max_tokens=max_tokens, ignore_eos=True,
                                           temperature=0.0))
 
-    def keep(steps) -> None:
+    def keep(self, steps) -> None:
+        from pdserve.scheduler.output import StepKind
+
         for out, s in steps:
             rows = out.scheduled
             if not rows:
                 continue
             if out.kind == StepKind.PROMPT:
-                prompt_samples.append(([(r.query_len, r.start_pos) for r in rows], s))
+                self.prompt.append(([(r.query_len, r.start_pos) for r in rows], s))
             elif out.kind == StepKind.DECODE:
-                decode_samples.append((len(rows), sum(r.seqlen_k for r in rows), s))
+                self.decode.append((len(rows), sum(r.seqlen_k for r in rows), s))
 
+
+def _sample_prompt_steps(samples: _Samples, engine) -> None:
+    """Prompt steps of 1 and 4 rows of 16..1024 new positions."""
+    for q in (16, 64, 128, 256, 512, 1024):
+        for rows in (1, 4):
+            for _ in range(rows):
+                samples.add(engine, q, 1)
+            samples.keep(_timed_steps(engine, 100))
+
+
+def _sample_decode_steps(samples: _Samples, engine) -> None:
+    """Decode steps of 1..64 rows at contexts of 32..1536 tokens."""
+    for batch in (1, 8, 32, 64):
+        for context in (32, 512, 1536):
+            for _ in range(batch):
+                samples.add(engine, context, 6)
+            samples.keep(_timed_steps(engine, 1000))
+
+
+def measure_engine(model_dir: str, repeats: int = 3) -> tuple[list, list]:
+    """Prompt samples (rows as (q, c), s) and decode samples (rows, context, s)."""
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
+
+    samples = _Samples(seed=0)
     base = dict(model_dir=model_dir, engine_type="normal", enable_prefix_caching=False)
     engine = LLMEngine(EngineConfig(**base))
     for _ in range(repeats):
-        for q in (16, 64, 128, 256, 512, 1024):
-            for rows in (1, 4):
-                for _ in range(rows):
-                    add(engine, q, 1)
-                keep(_timed_steps(engine, 100))
-        for batch in (1, 8, 32, 64):
-            for context in (32, 512, 1536):
-                for _ in range(batch):
-                    add(engine, context, 6)
-                keep(_timed_steps(engine, 1000))
+        _sample_prompt_steps(samples, engine)
+        _sample_decode_steps(samples, engine)
     chunked = LLMEngine(EngineConfig(**base, max_num_batched_tokens=256))
     for _ in range(repeats):
-        add(chunked, 1792, 1)
-        keep(_timed_steps(chunked, 100))
-    return prompt_samples, decode_samples
+        samples.add(chunked, 1792, 1)
+        samples.keep(_timed_steps(chunked, 100))
+    return samples.prompt, samples.decode
 
 
 def handoff_samples(path: Path) -> list[tuple[int, float]]:

@@ -87,7 +87,8 @@ def workload(args: argparse.Namespace, request_rate: float | None = None):
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.bench.serve import load_kwargs, parse_floats, write_json
+    from pdserve.bench.serve import load_kwargs, parse_floats
+    from pdserve.bench.serve_report import write_json
     from pdserve.simulator.cluster import Cluster
     from pdserve.simulator.metrics import format_summary, simulated_summary
 

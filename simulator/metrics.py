@@ -1,6 +1,6 @@
 """The summary ``bench serve`` prints and saves, from the simulated clients' columns.
 
-Field for field what ``bench/serve.py summarize`` gives for one ``Run`` of the same
+Field for field what ``bench/serve_report.py summarize`` gives for one ``Run`` of the same
 requests as ``RequestRecord``s (vLLM's names and meanings; ``tests/simulator/
 test_metrics.py`` checks the two agree), computed with numpy over ``client_log``'s
 columns: ``summarize`` walks every chunk of every request several times in Python,
@@ -18,8 +18,8 @@ from datetime import datetime
 
 import numpy as np
 
-from pdserve.bench.serve import format_summary
 from pdserve.bench.serve_metrics import DEFAULT_PERCENTILES, latency_stats, per_request_lists
+from pdserve.bench.serve_report import format_summary
 from pdserve.simulator.client_log import ClientLog
 from pdserve.simulator.cluster import SimResult
 from pdserve.simulator.collector import collector_paused

@@ -111,7 +111,7 @@ def run_plan(args: argparse.Namespace, config, costs) -> int:
         print(f"{r['placement']:<14} {r['max_rate']:>18.3f} {r['goodput_per_rank']:>14.3f}")
     out = {"slo_ttft_ms": args.slo_ttft_ms, "slo_itl_ms": args.slo_itl_ms,
            "slo_percentile": args.slo_percentile, "gpus": args.gpus, "table": rows}
-    from pdserve.bench.serve import write_json
+    from pdserve.bench.serve_report import write_json
 
     out["serve_command"] = serve_command(rows[0], args)
     write_json(args.result_file, out)

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from pdserve.bench import kv_transfer
-from pdserve.bench.kv_transfer import BLOCK_BYTES, PayloadRank
+from pdserve.bench.kv_handoff_share import format_share
+from pdserve.bench.kv_payload_rank import BLOCK_BYTES, PayloadRank
 
 
 def test_the_stand_in_ranks_move_real_kv_blocks_and_notice_a_change():
@@ -81,5 +82,5 @@ def test_the_hand_off_share_through_two_services(ray_session, tmp_path):
         # the span holds the export, then the report and the import (the router's delivery
         # also holds the import's answer coming back, which the span does not)
         assert rows["handoff_s"][0] > rows["export_s"][0]
-    assert "/ its deliver alone" in kv_transfer.format_share(share)
+    assert "/ its deliver alone" in format_share(share)
     assert len(streamed["requests"][0]) == 1 and streamed["requests"][0][0]["kv_bytes"] > 0

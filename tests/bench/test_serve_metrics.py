@@ -129,7 +129,7 @@ def test_lists_and_by_kind(records):
 
 
 def test_breakdown_absent_until_the_router_sends_one():
-    from pdserve.bench.serve import _breakdown
+    from pdserve.bench.serve_client import _breakdown
     from pdserve.rpc import router_pb2
 
     assert _breakdown(router_pb2.GenerateResponse(finish_reason="length")) is None
@@ -142,7 +142,8 @@ def test_breakdown_absent_until_the_router_sends_one():
 
 
 def test_runs_merge_into_one_result(records):
-    from pdserve.bench.serve import Run, summarize
+    from pdserve.bench.serve_client import Run
+    from pdserve.bench.serve_report import summarize
 
     a, b, c, d = records
     counters = {"counters": {"decode/0": {"num_steps": 10, "num_empty_steps": 1}}}

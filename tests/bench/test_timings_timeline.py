@@ -37,7 +37,7 @@ def test_breakdown_summary_on_hand_made_timings():
 
 
 def test_breakdown_read_from_the_last_response():
-    from pdserve.bench.serve import _breakdown
+    from pdserve.bench.serve_client import _breakdown
     from pdserve.rpc import router_pb2
 
     msg = router_pb2.GenerateResponse(finish_reason="length", timings=router_pb2.Timings(

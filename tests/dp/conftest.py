@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.dp_comm import RankPool
+from pdserve.engine.rank_pool import RankPool
 
 POOL_SIZE = 4
 

@@ -11,13 +11,8 @@ import time
 import pytest
 import torch
 
-from pdserve.engine.dp_comm import (
-    CollectiveError,
-    DeadRank,
-    RankError,
-    TorchDistCommunicator,
-    run_ranks,
-)
+from pdserve.engine.dp_comm import CollectiveError, TorchDistCommunicator
+from pdserve.engine.rank_pool import DeadRank, RankError, run_ranks
 from pdserve.scheduler.votes import Communicator
 
 

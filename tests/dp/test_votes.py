@@ -132,40 +132,51 @@ def check_lockstep(results: list[dict]) -> dict:
         wants = [s[2] for s in steps]
         classes = {step_class(k) for k in kinds}
         assert len(classes) == 1, f"ranks disagree on the kind at {where}"
-        cls = classes.pop()
-        point = point_of(d)
-        if point is None:
-            assert kinds == ["DECODE"] * len(kinds), where
-            assert all(s[5] == 0 for s in steps), f"a vote off the points at {where}"
-        else:
-            tried = any(wants) if point == "ANY" else all(wants)
-            assert all(s[5] == (2 if tried else 1) for s in steps), f"vote count at {where}"
-            if not tried:
-                assert cls == "DECODE", where
-                if point == "ALL" and any(wants):
-                    seen["all_refused"] += 1
-            else:
-                if point == "ANY" and not all(wants):
-                    seen["any_split"] += 1
-                if point == "ALL":
-                    seen["all_agree"] += 1
-                if cls == "DECODE":
-                    seen["all_empty_fallback"] += 1
-                    assert any(wants), where
+        _check_votes(steps, point_of(d), classes.pop(), where, seen)
         for s, want in zip(steps, wants, strict=True):
-            kind, rows, after = s[3], s[4], s[6]
-            if kind == "PROMPT":
-                assert want, f"a rank that did not want prefill prefilled at {where}"
-                seen["prompt"] += 1
-            if kind == "EMPTY_PROMPT":
-                assert rows == [], where
-                assert "PROMPT" in kinds, f"EMPTY_PROMPT with no peer prefilling at {where}"
-                seen["empty_prompt_wanting" if want else "empty_prompt_idle"] += 1
-            if kind == "DECODE":
-                assert all(q == 1 for _, q, _ in rows), where
-            # S11: a prompt step resets the counter, a decode step advances it.
-            assert after == (d + 1 if kind == "DECODE" else 0), f"decode_step after {where}"
+            _check_rank_step(s, want, kinds, d, where, seen)
     return seen
+
+
+def _check_votes(steps: list, point: str | None, cls: str, where: str, seen: dict) -> None:
+    """The vote all-reduces the ranks made at one step, and the kind of step they chose."""
+    kinds = [s[3] for s in steps]
+    wants = [s[2] for s in steps]
+    if point is None:
+        assert kinds == ["DECODE"] * len(kinds), where
+        assert all(s[5] == 0 for s in steps), f"a vote off the points at {where}"
+        return
+    tried = any(wants) if point == "ANY" else all(wants)
+    assert all(s[5] == (2 if tried else 1) for s in steps), f"vote count at {where}"
+    if not tried:
+        assert cls == "DECODE", where
+        if point == "ALL" and any(wants):
+            seen["all_refused"] += 1
+        return
+    if point == "ANY" and not all(wants):
+        seen["any_split"] += 1
+    if point == "ALL":
+        seen["all_agree"] += 1
+    if cls == "DECODE":
+        seen["all_empty_fallback"] += 1
+        assert any(wants), where
+
+
+def _check_rank_step(s: tuple, want: bool, kinds: list[str], d: int, where: str,
+                     seen: dict) -> None:
+    """One rank's step, against what it wanted and what its peers did."""
+    kind, rows, after = s[3], s[4], s[6]
+    if kind == "PROMPT":
+        assert want, f"a rank that did not want prefill prefilled at {where}"
+        seen["prompt"] += 1
+    if kind == "EMPTY_PROMPT":
+        assert rows == [], where
+        assert "PROMPT" in kinds, f"EMPTY_PROMPT with no peer prefilling at {where}"
+        seen["empty_prompt_wanting" if want else "empty_prompt_idle"] += 1
+    if kind == "DECODE":
+        assert all(q == 1 for _, q, _ in rows), where
+    # S11: a prompt step resets the counter, a decode step advances it.
+    assert after == (d + 1 if kind == "DECODE" else 0), f"decode_step after {where}"
 
 
 def kinds_by_rank(results: list[dict]) -> list[str]:

@@ -4,7 +4,7 @@ included, and the pool parks when no rank has work."""
 
 import pytest
 
-from pdserve.engine.dp_comm import RankPool
+from pdserve.engine.rank_pool import RankPool
 
 pytestmark = pytest.mark.timeout(240)
 

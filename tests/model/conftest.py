@@ -72,7 +72,19 @@ def drive(runner, prompts, max_new, budget=None, mixed=True, sampling=None, eos=
     most ``budget`` positions per step (whole prompts when None), prompts in order
     (a chunked one ends the prefill selection), decode rows (q = 1) either in the
     same step as chunks (``mixed``) or in separate steps. Returns outputs per prompt."""
-    bs = runner.block_size
+    seqs = _place(runner.block_size, prompts, max_new, sampling, first_block, slots)
+    while not all(s.finished for s in seqs):
+        rows, owners = _prefill_rows(seqs, budget)
+        if mixed or not rows:
+            _add_decode_rows(seqs, rows, owners)
+        toks = runner.execute(rows)
+        for (s, kind, q), t in zip(owners, toks, strict=True):
+            _advance(s, kind, q, t, eos)
+    return [s.out for s in seqs]
+
+
+def _place(bs, prompts, max_new, sampling, first_block, slots) -> list[_Seq]:
+    """Each prompt's sequence, with blocks for its prompt and every new token."""
     nxt = first_block
     seqs = []
     for i, p in enumerate(prompts):
@@ -81,36 +93,45 @@ def drive(runner, prompts, max_new, budget=None, mixed=True, sampling=None, eos=
             temperature=0.0, max_tokens=max_new))
         seqs.append(_Seq(p, list(range(nxt, nxt + n)), slots[i] if slots else i, sp, max_new))
         nxt += n
-    while not all(s.finished for s in seqs):
-        rows, owners = [], []
-        left = budget if budget is not None else 10**9
-        for s in seqs:
-            if s.done_prompt < len(s.prompt) and left > 0:
-                q = min(len(s.prompt) - s.done_prompt, left)
-                last = s.done_prompt + q == len(s.prompt)
-                rows.append(RunnerRow(s.prompt[s.done_prompt:s.done_prompt + q], s.done_prompt,
-                                      s.blocks, s.slot, s.sampling, last, 0))
-                owners.append((s, "p", q))
-                left -= q
-                if not last:
-                    break
-        if mixed or not rows:
-            for s in seqs:
-                if s.done_prompt == len(s.prompt) and not s.finished:
-                    hist = len(s.prompt) + len(s.out)
-                    rows.append(RunnerRow([s.out[-1]], hist - 1, s.blocks, s.slot, s.sampling,
-                                          True, len(s.out)))
-                    owners.append((s, "d", 1))
-        toks = runner.execute(rows)
-        for (s, kind, q), t in zip(owners, toks, strict=True):
-            if kind == "p":
-                s.done_prompt += q
-            if t is None:
-                continue
-            s.out.append(t)
-            if t == eos or len(s.out) >= s.max_new:
-                s.finished = True
-    return [s.out for s in seqs]
+    return seqs
+
+
+def _prefill_rows(seqs, budget) -> tuple[list, list]:
+    """One step's prefill chunks, prompts in order within ``budget`` positions; a chunked
+    prompt ends the selection."""
+    rows, owners = [], []
+    left = budget if budget is not None else 10**9
+    for s in seqs:
+        if s.done_prompt < len(s.prompt) and left > 0:
+            q = min(len(s.prompt) - s.done_prompt, left)
+            last = s.done_prompt + q == len(s.prompt)
+            rows.append(RunnerRow(s.prompt[s.done_prompt:s.done_prompt + q], s.done_prompt,
+                                  s.blocks, s.slot, s.sampling, last, 0))
+            owners.append((s, "p", q))
+            left -= q
+            if not last:
+                break
+    return rows, owners
+
+
+def _add_decode_rows(seqs, rows, owners) -> None:
+    for s in seqs:
+        if s.done_prompt == len(s.prompt) and not s.finished:
+            hist = len(s.prompt) + len(s.out)
+            rows.append(RunnerRow([s.out[-1]], hist - 1, s.blocks, s.slot, s.sampling,
+                                  True, len(s.out)))
+            owners.append((s, "d", 1))
+
+
+def _advance(s: _Seq, kind: str, q: int, token, eos) -> None:
+    """A row's result: its prompt positions done, its sampled token (if any) taken."""
+    if kind == "p":
+        s.done_prompt += q
+    if token is None:
+        return
+    s.out.append(token)
+    if token == eos or len(s.out) >= s.max_new:
+        s.finished = True
 
 
 @pytest.fixture(scope="session")

@@ -217,7 +217,7 @@ def test_greedy_fast_path_equals_general_sampler(tiny_dirs):
 
 
 def test_thread_tuner_tries_both_then_keeps_the_faster_and_explores():
-    from pdserve.engine.model_runner import ThreadTuner
+    from pdserve.engine.thread_tuner import ThreadTuner
 
     tuner = ThreadTuner(explore=4)
     key = ("decode", 5)
@@ -241,7 +241,7 @@ def test_thread_tuner_restores_the_callers_thread_count(tiny_dirs):
 
 def test_thread_tuner_runs_prefill_steps_on_every_thread(monkeypatch):
     """A prefill step is never an exploratory 1-thread try (one costs seconds)."""
-    from pdserve.engine.model_runner import ThreadTuner
+    from pdserve.engine.thread_tuner import ThreadTuner
 
     seen = []
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)

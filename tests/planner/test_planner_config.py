@@ -57,7 +57,7 @@ def test_autoscale_in_normal_mode_is_refused_with_what_to_do():
 
 def _serve_config(model, *flags):
     from pdserve.cli import build_parser
-    from pdserve.router.cli_commands import serve_config
+    from pdserve.router.serve_command import serve_config
 
     return serve_config(build_parser().parse_args(["serve", "--model", str(model), *flags]))
 

@@ -66,7 +66,7 @@ def test_kv_transport_auto_is_device_when_both_pools_have_gpus(data, resolved):
 
 def test_flags_override_the_file(tiny_model_dir):
     from pdserve.cli import build_parser
-    from pdserve.router.cli_commands import serve_config
+    from pdserve.router.serve_command import serve_config
 
     model = tiny_model_dir  # serve checks the model before anything starts
     args = build_parser().parse_args(
@@ -106,7 +106,7 @@ def test_every_scheduler_policy_is_set_from_yaml():
 
 def test_flags_set_typed_engine_settings_and_are_checked(tiny_model_dir):
     from pdserve.cli import build_parser
-    from pdserve.router.cli_commands import serve_config
+    from pdserve.router.serve_command import serve_config
 
     args = build_parser().parse_args(
         ["serve", "--config", str(EXAMPLE), "--model", str(tiny_model_dir),

@@ -65,19 +65,7 @@ def _decode(hexaddr: str) -> tuple[ipaddress._BaseAddress, int]:
 def _listening_sockets(pids: set[int]) -> list[tuple[str, str, int, int, str]]:
     """(proto, address, port, pid, comm) of every listening TCP / bound UDP socket the
     processes hold."""
-    owner: dict[str, int] = {}
-    for pid in pids:
-        try:
-            fds = list(Path(f"/proc/{pid}/fd").iterdir())
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                link = os.readlink(fd)
-            except OSError:
-                continue
-            if link.startswith("socket:["):
-                owner[link[8:-1]] = pid
+    owner = _socket_owners(pids)
     out = []
     for proto, state in STATES.items():
         try:
@@ -93,13 +81,34 @@ def _listening_sockets(pids: set[int]) -> list[tuple[str, str, int, int, str]]:
             if port == 0:
                 continue
             pid = owner[inode]
-            try:
-                comm = Path(f"/proc/{pid}/comm").read_text().strip()
-            except OSError:
-                comm = "?"
             mapped = getattr(ip, "ipv4_mapped", None)
-            out.append((proto, f"::ffff:{mapped}" if mapped else str(ip), port, pid, comm))
+            out.append((proto, f"::ffff:{mapped}" if mapped else str(ip), port, pid, _comm(pid)))
     return out
+
+
+def _socket_owners(pids: set[int]) -> dict[str, int]:
+    """The socket inodes the processes hold open, each with its process."""
+    owner: dict[str, int] = {}
+    for pid in pids:
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(fd)
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                owner[link[8:-1]] = pid
+    return owner
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
 
 
 def _loopback(address: str) -> bool:
@@ -164,6 +173,37 @@ def test_shim_rewrites_binds_to_loopback_and_public_binds_lets_them_through():
         [True] * 4 + [False] * 5
 
 
+def _scan(root: int, marker: str, seen: set[int], sockets: set[tuple], rounds: int = 3) -> str:
+    """Add the service's listening sockets to ``sockets`` (its processes to ``seen``) and
+    check that none listens beyond loopback; returns the listing."""
+    for _ in range(rounds):  # a late binder (an agent, a rank's server) is seen
+        seen.update(_service_pids(root, marker))
+        sockets |= set(_listening_sockets(seen))
+        time.sleep(1)
+    listing = "\n".join(f"{p} {a}:{n} {c}[{pid}]" for p, a, n, pid, c in sorted(sockets))
+    public = [s for s in sockets if not _loopback(s[1])]
+    assert not public, f"listening beyond loopback:\n{listing}"
+    return listing
+
+
+def _check_ray_environment(driver_pid: int, pids: set[int]) -> None:
+    """The shim is preloaded into serve, and Ray's token authentication stays on."""
+    driver = _environ(driver_pid)
+    assert "loopback_bind" in driver.get("LD_PRELOAD", ""), driver.get("LD_PRELOAD")
+    assert driver.get("RAY_AUTH_MODE") != "disabled"
+    for pid in pids:
+        assert _environ(pid).get("RAY_AUTH_MODE") != "disabled", pid
+
+
+def _stop_and_check_nothing_outlives(proc: subprocess.Popen, marker: str) -> None:
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 0
+    deadline = time.monotonic() + 30  # ray.shutdown ends the processes it started
+    while time.monotonic() < deadline and _service_pids(None, marker):
+        time.sleep(0.5)
+    assert not _service_pids(None, marker), "Ray processes outlived serve"
+
+
 @pytest.mark.slow
 def test_embedded_serve_binds_every_socket_to_loopback(tmp_path, tiny_model_dir, spawn_serve):
     _need_compiler()
@@ -190,19 +230,8 @@ def test_embedded_serve_binds_every_socket_to_loopback(tmp_path, tiny_model_dir,
         assert port and metrics, log
         assert "loopback-bind shim" not in log, log  # built and loaded, no warning
 
-        def scan(sockets: set[tuple], rounds: int = 3) -> str:
-            for _ in range(rounds):  # a late binder (an agent, a rank's server) is seen
-                seen.update(_service_pids(proc.pid, marker))
-                sockets |= set(_listening_sockets(seen))
-                time.sleep(1)
-            listing = "\n".join(f"{p} {a}:{n} {c}[{pid}]"
-                                 for p, a, n, pid, c in sorted(sockets))
-            public = [s for s in sockets if not _loopback(s[1])]
-            assert not public, f"listening beyond loopback:\n{listing}"
-            return listing
-
         sockets: set[tuple] = set()
-        listing = scan(sockets)
+        listing = _scan(proc.pid, marker, seen, sockets)
         # the check can fail only if it sees the service's sockets: all of them are here
         comms = {s[4] for s in sockets}
         ports = {s[2] for s in sockets}
@@ -218,21 +247,11 @@ def test_embedded_serve_binds_every_socket_to_loopback(tmp_path, tiny_model_dir,
                             "2"], capture_output=True, text=True, env=env, timeout=120)
         assert r.returncode == 0, r.stdout + r.stderr
         before_scale = len(sockets)
-        listing = scan(sockets, rounds=2)
+        listing = _scan(proc.pid, marker, seen, sockets, rounds=2)
         assert len(sockets) >= before_scale + 3, listing
 
-        driver = _environ(proc.pid)
-        assert "loopback_bind" in driver.get("LD_PRELOAD", ""), driver.get("LD_PRELOAD")
-        assert driver.get("RAY_AUTH_MODE") != "disabled"
-        for pid in seen:
-            assert _environ(pid).get("RAY_AUTH_MODE") != "disabled", pid
-
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0
-        deadline = time.monotonic() + 30  # ray.shutdown ends the processes it started
-        while time.monotonic() < deadline and _service_pids(None, marker):
-            time.sleep(0.5)
-        assert not _service_pids(None, marker), "Ray processes outlived serve"
+        _check_ray_environment(proc.pid, seen)
+        _stop_and_check_nothing_outlives(proc, marker)
     finally:  # on a failure too: no Ray process may outlive the test (pids taken now,
         # not earlier ones that may have been reused since)
         _kill(_service_pids(proc.pid if proc.poll() is None else None, marker))

@@ -1,4 +1,4 @@
-"""The ``device`` KV transport (kv_transfer/torch_dist.py): a torch.distributed pair group
+"""The ``device`` KV transport (kv_transfer/device/): a torch.distributed pair group
 per (prefill rank, decode rank), NCCL between GPUs, gloo elsewhere.
 
 On CPU everything runs with gloo through real processes: the payload read from and
@@ -19,9 +19,10 @@ import pytest
 import ray
 import torch
 
-from pdserve.engine.dp_comm import DeadRank, RankPool
 from pdserve.engine.kv_payload import KVPayload, KVPayloadError
-from pdserve.kv_transfer.torch_dist import DeviceEndpoint, pair_backend, tensor_without_prefix
+from pdserve.engine.rank_pool import DeadRank, RankPool
+from pdserve.kv_transfer.device.calls import DropPair, JoinPair, OpenPair
+from pdserve.kv_transfer.device.endpoint import DeviceEndpoint, pair_backend, tensor_without_prefix
 from pdserve.router.client import AsyncClient, Client
 
 MAX_TOKENS = 8
@@ -143,15 +144,23 @@ def _pair_rank(ctx, nonce: str, device: str, backend: str, die_before: str = "")
             ctx.store.get("joined")
         os._exit(3)
     if ctx.rank == 0:
-        for seed, skip in ((1, 0), (2, 2), (3, 0)):
-            payload = make_payload(seed)
-            endpoint.export(f"a{seed}", into_tensor(payload, device))
-            out[f"sent{seed}"] = endpoint.send("p1-d1-1", f"a{seed}", skip, 20.0)
-        try:  # a payload it no longer holds: the receiver hears so at once
-            endpoint.send("p1-d1-1", "gone", 0, 20.0)
-        except RuntimeError as exc:
-            out["gone"] = str(exc)
-        return out
+        return _send_payloads(endpoint, device, out)
+    return _receive_payloads(endpoint, out)
+
+
+def _send_payloads(endpoint: DeviceEndpoint, device: str, out: dict) -> dict:
+    for seed, skip in ((1, 0), (2, 2), (3, 0)):
+        payload = make_payload(seed)
+        endpoint.export(f"a{seed}", into_tensor(payload, device))
+        out[f"sent{seed}"] = endpoint.send("p1-d1-1", f"a{seed}", skip, 20.0)
+    try:  # a payload it no longer holds: the receiver hears so at once
+        endpoint.send("p1-d1-1", "gone", 0, 20.0)
+    except RuntimeError as exc:
+        out["gone"] = str(exc)
+    return out
+
+
+def _receive_payloads(endpoint: DeviceEndpoint, out: dict) -> dict:
     start = time.monotonic()
     for seed, skip in ((1, 0), (2, 2), (3, 0)):
         want = make_payload(seed)
@@ -225,9 +234,16 @@ class _PairActor:
 
     def __init__(self, join):
         self.dropped = []
-        self.kv_pair_open = _Method(lambda name, timeout_s: _answer("tcp://127.0.0.1:1"))
-        self.kv_pair_join = _Method(join)
-        self.kv_pair_drop = _Method(self.dropped.append)
+
+        def call(c):
+            if isinstance(c, OpenPair):
+                return _answer("tcp://127.0.0.1:1")
+            if isinstance(c, JoinPair):
+                return join(c)
+            assert isinstance(c, DropPair), c
+            return self.dropped.append(c.pair)
+
+        self.kv_call = _Method(call)
 
 
 async def _answer(value):
@@ -239,7 +255,7 @@ def test_a_pair_whose_destination_died_fails_at_once_not_after_the_form_timeout(
     out form_timeout_s for it. The delivery fails at once, and both ranks drop the pair."""
     from types import SimpleNamespace
 
-    from pdserve.kv_transfer.torch_dist import DeviceTransport
+    from pdserve.kv_transfer.device.transport import DeviceTransport
     from pdserve.rank.messages import HandoffTicket
 
     async def never(*args):
@@ -324,13 +340,13 @@ def _check_router(router, reference, expect_backend: str) -> None:
     (state,) = transport._pairs.values()
     old = state.name
     dst = router.service.pools["decode"].ready()[0]
-    assert ray.get(dst.actor.kv_pair_drop.remote(old))
+    assert ray.get(dst.actor.kv_call.remote(DropPair(old)))
     prompt = "after the pair group broke"
     assert _generate_all(router, [prompt])[0].token_ids == reference([prompt], MAX_TOKENS)[0]
     assert transport.num_pairs_dropped == 1 and transport.num_pairs_formed == 2
     assert state.name not in (None, old)
     src = router.service.pools["prefill"].ready()[0]
-    assert ray.get(src.actor.kv_pair_drop.remote(old)) is False  # gone there too
+    assert ray.get(src.actor.kv_call.remote(DropPair(old))) is False  # gone there too
     router.assert_nothing_left()
 
 

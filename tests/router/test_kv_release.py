@@ -27,7 +27,7 @@ from pdserve.kv_transfer.base import (
     FailureKind,
     RankEndpoint,
 )
-from pdserve.kv_transfer.shared_memory import SharedPayload
+from pdserve.kv_transfer.ray.shared_memory import SharedPayload
 from pdserve.rank import messages
 
 DEADLINE_S = 0.2
@@ -179,9 +179,9 @@ def test_failure_kind_is_explicit_and_plain():
 
 
 def test_refused_import_kind_comes_from_the_exception_type():
+    from pdserve.decode_worker.actor import refused_kind as _refused_kind
     from pdserve.engine.engine import CacheMissError, NoCapacityError
     from pdserve.engine.kv_payload import KVPayloadError
-    from pdserve.rank.engine_rank import _refused_kind
 
     class Capacityish(ValueError):  # a name is no longer read
         pass

@@ -1,4 +1,4 @@
-"""The grpc KV service authenticates every transfer (kv_transfer/grpc_bytes.py).
+"""The grpc KV service authenticates every transfer (kv_transfer/grpc/).
 
 Most tests build a ``GrpcEndpoint`` in this process with a fake importer and talk to it
 over real gRPC; the last ones go through a real router with ``kv_transport="grpc"``.
@@ -18,15 +18,15 @@ import pytest
 from pdserve.engine.kv_payload import VERSION
 from pdserve.kv_transfer import make_transport
 from pdserve.kv_transfer.base import KVSecret
-from pdserve.kv_transfer.grpc_bytes import (
+from pdserve.kv_transfer.grpc.endpoint import GrpcEndpoint
+from pdserve.kv_transfer.grpc.transport import GrpcBytesTransport
+from pdserve.kv_transfer.grpc.wire import (
     ATTEMPT_KEY,
     AUTH_KEY,
     CHANNEL_OPTIONS,
     EXPIRES_KEY,
     FETCH,
     PUSH,
-    GrpcBytesTransport,
-    GrpcEndpoint,
     auth_metadata,
 )
 from pdserve.rank.messages import ImportResult
@@ -277,7 +277,7 @@ def test_the_router_maps_refusals_to_their_kinds(endpoint, secret):
 
 def test_chunks_on_the_wire_are_kvchunk_messages():
     """encode_chunk/decode_chunk speak kv_transfer.proto's KVChunk exactly."""
-    from pdserve.kv_transfer.grpc_bytes import decode_chunk, encode_chunk, encoded_chunks
+    from pdserve.kv_transfer.grpc.wire import decode_chunk, encode_chunk, encoded_chunks
 
     for attempt, data in (("a7.1", b"\x00\x01" * 300), ("", b"x" * 200_000), ("\u00e9.2", b""),
                           ("", b"")):
@@ -307,7 +307,7 @@ def test_a_payload_of_many_chunks_is_relayed_intact(secret):
     import asyncio
     import hashlib
 
-    from pdserve.kv_transfer.grpc_bytes import CHUNK_BYTES
+    from pdserve.kv_transfer.grpc.wire import CHUNK_BYTES
 
     class Keeper(FakeImporter):
         def import_prefilled(self, data):

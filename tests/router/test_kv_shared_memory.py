@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pdserve.engine.kv_payload import ALIGN, KVPayload
-from pdserve.kv_transfer.shared_memory import (
+from pdserve.kv_transfer.ray.shared_memory import (
     SharedPayload,
     SharedPayloadReader,
     SharedPayloadUnavailable,
@@ -28,7 +28,7 @@ MIB = 1 << 20
 # line's byte, exports it and prints the pickled locator (hex); "release X" frees X.
 SENDER = textwrap.dedent("""
     import pickle, sys
-    from pdserve.kv_transfer.shared_memory import StagingArea
+    from pdserve.kv_transfer.ray.shared_memory import StagingArea
     area = StagingArea(8 << 20, node_id="n")
     for line in sys.stdin:
         cmd, attempt, *rest = line.split()
@@ -110,7 +110,7 @@ def test_lending_stays_within_capacity_and_takes_back_what_was_never_exported():
 def test_a_payload_that_fills_most_of_the_area_and_many_chunks_are_staged():
     """A rank's staging area holds what its KV cache holds: a prompt that fills most of
     the cache, or its chunks streamed ahead, all stay in shared memory."""
-    from pdserve.kv_transfer.shared_memory import segment_size
+    from pdserve.kv_transfer.ray.shared_memory import segment_size
 
     for need in (1, MIB, 2 * MIB + 40_000, 16 * MIB + 70_000, 255 * MIB):
         assert need <= segment_size(need) <= max(MIB, need * 1.125)

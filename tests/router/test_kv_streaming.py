@@ -73,7 +73,7 @@ def test_a_rank_killed_mid_stream_costs_no_tokens(make_router, reference, pool_n
             task = asyncio.ensure_future(_generate_all(router, prompts, delay_s=0.05))
             victim = None
             for _ in range(3000):  # a rank in the middle of a stream of chunks
-                streams = [s for s in service._streams.values() if s.delivered and not s.closed]
+                streams = [s for s in service.kv_streams.streams.values() if s.delivered and not s.closed]
                 if streams:
                     victim = streams[0].dst if pool_name == "decode" else streams[0].src
                     if victim is not None:
@@ -103,7 +103,7 @@ def test_a_direct_hand_off_that_fails_is_delivered_by_the_router(make_router, re
     async def tell_the_other_rank(src, attempt, dst):
         if dst is not None:
             dst = next(r for r in service.pools["decode"].ranks if r is not dst)
-            service._streams[attempt].direct_dst = dst
+            service.kv_streams.streams[attempt].direct_dst = dst
         sent_to.append(dst)
         await tell(src, attempt, dst)
 
@@ -125,7 +125,7 @@ def test_decode_reports_ahead_of_their_direct_hand_off_wait_for_it(make_router, 
     ticket and follow it, so nothing is lost, moved or out of order."""
     router = make_router(prefill=1, decode=1, engine=ENGINE)
     service = router.service
-    on_step = service._on_step
+    on_step = service.reports.on_step
 
     def late_hand_offs(pool, rank, step):
         if any(t.direct_import is not None for t in step.handoffs):
@@ -133,7 +133,7 @@ def test_decode_reports_ahead_of_their_direct_hand_off_wait_for_it(make_router, 
             return
         on_step(pool, rank, step)
 
-    service._on_step = late_hand_offs
+    service.reports.on_step = late_hand_offs
     try:
         prompts = long_prompts(3, seed=31)
         moves, lost = service.num_moves, service.num_lost_reports

@@ -1,4 +1,4 @@
-"""A direct hand-off's wake-up (kv_transfer/wake_channel.py): a prefill-side process
+"""A direct hand-off's wake-up (kv_transfer/ray/wake_channel.py): a prefill-side process
 wakes a decode-side listener with a locator of its own segment; what is not that (another
 user, another process's segment, not a locator, too large) is refused and harms nothing;
 an import asked twice, by the wake and by the Ray call, runs once."""
@@ -15,10 +15,10 @@ import time
 
 import pytest
 
-from pdserve.kv_transfer import wake_channel
 from pdserve.kv_transfer.base import DeliveryResult
-from pdserve.kv_transfer.shared_memory import SharedPayload, StagingArea
-from pdserve.kv_transfer.wake_channel import (
+from pdserve.kv_transfer.ray import wake_channel
+from pdserve.kv_transfer.ray.shared_memory import SharedPayload, StagingArea
+from pdserve.kv_transfer.ray.wake_channel import (
     LISTEN_PREFIX,
     ImportOnce,
     LocalImports,
@@ -33,8 +33,8 @@ pytestmark = pytest.mark.skipif(not (wake_channel.available and StagingArea.avai
 # the bytes given (hex) as they are; "other-pid" a locator naming its parent's segment.
 WAKER = textwrap.dedent("""
     import os, socket, sys
-    from pdserve.kv_transfer.shared_memory import SharedPayload, StagingArea
-    from pdserve.kv_transfer.wake_channel import WakeSender
+    from pdserve.kv_transfer.ray.shared_memory import SharedPayload, StagingArea
+    from pdserve.kv_transfer.ray.wake_channel import WakeSender
     address = bytes.fromhex(sys.argv[1]).decode()
     area = StagingArea(4 << 20, node_id="n")
     area.lend("a", 1000)

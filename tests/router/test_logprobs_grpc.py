@@ -123,7 +123,7 @@ def test_a_moved_request_streams_correct_logprobs(router, tiny_model_dir):
         state = svc.tracker.by_label(label)
         if state is None or state.finished:
             return False
-        svc._move(state, "moved by the test")
+        svc.flow.move(state, "moved by the test")
         return True
 
     with Client(router.address, timeout=60) as client:

@@ -238,7 +238,7 @@ def test_sync_client_from_threads(router, reference):
 def test_router_process_imports_no_torch():
     code = ("import sys; import pdserve.router.server, pdserve.router.service, "
             "pdserve.router.client, pdserve.router.cli_commands; "
-            "import pdserve.kv_transfer.grpc_bytes, pdserve.kv_transfer.ray_store, pdserve.rank.messages; "
+            "import pdserve.kv_transfer.grpc.transport, pdserve.kv_transfer.ray.transport, pdserve.rank.messages; "
             "import pdserve.prefill_worker, pdserve.decode_worker; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

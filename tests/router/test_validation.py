@@ -132,19 +132,33 @@ def expected_violations(req: router_pb2.GenerateRequest, limits: ModelLimits) ->
     rid = req.request_id
     if len(rid) > MAX_REQUEST_ID_CHARS or not rid.isprintable():
         bad.add("request_id")
+    bad |= _prompt_violations(req, limits)
+    bad |= _sampling_violations(req, limits)
+    stop = list(req.stop_token_ids)
+    if len(stop) > MAX_STOP_TOKEN_IDS or not all(0 <= t < limits.vocab_size for t in stop):
+        bad.add("stop_token_ids")
+    return bad
+
+
+def _prompt_violations(req: router_pb2.GenerateRequest, limits: ModelLimits) -> set[str]:
     kind = req.WhichOneof("prompt")
     if kind == "text":
         size = len(req.text.encode("utf-8"))
         if size == 0 or size > MAX_PROMPT_BYTES or size >= limits.max_model_len:
-            bad.update(("prompt", "text"))  # ByteTokenizer: one token per byte
-    elif kind == "token_ids":
+            return {"prompt", "text"}  # ByteTokenizer: one token per byte
+        return set()
+    if kind == "token_ids":
         ids = list(req.token_ids.ids)
         if not ids or len(ids) >= limits.max_model_len:
-            bad.update(("prompt", "token_ids"))
-        elif not all(0 <= t < limits.vocab_size for t in ids):
-            bad.add("token_ids")
-    else:
-        bad.add("prompt")
+            return {"prompt", "token_ids"}
+        if not all(0 <= t < limits.vocab_size for t in ids):
+            return {"token_ids"}
+        return set()
+    return {"prompt"}
+
+
+def _sampling_violations(req: router_pb2.GenerateRequest, limits: ModelLimits) -> set[str]:
+    bad: set[str] = set()
     max_tokens = req.max_tokens if req.HasField("max_tokens") else 16
     if not 1 <= max_tokens <= limits.max_tokens_limit:
         bad.add("max_tokens")
@@ -155,9 +169,6 @@ def expected_violations(req: router_pb2.GenerateRequest, limits: ModelLimits) ->
         bad.add("top_p")
     if req.HasField("top_k") and req.top_k < -1:
         bad.add("top_k")
-    stop = list(req.stop_token_ids)
-    if len(stop) > MAX_STOP_TOKEN_IDS or not all(0 <= t < limits.vocab_size for t in stop):
-        bad.add("stop_token_ids")
     return bad
 
 

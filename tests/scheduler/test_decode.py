@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pdserve.scheduler import EngineType, SequenceStatus, StepKind
-from pdserve.scheduler.scheduler import decode_priority
+from pdserve.scheduler.decode_path import decode_priority
 
 COMPLETION = EngineType.COMPLETION
 

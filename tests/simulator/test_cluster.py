@@ -1,7 +1,7 @@
 import argparse
 import json
 
-from pdserve.bench.serve import format_summary
+from pdserve.bench.serve_report import format_summary
 from pdserve.simulator.cli import add_args, sim_config, workload
 from pdserve.simulator.cluster import Cluster, SimConfig
 from pdserve.simulator.metrics import simulated_summary

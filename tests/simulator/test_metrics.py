@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from pdserve.bench.serve import Run, summarize
+from pdserve.bench.serve_client import Run
+from pdserve.bench.serve_report import summarize
 from pdserve.simulator.cli import add_args, sim_config, workload
 from pdserve.simulator.cluster import Cluster
 from pdserve.simulator.metrics import PER_REQUEST_KEYS, simulated_summary

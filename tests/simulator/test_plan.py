@@ -18,7 +18,7 @@ def test_placements_cover_every_split_and_normal():
 
 def test_the_best_placement_becomes_a_serve_command_the_cli_accepts():
     from pdserve.cli import build_parser
-    from pdserve.router.cli_commands import serve_config
+    from pdserve.router.serve_command import serve_config
 
     args = argparse.Namespace(slo_ttft_ms=800.0, slo_itl_ms=60.0)
     split = serve_command({"mode": "disaggregated", "prefill": 2, "decode": 3}, args)

@@ -1,4 +1,5 @@
-"""KV through shared memory on one node, through Ray's object store across nodes; all sides.
+"""KV through shared memory on one node, through Ray's object store across nodes: the
+router's side (the rank's is endpoint.py, their calls calls.py).
 
 1. Export (prefill rank): the engine gathers the payload's blocks straight into a
    shared-memory segment the rank's ``RayEndpoint`` lends it (``payload_buffer``; see
@@ -6,11 +7,11 @@
    A payload the staging area has no room for is ``ray.put`` as a uint8 array instead;
    its locator is the ObjectRef, owned by the prefill rank's process.
 2. Deliver (router): a decode rank on the sender's node maps the segment and imports
-   from it (``EngineRank.import_shared``), asked through its wake channel when the
-   router shares that node too (a datagram with the locator, the answer back the same
+   from it (``ImportShared``, calls.py, answered by endpoint.py), asked through its
+   wake channel when the router shares that node too (a datagram with the locator, the answer back the same
    way; wake_channel.py), else by a Ray call with the locator as plain values. Any
    other decode rank, or one that cannot map it, gets an object the source makes of
-   the bytes (``EngineRank.kv_object``) as an argument of ``import_prefilled``: Ray
+   the bytes (``ObjectFor``) as an argument of ``import_prefilled``: Ray
    resolves it (node-to-node transfer across nodes; a read-only view of the shared
    store on one node). The router only ever holds the locator, never the bytes. A
    streamed prompt's hand-off may skip the router's ask: its prefill rank, told the
@@ -45,30 +46,19 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from pdserve.kv_transfer import wake_channel
 from pdserve.kv_transfer.base import (
     CACHE_MISS,
     CAPACITY,
     PAYLOAD,
-    PAYLOAD_MAX_AGE_S,
     TRANSPORT,
     UNREACHABLE,
     DeliveryResult,
     KVTransport,
-    RankEndpoint,
-    payload_without_prefix,
 )
-from pdserve.kv_transfer.shared_memory import (
-    SharedPayload,
-    SharedPayloadReader,
-    StagingArea,
-)
-from pdserve.kv_transfer.wake_channel import (
-    LocalImports,
-    LocalReply,
-    WakeListener,
-    WakeSender,
-)
+from pdserve.kv_transfer.ray.calls import HandOffTo, ImportShared, ObjectFor, WithoutPrefix
+from pdserve.kv_transfer.ray.endpoint import node_id as this_node
+from pdserve.kv_transfer.ray.shared_memory import SharedPayload
+from pdserve.kv_transfer.ray.wake_channel import LocalImports, LocalReply
 
 log = logging.getLogger(__name__)
 
@@ -76,112 +66,6 @@ log = logging.getLogger(__name__)
 # sender's segment: use the object path
 COPIES = {"shared memory (one node)": 2, "object store, one node": 3,
           "object store, across nodes": 4}
-
-
-class RayEndpoint(RankEndpoint):
-    """A rank's side: lends staging segments (sender), maps senders' ones (receiver)."""
-
-    def __init__(self, staging_bytes: int = 0, max_age_s: float = PAYLOAD_MAX_AGE_S) -> None:
-        super().__init__(max_age_s)
-        self.staging = StagingArea(staging_bytes, _node_id(), max_age_s)
-        self.reader = SharedPayloadReader()
-        self.num_unstaged = 0  # payloads the staging area had no room for
-        self._wakes: WakeListener | None = None  # a receiver's (listen_for_wakes)
-        self._waker: WakeSender | None = None  # a sender's, made on its first wake
-
-    # -- direct hand-offs' wake-ups (wake_channel.py) --------------------------------
-
-    def listen_for_wakes(self, on_wake: Any, on_import: Any = None) -> str:
-        """Receiver: call ``on_wake(locator)`` for every wake a sender on this node
-        sends, ``on_import(locator, skip_blocks)`` for every import the router asks
-        (wake_channel.py); the address to give them ("" where that is not available)."""
-        if self._wakes is None and wake_channel.available:
-            try:
-                self._wakes = WakeListener(on_wake, on_import)
-            except OSError as exc:
-                log.warning("no KV wake channel (direct hand-offs use Ray calls only): %s", exc)
-        return self._wakes.address if self._wakes is not None else ""
-
-    @property
-    def num_woken(self) -> int:
-        return self._wakes.num_woken if self._wakes is not None else 0
-
-    def wake(self, address: str, locator: Any, reply: str = "", reply_id: str = "") -> bool:
-        """Sender: wake the receiver at ``address`` to import ``locator`` now (and answer
-        the router at ``reply`` under ``reply_id``, when given)."""
-        if not address or not isinstance(locator, SharedPayload):
-            return False
-        if self._waker is None:
-            self._waker = WakeSender()
-        return self._waker.wake(address, locator, reply, reply_id)
-
-    def payload_buffer(self, attempt: str, nbytes: int) -> Any:
-        lent = self.staging.lend(attempt, nbytes)
-        if lent is not None:
-            return lent
-        self.num_unstaged += 1  # the object store's path: a copy more on this node
-        if self.num_unstaged == 1:
-            log.warning("a KV payload of %.1f MiB found no room in the staging area (%.0f MiB, "
-                        "%.0f MiB held): it and any like it go through Ray's object store",
-                        nbytes / 2**20, self.staging.capacity_bytes / 2**20,
-                        self.staging.bytes_held / 2**20)
-        return bytearray(nbytes)
-
-    def export(self, attempt: str, payload: Any) -> Any:
-        shared = self.staging.export(attempt)
-        if shared is not None:
-            return shared
-        import numpy as np
-        import ray
-
-        # As a uint8 array, not bytes: Ray hands an array to the receiver as a read-only
-        # view of the shared object store (zero-copy on one node); bytes it copies out.
-        return ray.put(np.frombuffer(payload, dtype=np.uint8))
-
-    def object_for(self, attempt: str, skip_blocks: int = 0) -> Any:
-        """A staged payload's bytes as an array, for a receiver that cannot map them
-        (Ray copies the array into the object store as this returns)."""
-        import numpy as np
-
-        view = self.staging.view(attempt)
-        if view is None:
-            raise KeyError(f"no staged KV payload for attempt {attempt!r} (released or expired)")
-        data = payload_without_prefix(view, skip_blocks) if skip_blocks else view
-        return np.frombuffer(data, dtype=np.uint8)
-
-    def open_shared(self, locator: SharedPayload | tuple) -> memoryview:
-        """The payload's bytes, mapped read-only (``locator``: a SharedPayload or its
-        ``as_tuple`` form, as ``deliver`` sends it); SharedPayloadUnavailable if not."""
-        return self.reader.open(locator)
-
-    def still_valid(self, locator: SharedPayload | tuple) -> bool:
-        return self.reader.still_valid(locator)
-
-    def release(self, attempt: str) -> None:
-        self.staging.release(attempt)  # an object-store payload goes with the router's ref
-
-    def forget_unexported(self) -> None:
-        self.staging.forget_unexported()
-
-    def __len__(self) -> int:
-        return len(self.staging)
-
-    def close(self) -> None:
-        if self._wakes is not None:
-            self._wakes.close()
-        if self._waker is not None:
-            self._waker.close()
-        self.staging.close()
-        self.reader.close()
-
-
-def _node_id() -> str:
-    try:
-        import ray
-
-        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
-    except Exception:  # outside a Ray worker: no node to share with
-        return ""
 
 
 class RayObjectStoreTransport(KVTransport):
@@ -195,10 +79,11 @@ class RayObjectStoreTransport(KVTransport):
         self._local = LocalImports()  # asks decode ranks on this node (wake_channel.py)
         self._node = ""
         self.num_local_imports = 0  # deliveries asked through it, not by a Ray call
+        self.num_direct_local = 0  # direct hand-offs answered through it
 
     def _on_this_node(self, node_id: str) -> bool:
         if not self._node:  # "" until Ray is up in this process
-            self._node = _node_id()
+            self._node = this_node()
         return bool(node_id) and node_id == self._node
 
     async def _import_local(self, locator: SharedPayload, dst: Any,
@@ -230,11 +115,28 @@ class RayObjectStoreTransport(KVTransport):
         rid = self._local.expect(int(getattr(info, "pid", 0) or 0))
         return (self._local.address, rid) if rid else ("", "")
 
-    async def direct_answer(self, reply: LocalReply, dst: Any, nbytes: int) -> DeliveryResult:
-        """A direct hand-off's answer that comes through the local channel (the ticket's
-        ``LocalReply``), as ``deliver`` would report it; the caller bounds the wait."""
-        result = await self._local.answer(reply.id, lambda: getattr(dst, "state", "") != "dead")
+    async def direct_answer(self, direct: Any, dst: Any, nbytes: int) -> DeliveryResult:
+        """A direct hand-off's answer as ``deliver`` would report it: through the local
+        channel (the ticket's ``LocalReply``), or the ObjectRef of the decode rank's
+        answer to the prefill rank's Ray call. The caller bounds the wait."""
+        if isinstance(direct, LocalReply):
+            self.num_direct_local += 1
+            result = await self._local.answer(direct.id,
+                                              lambda: getattr(dst, "state", "") != "dead")
+            return self._as_delivery(result, nbytes, 0)
+        try:
+            result = await direct
+        except Exception as exc:  # the decode rank died, or the prefill rank that owns it
+            return DeliveryResult(False, kind=TRANSPORT, error=f"{type(exc).__name__}: {exc}")
         return self._as_delivery(result, nbytes, 0)
+
+    def tell_direct(self, src: Any, attempt: str, dst: Any, reply: str = "",
+                    reply_id: str = "") -> Any:
+        """Tell ``src`` that ``attempt``'s hand-off goes directly to ``dst`` (None: it does
+        not); the call's ObjectRef."""
+        wake = getattr(dst.info, "wake_address", "") if dst is not None and dst.info else ""
+        return src.actor.kv_call.remote(HandOffTo(
+            attempt, dst.actor if dst is not None else None, wake, reply, reply_id))
 
     def forget_direct(self, reply_id: str) -> None:
         """An expected answer nobody will wait for (the direct hand-off was called off)."""
@@ -243,11 +145,6 @@ class RayObjectStoreTransport(KVTransport):
 
     async def close(self) -> None:
         self._local.close()
-
-    def direct_result(self, result: Any, nbytes: int) -> DeliveryResult:
-        """A direct hand-off's ImportResult (what ``import_shared`` answered the prefill
-        rank) as ``deliver`` would report it."""
-        return self._as_delivery(result, nbytes, 0)
 
     async def deliver(self, ticket: Any, src: Any, dst: Any,
                       skip_blocks: int = 0) -> DeliveryResult:
@@ -259,16 +156,17 @@ class RayObjectStoreTransport(KVTransport):
                 if locator.node_id and dst_node == locator.node_id:
                     result = await self._import_local(locator, dst, skip_blocks)
                     if result is None:  # as plain values: cheaper for Ray than the dataclass
-                        result = await dst.actor.import_shared.remote(locator.as_tuple(),
-                                                                      skip_blocks)
+                        result = await dst.actor.kv_call.remote(
+                            ImportShared(locator.as_tuple(), skip_blocks))
                     if not result.ok and result.kind == UNREACHABLE:
                         result = None
                 if result is None:  # another node, or it could not map the segment
-                    obj = src.actor.kv_object.remote(ticket.attempt, skip_blocks)
+                    obj = src.actor.kv_call.remote(ObjectFor(ticket.attempt, skip_blocks))
                     result = await dst.actor.import_prefilled.remote(obj)
             else:
                 if skip_blocks:  # cut on the source, into a new object: the prefix stays there
-                    locator = src.actor.kv_without_prefix.remote(ticket.locator, skip_blocks)
+                    locator = src.actor.kv_call.remote(WithoutPrefix(skip_blocks),
+                                                       ticket.locator)
                 result = await dst.actor.import_prefilled.remote(locator)
         except Exception as exc:  # the source died (payload lost) or the destination did
             return DeliveryResult(False, kind=TRANSPORT, error=f"{type(exc).__name__}: {exc}")

@@ -1,79 +1,32 @@
-"""KV device to device over a torch.distributed pair group (NCCL send/recv); all sides.
-
-Transport ``device``: for ranks that hold GPUs, the payload never leaves GPU memory on
-its way. Each (prefill rank, decode rank) pair gets a process group of its own, two
-ranks wide (the source is its rank 0), built directly on a ``PrefixStore`` as
-engine/dp_comm.py builds the data-parallel groups (never the default group, which the
-data-parallel votes use). Backend ``nccl`` when both ranks' engines are on CUDA, on two
-different GPUs (NCCL refuses two ranks on one GPU: "Duplicate GPU detected"); ``gloo``
-otherwise, so the whole path also runs on CPU ranks (and is tested there); a CUDA rank
-in a gloo pair stages the bytes through host memory.
-
-1. Export (prefill rank): ``DeviceEndpoint.payload_buffer`` lends a 1-D uint8 tensor on
-   the engine's device, so a CUDA engine gathers its KV blocks straight into GPU memory
-   (``PayloadLayout.write`` takes a tensor buffer); ``export`` keeps the tensor until it
-   is released; the locator is the attempt key.
-2. Pair group (router, on a pair's first delivery; cached on both ranks and in the
-   router): the router asks the source to host a ``TCPStore`` bound to its node address
-   only (``EngineRank.kv_pair_open``, ``dp_comm.listen_store``), then both ranks join
-   concurrently (``kv_pair_join``) under the prefix ``pdserve/kv/<pair>/<nonce>``, with a
-   fresh random nonce per group that is never logged (errors show ``<nonce>``). Every
-   wait is bounded: the store and the group by ``form_timeout_s``, the router's calls by
-   the same plus a margin, and a join that fails (a rank that died, say) ends the
-   formation at once rather than after its peer's join gave up waiting. gloo needs the store only while the group forms: the source
-   destroys the server at the pair's first send (both ranks joined by then); NCCL keeps
-   it for the group's life (its communicator is made at the first send, through it).
-3. Deliver (router): one transfer at a time per pair (so both sides issue their
-   send/recv in the same order); the router calls the destination's ``kv_receive`` and
-   the source's ``kv_send`` concurrently. The source first sends the payload's size
-   (one int64; 0 when it no longer holds the payload, so the receiver never waits for
-   bytes that will not come), then the payload; the receiver checks the size against
-   the ticket, receives into a tensor on its device and imports from it
-   (``EngineRank.import_prefilled``: the payload's tensors are views of the received
-   tensor, scattered into the KV blocks with ``index_copy_``, device to device).
-   ``skip_blocks``: the SOURCE cuts the prefix before sending (a device copy of the rest
-   into a new payload), so the cached prefix never crosses the wire; the size message
-   tells the receiver the cut size. Results: the import's own kind (``payload``,
-   ``capacity``, ``cache_miss``); anything that kept the bytes from arriving (a peer dead
-   or unreachable, a send or receive that failed or timed out, the payload gone) is
-   ``transport``, and the pair group is dropped on both ranks (each closes it once its
-   transfers on it ended) so the next delivery forms a new one.
-4. Release / discard: the router tells the source (``release_kv``, through base.py's one
-   release path and its deadline); it drops the tensor.
-   An endpoint also forgets payloads nobody asked for within ``max_age_s``.
-
-Copies of the KV bytes (``COPIES``; "wire" = NCCL's transfer, or gloo's socket):
-- nccl (GPU to GPU): gather into the lent device tensor (1), wire (1), scatter into the
-  receiver's blocks (1): 3, none of them through host memory. A cut prefix adds one
-  device copy of the rest on the source.
-- gloo, CPU ranks: gather (1), wire (1), scatter (1): 3.
-- gloo, CUDA ranks on one GPU (or one CUDA, one CPU rank): gather (1), device to host
-  (1), wire (1), host to device (1), scatter (1): 5.
-A pair group left behind by a rank that died or left stays on its peer until the peer
-drops the oldest (at most ``MAX_PAIRS`` per rank) or shuts down.
-"""
+"""The ``device`` KV backend's rank side: payload tensors on the engine's device, the
+rank's pair groups, and the sends and receives over them (see this package's
+``__init__`` for the whole path)."""
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import logging
 import os
-import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.kv_transfer.base import (
-    CACHE_MISS,
-    CAPACITY,
     PAYLOAD,
     PAYLOAD_MAX_AGE_S,
     TRANSPORT,
     DeliveryResult,
-    KVTransport,
     RankEndpoint,
+    RankHost,
+)
+from pdserve.kv_transfer.device.calls import (
+    DropPair,
+    JoinPair,
+    OpenPair,
+    ReceivePayload,
+    SendPayload,
 )
 
 log = logging.getLogger(__name__)
@@ -100,8 +53,6 @@ def pair_backend(src_info: Any, dst_info: Any) -> str:
     return "nccl" if a and b and a != b else "gloo"
 
 
-# ---------------------------------------------------------------------------------------
-# The ranks' side.
 
 
 @dataclass(eq=False)
@@ -124,18 +75,55 @@ class DeviceEndpoint(RankEndpoint):
     (both), sends (source) and receives (destination) over them."""
 
     def __init__(self, device: str = "cpu", host: str = "127.0.0.1",
-                 max_age_s: float = PAYLOAD_MAX_AGE_S, max_pairs: int = MAX_PAIRS) -> None:
+                 max_age_s: float = PAYLOAD_MAX_AGE_S, max_pairs: int = MAX_PAIRS, *,
+                 importer: RankHost | None = None) -> None:
         import torch
 
         super().__init__(max_age_s)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.host = host
+        self.host = host  # the node address a hosted pair store binds
+        self.importer = importer  # the rank a received payload is imported into
         self.max_pairs = max_pairs
         self._pairs: dict[str, _Pair] = {}
         self._hosted: dict[str, Any] = {}  # pair -> store server, until the source joins
         self._lock = threading.Lock()
+
+    def calls(self) -> dict[type, Callable[..., Any]]:
+        return {OpenPair: lambda c: self.open_pair(c.pair, c.timeout_s),
+                JoinPair: self._join, SendPayload: self._send, ReceivePayload: self._receive,
+                DropPair: lambda c: self.drop_pair(c.pair)}
+
+    # Each call below answers and never raises (a failure is a TRANSPORT result).
+
+    def _join(self, call: JoinPair) -> str:
+        try:
+            self.join_pair(call.pair, call.address, call.rank, call.nonce, call.backend,
+                           call.timeout_s)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}".replace(call.nonce, "<nonce>")
+        return ""
+
+    def _send(self, call: SendPayload) -> DeliveryResult:
+        try:
+            nbytes = self.send(call.pair, call.attempt, call.skip_blocks, call.timeout_s)
+        except Exception as exc:
+            return DeliveryResult(False, kind=TRANSPORT,
+                                  error=self.redact(f"{type(exc).__name__}: {exc}"))
+        return DeliveryResult(True, attempt=call.attempt, nbytes=nbytes)
+
+    def _receive(self, call: ReceivePayload) -> DeliveryResult:
+        """The payload into a tensor on this rank's device, then imported (the source cut
+        any ``skip_blocks`` already)."""
+        if self.importer is None:
+            return DeliveryResult(False, kind=PAYLOAD, error="this rank imports no KV")
+        try:
+            data = self.receive(call.pair, call.nbytes, call.skip_blocks, call.timeout_s)
+        except Exception as exc:
+            return DeliveryResult(False, kind=TRANSPORT,
+                                  error=self.redact(f"{type(exc).__name__}: {exc}"))
+        return self.importer.import_prefilled(data)
 
     # -- export ------------------------------------------------------------------------
 
@@ -384,158 +372,3 @@ def tensor_without_prefix(data: Any, num_blocks: int) -> Any:
     return out
 
 
-# ---------------------------------------------------------------------------------------
-# The router's side.
-
-
-@dataclass(eq=False)
-class _PairState:
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    name: str | None = None  # the formed group's name on both ranks; None: form one
-    backend: str = ""
-
-
-class DeviceTransport(KVTransport):
-    """Deliver over each (source, destination) pair's own group; see the module doc."""
-
-    name = "device"
-
-    def __init__(self, timeout_s: float = 60.0, form_timeout_s: float = 30.0) -> None:
-        super().__init__()
-        self.timeout_s = float(timeout_s)
-        self.form_timeout_s = float(min(form_timeout_s, timeout_s))
-        self._pairs: dict[tuple[Any, Any], _PairState] = {}
-        self._serial = 0
-        self.num_pairs_formed = 0
-        self.num_pairs_dropped = 0
-
-    async def deliver(self, ticket: Any, src: Any, dst: Any,
-                      skip_blocks: int = 0) -> DeliveryResult:
-        state = self._pairs.setdefault((_uid(src), _uid(dst)), _PairState())
-        async with state.lock:  # one transfer per pair at a time: both sides in step
-            if state.name is None:
-                try:
-                    await self._form(state, src, dst)
-                except Exception as exc:
-                    return DeliveryResult(False, kind=TRANSPORT,
-                                          error=f"no KV pair group: {type(exc).__name__}: {exc}")
-            name = state.name
-            send = asyncio.ensure_future(_result(src.actor.kv_send.remote(
-                name, ticket.attempt, skip_blocks, self.timeout_s)))
-            recv = asyncio.ensure_future(_result(dst.actor.kv_receive.remote(
-                name, ticket.nbytes, skip_blocks, self.timeout_s)))
-            try:
-                result = await self._outcome(send, recv)
-            except asyncio.CancelledError:  # the router's bound: a half transfer, maybe
-                self._drop(state, src, dst)
-                raise
-            finally:
-                for task in (send, recv):
-                    if not task.done():
-                        task.cancel()
-            if not result.ok and result.kind == TRANSPORT:
-                self._drop(state, src, dst)
-        if result.ok:
-            self._delivered(result.nbytes)
-        return result
-
-    async def _outcome(self, send: asyncio.Future, recv: asyncio.Future) -> DeliveryResult:
-        """Both sides' results as one; a side that failed ends the wait at once."""
-        pending = {send, recv}
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                res = task.result()
-                if not res.ok and (task is send or res.kind == TRANSPORT):
-                    side = "source" if task is send else "destination"
-                    return DeliveryResult(False, kind=TRANSPORT, error=f"{side}: {res.error}")
-        sent, got = send.result(), recv.result()
-        if not got.ok:
-            kind = got.kind if got.kind in (PAYLOAD, CAPACITY, CACHE_MISS) else PAYLOAD
-            return DeliveryResult(False, kind=kind, error=got.error)
-        return DeliveryResult(True, attempt=got.attempt, nbytes=sent.nbytes or got.nbytes)
-
-    async def _form(self, state: _PairState, src: Any, dst: Any) -> None:
-        backend = pair_backend(getattr(src, "info", None), getattr(dst, "info", None))
-        self._serial += 1
-        name = f"p{_uid(src)}-d{_uid(dst)}-{self._serial}"  # nothing secret in it
-        nonce = secrets.token_hex(16)
-        bound = self.form_timeout_s + 5.0
-        try:
-            address = await asyncio.wait_for(
-                src.actor.kv_pair_open.remote(name, self.form_timeout_s), bound)
-            await _joined([src.actor.kv_pair_join.remote(name, address, 0, nonce, backend,
-                                                         self.form_timeout_s),
-                           dst.actor.kv_pair_join.remote(name, address, 1, nonce, backend,
-                                                         self.form_timeout_s)], bound)
-        except BaseException as exc:  # a half-formed group goes on both ranks
-            for actor in (src.actor, dst.actor):
-                _fire(actor, name)
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            text = f"{exc}".replace(nonce, "<nonce>")
-            raise RuntimeError(text or f"{type(exc).__name__} after {bound:g}s") from None
-        state.name, state.backend = name, backend
-        self.num_pairs_formed += 1
-        log.info("KV pair group %s formed (%s)", name, backend)
-
-    def _drop(self, state: _PairState, src: Any, dst: Any) -> None:
-        """Forget the pair's group here and on both ranks (not waited for)."""
-        name, state.name = state.name, None
-        if name is None:
-            return
-        self.num_pairs_dropped += 1
-        for actor in (src.actor, dst.actor):
-            _fire(actor, name)
-
-
-async def _joined(joins: list[Any], bound: float) -> None:
-    """Wait for both ranks' ``kv_pair_join``; raise once either failed. A side that
-    failed (a rank dead, or unable to reach the store) ends the wait at once: its peer's
-    join would only wait out ``form_timeout_s`` for a rank that is not coming, and the
-    delivery (and the request behind it) with it. The peer's join then fails on its own
-    rank within its bound, and the drop fired after this cleans it up."""
-    pending = {asyncio.ensure_future(_join_error(j)) for j in joins}
-    deadline = asyncio.get_running_loop().time() + bound
-    try:
-        while pending:
-            left = deadline - asyncio.get_running_loop().time()
-            done, pending = await asyncio.wait(pending, timeout=max(0.0, left),
-                                               return_when=asyncio.FIRST_COMPLETED)
-            if not done:
-                raise TimeoutError(f"the pair group did not form within {bound:g}s")
-            errors = [e for e in (task.result() for task in done) if e]
-            if errors:
-                raise RuntimeError("; ".join(errors)[:2000])
-    finally:
-        for task in pending:
-            task.cancel()
-
-
-async def _join_error(ref: Any) -> str:
-    """A ``kv_pair_join`` call's error text ("" once joined); a dead rank's too."""
-    try:
-        return await ref
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-
-
-def _uid(rank: Any) -> Any:
-    uid = getattr(rank, "uid", None)
-    return id(rank) if uid is None else uid
-
-
-def _fire(actor: Any, name: str) -> None:
-    try:
-        actor.kv_pair_drop.remote(name)  # its result is not needed
-    except Exception:  # a dead actor dropped it already
-        pass
-
-
-async def _result(ref: Any) -> Any:
-    """An actor call's reply (the rank's ImportResult: ok, attempt, kind, error, nbytes);
-    its failure (a dead actor) as a DeliveryResult with those same fields."""
-    try:
-        return await ref
-    except Exception as exc:
-        return DeliveryResult(False, kind=TRANSPORT, error=f"{type(exc).__name__}: {exc}")

@@ -15,7 +15,7 @@ datagram on a local socket wakes a thread that is already waiting in ~0.1 ms.
    malformed is dropped and counted (``num_refused``).
 2. Import (router, ``LocalImports.request``): the locator, ``skip_blocks``, a reply
    address and a random id; the listener runs ``on_import`` (the same import as the
-   Ray call ``EngineRank.import_shared``) and sends the result back. The router takes a
+   Ray call ``ImportShared``, endpoint.py) and sends the result back. The router takes a
    reply only from the decode rank's pid and for an id it is waiting on. While it
    waits it watches the rank: a rank that dies fails the request at once (TRANSPORT),
    as the Ray call would. Nothing sent (no such listener, its queue full): ``None``,
@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pdserve.kv_transfer.base import PAYLOAD_MAX_AGE_S, TRANSPORT, DeliveryResult
-from pdserve.kv_transfer.shared_memory import SharedPayload, SharedPayloadUnavailable
+from pdserve.kv_transfer.ray.shared_memory import SharedPayload, SharedPayloadUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -136,26 +136,7 @@ class WakeListener:
     def _serve(self) -> None:
         while not self._closed:
             try:
-                message, pid = _receive(self._sock, MAX_DATAGRAM_BYTES)
-                op, locator = message.get("op"), SharedPayload.of(message.get("locator"))
-                if op not in ("wake", "import"):
-                    raise SharedPayloadUnavailable(f"unknown op {str(op)[:40]!r}")
-                if op == "wake" and locator.pid != pid:
-                    raise SharedPayloadUnavailable("a wake for another process's segment")
-                if op == "wake" and "reply" not in message:  # a Ray call follows
-                    self.num_woken += 1
-                    self._call(self._on_wake, locator)
-                    continue
-                reply, rid, skip = message.get("reply"), message.get("id"), message.get("skip", 0)
-                if not (isinstance(reply, str) and reply.startswith(REPLY_PREFIX)
-                        and isinstance(rid, str) and 0 < len(rid) <= 64
-                        and type(skip) is int and skip >= 0) or self._on_import is None:
-                    raise SharedPayloadUnavailable("an import without a valid reply, id or skip")
-                if op == "wake":
-                    self.num_woken += 1
-                else:
-                    self.num_imports += 1
-                self._answer(reply, rid, self._call(self._on_import, locator, skip))
+                self._handle(*_receive(self._sock, MAX_DATAGRAM_BYTES))
             except SharedPayloadUnavailable as exc:
                 if self._closed:
                     return
@@ -164,6 +145,26 @@ class WakeListener:
                     log.warning("refused a KV wake datagram: %s", exc)
             except OSError:
                 return  # closed
+
+    def _handle(self, message: dict, pid: int) -> None:
+        """One datagram from process ``pid``; SharedPayloadUnavailable if it is refused."""
+        op, locator = message.get("op"), SharedPayload.of(message.get("locator"))
+        if op not in ("wake", "import"):
+            raise SharedPayloadUnavailable(f"unknown op {str(op)[:40]!r}")
+        if op == "wake" and locator.pid != pid:
+            raise SharedPayloadUnavailable("a wake for another process's segment")
+        if op == "wake" and "reply" not in message:  # a Ray call follows
+            self.num_woken += 1
+            self._call(self._on_wake, locator)
+            return
+        reply, rid, skip = _reply_fields(message)
+        if self._on_import is None:
+            raise SharedPayloadUnavailable("this rank takes no imports through the channel")
+        if op == "wake":
+            self.num_woken += 1
+        else:
+            self.num_imports += 1
+        self._answer(reply, rid, self._call(self._on_import, locator, skip))
 
     @staticmethod
     def _call(fn: Callable, *args: Any) -> Any:
@@ -204,6 +205,16 @@ class WakeListener:
             pass
         self._thread.join(timeout=5.0)
         self._sock.close()
+
+
+def _reply_fields(message: dict) -> tuple[str, str, int]:
+    """An import's reply address, id and ``skip_blocks``, checked."""
+    reply, rid, skip = message.get("reply"), message.get("id"), message.get("skip", 0)
+    if not (isinstance(reply, str) and reply.startswith(REPLY_PREFIX)
+            and isinstance(rid, str) and 0 < len(rid) <= 64
+            and type(skip) is int and skip >= 0):
+        raise SharedPayloadUnavailable("an import without a valid reply, id or skip")
+    return reply, rid, skip
 
 
 class WakeSender:

@@ -1,0 +1,121 @@
+"""A PROMPT engine's side of the KV hand-off.
+
+Each prompt that completes leaves as one payload for its choices that go on (n > 1:
+they share the prompt's KV; the first leads, the others travel as its forks). A
+prompt that streams (``stream_kv``) also sends the full blocks each prompt step
+completes as payloads of kind "chunk" while the rest of it computes; its hand-off then
+leaves those blocks out. Every payload is gathered from the blocks straight into the
+buffer the rank's transport lends (``buffer_for(key, nbytes)``): one copy.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Container
+from dataclasses import asdict
+from typing import Any
+
+from pdserve.engine.kv_payload import ForkedChoice, KVPayload, dtype_name, write_payload
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.outputs import HandedOffFork, HandOff, KVChunk, TokenLogprobs
+from pdserve.scheduler.output import SchedulerOutput, StepKind
+from pdserve.scheduler.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+BufferFor = Callable[[str, int], Any]
+
+
+def new_payload_buffer(request_id: str, nbytes: int) -> bytearray:
+    return bytearray(nbytes)
+
+
+def handoff_groups(handed_off: list[Sequence]) -> list[list[Sequence]]:
+    """Handed-off sequences by the prompt they share (a fork with its parent), the
+    parent first when it goes on too."""
+    groups: dict[str, list[Sequence]] = {}
+    for seq in handed_off:
+        groups.setdefault(seq.fork_of or seq.request_id, []).append(seq)
+    return [sorted(g, key=lambda seq: seq.fork_of is not None) for g in groups.values()]
+
+
+class KVExport:
+    def __init__(self, runner: ModelRunner, block_size: int) -> None:
+        self.runner = runner
+        self.block_size = block_size
+        self.streamed: dict[str, int] = {}  # request id -> blocks streamed ahead
+
+    def forget_ended(self, live: Container[str]) -> None:
+        """Requests that ended before their hand-off stream no more."""
+        self.streamed = {k: n for k, n in self.streamed.items() if k in live}
+
+    def stream_ahead(self, sched_out: SchedulerOutput, buffer_for: BufferFor) -> list[KVChunk]:
+        """Chunks of the full blocks this prompt step completed, for streaming prompts
+        that are not done yet (a done one hands its remaining blocks off)."""
+        if sched_out.kind != StepKind.PROMPT:
+            return []
+        chunks, block_size = [], self.block_size
+        for row in sched_out.scheduled:
+            seq = row.seq
+            sent = self.streamed.get(seq.request_id)
+            if sent is None or seq.is_finished or seq.processed >= seq.prompt_len:
+                continue
+            full = seq.processed // block_size
+            if full <= sent:
+                continue
+            key = f"{seq.request_id}/kv{sent}"
+            chunk = self._payload(
+                request_id=key, token_ids=seq.token_ids[:full * block_size],
+                num_prompt_tokens=full * block_size, sampling={}, skipped_blocks=sent,
+                kind="chunk", stream_of=seq.request_id)
+            try:
+                buffer = self._export(chunk, seq, full * block_size, sent, key, buffer_for)
+            except Exception as exc:  # what went ahead stays needed; the rest goes at hand-off
+                log.warning("streaming KV of %s stopped: %s: %s", seq.request_id,
+                            type(exc).__name__, exc)
+                continue
+            self.streamed[seq.request_id] = full
+            chunks.append(KVChunk(seq.request_id, key, sent, full - sent, buffer))
+        return chunks
+
+    def hand_off(self, group: list[Sequence], buffer_for: BufferFor,
+                 logprobs: dict[str, TokenLogprobs]) -> HandOff:
+        """One payload for the choices of one prompt that go on, and its record;
+        ``logprobs``: this step's, of the choices that asked."""
+        seq, others = group[0], group[1:]
+        stream_of = seq.fork_of or seq.request_id  # a fork leads when its parent stopped
+        streamed = self.streamed.pop(stream_of, 0)
+        payload = self._payload(
+            request_id=seq.request_id, token_ids=list(seq.token_ids),
+            num_prompt_tokens=seq.prompt_len, sampling=asdict(seq.sampling),
+            arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
+            forks=[ForkedChoice(o.request_id, o.token_ids[-1], asdict(o.sampling))
+                   for o in others],
+            skipped_blocks=streamed, stream_of=stream_of if streamed else "")
+        buffer = self._export(payload, seq, seq.prompt_len, streamed, seq.request_id,
+                              buffer_for)
+        return HandOff(seq.request_id, seq.token_ids[-1], buffer, seq.prompt_len,
+                       arrival_time=seq.arrival_time,
+                       first_scheduled_time=seq.first_scheduled_time,
+                       first_token_time=seq.first_token_time,
+                       first_token_logprobs=logprobs.get(seq.request_id),
+                       forks=[HandedOffFork(o.request_id, o.token_ids[-1],
+                                            logprobs.get(o.request_id))
+                              for o in others],
+                       num_cached_tokens=seq.num_cached_tokens,
+                       streamed_blocks=streamed, stream_of=stream_of if streamed else "")
+
+    def _payload(self, **fields: Any) -> KVPayload:
+        """A payload stamped with what the receiver checks: this engine's model, dtype,
+        block size and layer count."""
+        runner = self.runner
+        return KVPayload(model_fingerprint=runner.model_fingerprint,
+                         dtype=dtype_name(runner.dtype), block_size=self.block_size,
+                         num_layers=runner.num_layers, **fields)
+
+    def _export(self, payload: KVPayload, seq: Sequence, num_tokens: int, first_block: int,
+                key: str, buffer_for: BufferFor) -> Any:
+        """Gather ``seq``'s blocks from ``first_block`` on straight into the buffer the
+        transport lends for ``payload``."""
+        return write_payload(payload, self.runner.kv_cache, seq.block_table, seq.state_slot,
+                             num_tokens, buffer_for, key, first_block)

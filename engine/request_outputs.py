@@ -1,0 +1,70 @@
+"""What one step reports for each request it touched (``RequestOutput``): the token it
+drew (with its logprobs where asked) and, once, how it finished. A request whose step
+failed finishes with ``error`` and none of that step's tokens; the forks of a prompt
+that ended before it completed end with it."""
+
+from __future__ import annotations
+
+from pdserve.engine.outputs import RequestOutput, TokenLogprobs
+from pdserve.scheduler.output import StepResult
+from pdserve.scheduler.sequence import Sequence
+
+
+def request_outputs(result: StepResult, step_logprobs: dict[str, TokenLogprobs],
+                    failed: dict[str, str], aborted_unstarted: list[str]
+                    ) -> tuple[list[RequestOutput], list[str]]:
+    """The step's outputs, and the ids of the requests that ended (to forget).
+
+    ``failed``: request id -> why its step failed, each reported (and popped) once;
+    ``aborted_unstarted``: requests aborted before they had a sequence."""
+    by_id: dict[str, RequestOutput] = {}
+    ended: list[str] = []
+    # A handed-off request's first token travels in its HandOff, not here.
+    handed_off = {seq.request_id for seq in result.handed_off}
+    for seq in result.updated:
+        if seq.request_id in handed_off or seq.request_id in failed:
+            continue
+        out = _output_for(by_id, seq)
+        out.new_token_ids.append(seq.token_ids[-1])
+        if step_logprobs:  # empty unless a request asked for logprobs
+            # Every token of a request that asked was drawn by a row that computed
+            # its logprobs, so new_logprobs stays aligned with new_token_ids.
+            lp = step_logprobs.get(seq.request_id)
+            if lp is not None:
+                if out.new_logprobs is None:
+                    out.new_logprobs = []
+                out.new_logprobs.append(lp)
+    for seq in result.finished:
+        out = _output_for(by_id, seq)
+        cause = failed.pop(seq.request_id, None)
+        if cause is None:
+            out.finish_reason = seq.finish_reason
+        else:
+            out.finish_reason, out.error, out.step_failed = "error", cause, True
+            out.new_token_ids.clear()
+            out.new_logprobs = None
+        ended.append(seq.request_id)
+        for fork_id, _ in seq.forks:  # ended before its prompt completed: so do they
+            ended.append(fork_id)
+            by_id[fork_id] = RequestOutput(
+                fork_id, [], finish_reason=out.finish_reason, error=out.error,
+                step_failed=out.step_failed, num_prompt_tokens=seq.prompt_len,
+                arrival_time=seq.arrival_time)
+        seq.forks = []
+    for request_id in aborted_unstarted:
+        by_id[request_id] = RequestOutput(request_id, [], finish_reason="abort")
+        ended.append(request_id)
+    return list(by_id.values()), ended
+
+
+def _output_for(by_id: dict[str, RequestOutput], seq: Sequence) -> RequestOutput:
+    out = by_id.get(seq.request_id)
+    if out is None:
+        out = by_id[seq.request_id] = RequestOutput(
+            seq.request_id, [], num_prompt_tokens=seq.prompt_len,
+            arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
+            first_scheduled_time=seq.first_scheduled_time,
+            num_cached_tokens=seq.num_cached_tokens)
+    out.num_output_tokens = seq.output_len
+    out.first_token_time = seq.first_token_time
+    return out

@@ -1,0 +1,256 @@
+"""OpenAI request bodies, checked field by field, into ``GenerateRequest`` messages.
+
+OpenAI's field names, and vLLM's extensions where users rely on them; a field pdserve
+does not support yet is refused (a 400 naming it), never ignored. Every problem is an
+``HTTPError`` that the front turns into an OpenAI error object (``error_body``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from pdserve.router.validation import RequestError
+from pdserve.rpc import router_pb2
+
+MAX_PROMPTS = 64  # prompts in one /v1/completions call
+MAX_LOGPROBS = 20
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+}
+ERROR_TYPE = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+              404: "NotFoundError", 409: "ConflictError", 429: "RateLimitError",
+              503: "ServiceUnavailableError", 500: "InternalServerError"}
+# Fields OpenAI defines that pdserve does not do yet: refused, never ignored.
+UNSUPPORTED = {
+    "completions": ("suffix", "echo", "best_of", "logit_bias", "presence_penalty",
+                    "frequency_penalty", "min_tokens"),
+    "chat": ("tools", "tool_choice", "functions", "function_call", "response_format",
+             "logit_bias", "presence_penalty", "frequency_penalty", "audio", "modalities",
+             "prediction", "web_search_options", "min_tokens"),
+}
+# Accepted and without effect on the output (documented): labels and hints.
+IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+# GenerateRequest fields set from Common when given, and the ones the proto holds as int32
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "n")
+INT32_FIELDS = ("max_tokens", "top_k", "logprobs", "n")
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def http_error(exc: RequestError) -> HTTPError:
+    """The HTTP form of a refusal by the shared validation or admission."""
+    status = HTTP_STATUS.get(exc.code, 500)
+    return HTTPError(status, exc.message, _param_of(exc.message))
+
+
+def _param_of(message: str) -> str | None:
+    first = message.split(" ", 1)[0].split("[", 1)[0]
+    return first if first.isidentifier() else None
+
+
+def error_body(err: HTTPError) -> dict:
+    return {"error": {"message": err.message, "type": ERROR_TYPE.get(err.status, "Error"),
+                      "param": err.param, "code": err.status}}
+
+
+# -- fields --------------------------------------------------------------------------------
+
+def body_field(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
+    """``body[name]`` checked to be one of ``kinds``; ``default`` when absent or null."""
+    if name not in body or body[name] is None:
+        return default
+    value = body[name]
+    if isinstance(value, bool) and bool not in kinds:  # JSON true is not a number here
+        raise HTTPError(400, f"{name} must be {_kind_names(kinds)}, got {json.dumps(value)}",
+                        name)
+    if not isinstance(value, kinds):
+        raise HTTPError(400, f"{name} must be {_kind_names(kinds)}, got {json.dumps(value)[:80]}",
+                        name)
+    return value
+
+
+def _kind_names(kinds: tuple) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+             list: "a list", dict: "an object"}
+    return " or ".join(dict.fromkeys(names[k] for k in kinds))
+
+
+@dataclass
+class Common:
+    """The sampling fields both endpoints share, checked."""
+
+    max_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    seed: int | None
+    stop: list[str]
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    include_stop_str_in_output: bool
+    logprobs: int | None  # top-k alternatives to return; None: no logprobs
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+    n: int  # choices per prompt
+
+
+def common_fields(body: dict, endpoint: str, logprobs: int | None) -> Common:
+    _refuse_unsupported(body, endpoint)
+    n = body_field(body, "n", (int,), 1)
+    if n < 1:  # the upper bound (max_choices) is the shared validation's
+        raise HTTPError(400, f"n must be >= 1, got {n}", "n")
+    stop, stop_ids = _stop_fields(body)
+    stream, include_usage = _stream_fields(body)
+    body_field(body, "user", (str,))  # a label: checked, not used
+    max_tokens = _max_tokens(body, endpoint)
+    temperature = body_field(body, "temperature", (int, float))
+    top_p = body_field(body, "top_p", (int, float))
+    seed = body_field(body, "seed", (int,))
+    top_k = body_field(body, "top_k", (int,))
+    return Common(
+        max_tokens=max_tokens,
+        temperature=None if temperature is None else float(temperature),
+        top_p=None if top_p is None else float(top_p), top_k=top_k, seed=seed, stop=stop,
+        stop_token_ids=stop_ids, ignore_eos=body_field(body, "ignore_eos", (bool,), False),
+        include_stop_str_in_output=body_field(body, "include_stop_str_in_output", (bool,),
+                                              False),
+        logprobs=logprobs, stream=stream, include_usage=include_usage,
+        return_token_ids=body_field(body, "return_token_ids", (bool,), False), n=n)
+
+
+def _refuse_unsupported(body: dict, endpoint: str) -> None:
+    for name in UNSUPPORTED[endpoint]:
+        if body.get(name) not in (None, 0, False, [], {}):
+            raise HTTPError(400, f"{name} is not supported by pdserve yet", name)
+
+
+def _stop_fields(body: dict) -> tuple[list[str], list[int]]:
+    stop = body_field(body, "stop", (str, list), [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) for s in stop):
+        raise HTTPError(400, "stop must be a string or a list of strings", "stop")
+    stop_ids = body_field(body, "stop_token_ids", (list,), [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+        raise HTTPError(400, "stop_token_ids must be a list of integers", "stop_token_ids")
+    return stop, stop_ids
+
+
+def _stream_fields(body: dict) -> tuple[bool, bool]:
+    """``stream``, and whether its last chunk carries the usage."""
+    stream = body_field(body, "stream", (bool,), False)
+    options = body_field(body, "stream_options", (dict,), {})
+    if options and not stream:
+        raise HTTPError(400, "stream_options is only allowed with stream: true",
+                        "stream_options")
+    include_usage = bool(body_field(options, "include_usage", (bool,), False)) if options else False
+    return stream, include_usage
+
+
+def _max_tokens(body: dict, endpoint: str) -> int | None:
+    max_tokens = body_field(body, "max_tokens", (int,))
+    if endpoint == "chat":  # the newer name wins
+        max_tokens = body_field(body, "max_completion_tokens", (int,), max_tokens)
+    if max_tokens is not None and max_tokens < 1:
+        raise HTTPError(400, f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+    return max_tokens
+
+
+def completion_fields(body: dict) -> tuple[Common, list[str | list[int]]]:
+    """A /v1/completions body's sampling fields and its prompts."""
+    logprobs = body_field(body, "logprobs", (int,))
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise HTTPError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}",
+                        "logprobs")
+    c = common_fields(body, "completions", logprobs)
+    return c, completion_prompts(body)
+
+
+def chat_fields(body: dict) -> Common:
+    """A /v1/chat/completions body's sampling fields (its messages are the template's)."""
+    want = body_field(body, "logprobs", (bool,), False)
+    top = body_field(body, "top_logprobs", (int,))
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise HTTPError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}",
+                        "top_logprobs")
+    if top is not None and not want:
+        raise HTTPError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    return common_fields(body, "chat", (top or 0) if want else None)
+
+
+# -- into the proto ------------------------------------------------------------------------
+
+def _check_int32(name: str, ids: list[int]) -> None:
+    # The proto's ids are int32: a larger JSON integer is a bad field, not a crash.
+    if any(not -2**31 <= t < 2**31 for t in ids):
+        raise HTTPError(400, f"{name} holds a token id outside the 32-bit range", name)
+
+
+def generate_request(prompt: str | list[int], c: Common) -> router_pb2.GenerateRequest:
+    """One prompt's GenerateRequest, for the shared validation (``validation.prepare``)."""
+    _check_int32("stop_token_ids", c.stop_token_ids)
+    if not isinstance(prompt, str):
+        _check_int32("prompt", prompt)
+    req = router_pb2.GenerateRequest(stop=c.stop, stop_token_ids=c.stop_token_ids,
+                                     ignore_eos=c.ignore_eos,
+                                     include_stop_str_in_output=c.include_stop_str_in_output)
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+        if not prompt:
+            req.token_ids.SetInParent()
+    for name in SAMPLING_FIELDS:
+        value = getattr(c, name)
+        if value is not None:
+            _set_sampling_field(req, name, value)
+    return req
+
+
+def _set_sampling_field(req: router_pb2.GenerateRequest, name: str, value: Any) -> None:
+    if name in INT32_FIELDS and not -2**31 <= value < 2**31:
+        raise HTTPError(400, f"{name} is out of range: {value}", name)
+    if name in ("temperature", "top_p") and not math.isfinite(value):
+        raise HTTPError(400, f"{name} must be a finite number, got {value}", name)
+    try:
+        setattr(req, name, value)
+    except (ValueError, AttributeError) as exc:  # a field this proto lacks
+        raise HTTPError(400, f"{name}: {exc}", name) from exc
+
+
+def _is_token_ids(value: Any) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def completion_prompts(body: dict) -> list[str | list[int]]:
+    """``prompt`` as a list of prompts: one string or token-id list, or a batch of them."""
+    if "prompt" not in body:
+        raise HTTPError(400, "prompt is required", "prompt")
+    p = body["prompt"]
+    if isinstance(p, str):
+        return [p]
+    if isinstance(p, list) and p and _is_token_ids(p):
+        return [p]
+    if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        prompts = p
+    elif isinstance(p, list) and p and all(isinstance(x, list) and _is_token_ids(x) for x in p):
+        prompts = p
+    else:
+        raise HTTPError(400, "prompt must be a string, a list of strings, a list of token "
+                        "ids or a list of token-id lists (not empty)", "prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise HTTPError(400, f"prompt may hold at most {MAX_PROMPTS} prompts, got "
+                        f"{len(prompts)}", "prompt")
+    return prompts

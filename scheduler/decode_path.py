@@ -1,0 +1,130 @@
+"""The decode path (S26-S29) and preemption (S30): which running sequences decode a
+token in the next step, and which give their blocks up so the others can."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+
+from pdserve.scheduler.block_manager import BlockManager
+from pdserve.scheduler.output import ScheduledSequence, SchedulerOutput, StepKind
+from pdserve.scheduler.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+WAITING = SequenceStatus.WAITING
+RUNNING = SequenceStatus.RUNNING
+
+
+class DecodePath(BlockManager):
+    """The Scheduler's decode path; it reads the Scheduler's queues and hooks below."""
+
+    running: list[Sequence]
+    waiting: deque[Sequence]
+    prompted: deque[tuple[Sequence, bool]]
+    decode_step: int
+    num_preemptions: int
+    _maybe_finished_in_queues: bool
+    _candidate_fits: Callable[[Sequence], bool]  # policies (spec section 9)
+    _requeue_preempted: Callable[[Sequence], None]
+    _retire_into: Callable[[Sequence, list[Sequence]], None]
+
+    def _schedule_decode(self) -> SchedulerOutput:
+        out = SchedulerOutput(StepKind.DECODE)
+        self._sweep_finished(out.ignored)
+        self._admit_prompted(out)
+        running = self.running
+        # Longest output first, ties in arrival order: candidates come from the end.
+        running.sort(key=decode_priority)
+        max_seqs = self.config.max_num_seqs
+        candidate_fits = self._candidate_fits
+        scheduled: list[Sequence] = []
+        left, right = 0, len(running)
+        append_slot = self._append_slot
+        while left < right and len(scheduled) < max_seqs:
+            seq = running[right - 1]
+            fits = candidate_fits(seq)
+            while not fits and right - left > 1:
+                self._preempt(running[left], out)
+                left += 1
+                fits = candidate_fits(seq)
+            if fits:
+                append_slot(seq)
+                scheduled.append(seq)
+            else:
+                self._preempt(seq, out)
+            right -= 1
+        scheduled.sort(key=len, reverse=True)  # S29: batch order, longest history first
+        out.scheduled = rows = [
+            ScheduledSequence(seq, 1, seq.processed + seq.in_flight + 1, True) for seq in scheduled
+        ]  # S36, before the in-flight counts grow
+        for seq in scheduled:
+            seq.in_flight += 1
+        out.num_batched_tokens = len(rows)
+        # Anything the max_num_seqs cap left unvisited stays running, unscheduled.
+        self.running = scheduled + running[left:right] if left < right else scheduled
+        self.decode_step += 1  # S11
+        return out
+
+    def _sweep_finished(self, ignored: list[Sequence]) -> None:
+        """S26: finished sequences leave running; aborted ones can sit anywhere in waiting."""
+        if not self._maybe_finished_in_queues:  # spares a scan of both queues every step
+            return
+        keep = []
+        for seq in self.running:
+            if seq.status.is_finished:
+                self._retire_into(seq, ignored)
+            else:
+                keep.append(seq)
+        self.running = keep
+        for seq in [s for s in self.waiting if s.status.is_finished]:
+            self.waiting.remove(seq)
+            self._retire_into(seq, ignored)
+        self._maybe_finished_in_queues = False
+
+    def _admit_prompted(self, out: SchedulerOutput) -> None:
+        """S27: prefilled (imported or forked) sequences join running while there is room."""
+        prompted, max_seqs = self.prompted, self.config.max_num_seqs
+        while prompted and len(self.running) < max_seqs:
+            seq, forked = prompted[0]
+            if seq.status.is_finished:
+                prompted.popleft()
+                self._retire_into(seq, out.ignored)
+                continue
+            if forked:
+                if self.blocks.num_free < 1 or self.states.num_free < 1:
+                    break
+                self._unshare(seq, out)
+            prompted.popleft()
+            if seq.status == WAITING:
+                seq.status = RUNNING
+            self.running.append(seq)
+
+    # ---- preemption (S30) ----
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        if seq.status != RUNNING:
+            raise RuntimeError(f"preempting {seq.request_id!r} while {seq.status.name}")
+        self.num_preemptions += 1
+        out.num_preempted += 1
+        out.preempted.append(seq)
+        stop = self.config.stop_preempted_request
+        if stop or seq.so_status != 0:
+            why = "stop_preempted_request is set" if stop else (
+                f"structured output (so_status {seq.so_status}) cannot be recomputed")
+            logger.warning("request %s is preempted and stops: %s", seq.request_id, why)
+            seq.status = SequenceStatus.FINISHED_PREEMPTED
+            self._retire_into(seq, out.ignored)
+            return
+        logger.warning("request %s is preempted and will be recomputed", seq.request_id)
+        seq.reset_for_recompute()
+        self._requeue_preempted(seq)
+        seq.status = WAITING
+        self._free_resources(seq)
+
+
+def decode_priority(seq: Sequence) -> tuple[int, float, int]:
+    """Sort key of running before a decode pass (S28): longest output first, ties in
+    arrival order. Candidates come from the end of the sorted list, victims from the front."""
+    return (seq.prompt_len - len(seq.token_ids), seq.arrival_time, seq.order)
