@@ -163,31 +163,6 @@ class KVTransport(ABC):
     when the call fails, the release is logged and counted, never waited for longer."""
 
     name: str = ""
-    # whether a prefill rank can ask the decode rank for the import itself (ray only;
-    # see router/kv_stream.py): then ``tell_direct`` says where, ``direct_answer`` reads
-    # what the decode rank answered
-    direct_handoff: bool = False
-    num_direct_local = 0  # direct hand-offs answered without a Ray call
-
-    def tell_direct(self, src: Any, attempt: str, dst: Any, reply: str = "",
-                    reply_id: str = "") -> Any:
-        """Tell prefill rank ``src`` that ``attempt``'s hand-off goes directly to ``dst``
-        (None: it does not), answering this router at ``reply`` under ``reply_id`` when
-        given; an awaitable the caller bounds."""
-        raise NotImplementedError(f"the {self.name} transport hands nothing off directly")
-
-    def expect_direct(self, src: Any, dst: Any) -> tuple[str, str]:
-        """Where and under which id ``dst`` may answer a direct hand-off from ``src`` to
-        the router itself (ray, one node); ("", ""): through the prefill rank's call."""
-        return "", ""
-
-    async def direct_answer(self, direct: Any, dst: Any, nbytes: int) -> DeliveryResult:
-        """What the decode rank answered a direct hand-off (``direct``: the ticket's
-        ``direct_import``), as ``deliver`` would report it."""
-        raise NotImplementedError(f"the {self.name} transport takes no direct answers")
-
-    def forget_direct(self, reply_id: str) -> None:
-        return None
 
     # the deadline of each call that tells a source rank to free payloads
     release_timeout_s: float = RELEASE_TIMEOUT_S
@@ -261,6 +236,36 @@ class KVTransport(ABC):
     def _delivered(self, nbytes: int) -> None:
         self.bytes_moved += nbytes
         self.num_deliveries += 1
+
+
+class DirectHandoff(ABC):
+    """A transport whose prefill rank can ask the decode rank for a streamed prompt's
+    hand-off itself, as it exports it (ray, one node; router/kv_stream.py, 4): the
+    router says where (``tell_direct``) and reads what the decode rank answered
+    (``direct_answer``) instead of delivering."""
+
+    num_direct_local = 0  # direct hand-offs answered without a Ray call
+
+    @abstractmethod
+    def tell_direct(self, src: Any, attempt: str, dst: Any, reply: str = "",
+                    reply_id: str = "") -> Any:
+        """Tell prefill rank ``src`` that ``attempt``'s hand-off goes directly to ``dst``
+        (None: it does not), answering this router at ``reply`` under ``reply_id`` when
+        given; an awaitable the caller bounds."""
+
+    def expect_direct(self, src: Any, dst: Any) -> tuple[str, str]:
+        """Where and under which id ``dst`` may answer a direct hand-off from ``src`` to
+        the router itself; ("", ""): through the prefill rank's call."""
+        return "", ""
+
+    @abstractmethod
+    async def direct_answer(self, direct: Any, dst: Any, nbytes: int) -> DeliveryResult:
+        """What the decode rank answered a direct hand-off (``direct``: the ticket's
+        ``direct_import``), as ``deliver`` would report it."""
+
+    def forget_direct(self, reply_id: str) -> None:
+        """An expected answer nobody will wait for (the direct hand-off was called off)."""
+        return None
 
 
 @dataclass(frozen=True)

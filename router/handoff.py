@@ -24,7 +24,14 @@ import time
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
-from pdserve.kv_transfer.base import CACHE_MISS, PAYLOAD, TRANSPORT, DeliveryResult, KVTransport
+from pdserve.kv_transfer.base import (
+    CACHE_MISS,
+    PAYLOAD,
+    TRANSPORT,
+    DeliveryResult,
+    DirectHandoff,
+    KVTransport,
+)
 from pdserve.rank.messages import HandoffTicket
 from pdserve.router.config import RouterConfig
 from pdserve.router.kv_stream import KVStream, send_chunks
@@ -272,7 +279,7 @@ class HandoffDelivery:
         """A direct hand-off needs the transport's support and both ranks on one node
         (the decode rank maps the prefill rank's shared memory)."""
         src, dst = stream.src, stream.dst
-        if not self.transport.direct_handoff or dst is None or dst.state != READY:
+        if not isinstance(self.transport, DirectHandoff) or dst is None or dst.state != READY:
             return False
         src_node = getattr(src.info, "node_id", "") if src.info else ""
         return bool(src_node) and src_node == (getattr(dst.info, "node_id", "") if dst.info else "")

@@ -14,7 +14,7 @@ blocks each step completes as a chunk (a ``KVChunkTicket``) while the rest compu
    import; the hand-off then sends every chunk again with its payload, so a failure
    costs time, never tokens.
 4. Direct hand-off (ray, one node): once ``dst`` holds the first chunks, the prefill
-   rank is told (``KVTransport.tell_direct``) to ask ``dst`` for the hand-off's import
+   rank is told (``DirectHandoff.tell_direct``) to ask ``dst`` for the hand-off's import
    itself as it exports the payload, so the import starts while the first token is on
    its way to the router, not after (``HandoffTicket.direct_import``: that call's
    ObjectRef). On one node the prefill rank wakes ``dst`` through its local socket
@@ -40,7 +40,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.kv_transfer.base import TRANSPORT, DeliveryResult, KVTransport
+from pdserve.kv_transfer.base import TRANSPORT, DeliveryResult, DirectHandoff, KVTransport
 from pdserve.router.pools import DEAD
 
 log = logging.getLogger(__name__)
@@ -166,8 +166,8 @@ class KVStreams:
         async with stream.lock:  # after a delivery in progress
             stream.closed = True
             dst, partial = stream.dst, stream.delivered > 0
-        if stream.direct_reply:  # an answer nobody awaits now (a no-op once awaited)
-            self.transport.forget_direct(stream.direct_reply)
+        if stream.direct_reply and isinstance(self.transport, DirectHandoff):
+            self.transport.forget_direct(stream.direct_reply)  # nobody awaits it now
         if imported:
             self.spawn(self.transport.release_many(stream.chunks, stream.src))
         else:

@@ -148,7 +148,7 @@ class RouterService:
     @property
     def num_direct_local(self) -> int:
         """Direct hand-offs whose answer came through the wake channel, not Ray."""
-        return self.transport.num_direct_local
+        return getattr(self.transport, "num_direct_local", 0)
 
     @property
     def block_size(self) -> int:

@@ -15,7 +15,7 @@ router's side (the rank's is endpoint.py, their calls calls.py).
    resolves it (node-to-node transfer across nodes; a read-only view of the shared
    store on one node). The router only ever holds the locator, never the bytes. A
    streamed prompt's hand-off may skip the router's ask: its prefill rank, told the
-   stream's decode rank (``direct_handoff``, router/kv_stream.py), wakes that rank with
+   stream's decode rank (``DirectHandoff``, router/kv_stream.py), wakes that rank with
    the locator itself as it exports; the decode rank answers the router through the
    channel (``expect_direct`` / ``direct_answer``), or, without the router's reply
    address, the prefill rank's Ray call that follows (``direct_result``).
@@ -53,6 +53,7 @@ from pdserve.kv_transfer.base import (
     TRANSPORT,
     UNREACHABLE,
     DeliveryResult,
+    DirectHandoff,
     KVTransport,
 )
 from pdserve.kv_transfer.ray.calls import HandOffTo, ImportShared, ObjectFor, WithoutPrefix
@@ -68,11 +69,12 @@ COPIES = {"shared memory (one node)": 2, "object store, one node": 3,
           "object store, across nodes": 4}
 
 
-class RayObjectStoreTransport(KVTransport):
+class RayObjectStoreTransport(KVTransport, DirectHandoff):
+    """Deliver through shared memory or the object store (see the module docstring); a
+    streamed prompt's prefill rank may ask its decode rank (same node) to import the
+    hand-off itself, before the router has the ticket (``DirectHandoff``)."""
+
     name = "ray"
-    # a streamed prompt's prefill rank may ask its decode rank (same node) to import the
-    # hand-off itself, before the router has the ticket (router/kv_stream.py)
-    direct_handoff = True
 
     def __init__(self) -> None:
         super().__init__()
