@@ -23,6 +23,13 @@ from pathlib import Path
 LLAMA_CPP_PYTHON = "0.3.36"
 TARGETS = ("llama-server", "llama-perplexity", "llama-bench")
 
+# Every step is bounded (subprocess.TimeoutExpired past it; the partial build is kept
+# and the next run continues it): the fetch from the local index, cmake's configure,
+# and the build (8-15 minutes measured on 2 cores; an hour means something is wrong).
+FETCH_TIMEOUT_S = 600
+CONFIGURE_TIMEOUT_S = 600
+BUILD_TIMEOUT_S = 3600
+
 
 def _cpu_flags() -> str:
     try:
@@ -63,7 +70,7 @@ def ensure_built(jobs: int = 2, log=print) -> dict[str, Path]:
             log(f"fetching llama-cpp-python {LLAMA_CPP_PYTHON} (source) ...")
             subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
                             "--no-binary=:all:", f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
-                            "-d", tmp], check=True)
+                            "-d", tmp], check=True, timeout=FETCH_TIMEOUT_S)
             sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
             with tarfile.open(sdist) as tar:
                 tar.extractall(tmp, filter="data")
@@ -76,9 +83,9 @@ def ensure_built(jobs: int = 2, log=print) -> dict[str, Path]:
                     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
                     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                     "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=OFF"],
-                   check=True, stdout=subprocess.DEVNULL)
+                   check=True, stdout=subprocess.DEVNULL, timeout=CONFIGURE_TIMEOUT_S)
     subprocess.run(["cmake", "--build", str(build / "build"), "--target", *TARGETS,
-                    f"-j{jobs}"], check=True)
+                    f"-j{jobs}"], check=True, timeout=BUILD_TIMEOUT_S)
     found = binaries(build)
     if not found:
         raise RuntimeError(f"the llama.cpp build in {build} left no {', '.join(TARGETS)}")

@@ -112,15 +112,15 @@ def hf_folder(model: str, out: Path) -> Path:
     """The GGUF as a Hugging Face folder (transformers dequantizes it; fp32), made once."""
     if (out / "config.json").is_file():
         return _plain_config(out)
-    import torch
     from safetensors.torch import save_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from pdserve.bench.perplexity import load_transformers
 
     path = Path(model)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                              dtype=torch.float32)
+    hf = load_transformers(model)
     hf.config.save_pretrained(tmp)
     hf.generation_config.save_pretrained(tmp)
     save_model(hf, str(tmp / "model.safetensors"))  # save_pretrained refuses GGUF loads

@@ -18,6 +18,29 @@ from pdserve.engine.tiny_model import make_tiny_model  # noqa: E402
 from pdserve.scheduler.sampling_params import SamplingParams  # noqa: E402
 
 
+def random_hf_model(cfg_cls: str, **kw):
+    """A small random transformers model of config class ``cfg_cls`` (``kw`` overrides
+    the sizes), with non-trivial norms and biases."""
+    transformers = pytest.importorskip("transformers")
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    common.update(kw)
+    cfg = getattr(transformers, cfg_cls)(**common)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight") or n.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+@pytest.fixture
+def hf_random():
+    """``random_hf_model`` for a test."""
+    return random_hf_model
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_models")

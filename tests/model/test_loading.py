@@ -178,18 +178,8 @@ def test_config_variants_parse():
 
 # ---- other architectures against transformers -----------------------------------
 
-def _hf_random(tmp_path, name, cfg_cls, **kw):
-    transformers = pytest.importorskip("transformers")
-    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    common.update(kw)
-    cfg = getattr(transformers, cfg_cls)(**common)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():  # non-trivial norms and biases
-        for n, p in model.named_parameters():
-            if n.endswith("norm.weight") or n.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.3)
+def _hf_random(hf_random, tmp_path, name, cfg_cls, **kw):
+    model = hf_random(cfg_cls, **kw)
     model.save_pretrained(tmp_path / name)
     return tmp_path / name, model
 
@@ -206,8 +196,8 @@ def _hf_random(tmp_path, name, cfg_cls, **kw):
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
 ])
-def test_architecture_logits_match_transformers(tmp_path, name, cfg_cls, kw):
-    path, hf = _hf_random(tmp_path, name, cfg_cls, **kw)
+def test_architecture_logits_match_transformers(tmp_path, hf_random, name, cfg_cls, kw):
+    path, hf = _hf_random(hf_random, tmp_path, name, cfg_cls, **kw)
     runner = ModelRunner(path, block_size=8, num_kv_blocks=16, num_state_slots=2, ring_len=8)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 512, (45,), generator=g).tolist()
