@@ -237,7 +237,8 @@ def _prefill_matmul_flops(model, batch: int, prompt_len: int) -> int:
     last = model.model.layers[-1]
     kept_only = [last.self_attn.o, last.mlp.gate_up, last.mlp.down, model.logits_proj]
     kept_params = sum(m.in_features * m.out_features for m in kept_only)
-    all_params = model.matmul_weight_bytes() // model.logits_proj.weight.element_size()
+    all_params = sum(m.in_features * m.out_features for m in model.modules()
+                     if hasattr(m, "in_features") and hasattr(m, "panels"))
     return 2 * (tokens * (all_params - kept_params) + batch * kept_params)
 
 

@@ -42,6 +42,10 @@ class EngineSettings(SchedulerPolicy):
     # Which build of the C kernels runs (kernels/cbuild.py): auto (the widest vectors
     # the CPU reports), avx512, avx2 or generic; one the CPU cannot run is refused.
     kernel_isa: str = "auto"
+    # A GGUF model's Q8_0 / Q4_0 / Q4_1 matmuls read by the C decode step as the file
+    # holds them (int8 values, a scale and offset per 32; engine/quantized_weights.py):
+    # a quarter of the fp32 bytes. False: every step reads the dequantized fp32 weights.
+    quantized_weights: bool = True
     # Threads of a KV hand-off's block copies (the export's gather, the import's
     # scatter; kernels/kv_copy.c): one core's copy is bound by the misses it keeps in
     # flight, and two measured ~1.8x one here. A short burst while the engine waits.

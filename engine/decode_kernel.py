@@ -35,17 +35,23 @@ def build(model, isa: str | None = None) -> KernelDecode | None:
     if not dims.supported():
         return None
     weights = [decode_step.LayerWeights(
-        ln=ly.input_layernorm.weight, qkv=qkv.panels, qkv_bias=qkv.bias, o=o.panels,
-        o_bias=o.bias, ln2=ly.post_attention_layernorm.weight, gate_up=gu.panels,
-        gate_up_bias=gu.bias, down=down.panels, down_bias=down.bias,
+        ln=ly.input_layernorm.weight, qkv=_weight(qkv), qkv_bias=qkv.bias, o=_weight(o),
+        o_bias=o.bias, ln2=ly.post_attention_layernorm.weight, gate_up=_weight(gu),
+        gate_up_bias=gu.bias, down=_weight(down), down_bias=down.bias,
         q_norm=ly.self_attn.q_norm.weight if cfg.qk_norm else None,
         k_norm=ly.self_attn.k_norm.weight if cfg.qk_norm else None)
         for ly, (qkv, o, gu, down) in zip(layers, mats, strict=True)]
     head = model.logits_proj  # its bias, if any, stays with the torch path
     step = decode_step.DecodeStep(dims, weights, model.model.norm.weight,
-                                  head.panels if head.bias is None else None, head.out_features,
+                                  _weight(head) if head.bias is None else None, head.out_features,
                                   cfg.layer_windows, isa)
     return KernelDecode(model, step)
+
+
+def _weight(matmul):
+    """What the step reads of a matmul: its quantized panels (a GGUF file's blocks,
+    engine/quantized_weights.py) where it has them, else its fp32 panels."""
+    return matmul.quant if matmul.quant is not None else matmul.panels
 
 
 class KernelDecode:

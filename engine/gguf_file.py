@@ -196,6 +196,38 @@ class GGUFModel:
                     "attention.head_count_kv", self._need("attention.head_count"))))
         return values
 
+    def quantized(self, hf_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+        """The weight as the file holds it, where the C kernels compute with it in place
+        (``kernels/quant_panels.py``): (values int8 [N, K], scales float32 [N, K / 32],
+        offsets float32 [N, K / 32] or None) with ``scale * value + offset`` what
+        ``tensor`` dequantizes to; None for other types (Q8_0, Q4_0 and Q4_1 only)."""
+        t = self._tensors[self.gguf_name(hf_name)]
+        layout = _BLOCKS.get(t.tensor_type.name)
+        if layout is None:
+            return None
+        n, k = self.tensor_shape(hf_name)
+        blocks = np.asarray(t.data).reshape(n, k // 32, -1)
+        scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+        offsets = None
+        if layout == "q8_0":
+            values = blocks[..., 2:].copy().view(np.int8)
+        else:
+            nibbles = blocks[..., 4:] if layout == "q4_1" else blocks[..., 2:]
+            values = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).astype(np.int8)
+            if layout == "q4_0":
+                values -= 8
+            else:
+                offsets = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        values = values.reshape(n, k)
+        if self.hf_architecture in _PERMUTED_QK and hf_name.endswith(
+                ("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+            heads = int(self._need("attention.head_count") if "q_proj" in hf_name else
+                        self._arch("attention.head_count_kv",
+                                   self._need("attention.head_count")))
+            values, scales = _unpermute(values, heads), _unpermute(scales, heads)
+            offsets = None if offsets is None else _unpermute(offsets, heads)
+        return values, scales, offsets
+
     # -- tokenizer and chat template ---------------------------------------------------
 
     def tokenizer_dict(self) -> dict[str, Any]:
@@ -284,6 +316,10 @@ def _name_map(architecture: str, num_layers: int):
     if arch is None:
         raise GGUFError(f"unsupported GGUF architecture {architecture!r}")
     return gguf.get_tensor_name_map(arch, num_layers)
+
+
+# GGUF block types whose 32-value blocks the C kernels read in place (quantized()).
+_BLOCKS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:

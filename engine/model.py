@@ -77,6 +77,9 @@ class MatMul(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.panels = self.packed = self.transposed = None
+        # the weight as a GGUF file's blocks hold it, for the C decode step
+        # (engine/quantized_weights.py); None: it reads the fp32 panels
+        self.quant = None
         self.kernel_isa: str | None = None  # skinny_gemm's build; None: the host's
         if weight.device.type == "cpu" and weight.dtype == torch.float32:
             if self.out_features % 32 == 0 and skinny_gemm.available():
@@ -108,7 +111,10 @@ class MatMul(nn.Module):
         return cls(w, b)
 
     def weight_bytes(self) -> int:
-        """Bytes one multiplication reads (one copy of the weight)."""
+        """Bytes one decode multiplication reads (one copy of the weight: its quantized
+        panels where it has them)."""
+        if self.quant is not None:
+            return self.quant.nbytes()
         return self.out_features * self.in_features * self.weight.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -333,8 +339,11 @@ class CausalLM(nn.Module):
 
 
 def load_model(model_dir, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> tuple[ModelConfig, CausalLM]:
-    """Build the model for ``model_dir``'s config.json and load its checked weights."""
+               device: str | torch.device = "cpu",
+               quantized: bool = True) -> tuple[ModelConfig, CausalLM]:
+    """Build the model for ``model_dir``'s config.json and load its checked weights;
+    ``quantized``: a GGUF file's quantized matmuls also kept as its blocks hold them,
+    for the C decode step (engine/quantized_weights.py)."""
     cfg = ModelConfig.from_model(model_dir)
     with torch.device("meta"):
         model = CausalLM(cfg)
@@ -355,4 +364,8 @@ def load_model(model_dir, dtype: torch.dtype = torch.float32,
         model.lm_head.weight = model.model.embed_tokens.weight
     model.init_rope(device)
     model.fuse()
+    if quantized:
+        from pdserve.engine import quantized_weights
+
+        quantized_weights.attach(model, model_dir)
     return cfg, model.eval().requires_grad_(False)

@@ -77,18 +77,32 @@ static void rms_norm_row(const float *x, const float *w, int64_t H, float eps, f
     for (int64_t k = 0; k < H; k += VW) vstore(out + k, vload(x + k) * r * vload(w + k));
 }
 
+/* A matmul's weight (decode_step.py's WEIGHT_FIELDS): fp32 column panels, or
+ * quantized ones (skinny_block.h's QPanels: int8 values, scales, offsets, bk). */
+enum { W_FP32 = 0, W_INT8 = 1 };
+typedef struct {
+    int64_t format;
+    const void *values;
+    const float *scales, *offsets;
+    int64_t bk;
+} Weight;
+
 /* Threads take chunks of panel pairs from a shared counter, so one slowed by its
  * neighbours on the memory bus does not hold the others at the barrier. Each output
  * column is still computed whole by one thread, in the same order: results do not
  * depend on who took which chunk. */
 static void matmul(int64_t *next, int threads, const float *x, int64_t M, int64_t K,
-                   const float *panels, int64_t N, const float *bias, float *out, int add_to) {
+                   const Weight *w, int64_t N, const float *bias, float *out, int add_to) {
     int64_t pairs = (N + PAIR_COLS - 1) / PAIR_COLS, chunk = pairs / (8 * threads) > 1 ? pairs / (8 * threads) : 1;
+    const QPanels q = {(const int8_t *)w->values, w->scales, w->offsets, w->bk};
     for (;;) {
         int64_t p0 = __atomic_fetch_add(next, chunk, __ATOMIC_RELAXED);
         if (p0 >= pairs) return;
-        matmul_pairs(x, M, K, panels, N, bias, out, N, add_to, p0,
-                     p0 + chunk < pairs ? p0 + chunk : pairs);
+        int64_t p1 = p0 + chunk < pairs ? p0 + chunk : pairs;
+        if (w->format == W_INT8)
+            matmul_pairs_q8(x, M, K, &q, N, bias, out, N, add_to, p0, p1);
+        else
+            matmul_pairs(x, M, K, (const float *)w->values, N, bias, out, N, add_to, p0, p1);
     }
 }
 
@@ -216,8 +230,8 @@ int64_t decode_step_workspace(const int64_t *dims, int64_t threads) {
  * [n]: the position each row writes (pos < MAX_LEN; it attends to [0, pos], or to its
  * last `window` positions in a sliding-window layer, whose ring row pos % RING_LEN it
  * overwrites: the position window-or-more before, which no query needs again).
- * layers: P_COUNT pointers per layer (biases may be 0). lm_head: NULL, or the LM head's
- * panels for `vocab` outputs, whose logits [n, vocab] are then written to `logits`.
+ * layers: P_COUNT pointers per layer (biases may be 0; a matmul's is to its Weight).
+ * lm_head: NULL, or the LM head's Weight for `vocab` outputs, whose logits [n, vocab] are then written to `logits`.
  * times: NULL, or 2 * PH_COUNT doubles that thread 0's phase times are added to (see
  * end_phase). Returns 0; -1 when the work counters could not be allocated; -2 - r when
  * row r's position or a block id it reads is outside dims' bounds (nothing is written
@@ -225,7 +239,7 @@ int64_t decode_step_workspace(const int64_t *dims, int64_t threads) {
 int decode_step(const int64_t *dims, const int64_t *layers, float *h, const float *cos,
                 const float *sin, const int64_t *tables, const int64_t *states,
                 const int64_t *pos,
-                const float *norm_w, float *out, const float *lm_head, int64_t vocab,
+                const float *norm_w, float *out, const Weight *lm_head, int64_t vocab,
                 float *logits, float *work, double eps_d, double scale_d, int threads,
                 double *times) {
     const int64_t n = dims[D_ROWS], H = dims[D_HIDDEN], hq = dims[D_Q_HEADS];
@@ -267,7 +281,7 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
         for (int64_t l = 0; l < L; l++) {
             const int64_t *p = layers + l * P_COUNT;
             int64_t *next = counters + 5 * l;
-            matmul(next, nt, x, n, H, (const float *)p[P_QKV], W, (const float *)p[P_QKV_B], qkv, 0);
+            matmul(next, nt, x, n, H, (const Weight *)p[P_QKV], W, (const float *)p[P_QKV_B], qkv, 0);
             end_phase(&barrier, t, nt, times, PH_QKV, &mark);
             float *ks = (float *)p[P_K_STORE], *vs = (float *)p[P_V_STORE];
             const int64_t window = p[P_WINDOW];
@@ -308,12 +322,12 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
                 attend_any(q, kv, len, hq, g, D, scale, scores, attn + r * hq * D);
             }
             end_phase(&barrier, t, nt, times, PH_ATTENTION, &mark);
-            matmul(next + 1, nt, attn, n, hq * D, (const float *)p[P_O], H, (const float *)p[P_O_B], h, 1);
+            matmul(next + 1, nt, attn, n, hq * D, (const Weight *)p[P_O], H, (const float *)p[P_O_B], h, 1);
             end_phase(&barrier, t, nt, times, PH_O, &mark);
             for (int64_t r = t; r < n; r += nt)
                 rms_norm_row(h + r * H, (const float *)p[P_LN2], H, eps, x + r * H);
             end_phase(&barrier, t, nt, times, PH_POST_NORM, &mark);
-            matmul(next + 2, nt, x, n, H, (const float *)p[P_GATE_UP], 2 * I, (const float *)p[P_GATE_UP_B],
+            matmul(next + 2, nt, x, n, H, (const Weight *)p[P_GATE_UP], 2 * I, (const float *)p[P_GATE_UP_B],
                    gu, 0);
             end_phase(&barrier, t, nt, times, PH_GATE_UP, &mark);
             for (int64_t r = t; r < n; r += nt) {
@@ -325,7 +339,7 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
                 }
             }
             end_phase(&barrier, t, nt, times, PH_SILU_MUL, &mark);
-            matmul(next + 3, nt, act, n, I, (const float *)p[P_DOWN], H, (const float *)p[P_DOWN_B], h, 1);
+            matmul(next + 3, nt, act, n, I, (const Weight *)p[P_DOWN], H, (const float *)p[P_DOWN_B], h, 1);
             end_phase(&barrier, t, nt, times, PH_DOWN, &mark);
             const float *next_w = l + 1 < L ? (const float *)layers[(l + 1) * P_COUNT + P_LN] : norm_w;
             for (int64_t r = t; r < n; r += nt) {

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kernels import cbuild, skinny_gemm
+from pdserve.kernels.quant_panels import QuantPanels
 
 # Phases of a layer, in decode_step.c's PH_* order ("norm" includes the final norm).
 PHASES = ("norm", "qkv", "attention", "o_proj", "post_norm", "gate_up", "silu_mul", "down",
@@ -48,6 +49,9 @@ PHASES = ("norm", "qkv", "attention", "o_proj", "post_norm", "gate_up", "silu_mu
 LAYER_FIELDS = ("ln", "qkv", "qkv_bias", "o", "o_bias", "ln2", "gate_up", "gate_up_bias",
                 "down", "down_bias", "q_norm", "k_norm", "k_store", "v_store", "window")
 _WEIGHT_FIELDS = LAYER_FIELDS[:12]
+_MATMUL_FIELDS = ("qkv", "o", "gate_up", "down")
+# A matmul's weight as decode_step.c's Weight struct: format, values, scales, offsets, bk.
+W_FP32, W_INT8 = 0, 1
 
 
 def _library(isa: str | None = None) -> ctypes.CDLL | None:
@@ -89,20 +93,24 @@ class StepDims:
                 and self.q_heads % self.kv_heads == 0)
 
 
+Weight = torch.Tensor | QuantPanels
+
+
 @dataclass
 class LayerWeights:
     """One layer's tensors (fp32, CPU, contiguous): norms' weights, and matmuls as
-    ``skinny_gemm.pack`` panels; biases may be None."""
+    ``skinny_gemm.pack`` panels or ``QuantPanels`` (int8 values dequantized in
+    registers); biases may be None."""
 
     ln: torch.Tensor
-    qkv: torch.Tensor
+    qkv: Weight
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: Weight
     o_bias: torch.Tensor | None
     ln2: torch.Tensor
-    gate_up: torch.Tensor  # gate's rows, then up's
+    gate_up: Weight  # gate's rows, then up's
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
+    down: Weight
     down_bias: torch.Tensor | None
     q_norm: torch.Tensor | None = None  # per-head RMSNorm weights (Qwen3), or None
     k_norm: torch.Tensor | None = None
@@ -117,12 +125,21 @@ def _ptr(t: torch.Tensor | None) -> int:
     return t.data_ptr()
 
 
+def _descriptor(w: Weight) -> list[int]:
+    """decode_step.c's Weight for fp32 panels or quantized ones."""
+    if isinstance(w, QuantPanels):
+        if w.values.dtype != torch.int8 or not w.values.is_contiguous():
+            raise ValueError("quantized panels must be contiguous int8")
+        return [W_INT8, w.values.data_ptr(), _ptr(w.scales), _ptr(w.offsets), w.block_k]
+    return [W_FP32, _ptr(w), 0, 0, 0]
+
+
 class DecodeStep:
     def __init__(self, dims: StepDims, layers: list[LayerWeights], final_norm: torch.Tensor,
                  lm_head: torch.Tensor | None = None, vocab_size: int = 0,
                  windows: tuple[int | None, ...] | None = None, isa: str | None = None):
-        """``lm_head``: the LM head's panels (``skinny_gemm.pack``) for ``vocab_size``
-        outputs, so that ``run(..., with_logits=True)`` ends with the logits.
+        """``lm_head``: the LM head's panels (``skinny_gemm.pack``, or ``QuantPanels``) for
+        ``vocab_size`` outputs, so that ``run(..., with_logits=True)`` ends with the logits.
         ``windows``: each layer's sliding window (None: full attention, the default).
         ``isa``: which build runs it (default: the host's, ``cbuild.host_isa``)."""
         self.isa = cbuild.resolve_isa(isa)
@@ -135,7 +152,17 @@ class DecodeStep:
         if len(self.windows) != len(layers) or any(w is not None and w < 1 for w in self.windows):
             raise ValueError(f"windows must give a window >= 1 or None per layer, got {windows}")
         self.lm_head, self.vocab_size = lm_head, vocab_size
-        self._weights = [[_ptr(getattr(w, f)) for f in _WEIGHT_FIELDS] for w in layers]
+        # one Weight struct (5 int64) per matmul, the LM head's last; layers point into it
+        mats = [getattr(w, f) for w in layers for f in _MATMUL_FIELDS]
+        self._descriptors = torch.tensor(
+            [_descriptor(m) for m in mats] + [_descriptor(lm_head) if lm_head is not None
+                                              else [0] * 5], dtype=torch.int64)
+        base, size = self._descriptors.data_ptr(), 5 * 8
+        where = {(i, f): base + (i * len(_MATMUL_FIELDS) + j) * size
+                 for i in range(len(layers)) for j, f in enumerate(_MATMUL_FIELDS)}
+        self._lm_head_descriptor = base + len(mats) * size if lm_head is not None else None
+        self._weights = [[where[i, f] if f in _MATMUL_FIELDS else _ptr(getattr(w, f))
+                          for f in _WEIGHT_FIELDS] for i, w in enumerate(layers)]
         self._pointers_for = None  # the cache tensors' addresses the table was built for
         self._pointers = None
         self._work = torch.empty(0)
@@ -214,7 +241,7 @@ class DecodeStep:
             dims.data_ptr(), self._layer_pointers(k_stores, v_stores).data_ptr(), _ptr(h),
             _ptr(cos), _ptr(sin), tables.data_ptr(), states.data_ptr(), positions.data_ptr(),
             _ptr(self.final_norm), _ptr(out),
-            _ptr(self.lm_head) if with_logits else None, self.vocab_size, _ptr(logits),
+            self._lm_head_descriptor if with_logits else None, self.vocab_size, _ptr(logits),
             self._work.data_ptr(), d.eps, d.scale, threads,
             None if self._times is None else self._times.data_ptr())
         if rc == -1:

@@ -11,6 +11,9 @@
 #ifndef PDSERVE_SKINNY_BLOCK_H
 #define PDSERVE_SKINNY_BLOCK_H
 #include "simd.h"
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #define PANEL 16
 #define PAIR_COLS 32  /* the unit threads take: two panels */
@@ -102,6 +105,109 @@ static inline void matmul_pairs(const float *x, int64_t M, int64_t K, const floa
                 block_rows_cols(x + g * K, K, w, k0, k1, acc[0], 1);
                 for (int64_t rb = 1; rb < blocks; rb++)
                     block_rows_cols(x + (g + rb * BLOCK_ROWS) * K, K, w, k0, k1, acc[rb], 0);
+            }
+            for (int64_t i = 0; i < rows; i++)
+                for (int j = 0; j < BLOCK_VECS; j++) {
+                    int64_t col = c + j * VW, n = N - col;
+                    float *o = out + (g + i) * ldo + col;
+                    vf y = acc[i / BLOCK_ROWS][(i % BLOCK_ROWS) * BLOCK_VECS + j] + b[j];
+                    if (add_to) y += vload_n(o, n);
+                    vstore_n(o, y, n);
+                }
+        }
+    }
+}
+
+/* ---- quantized weights: int8 values dequantized in registers ------------------------
+ * A weight [N, K] kept as int8 values q in column panels [P][K][16] (16 bytes a panel
+ * row) with, per panel column and block of `bk` consecutive k, a scale s and an offset
+ * m (fp32, [P][K / bk][16]): w = s * q + m, what GGUF's Q8_0 (m = 0), Q4_0 (q - 8,
+ * m = 0), Q4_1 and Q4_K (q in 0..15, m its block's min) dequantize to. Each panel row
+ * is converted and scaled once in registers (one FMA per vector, shared by every row of
+ * x), then used like an fp32 panel row: the memory stream is a quarter of fp32's. */
+typedef int8_t vq __attribute__((vector_size(VW)));
+typedef int8_t vq_unaligned __attribute__((vector_size(VW), aligned(1)));
+
+typedef struct {
+    const int8_t *values; /* [P][K][16] */
+    const float *scales;  /* [P][K / bk][16] */
+    const float *offsets; /* [P][K / bk][16], or NULL: all zero */
+    int64_t bk;           /* k per scale; divides K and K_CHUNK */
+} QPanels;
+
+/* VW int8 values at p as floats. GCC lowers __builtin_convertvector from int8 to a
+ * byte-by-byte loop, so the two x86 widths say it with their one sign-extending load
+ * (vpmovsxbd) and conversion; the portable form serves the rest. */
+static inline vf vq_load(const int8_t *p) {
+#if VW == 16 && defined(__AVX512F__)
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif VW == 8 && defined(__AVX2__)
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    return __builtin_convertvector(*(const vq_unaligned *)p, vf);
+#endif
+}
+
+/* block_rows_cols on quantized panels: column vector j starts at column c + j * VW. */
+static inline __attribute__((always_inline)) void block_rows_cols_q8(
+    const float *x, int64_t K, const QPanels *w, int64_t c, int64_t k0, int64_t k1,
+    vf acc[BLOCK_ACCS], const int prefetch) {
+    vf a[BLOCK_ACCS];
+    const int8_t *q[BLOCK_VECS];
+    const float *sc[BLOCK_VECS], *of[BLOCK_VECS];
+    for (int j = 0; j < BLOCK_VECS; j++) {
+        const int64_t col = c + j * VW, panel = col / PANEL;
+        q[j] = w->values + panel * K * PANEL + col % PANEL;
+        sc[j] = w->scales + panel * (K / w->bk) * PANEL + col % PANEL;
+        of[j] = w->offsets ? w->offsets + panel * (K / w->bk) * PANEL + col % PANEL : NULL;
+    }
+    for (int i = 0; i < BLOCK_ACCS; i++) a[i] = acc[i];
+    for (int64_t kb = k0; kb < k1; kb += w->bk) {
+        vf s[BLOCK_VECS], m[BLOCK_VECS];
+        for (int j = 0; j < BLOCK_VECS; j++) {
+            s[j] = vload(sc[j] + (kb / w->bk) * PANEL);
+            m[j] = of[j] ? vload(of[j] + (kb / w->bk) * PANEL) : vzero();
+        }
+        for (int64_t k = kb; k < kb + w->bk; k++) {
+            if (prefetch) {
+#pragma GCC unroll 2
+                for (int j = 0; j < BLOCK_VECS; j++)
+                    if ((j * VW) % PANEL == 0) PREFETCH_L1(q[j] + (k + 4 * PREFETCH_K) * PANEL);
+            }
+            vf v[BLOCK_VECS];
+#pragma GCC unroll 2
+            for (int j = 0; j < BLOCK_VECS; j++) v[j] = vfma(vq_load(q[j] + k * PANEL), s[j], m[j]);
+#pragma GCC unroll 8
+            for (int r = 0; r < BLOCK_ROWS; r++) {
+                vf b = vset1(x[r * K + k]);
+#pragma GCC unroll 2
+                for (int j = 0; j < BLOCK_VECS; j++)
+                    a[r * BLOCK_VECS + j] = vfma(b, v[j], a[r * BLOCK_VECS + j]);
+            }
+        }
+    }
+    for (int i = 0; i < BLOCK_ACCS; i++) acc[i] = a[i];
+}
+
+/* matmul_pairs on quantized panels (same contract: rows [0, M), panel pairs [p0, p1)). */
+static inline void matmul_pairs_q8(const float *x, int64_t M, int64_t K, const QPanels *w,
+                                   int64_t N, const float *bias, float *out, int64_t ldo,
+                                   int add_to, int64_t p0, int64_t p1) {
+    vf acc[ROW_GROUP / BLOCK_ROWS][BLOCK_ACCS];
+    for (int64_t c = p0 * PAIR_COLS; c < p1 * PAIR_COLS; c += BLOCK_COLS) {
+        vf b[BLOCK_VECS];
+        for (int j = 0; j < BLOCK_VECS; j++)
+            b[j] = bias ? vload_n(bias + c + j * VW, N - c - j * VW) : vzero();
+        for (int64_t g = 0; g < M; g += ROW_GROUP) {
+            const int64_t rows = M - g < ROW_GROUP ? M - g : ROW_GROUP;
+            const int64_t blocks = (rows + BLOCK_ROWS - 1) / BLOCK_ROWS;
+            for (int64_t rb = 0; rb < blocks; rb++)
+                for (int i = 0; i < BLOCK_ACCS; i++) acc[rb][i] = vzero();
+            for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK) {
+                const int64_t k1 = k0 + K_CHUNK < K ? k0 + K_CHUNK : K;
+                block_rows_cols_q8(x + g * K, K, w, c, k0, k1, acc[0], 1);
+                for (int64_t rb = 1; rb < blocks; rb++)
+                    block_rows_cols_q8(x + (g + rb * BLOCK_ROWS) * K, K, w, c, k0, k1, acc[rb], 0);
             }
             for (int64_t i = 0; i < rows; i++)
                 for (int j = 0; j < BLOCK_VECS; j++) {

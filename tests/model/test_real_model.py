@@ -111,3 +111,4 @@ def test_perplexity_within_half_a_percent_of_transformers(real_model_path, hf_re
     theirs = perplexity.transformers_perplexity(hf_real_model, token_chunks)
     assert 5 < theirs < 30  # an English text, a small model: a sane figure
     assert abs(ours / theirs - 1) < 0.005, (ours, theirs)
+

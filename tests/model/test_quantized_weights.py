@@ -1,0 +1,134 @@
+"""Quantized weights computed in place (kernels/quant_panels.py, engine/quantized_weights.py):
+the int8 matmul against the dequantized weight on every ISA build this CPU runs, a GGUF
+file's blocks read without dequantizing equal to its dequantized tensors bit for bit, and
+the real model's decode steps on its Q4_1 / Q8_0 blocks against the same steps on the
+dequantized fp32 weights (logits, and greedy tokens wherever fp32 has no near tie)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pdserve.kernels import cbuild, quant_panels, skinny_gemm
+from pdserve.kernels.quant_panels import QuantPanels, QuantRows
+
+ISAS = list(cbuild.runnable_isas())  # every build this CPU can run
+
+
+def _rows(n: int, k: int, offsets: bool, seed: int = 0) -> QuantRows:
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8) if not offsets \
+        else torch.randint(0, 16, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, k // 32, generator=g) * 0.02
+    offs = -torch.rand(n, k // 32, generator=g) * 0.1 if offsets else None
+    return QuantRows(values, scales, offs, 32)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("offsets", [False, True])
+def test_int8_matmul_equals_the_dequantized_weight(isa, offsets):
+    rows = _rows(200, 576, offsets)  # 200 outputs: the last panel pair half empty
+    panels = QuantPanels.pack(rows)
+    w = rows.dequantize()
+    bias = torch.randn(200)
+    for m in (1, 5, 16, 40):  # one row, part of a block, whole blocks, several groups
+        x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
+        got = quant_panels.matmul(x, panels, bias, isa=isa)
+        want = (x.double() @ w.double().T + bias.double()).float()
+        assert got.shape == (m, 200)
+        assert (got - want).abs().max().item() < 1e-5 * max(1.0, want.abs().max().item())
+        fp32 = skinny_gemm.matmul(x, skinny_gemm.pack(w), 200, bias)
+        assert (got - fp32).abs().max().item() < 1e-4
+
+
+def test_quant_rows_check_their_shapes():
+    with pytest.raises(ValueError, match="block_k"):
+        QuantRows(torch.zeros(4, 40, dtype=torch.int8), torch.zeros(4, 1), None, 32)
+    with pytest.raises(ValueError, match="scales"):
+        QuantRows(torch.zeros(4, 64, dtype=torch.int8), torch.zeros(4, 3), None, 32)
+    with pytest.raises(ValueError, match="one K"):
+        QuantRows.cat([_rows(32, 64, False), _rows(32, 96, False)])
+    both = QuantRows.cat([_rows(32, 64, False), _rows(64, 64, True, seed=1)])
+    assert both.shape == (96, 64) and both.offsets is not None
+    assert torch.equal(both.offsets[:32], torch.zeros(32, 2))  # the symmetric part
+
+
+def test_gguf_blocks_read_in_place_equal_the_dequantized_tensor(real_model_path):
+    """Q4_1 (with llama.cpp's Q/K row order undone) and Q8_0 (the tied embedding)."""
+    from pdserve.engine.gguf_file import GGUFModel
+
+    g = GGUFModel.open(real_model_path)
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+                 "model.layers.7.mlp.down_proj.weight", "model.embed_tokens.weight"):
+        values, scales, offsets = g.quantized(name)
+        rows = QuantRows(torch.from_numpy(values), torch.from_numpy(scales),
+                         None if offsets is None else torch.from_numpy(offsets), 32)
+        assert torch.equal(rows.dequantize(), torch.from_numpy(g.tensor(name))), name
+    assert g.quantized("model.norm.weight") is None  # F32: not a block type
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_each_block_type_reads_back_bit_for_bit(tmp_path, qtype):
+    import gguf
+
+    from pdserve.engine.gguf_file import GGUFModel
+
+    x = np.random.default_rng(0).standard_normal((64, 96)).astype(np.float32)
+    t = gguf.GGMLQuantizationType[qtype]
+    path = tmp_path / "one.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)  # what the name map needs
+    q = gguf.quants.quantize(x, t)
+    w.add_tensor("output.weight", q, raw_shape=q.shape, raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    g = GGUFModel(path, gguf.GGUFReader(str(path)))
+    values, scales, offsets = g.quantized("lm_head.weight")
+    assert (offsets is not None) == (qtype == "Q4_1")
+    rows = QuantRows(torch.from_numpy(values), torch.from_numpy(scales),
+                     None if offsets is None else torch.from_numpy(offsets), 32)
+    want = gguf.quants.dequantize(q, t).reshape(64, 96)
+    assert torch.equal(rows.dequantize(), torch.from_numpy(want))
+
+
+def test_quantized_decode_steps_match_the_fp32_weights(real_model_path, real_chat_prompts):
+    """The C decode step on the file's Q4_1 / Q8_0 blocks against the same step on the
+    dequantized fp32 panels: the same weights, so logits differ only by rounding, and
+    greedy tokens are equal wherever fp32's top two are not a near tie (margins shown)."""
+    from pdserve.engine.model import MatMul
+    from pdserve.engine.model_runner import ModelRunner, RunnerRow
+
+    runner = ModelRunner(real_model_path, block_size=16, num_kv_blocks=16, num_state_slots=2,
+                         ring_len=16)
+    model = runner.model
+    mats = [m for m in model.modules() if isinstance(m, MatMul)]
+    assert all(m.quant is not None for m in mats)  # every matmul of the Q4_1 file
+    quant = [m.quant for m in mats]
+    # 1 byte a value, plus a scale and an offset (4 bytes each) per 32: 1.25 of 4 bytes
+    fp32_bytes = sum(4 * m.out_features * m.in_features for m in mats)
+    assert model.matmul_weight_bytes() == sum(q.nbytes() for q in quant) < 0.32 * fp32_bytes
+
+    def decode_logits(ids: list[int]) -> torch.Tensor:
+        table = list(range(1, 1 + -(-len(ids) // runner.block_size)))
+        runner.compute_logits([RunnerRow(ids[:-1], 0, table, 1)])  # the prompt's KV
+        return runner.compute_logits([RunnerRow(ids[-1:], len(ids) - 1, table, 1)])[0]
+
+    prompts = [p[:40] for p in real_chat_prompts]
+    try:
+        q_logits = [decode_logits(p) for p in prompts]
+        for m in mats:
+            m.quant = None
+        model.use_decode_kernel(True)
+        f_logits = [decode_logits(p) for p in prompts]
+    finally:
+        for m, q in zip(mats, quant, strict=True):
+            m.quant = q
+        model.use_decode_kernel(True)
+    for q, f in zip(q_logits, f_logits, strict=True):
+        assert (q - f).abs().max().item() < 2e-3 * f.abs().max().item()
+        top2 = f.topk(2).values
+        if (top2[0] - top2[1]).item() > 1e-3:  # no near tie: the same argmax
+            assert q.argmax().item() == f.argmax().item()
