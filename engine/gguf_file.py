@@ -214,8 +214,8 @@ class GGUFModel:
         else:
             nibbles = blocks[..., 4:] if layout == "q4_1" else blocks[..., 2:]
             values = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).astype(np.int8)
-            if layout == "q4_0":
-                values -= 8
+            if layout == "q4_0":  # d * (q - 8) as d * q + (-8 d): both exact in float32
+                offsets = -8.0 * scales
             else:
                 offsets = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
         values = values.reshape(n, k)

@@ -77,14 +77,14 @@ static void rms_norm_row(const float *x, const float *w, int64_t H, float eps, f
     for (int64_t k = 0; k < H; k += VW) vstore(out + k, vload(x + k) * r * vload(w + k));
 }
 
-/* A matmul's weight (decode_step.py's WEIGHT_FIELDS): fp32 column panels, or
- * quantized ones (skinny_block.h's QPanels: int8 values, scales, offsets, bk). */
-enum { W_FP32 = 0, W_INT8 = 1 };
+/* A matmul's weight (decode_step.py's _descriptor): fp32 column panels, or quantized
+ * ones (skinny_block.h's QPanels: values, scales, offsets, bk, bits). */
+enum { W_FP32 = 0, W_QUANT = 1 };
 typedef struct {
     int64_t format;
     const void *values;
     const float *scales, *offsets;
-    int64_t bk;
+    int64_t bk, bits;
 } Weight;
 
 /* Threads take chunks of panel pairs from a shared counter, so one slowed by its
@@ -94,12 +94,12 @@ typedef struct {
 static void matmul(int64_t *next, int threads, const float *x, int64_t M, int64_t K,
                    const Weight *w, int64_t N, const float *bias, float *out, int add_to) {
     int64_t pairs = (N + PAIR_COLS - 1) / PAIR_COLS, chunk = pairs / (8 * threads) > 1 ? pairs / (8 * threads) : 1;
-    const QPanels q = {(const int8_t *)w->values, w->scales, w->offsets, w->bk};
+    const QPanels q = {(const uint8_t *)w->values, w->scales, w->offsets, w->bk, w->bits};
     for (;;) {
         int64_t p0 = __atomic_fetch_add(next, chunk, __ATOMIC_RELAXED);
         if (p0 >= pairs) return;
         int64_t p1 = p0 + chunk < pairs ? p0 + chunk : pairs;
-        if (w->format == W_INT8)
+        if (w->format == W_QUANT)
             matmul_pairs_q8(x, M, K, &q, N, bias, out, N, add_to, p0, p1);
         else
             matmul_pairs(x, M, K, (const float *)w->values, N, bias, out, N, add_to, p0, p1);

@@ -7,11 +7,13 @@
 A weight is ``w = scale * q + offset`` per row and block of ``block_k`` consecutive k:
 what a GGUF file's Q8_0 (offset 0), Q4_0 (q - 8, offset 0) and Q4_1 (q in 0..15, offset
 its block's min) blocks hold (``engine/gguf_file.py`` reads them without dequantizing).
-``QuantPanels`` lays the values out as ``skinny_gemm``'s column panels ([P, K, 16] int8,
-a quarter of fp32's bytes) and the scales and offsets per panel column and block
-([P, K / bk, 16] fp32); ``skinny_block.h``'s ``matmul_pairs_q8`` converts each panel
-row to fp32 in registers (``q * scale + offset``, one FMA shared by every row of x) and
-multiplies as the fp32 kernel does. The values are the file's, so the weight is the one
+``QuantPanels`` lays the values out as ``skinny_gemm``'s column panels: [P, K, 16] int8
+(a quarter of fp32's bytes), or, where every value lies in 0..15 (Q4_0 with offset
+``-8 * scale``, Q4_1), [P, K, 8] nibble pairs (an eighth; byte j holds column j low and
+column j + 8 high); the scales and offsets per panel column and block [P, K / bk, 16]
+fp32. ``skinny_block.h``'s ``matmul_pairs_q8`` converts each panel row to fp32 in
+registers (``q * scale + offset``, one FMA shared by every row of x) and multiplies as
+the fp32 kernel does. The values are the file's, so the weight is the one
 its dequantized copy holds; only the products' rounding differs (the FMA rounds
 ``scale * q + offset`` once where numpy's dequantization rounds twice).
 """
@@ -86,18 +88,25 @@ def _panels(t: torch.Tensor, p: int) -> torch.Tensor:
 class QuantPanels:
     """``QuantRows`` in the C kernels' layout (see the module docstring)."""
 
-    values: torch.Tensor  # int8 [P, K, 16]
+    values: torch.Tensor  # int8 [P, K, 16], or uint8 [P, K, 8] nibble pairs (bits 4)
     scales: torch.Tensor  # fp32 [P, K / block_k, 16]
     offsets: torch.Tensor | None
     block_k: int
     out_features: int
+    bits: int = 8
 
     @classmethod
-    def pack(cls, rows: QuantRows) -> QuantPanels:
+    def pack(cls, rows: QuantRows, nibbles: bool = True) -> QuantPanels:
+        """``nibbles``: values that all lie in 0..15 are kept 4 bits each."""
         n = rows.shape[0]
         p = -(-n // (2 * PANEL)) * 2  # even: threads take pairs of panels
         offsets = None if rows.offsets is None else _panels(rows.offsets, p)
-        return cls(_panels(rows.values, p), _panels(rows.scales, p), offsets, rows.block_k, n)
+        values, bits = _panels(rows.values, p), 8
+        if nibbles and rows.values.numel() and int(rows.values.min()) >= 0 \
+                and int(rows.values.max()) <= 15:
+            low, high = values[..., :PANEL // 2], values[..., PANEL // 2:]
+            values, bits = (low | (high << 4)).view(torch.uint8).contiguous(), 4
+        return cls(values, _panels(rows.scales, p), offsets, rows.block_k, n, bits)
 
     @property
     def in_features(self) -> int:
@@ -119,8 +128,8 @@ def _built(isa: str) -> ctypes.CDLL | None:
     if lib is not None:
         lib.skinny_gemm_q8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                       ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                       ctypes.c_void_p]
+                                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                       ctypes.c_void_p, ctypes.c_void_p]
         lib.skinny_gemm_q8.restype = ctypes.c_int
     return lib
 
@@ -144,7 +153,7 @@ def matmul(x: torch.Tensor, w: QuantPanels, bias: torch.Tensor | None = None,
         b = None if bias is None else bias.contiguous()
         rc = lib.skinny_gemm_q8(x.data_ptr(), m, k, w.values.data_ptr(), w.scales.data_ptr(),
                                 None if w.offsets is None else w.offsets.data_ptr(), w.block_k,
-                                w.out_features, None if b is None else b.data_ptr(),
+                                w.bits, w.out_features, None if b is None else b.data_ptr(),
                                 out.data_ptr())
         if rc != 0:
             raise MemoryError("skinny_gemm_q8 could not allocate its scratch rows")

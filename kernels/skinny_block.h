@@ -118,27 +118,30 @@ static inline void matmul_pairs(const float *x, int64_t M, int64_t K, const floa
     }
 }
 
-/* ---- quantized weights: int8 values dequantized in registers ------------------------
- * A weight [N, K] kept as int8 values q in column panels [P][K][16] (16 bytes a panel
- * row) with, per panel column and block of `bk` consecutive k, a scale s and an offset
- * m (fp32, [P][K / bk][16]): w = s * q + m, what GGUF's Q8_0 (m = 0), Q4_0 (q - 8,
- * m = 0), Q4_1 and Q4_K (q in 0..15, m its block's min) dequantize to. Each panel row
- * is converted and scaled once in registers (one FMA per vector, shared by every row of
- * x), then used like an fp32 panel row: the memory stream is a quarter of fp32's. */
+/* ---- quantized weights: small integers dequantized in registers ---------------------
+ * A weight [N, K] kept as integer values q in column panels [P][K][16] with, per panel
+ * column and block of `bk` consecutive k, a scale s and an offset m (fp32, [P][K / bk]
+ * [16]): w = s * q + m, what GGUF's Q8_0 (m = 0), Q4_0 (m = -8 s) and Q4_1 (m its
+ * block's min) dequantize to. Values are int8 (16 bytes a panel row) or, where they fit
+ * in 0..15, nibbles (8 bytes a panel row: byte j holds column j in its low half and
+ * column j + 8 in its high half). Each panel row is converted and scaled once in
+ * registers (one FMA per vector, shared by every row of x), then used like an fp32 panel
+ * row: the memory stream is a quarter (int8) or an eighth (nibbles) of fp32's. */
 typedef int8_t vq __attribute__((vector_size(VW)));
 typedef int8_t vq_unaligned __attribute__((vector_size(VW), aligned(1)));
 
 typedef struct {
-    const int8_t *values; /* [P][K][16] */
-    const float *scales;  /* [P][K / bk][16] */
-    const float *offsets; /* [P][K / bk][16], or NULL: all zero */
-    int64_t bk;           /* k per scale; divides K and K_CHUNK */
+    const uint8_t *values; /* [P][K][16] int8, or [P][K][8] nibble pairs */
+    const float *scales;   /* [P][K / bk][16] */
+    const float *offsets;  /* [P][K / bk][16], or NULL: all zero */
+    int64_t bk;            /* k per scale; divides K and K_CHUNK */
+    int64_t bits;          /* 8 or 4 */
 } QPanels;
 
 /* VW int8 values at p as floats. GCC lowers __builtin_convertvector from int8 to a
  * byte-by-byte loop, so the two x86 widths say it with their one sign-extending load
  * (vpmovsxbd) and conversion; the portable form serves the rest. */
-static inline vf vq_load(const int8_t *p) {
+static inline vf vq8_load(const uint8_t *p) {
 #if VW == 16 && defined(__AVX512F__)
     return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 #elif VW == 8 && defined(__AVX2__)
@@ -148,18 +151,45 @@ static inline vf vq_load(const int8_t *p) {
 #endif
 }
 
-/* block_rows_cols on quantized panels: column vector j starts at column c + j * VW. */
-static inline __attribute__((always_inline)) void block_rows_cols_q8(
+/* Columns [c0, c0 + VW) of a nibble panel row (c0 a multiple of VW within the panel). */
+static inline vf vq4_load(const uint8_t *row, int64_t c0) {
+#if VW == 16 && defined(__AVX512F__)
+    (void)c0;
+    __m128i b = _mm_loadl_epi64((const __m128i *)row), m = _mm_set1_epi8(15);
+    __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)));
+#elif VW == 8 && defined(__AVX2__)
+    __m128i b = _mm_loadl_epi64((const __m128i *)row);
+    if (c0 >= 8) b = _mm_srli_epi16(b, 4);
+    b = _mm_and_si128(b, _mm_set1_epi8(15));
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+#else
+    vf v;
+    for (int i = 0; i < VW; i++)
+        v[i] = (float)((row[(c0 + i) % 8] >> (4 * ((c0 + i) / 8))) & 15);
+    return v;
+#endif
+}
+
+/* block_rows_cols on quantized panels, for the first `rows` rows of the block (the rest
+ * of acc untouched): column vector j starts at column c + j * VW. `bits` and `rows` are
+ * constants at each call site, so each gets its own loop: one row (a single stream's
+ * decode) does 2 FMAs a panel row, not the whole block's 16, and the values' conversion
+ * is then what bounds it. */
+static inline __attribute__((always_inline)) void block_rows_cols_q(
     const float *x, int64_t K, const QPanels *w, int64_t c, int64_t k0, int64_t k1,
-    vf acc[BLOCK_ACCS], const int prefetch) {
+    vf acc[BLOCK_ACCS], const int prefetch, const int bits, const int rows) {
+    const int64_t row_bytes = bits == 4 ? PANEL / 2 : PANEL;
     vf a[BLOCK_ACCS];
-    const int8_t *q[BLOCK_VECS];
+    const uint8_t *q[BLOCK_VECS];
     const float *sc[BLOCK_VECS], *of[BLOCK_VECS];
+    int64_t c0[BLOCK_VECS];
     for (int j = 0; j < BLOCK_VECS; j++) {
         const int64_t col = c + j * VW, panel = col / PANEL;
-        q[j] = w->values + panel * K * PANEL + col % PANEL;
-        sc[j] = w->scales + panel * (K / w->bk) * PANEL + col % PANEL;
-        of[j] = w->offsets ? w->offsets + panel * (K / w->bk) * PANEL + col % PANEL : NULL;
+        c0[j] = col % PANEL;
+        q[j] = w->values + panel * K * row_bytes + (bits == 4 ? 0 : c0[j]);
+        sc[j] = w->scales + panel * (K / w->bk) * PANEL + c0[j];
+        of[j] = w->offsets ? w->offsets + panel * (K / w->bk) * PANEL + c0[j] : NULL;
     }
     for (int i = 0; i < BLOCK_ACCS; i++) a[i] = acc[i];
     for (int64_t kb = k0; kb < k1; kb += w->bk) {
@@ -172,13 +202,18 @@ static inline __attribute__((always_inline)) void block_rows_cols_q8(
             if (prefetch) {
 #pragma GCC unroll 2
                 for (int j = 0; j < BLOCK_VECS; j++)
-                    if ((j * VW) % PANEL == 0) PREFETCH_L1(q[j] + (k + 4 * PREFETCH_K) * PANEL);
+                    if ((j * VW) % PANEL == 0)
+                        PREFETCH_L1(q[j] + (k + (64 * PANEL) / row_bytes) * row_bytes);
             }
             vf v[BLOCK_VECS];
 #pragma GCC unroll 2
-            for (int j = 0; j < BLOCK_VECS; j++) v[j] = vfma(vq_load(q[j] + k * PANEL), s[j], m[j]);
+            for (int j = 0; j < BLOCK_VECS; j++) {
+                vf raw = bits == 4 ? vq4_load(q[j] + k * row_bytes, c0[j])
+                                   : vq8_load(q[j] + k * row_bytes);
+                v[j] = vfma(raw, s[j], m[j]);
+            }
 #pragma GCC unroll 8
-            for (int r = 0; r < BLOCK_ROWS; r++) {
+            for (int r = 0; r < rows; r++) {
                 vf b = vset1(x[r * K + k]);
 #pragma GCC unroll 2
                 for (int j = 0; j < BLOCK_VECS; j++)
@@ -187,6 +222,22 @@ static inline __attribute__((always_inline)) void block_rows_cols_q8(
         }
     }
     for (int i = 0; i < BLOCK_ACCS; i++) acc[i] = a[i];
+}
+
+/* `one_row`: only the block's first row is wanted (M == 1). */
+static inline void block_rows_cols_q8(const float *x, int64_t K, const QPanels *w, int64_t c,
+                                      int64_t k0, int64_t k1, vf acc[BLOCK_ACCS],
+                                      const int prefetch, int one_row) {
+    if (one_row) {
+        if (w->bits == 4)
+            block_rows_cols_q(x, K, w, c, k0, k1, acc, prefetch, 4, 1);
+        else
+            block_rows_cols_q(x, K, w, c, k0, k1, acc, prefetch, 8, 1);
+    } else if (w->bits == 4) {
+        block_rows_cols_q(x, K, w, c, k0, k1, acc, prefetch, 4, BLOCK_ROWS);
+    } else {
+        block_rows_cols_q(x, K, w, c, k0, k1, acc, prefetch, 8, BLOCK_ROWS);
+    }
 }
 
 /* matmul_pairs on quantized panels (same contract: rows [0, M), panel pairs [p0, p1)). */
@@ -205,9 +256,10 @@ static inline void matmul_pairs_q8(const float *x, int64_t M, int64_t K, const Q
                 for (int i = 0; i < BLOCK_ACCS; i++) acc[rb][i] = vzero();
             for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK) {
                 const int64_t k1 = k0 + K_CHUNK < K ? k0 + K_CHUNK : K;
-                block_rows_cols_q8(x + g * K, K, w, c, k0, k1, acc[0], 1);
+                block_rows_cols_q8(x + g * K, K, w, c, k0, k1, acc[0], 1, M == 1);
                 for (int64_t rb = 1; rb < blocks; rb++)
-                    block_rows_cols_q8(x + (g + rb * BLOCK_ROWS) * K, K, w, c, k0, k1, acc[rb], 0);
+                    block_rows_cols_q8(x + (g + rb * BLOCK_ROWS) * K, K, w, c, k0, k1, acc[rb],
+                                       0, 0);
             }
             for (int64_t i = 0; i < rows; i++)
                 for (int j = 0; j < BLOCK_VECS; j++) {
