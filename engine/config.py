@@ -22,6 +22,7 @@ DEFAULT_KV_COPY_THREADS = 2
 _ENGINE_TYPES = {"normal": EngineType.NORMAL, "prompt": EngineType.PROMPT,
                  "completion": EngineType.COMPLETION}
 _DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "int8", "none")  # EngineSettings.quantization
 
 
 @dataclass(kw_only=True)
@@ -42,10 +43,12 @@ class EngineSettings(SchedulerPolicy):
     # Which build of the C kernels runs (kernels/cbuild.py): auto (the widest vectors
     # the CPU reports), avx512, avx2 or generic; one the CPU cannot run is refused.
     kernel_isa: str = "auto"
-    # A GGUF model's Q8_0 / Q4_0 / Q4_1 matmuls read by the C decode step as the file
-    # holds them (int8 values, a scale and offset per 32; engine/quantized_weights.py):
-    # a quarter of the fp32 bytes. False: every step reads the dequantized fp32 weights.
-    quantized_weights: bool = True
+    # The weights the C decode step reads (engine/quantized_weights.py): "auto" a GGUF
+    # file's Q8_0 / Q4_0 / Q4_1 matmuls as the file holds them (int8 values or nibbles, a
+    # scale and offset per 32), other weights fp32; "int8" also every other matmul,
+    # quantized at load (symmetric, per 32 of a row; every path then computes with the
+    # quantized weights); "none": every step reads fp32 weights.
+    quantization: str = "auto"
     # Threads of a KV hand-off's block copies (the export's gather, the import's
     # scatter; kernels/kv_copy.c): one core's copy is bound by the misses it keeps in
     # flight, and two measured ~1.8x one here. A short burst while the engine waits.
@@ -57,6 +60,9 @@ class EngineSettings(SchedulerPolicy):
     def check(self) -> None:
         """ValueError, its text starting with the field's name, for a bad setting."""
         self.check_policy()
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got "
+                             f"{self.quantization!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         for name in ("kv_cache_memory_mb", "kv_copy_threads"):

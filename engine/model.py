@@ -340,10 +340,10 @@ class CausalLM(nn.Module):
 
 def load_model(model_dir, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu",
-               quantized: bool = True) -> tuple[ModelConfig, CausalLM]:
+               quantization: str = "auto") -> tuple[ModelConfig, CausalLM]:
     """Build the model for ``model_dir``'s config.json and load its checked weights;
-    ``quantized``: a GGUF file's quantized matmuls also kept as its blocks hold them,
-    for the C decode step (engine/quantized_weights.py)."""
+    ``quantization``: which matmuls the C decode step reads quantized ("auto": a GGUF
+    file's quantized ones, "int8": every one, "none"; engine/quantized_weights.py)."""
     cfg = ModelConfig.from_model(model_dir)
     with torch.device("meta"):
         model = CausalLM(cfg)
@@ -364,8 +364,8 @@ def load_model(model_dir, dtype: torch.dtype = torch.float32,
         model.lm_head.weight = model.model.embed_tokens.weight
     model.init_rope(device)
     model.fuse()
-    if quantized:
+    if quantization != "none":
         from pdserve.engine import quantized_weights
 
-        quantized_weights.attach(model, model_dir)
+        quantized_weights.attach(model, model_dir, int8=quantization == "int8")
     return cfg, model.eval().requires_grad_(False)

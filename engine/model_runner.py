@@ -80,7 +80,7 @@ class ModelRunner:
         decode_kernel: bool = True,
         kernel_isa: str = "auto",
         kv_copy_threads: int = DEFAULT_KV_COPY_THREADS,
-        quantized_weights: bool = True,
+        quantization: str = "auto",
     ):
         from pdserve.engine.model_config import ModelConfig
 
@@ -89,7 +89,7 @@ class ModelRunner:
         cfg0 = ModelConfig.from_model(model_dir)
         self.dtype = resolve_dtype(dtype, cfg0.torch_dtype)
         self.config, self.model = load_model(model_dir, self.dtype, self.device,
-                                             quantized=quantized_weights)
+                                             quantization=quantization)
         self.compile = compile
         # ValueError now, naming what the CPU runs, for an ISA it cannot execute.
         self.kernel_isa = cbuild.resolve_isa(kernel_isa) if self.device.type == "cpu" else None
@@ -136,7 +136,7 @@ class ModelRunner:
     def from_engine_config(cls, config) -> ModelRunner:
         """Build from ``pdserve.engine.config.EngineConfig`` (duck-typed): model_dir, dtype,
         device, block_size, num_kv_blocks, kv_cache_memory_mb, num_threads, max_num_seqs,
-        compile, decode_kernel, kernel_isa, kv_copy_threads, quantized_weights.
+        compile, decode_kernel, kernel_isa, kv_copy_threads, quantization.
         State slots: ``2 * max_num_seqs + 1`` (the scheduler's pool, slot 0 included)."""
         threads = getattr(config, "num_threads", None)
         if threads:
@@ -157,7 +157,7 @@ class ModelRunner:
             decode_kernel=bool(getattr(config, "decode_kernel", True)),
             kernel_isa=getattr(config, "kernel_isa", "auto"),
             kv_copy_threads=int(getattr(config, "kv_copy_threads", DEFAULT_KV_COPY_THREADS)),
-            quantized_weights=bool(getattr(config, "quantized_weights", True)),
+            quantization=getattr(config, "quantization", "auto"),
         )
 
     # ---- identity ------------------------------------------------------------

@@ -1,17 +1,30 @@
-"""A GGUF model's quantized matmul weights, kept as the file holds them for the C decode
-step (``kernels/quant_panels.py``): each fused matmul whose source tensors are all
-Q8_0, Q4_0 or Q4_1 gets ``QuantPanels`` beside its fp32 weight (the torch paths and
-prefill keep using that one). A decode step then reads ~1.1 bytes a weight instead of
-4 (Q4_1 values are read as int8: a second step would keep them as nibbles)."""
+"""Quantized matmul weights for the C decode step (``kernels/quant_panels.py``).
+
+1. A GGUF file's quantized matmuls are kept as the file holds them: each fused matmul
+   whose source tensors are all Q8_0, Q4_0 or Q4_1 gets ``QuantPanels`` (int8 values, or
+   nibbles where they fit, with a scale and offset per 32) beside its fp32 weight. Both
+   are the same weight (the values are the file's, the fp32 copy their dequantization),
+   so prefill and the torch paths keep the fp32 copy and agree with the decode step up
+   to rounding. A decode step then reads 0.75 (Q4_1) to 1.25 (Q8_0) bytes a weight
+   instead of 4.
+2. With ``int8=True`` every other matmul the C kernels run is quantized at load:
+   symmetric, a scale per 32 weights of a row (16 where K is no multiple of 32; the
+   largest magnitude maps to 127), and
+   its fp32 weight replaced by the dequantized one, so that every path (prefill, a moved
+   request's replay, the decode step) computes with the same weights.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 
+from pdserve.kernels import skinny_gemm
 from pdserve.kernels.quant_panels import QuantPanels, QuantRows
 
+BLOCK_K = 32
 # fused matmul -> the checkpoint's tensors it holds, in row order
 _LAYER_PARTS = {
     ("self_attn", "qkv"): ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -21,35 +34,53 @@ _LAYER_PARTS = {
 }
 
 
-def attach(model, model_dir: str | Path) -> int:
-    """Give ``model``'s fused matmuls their quantized panels where the model is a GGUF
-    file whose tensors allow it; returns how many got them."""
+def attach(model, model_dir: str | Path, int8: bool = False) -> int:
+    """Give ``model``'s fused matmuls their quantized panels (a GGUF file's blocks; with
+    ``int8`` the others quantized at load); returns how many got them."""
     from pdserve.engine.gguf_file import GGUFModel, find_gguf
 
     path = find_gguf(model_dir)
-    if path is None:
-        return 0
-    gguf = GGUFModel.open(path)
-    done = 0
-    for i, layer in enumerate(model.model.layers):
-        for (part, name), sources in _LAYER_PARTS.items():
-            names = [f"model.layers.{i}.{s}.weight" for s in sources]
-            done += _give(getattr(getattr(layer, part), name), gguf, names)
+    gguf = GGUFModel.open(path) if path is not None else None
     head = "model.embed_tokens.weight" if model.cfg.tie_word_embeddings else "lm_head.weight"
-    done += _give(model.logits_proj, gguf, [head])
+    targets = [(getattr(getattr(layer, part), name),
+                [f"model.layers.{i}.{s}.weight" for s in sources])
+               for i, layer in enumerate(model.model.layers)
+               for (part, name), sources in _LAYER_PARTS.items()]
+    targets.append((model.logits_proj, [head]))
+    done = 0
+    for matmul, names in targets:
+        if matmul.panels is None:
+            continue  # no fp32 panels: the C kernels do not run this matmul
+        rows = _from_file(gguf, names) if gguf is not None else None
+        if rows is None and int8 and matmul.in_features % 16 == 0:
+            rows = quantize_int8(matmul.weight.detach())
+            matmul.weight = nn.Parameter(rows.dequantize(), requires_grad=False)
+            matmul.panels = skinny_gemm.pack(matmul.weight)
+        if rows is not None and rows.shape == (matmul.out_features, matmul.in_features):
+            matmul.quant = QuantPanels.pack(rows)
+            done += 1
     return done
 
 
-def _give(matmul, gguf, names: list[str]) -> int:
-    if matmul.panels is None or not all(gguf.has_tensor(n) for n in names):
-        return 0  # no fp32 panels: the C kernels do not run this matmul
+def _from_file(gguf, names: list[str]) -> QuantRows | None:
+    if not all(gguf.has_tensor(n) for n in names):
+        return None
     found = [gguf.quantized(n) for n in names]
     if any(f is None for f in found):
-        return 0
-    rows = QuantRows.cat([QuantRows(torch.from_numpy(v), torch.from_numpy(s),
-                                    None if o is None else torch.from_numpy(o), 32)
+        return None
+    return QuantRows.cat([QuantRows(torch.from_numpy(v), torch.from_numpy(s),
+                                    None if o is None else torch.from_numpy(o), BLOCK_K)
                           for v, s, o in found])
-    if rows.shape != (matmul.out_features, matmul.in_features):
-        return 0
-    matmul.quant = QuantPanels.pack(rows)
-    return 1
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantRows:
+    """``weight`` [N, K] as int8 with a scale per 32 of a row (per 16 where K is no
+    multiple of 32; symmetric: the block's largest magnitude maps to 127; an all-zero
+    block gets scale 0)."""
+    n, k = weight.shape
+    bk = BLOCK_K if k % BLOCK_K == 0 else BLOCK_K // 2
+    blocks = weight.float().reshape(n, k // bk, bk)
+    scales = blocks.abs().amax(dim=-1) / 127.0
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    values = torch.round(blocks / safe[..., None]).clamp_(-127, 127).to(torch.int8)
+    return QuantRows(values.reshape(n, k), scales.contiguous(), None, bk)

@@ -132,3 +132,53 @@ def test_quantized_decode_steps_match_the_fp32_weights(real_model_path, real_cha
         top2 = f.topk(2).values
         if (top2[0] - top2[1]).item() > 1e-3:  # no near tie: the same argmax
             assert q.argmax().item() == f.argmax().item()
+
+
+def test_int8_quantization_rounds_each_block_to_its_nearest_step():
+    from pdserve.engine.quantized_weights import quantize_int8
+
+    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(5))
+    w[3, :32] = 0.0  # an all-zero block
+    rows = quantize_int8(w)
+    assert rows.values.dtype == torch.int8 and rows.offsets is None
+    assert int(rows.values.abs().max()) == 127
+    step = rows.scales.repeat_interleave(32, dim=1)
+    assert ((rows.dequantize() - w).abs() <= step / 2 + 1e-7).all()
+    assert torch.equal(rows.dequantize()[3, :32], torch.zeros(32))
+
+
+def test_int8_for_a_folder_model_is_one_set_of_weights_on_every_path(tiny_model_dir):
+    """--quantization int8 on a Hugging Face folder: every matmul quantized at load; the
+    decode kernel (int8 panels) and the torch path (the dequantized fp32 weights) compute
+    with the same weights, so their logits agree to rounding; "none" keeps fp32."""
+    from pdserve.engine.model import MatMul
+    from pdserve.engine.model_runner import ModelRunner, RunnerRow
+
+    def runner(quantization):
+        return ModelRunner(tiny_model_dir, block_size=8, num_kv_blocks=16, num_state_slots=2,
+                           ring_len=8, quantization=quantization)
+
+    ids = list(range(5, 45))
+    table = list(range(1, 8))
+
+    def logits(r):
+        r.compute_logits([RunnerRow(ids[:-1], 0, table, 1)])
+        return r.compute_logits([RunnerRow(ids[-1:], len(ids) - 1, table, 1)])[0]
+
+    q, plain = runner("int8"), runner("none")
+    mats = [m for m in q.model.modules() if isinstance(m, MatMul) and m.panels is not None]
+    assert mats and all(m.quant is not None and m.quant.bits == 8 for m in mats)
+    assert all(m.quant is None for m in plain.model.modules() if isinstance(m, MatMul))
+    kernel = logits(q)
+    q.model.use_decode_kernel(False)  # the same step through torch on the fp32 copy
+    torch_path = logits(q)
+    assert (kernel - torch_path).abs().max().item() < 1e-4 * max(1.0, kernel.abs().max().item())
+    diff = (kernel - logits(plain)).abs().max().item()
+    assert 0 < diff < 0.05 * logits(plain).abs().max().item()  # quantized, but close
+
+
+def test_quantization_setting_is_checked():
+    from pdserve.engine.config import EngineSettings
+
+    with pytest.raises(ValueError, match="^quantization must be one of auto, int8, none"):
+        EngineSettings(quantization="int4")
