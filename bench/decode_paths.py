@@ -4,9 +4,12 @@ this CPU runs, torch.compile'd blocks, and eager torch, side by side in one run.
     python bench/decode_paths.py                          # tiny and small, batch 1 16 64
     python bench/decode_paths.py --sizes small --batch 16 --rounds 5
     python bench/decode_paths.py --paths c-avx2 inductor  # a subset
+    python bench/decode_paths.py --sizes real --batch 1 16 --paths c-avx512 c-avx512-fp32
 
 Paths (``--paths``; default all this CPU runs):
-  c-avx512, c-avx2, c-generic  the C decode step (``kernels/decode_step``) of that build
+  c-avx512, c-avx2, c-generic  the C decode step (``kernels/decode_step``) of that build,
+              reading a GGUF model's quantized blocks in place (``quantization="auto"``)
+  c-avx512-fp32, ...  the same reading fp32 weights (``quantization="none"``)
   compile     ``compile=True, decode_kernel=False``: dense blocks through torch.compile,
               their matmuls skinny_gemm's (host build) where it has panels
   inductor    the same with every matmul left to inductor (``W.T``, MKL): torch.compile
@@ -27,7 +30,6 @@ weights once at the read bandwidth measured in the same run, and the fastest pat
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -39,7 +41,7 @@ def _paths_here() -> list[str]:
     from pdserve.kernels import cbuild, decode_step
 
     built = [f"c-{isa}" for isa in cbuild.runnable_isas() if decode_step.available(isa)]
-    return [*built, "compile", "inductor", "eager", "eager-mkl"]
+    return [*built, *(f"{c}-fp32" for c in built), "compile", "inductor", "eager", "eager-mkl"]
 
 
 def _engine(model_dir: str, path: str, batch: int):
@@ -57,14 +59,15 @@ def _engine(model_dir: str, path: str, batch: int):
                     max_num_batched_tokens=8192, kv_cache_memory_mb=256,
                     stop_preempted_request=False, enable_prefix_caching=False)
     if path.startswith("c-"):
-        kw["kernel_isa"] = path[2:]
+        kw["kernel_isa"] = path[2:].removesuffix("-fp32")
+        kw["quantization"] = "none" if path.endswith("-fp32") else "auto"
     else:
         kw["decode_kernel"] = False
         kw["compile"] = path in ("compile", "inductor")
     engine = LLMEngine(EngineConfig(**kw))
     model = engine.runner.model
     if path.startswith("c-"):
-        assert engine.runner.decode_kernel and model._kernel.step.isa == path[2:]
+        assert engine.runner.decode_kernel and model._kernel.step.isa == kw["kernel_isa"]
     if path in ("inductor", "eager-mkl"):  # no skinny_gemm panels: torch's own matmuls
         from pdserve.engine.model import MatMul
 
@@ -95,8 +98,9 @@ def _decode_steps(engine, prompts: list[list[int]], max_tokens: int, tag: str) -
 
 def run_case(size: str, model_dir: str, batch: int, paths: list[str], args) -> dict:
     from pdserve.bench.offline import make_prompts, measure_bandwidth, weight_read_bytes
+    from pdserve.engine.model_config import ModelConfig
 
-    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    vocab = ModelConfig.from_model(model_dir).vocab_size
     prompts = make_prompts(vocab, batch, args.prompt_len, seed=batch)
     engines = {}
     for path in paths:
@@ -113,8 +117,8 @@ def run_case(size: str, model_dir: str, batch: int, paths: list[str], args) -> d
             steps = _decode_steps(engines[path], prompts, args.max_tokens, f"r{r}-{path}")
             medians[path].append(statistics.median(steps))
     bw = measure_bandwidth()
-    any_engine = next(iter(engines.values()))
-    limit_s = weight_read_bytes(any_engine.runner.model) / (bw["read_GBps"] * 1e9)
+    limit_ms = {p: 1e3 * weight_read_bytes(e.runner.model) / (bw["read_GBps"] * 1e9)
+                for p, e in engines.items()}
     step_ms = {p: 1e3 * statistics.median(v) for p, v in medians.items()}
     fastest = min(step_ms, key=step_ms.get)
     del engines
@@ -123,19 +127,20 @@ def run_case(size: str, model_dir: str, batch: int, paths: list[str], args) -> d
             "step_ms": {p: round(v, 3) for p, v in step_ms.items()},
             "step_ms_per_round": {p: [round(1e3 * s, 3) for s in v] for p, v in medians.items()},
             "over_fastest": {p: round(v / step_ms[fastest], 2) for p, v in step_ms.items()},
-            "weights_once_at_read_bw_ms": round(1e3 * limit_s, 3),
-            "over_weight_read": {p: round(v / (1e3 * limit_s), 2) for p, v in step_ms.items()},
+            "weights_once_at_read_bw_ms": {p: round(v, 3) for p, v in limit_ms.items()},
+            "over_weight_read": {p: round(v / limit_ms[p], 2) for p, v in step_ms.items()},
             "bandwidth": bw, "fastest": fastest}
 
 
 def format_rows(rows: list[dict]) -> str:
     paths = list(rows[0]["step_ms"]) if rows else []
     head = f"{'model':>6} {'batch':>5} " + " ".join(f"{p:>10}" for p in paths)
-    lines = [head + f" {'weights@bw':>10}  fastest"]
+    lines = [head + "  fastest"]
     for r in rows:
         cells = " ".join(f"{r['step_ms'][p]:>8.2f}ms" for p in paths)
-        lines.append(f"{r['model']:>6} {r['batch']:>5} {cells} "
-                     f"{r['weights_once_at_read_bw_ms']:>8.2f}ms  {r['fastest']}")
+        lines.append(f"{r['model']:>6} {r['batch']:>5} {cells}  {r['fastest']}")
+        lines.append(f"{'':>12} " + " ".join(f"{r['weights_once_at_read_bw_ms'][p]:>8.2f}ms"
+                                              for p in paths) + "   (weights read once at bw)")
         lines.append(f"{'':>12} " + " ".join(f"{r['over_weight_read'][p]:>9.2f}x" for p in paths)
                      + "   (step / weights read once)")
     return "\n".join(lines)
@@ -143,7 +148,8 @@ def format_rows(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", nargs="+", default=["tiny", "small"], choices=["tiny", "small"])
+    p.add_argument("--sizes", nargs="+", default=["tiny", "small"],
+                   choices=["tiny", "small", "real"])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--paths", nargs="+", default=None, help="default: every path this CPU runs")
     p.add_argument("--prompt-len", type=int, default=128)
@@ -157,12 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         p.error(f"--paths {missing} cannot run here (this CPU runs {available})")
     from pdserve.bench.peer_vllm import cpu_description
+    from pdserve.engine.model_catalog import resolve_model
     from pdserve.engine.tiny_model import make_tiny_model
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="pdserve-paths-") as root:
         for size in args.sizes:
-            model_dir = str(make_tiny_model(Path(root) / size, size=size))
+            model_dir = (resolve_model("smollm2-135m-instruct").path if size == "real"
+                         else str(make_tiny_model(Path(root) / size, size=size)))
             for batch in args.batch:
                 rows.append(run_case(size, model_dir, batch, paths, args))
                 print(format_rows(rows[-1:]), flush=True)

@@ -128,6 +128,8 @@ static inline void matmul_pairs(const float *x, int64_t M, int64_t K, const floa
  * registers (one FMA per vector, shared by every row of x), then used like an fp32 panel
  * row: the memory stream is a quarter (int8) or an eighth (nibbles) of fp32's. */
 typedef int8_t vq __attribute__((vector_size(VW)));
+/* accumulators per column vector when a block computes one row (at most BLOCK_ROWS) */
+#define SPLIT (BLOCK_ROWS < 4 ? BLOCK_ROWS : 4)
 typedef int8_t vq_unaligned __attribute__((vector_size(VW), aligned(1)));
 
 typedef struct {
@@ -171,6 +173,12 @@ static inline vf vq4_load(const uint8_t *row, int64_t c0) {
 #endif
 }
 
+/* One panel row's VW columns from c0 on, dequantized: q * s + m. */
+static inline __attribute__((always_inline)) vf vq_row(const uint8_t *row, int64_t c0, vf s,
+                                                       vf m, const int bits) {
+    return vfma(bits == 4 ? vq4_load(row, c0) : vq8_load(row), s, m);
+}
+
 /* block_rows_cols on quantized panels, for the first `rows` rows of the block (the rest
  * of acc untouched): column vector j starts at column c + j * VW. `bits` and `rows` are
  * constants at each call site, so each gets its own loop: one row (a single stream's
@@ -198,20 +206,32 @@ static inline __attribute__((always_inline)) void block_rows_cols_q(
             s[j] = vload(sc[j] + (kb / w->bk) * PANEL);
             m[j] = of[j] ? vload(of[j] + (kb / w->bk) * PANEL) : vzero();
         }
-        for (int64_t k = kb; k < kb + w->bk; k++) {
-            if (prefetch) {
+        if (prefetch) {  /* the values of a block a few blocks ahead, line by line */
+            for (int j = 0; j < BLOCK_VECS; j++)
+                if ((j * VW) % PANEL == 0)
+                    for (int64_t l = 0; l < w->bk * row_bytes; l += 64)
+                        PREFETCH_L1(q[j] + (kb + 4 * w->bk) * row_bytes + l);
+        }
+        if (rows == 1) {
+            /* One row: its sums split over SPLIT accumulators by k (the free rows'
+             * registers), so consecutive FMAs do not wait on each other's latency. */
+            for (int64_t k = kb; k < kb + w->bk; k += SPLIT) {
+#pragma GCC unroll 4
+                for (int u = 0; u < SPLIT; u++) {
+                    vf b = vset1(x[k + u]);
 #pragma GCC unroll 2
-                for (int j = 0; j < BLOCK_VECS; j++)
-                    if ((j * VW) % PANEL == 0)
-                        PREFETCH_L1(q[j] + (k + (64 * PANEL) / row_bytes) * row_bytes);
+                    for (int j = 0; j < BLOCK_VECS; j++)
+                        a[u * BLOCK_VECS + j] = vfma(
+                            b, vq_row(q[j] + (k + u) * row_bytes, c0[j], s[j], m[j], bits),
+                            a[u * BLOCK_VECS + j]);
+                }
             }
+            continue;
+        }
+        for (int64_t k = kb; k < kb + w->bk; k++) {
             vf v[BLOCK_VECS];
 #pragma GCC unroll 2
-            for (int j = 0; j < BLOCK_VECS; j++) {
-                vf raw = bits == 4 ? vq4_load(q[j] + k * row_bytes, c0[j])
-                                   : vq8_load(q[j] + k * row_bytes);
-                v[j] = vfma(raw, s[j], m[j]);
-            }
+            for (int j = 0; j < BLOCK_VECS; j++) v[j] = vq_row(q[j] + k * row_bytes, c0[j], s[j], m[j], bits);
 #pragma GCC unroll 8
             for (int r = 0; r < rows; r++) {
                 vf b = vset1(x[r * K + k]);
@@ -221,6 +241,12 @@ static inline __attribute__((always_inline)) void block_rows_cols_q(
             }
         }
     }
+    if (rows == 1)  /* the split sums back into row 0, in a fixed order */
+        for (int u = 1; u < SPLIT; u++)
+            for (int j = 0; j < BLOCK_VECS; j++) {
+                a[j] += a[u * BLOCK_VECS + j];
+                a[u * BLOCK_VECS + j] = vzero();
+            }
     for (int i = 0; i < BLOCK_ACCS; i++) acc[i] = a[i];
 }
 
