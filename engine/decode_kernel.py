@@ -25,7 +25,7 @@ def build(model, isa: str | None = None) -> KernelDecode | None:
     if not decode_step.available(isa) or model.model.norm.weight.dtype != torch.float32:
         return None
     mats = [(ly.self_attn.qkv, ly.self_attn.o, ly.mlp.gate_up, ly.mlp.down) for ly in layers]
-    if any(m.panels is None for group in mats for m in group):
+    if any(m.panels is None and m.quant is None for group in mats for m in group):
         return None
     a = layers[0].self_attn
     dims = decode_step.StepDims(

@@ -25,7 +25,7 @@ from torch import nn
 
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.weights import WeightsError, load_checked
-from pdserve.kernels import skinny_gemm
+from pdserve.kernels import quant_panels, skinny_gemm
 from pdserve.kernels.attention import AttentionMetadata, attention_step
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.norms import RMSNorm
@@ -119,6 +119,8 @@ class MatMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.DECODE_MAX_ROWS:
+            if self.quant is not None:
+                return quant_panels.matmul(x, self.quant, self.bias, self.kernel_isa)
             if self.panels is not None:
                 return skinny_gemm.matmul(x, self.panels, self.out_features, self.bias,
                                           self.kernel_isa)

@@ -6,7 +6,8 @@
    are the same weight (the values are the file's, the fp32 copy their dequantization),
    so prefill and the torch paths keep the fp32 copy and agree with the decode step up
    to rounding. A decode step then reads 0.75 (Q4_1) to 1.25 (Q8_0) bytes a weight
-   instead of 4.
+   instead of 4. The fp32 panels go (the quantized ones serve every product of a few
+   rows, ``MatMul.forward``), so a rank holds the fp32 weight and the quantized panels.
 2. With ``int8=True`` every other matmul the C kernels run is quantized at load:
    symmetric, a scale per 32 weights of a row (16 where K is no multiple of 32; the
    largest magnitude maps to 127), and
@@ -21,7 +22,6 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from pdserve.kernels import skinny_gemm
 from pdserve.kernels.quant_panels import QuantPanels, QuantRows
 
 BLOCK_K = 32
@@ -55,9 +55,9 @@ def attach(model, model_dir: str | Path, int8: bool = False) -> int:
         if rows is None and int8 and matmul.in_features % 16 == 0:
             rows = quantize_int8(matmul.weight.detach())
             matmul.weight = nn.Parameter(rows.dequantize(), requires_grad=False)
-            matmul.panels = skinny_gemm.pack(matmul.weight)
         if rows is not None and rows.shape == (matmul.out_features, matmul.in_features):
             matmul.quant = QuantPanels.pack(rows)
+            matmul.panels = None  # the quantized panels serve every few-row product now
             done += 1
     return done
 
