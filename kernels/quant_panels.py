@@ -9,8 +9,8 @@ what a GGUF file's Q8_0 (offset 0), Q4_0 (q - 8, offset 0) and Q4_1 (q in 0..15,
 its block's min) blocks hold (``engine/gguf_file.py`` reads them without dequantizing).
 ``QuantPanels`` lays the values out as ``skinny_gemm``'s column panels: [P, K, 16] int8
 (a quarter of fp32's bytes), or, where every value lies in 0..15 (Q4_0 with offset
-``-8 * scale``, Q4_1), [P, K, 8] nibble pairs (an eighth; byte j holds column j low and
-column j + 8 high); the scales and offsets per panel column and block [P, K / bk, 16]
+``-8 * scale``, Q4_1), [P, K / 2, 16] nibble pairs (an eighth; byte j of pair row i holds
+column j of panel row 2i low and of panel row 2i + 1 high: one load, two rows); the scales and offsets per panel column and block [P, K / bk, 16]
 fp32. ``skinny_block.h``'s ``matmul_pairs_q8`` converts each panel row to fp32 in
 registers (``q * scale + offset``, one FMA shared by every row of x) and multiplies as
 the fp32 kernel does. The values are the file's, so the weight is the one
@@ -88,7 +88,7 @@ def _panels(t: torch.Tensor, p: int) -> torch.Tensor:
 class QuantPanels:
     """``QuantRows`` in the C kernels' layout (see the module docstring)."""
 
-    values: torch.Tensor  # int8 [P, K, 16], or uint8 [P, K, 8] nibble pairs (bits 4)
+    values: torch.Tensor  # int8 [P, K, 16], or uint8 [P, K / 2, 16] nibble pairs (bits 4)
     scales: torch.Tensor  # fp32 [P, K / block_k, 16]
     offsets: torch.Tensor | None
     block_k: int
@@ -104,13 +104,13 @@ class QuantPanels:
         values, bits = _panels(rows.values, p), 8
         if nibbles and rows.values.numel() and int(rows.values.min()) >= 0 \
                 and int(rows.values.max()) <= 15:
-            low, high = values[..., :PANEL // 2], values[..., PANEL // 2:]
-            values, bits = (low | (high << 4)).view(torch.uint8).contiguous(), 4
+            pairs = values.view(p, -1, 2, PANEL)  # panel rows k (even) and k + 1
+            values, bits = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).view(torch.uint8).contiguous(), 4
         return cls(values, _panels(rows.scales, p), offsets, rows.block_k, n, bits)
 
     @property
     def in_features(self) -> int:
-        return self.values.shape[1]
+        return self.scales.shape[1] * self.block_k
 
     def nbytes(self) -> int:
         """Bytes one multiplication reads."""

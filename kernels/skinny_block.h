@@ -123,17 +123,17 @@ static inline void matmul_pairs(const float *x, int64_t M, int64_t K, const floa
  * column and block of `bk` consecutive k, a scale s and an offset m (fp32, [P][K / bk]
  * [16]): w = s * q + m, what GGUF's Q8_0 (m = 0), Q4_0 (m = -8 s) and Q4_1 (m its
  * block's min) dequantize to. Values are int8 (16 bytes a panel row) or, where they fit
- * in 0..15, nibbles (8 bytes a panel row: byte j holds column j in its low half and
- * column j + 8 in its high half). Each panel row is converted and scaled once in
+ * in 0..15, nibbles: 16 bytes hold two panel rows, byte j column j of the even row in
+ * its low half and of the odd row in its high half (one load, two masks: two rows). Each panel row is converted and scaled once in
  * registers (one FMA per vector, shared by every row of x), then used like an fp32 panel
  * row: the memory stream is a quarter (int8) or an eighth (nibbles) of fp32's. */
 typedef int8_t vq __attribute__((vector_size(VW)));
 /* accumulators per column vector when a block computes one row (at most BLOCK_ROWS) */
-#define SPLIT (BLOCK_ROWS < 4 ? BLOCK_ROWS : 4)
+#define SPLIT (BLOCK_ROWS < 4 ? BLOCK_ROWS : 4) /* even: rows are taken in pairs */
 typedef int8_t vq_unaligned __attribute__((vector_size(VW), aligned(1)));
 
 typedef struct {
-    const uint8_t *values; /* [P][K][16] int8, or [P][K][8] nibble pairs */
+    const uint8_t *values; /* [P][K][16] int8, or [P][K / 2][16] nibble pairs */
     const float *scales;   /* [P][K / bk][16] */
     const float *offsets;  /* [P][K / bk][16], or NULL: all zero */
     int64_t bk;            /* k per scale; divides K and K_CHUNK */
@@ -153,30 +153,41 @@ static inline vf vq8_load(const uint8_t *p) {
 #endif
 }
 
-/* Columns [c0, c0 + VW) of a nibble panel row (c0 a multiple of VW within the panel). */
-static inline vf vq4_load(const uint8_t *row, int64_t c0) {
+/* Columns [c0, c0 + VW) of the two panel rows a nibble pair row holds (c0 a multiple of
+ * VW within the panel): the even row's in *lo, the odd row's in *hi. */
+static inline __attribute__((always_inline)) void vq4_load2(const uint8_t *pair, int64_t c0,
+                                                            vf *lo, vf *hi) {
 #if VW == 16 && defined(__AVX512F__)
     (void)c0;
-    __m128i b = _mm_loadl_epi64((const __m128i *)row), m = _mm_set1_epi8(15);
-    __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
-    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)));
+    __m128i b = _mm_loadu_si128((const __m128i *)pair), m = _mm_set1_epi8(15);
+    *lo = (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, m)));
+    *hi = (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), m)));
 #elif VW == 8 && defined(__AVX2__)
-    __m128i b = _mm_loadl_epi64((const __m128i *)row);
-    if (c0 >= 8) b = _mm_srli_epi16(b, 4);
-    b = _mm_and_si128(b, _mm_set1_epi8(15));
-    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+    __m128i b = _mm_loadl_epi64((const __m128i *)(pair + c0)), m = _mm_set1_epi8(15);
+    *lo = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, m)));
+    *hi = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), m)));
 #else
-    vf v;
-    for (int i = 0; i < VW; i++)
-        v[i] = (float)((row[(c0 + i) % 8] >> (4 * ((c0 + i) / 8))) & 15);
-    return v;
+    for (int i = 0; i < VW; i++) {
+        (*lo)[i] = (float)(pair[c0 + i] & 15);
+        (*hi)[i] = (float)(pair[c0 + i] >> 4);
+    }
 #endif
 }
 
-/* One panel row's VW columns from c0 on, dequantized: q * s + m. */
-static inline __attribute__((always_inline)) vf vq_row(const uint8_t *row, int64_t c0, vf s,
-                                                       vf m, const int bits) {
-    return vfma(bits == 4 ? vq4_load(row, c0) : vq8_load(row), s, m);
+/* Panel rows k and k + 1 (k even), columns [c0, c0 + VW) of column vector j, dequantized
+ * (q * s + m) into v0[j] and v1[j]. q[j]: the vector's values (int8: at its column;
+ * nibbles: the panel's pair rows). */
+static inline __attribute__((always_inline)) void vq_rows2(
+    const uint8_t *q, int64_t k, int64_t c0, vf s, vf m, const int bits, vf *v0, vf *v1) {
+    if (bits == 4) {
+        vf lo, hi;
+        vq4_load2(q + (k / 2) * PANEL, c0, &lo, &hi);
+        *v0 = vfma(lo, s, m);
+        *v1 = vfma(hi, s, m);
+    } else {
+        *v0 = vfma(vq8_load(q + k * PANEL), s, m);
+        *v1 = vfma(vq8_load(q + (k + 1) * PANEL), s, m);
+    }
 }
 
 /* block_rows_cols on quantized panels, for the first `rows` rows of the block (the rest
@@ -187,7 +198,7 @@ static inline __attribute__((always_inline)) vf vq_row(const uint8_t *row, int64
 static inline __attribute__((always_inline)) void block_rows_cols_q(
     const float *x, int64_t K, const QPanels *w, int64_t c, int64_t k0, int64_t k1,
     vf acc[BLOCK_ACCS], const int prefetch, const int bits, const int rows) {
-    const int64_t row_bytes = bits == 4 ? PANEL / 2 : PANEL;
+    const int64_t row_bytes = bits == 4 ? PANEL / 2 : PANEL;  /* on average, per k */
     vf a[BLOCK_ACCS];
     const uint8_t *q[BLOCK_VECS];
     const float *sc[BLOCK_VECS], *of[BLOCK_VECS];
@@ -195,7 +206,7 @@ static inline __attribute__((always_inline)) void block_rows_cols_q(
     for (int j = 0; j < BLOCK_VECS; j++) {
         const int64_t col = c + j * VW, panel = col / PANEL;
         c0[j] = col % PANEL;
-        q[j] = w->values + panel * K * row_bytes + (bits == 4 ? 0 : c0[j]);
+        q[j] = w->values + panel * K * row_bytes + (bits == 4 ? 0 : c0[j]);  /* nibbles: +c0 on load */
         sc[j] = w->scales + panel * (K / w->bk) * PANEL + c0[j];
         of[j] = w->offsets ? w->offsets + panel * (K / w->bk) * PANEL + c0[j] : NULL;
     }
@@ -216,28 +227,31 @@ static inline __attribute__((always_inline)) void block_rows_cols_q(
             /* One row: its sums split over SPLIT accumulators by k (the free rows'
              * registers), so consecutive FMAs do not wait on each other's latency. */
             for (int64_t k = kb; k < kb + w->bk; k += SPLIT) {
-#pragma GCC unroll 4
-                for (int u = 0; u < SPLIT; u++) {
-                    vf b = vset1(x[k + u]);
 #pragma GCC unroll 2
-                    for (int j = 0; j < BLOCK_VECS; j++)
-                        a[u * BLOCK_VECS + j] = vfma(
-                            b, vq_row(q[j] + (k + u) * row_bytes, c0[j], s[j], m[j], bits),
-                            a[u * BLOCK_VECS + j]);
+                for (int u = 0; u < SPLIT; u += 2) {
+                    vf b0 = vset1(x[k + u]), b1 = vset1(x[k + u + 1]);
+#pragma GCC unroll 2
+                    for (int j = 0; j < BLOCK_VECS; j++) {
+                        vf v0, v1;
+                        vq_rows2(q[j], k + u, c0[j], s[j], m[j], bits, &v0, &v1);
+                        a[u * BLOCK_VECS + j] = vfma(b0, v0, a[u * BLOCK_VECS + j]);
+                        a[(u + 1) * BLOCK_VECS + j] = vfma(b1, v1, a[(u + 1) * BLOCK_VECS + j]);
+                    }
                 }
             }
             continue;
         }
-        for (int64_t k = kb; k < kb + w->bk; k++) {
-            vf v[BLOCK_VECS];
+        for (int64_t k = kb; k < kb + w->bk; k += 2) {
+            vf v0[BLOCK_VECS], v1[BLOCK_VECS];
 #pragma GCC unroll 2
-            for (int j = 0; j < BLOCK_VECS; j++) v[j] = vq_row(q[j] + k * row_bytes, c0[j], s[j], m[j], bits);
+            for (int j = 0; j < BLOCK_VECS; j++)
+                vq_rows2(q[j], k, c0[j], s[j], m[j], bits, &v0[j], &v1[j]);
 #pragma GCC unroll 8
             for (int r = 0; r < rows; r++) {
-                vf b = vset1(x[r * K + k]);
+                vf b0 = vset1(x[r * K + k]), b1 = vset1(x[r * K + k + 1]);
 #pragma GCC unroll 2
                 for (int j = 0; j < BLOCK_VECS; j++)
-                    a[r * BLOCK_VECS + j] = vfma(b, v[j], a[r * BLOCK_VECS + j]);
+                    a[r * BLOCK_VECS + j] = vfma(b1, v1[j], vfma(b0, v0[j], a[r * BLOCK_VECS + j]));
             }
         }
     }
