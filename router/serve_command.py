@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 
+from pdserve.engine.config import QUANTIZATIONS
 from pdserve.engine.model_catalog import DEFAULT_MODEL, resolve_model
 
 DEFAULT_HOST = "127.0.0.1"
@@ -56,6 +57,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "stream it to the decode rank chunk by chunk while it computes)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="ranks recompute every prompt from its first token")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                   help="weights the decode step reads (default auto: a GGUF file's Q8_0/"
+                   "Q4_0/Q4_1 blocks in place; int8: every matmul quantized at load; none: "
+                   "fp32; see docs/models.md)")
     p.add_argument("--auth-token-file", default=None,
                    help="tenant tokens, one `<tenant> <token>` per line, mode 0600 (see "
                    "SECURITY.md); clients then need one. Re-read on SIGHUP")
@@ -159,6 +164,8 @@ def _apply_pool_flags(pool, args: argparse.Namespace) -> None:
         pool.engine.num_kv_blocks = args.num_kv_blocks
     if getattr(args, "no_prefix_caching", False):
         pool.engine.enable_prefix_caching = False
+    if getattr(args, "quantization", None) is not None:
+        pool.engine.quantization = args.quantization
 
 
 def run_serve(args: argparse.Namespace) -> int:
