@@ -99,10 +99,8 @@ static void matmul(int64_t *next, int threads, const float *x, int64_t M, int64_
         int64_t p0 = __atomic_fetch_add(next, chunk, __ATOMIC_RELAXED);
         if (p0 >= pairs) return;
         int64_t p1 = p0 + chunk < pairs ? p0 + chunk : pairs;
-        if (w->format == W_QUANT)
-            matmul_pairs_q8(x, M, K, &q, N, bias, out, N, add_to, p0, p1);
-        else
-            matmul_pairs(x, M, K, (const float *)w->values, N, bias, out, N, add_to, p0, p1);
+        matmul_pairs(x, M, K, (const float *)w->values, w->format == W_QUANT ? &q : NULL, N,
+                     bias, out, N, add_to, p0, p1);
     }
 }
 

@@ -20,8 +20,6 @@ its dequantized copy holds; only the products' rounding differs (the FMA rounds
 
 from __future__ import annotations
 
-import ctypes
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -118,30 +116,14 @@ class QuantPanels:
                    for t in (self.values, self.scales, self.offsets) if t is not None)
 
 
-def _library(isa: str | None = None) -> ctypes.CDLL | None:
-    return _built(cbuild.resolve_isa(isa))
-
-
-@functools.cache
-def _built(isa: str) -> ctypes.CDLL | None:
-    lib = cbuild.load("skinny_gemm", isa)
-    if lib is not None:
-        lib.skinny_gemm_q8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                       ctypes.c_void_p, ctypes.c_void_p]
-        lib.skinny_gemm_q8.restype = ctypes.c_int
-    return lib
-
-
 def available(isa: str | None = None) -> bool:
-    return _library(isa) is not None
+    return skinny_gemm.available(isa)
 
 
 def matmul(x: torch.Tensor, w: QuantPanels, bias: torch.Tensor | None = None,
            isa: str | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for x [M, K] fp32 on the CPU, W given as ``QuantPanels``."""
-    lib = _library(isa)
+    lib = skinny_gemm._library(isa)  # skinny_gemm_q8 lives beside skinny_gemm
     if lib is None:
         raise RuntimeError(f"skinny_gemm ({cbuild.resolve_isa(isa)}) is not available here")
     x = x.contiguous()

@@ -80,44 +80,6 @@ static inline __attribute__((always_inline)) void block_rows_cols(
     for (int i = 0; i < BLOCK_ACCS; i++) acc[i] = a[i];
 }
 
-/* Rows [0, M) of x (row stride K; rows up to the next multiple of BLOCK_ROWS are read
- * and their results dropped) times panel pairs [p0, p1) -> out (row stride ldo) + bias;
- * add_to: out += that instead (the residual, added after the bias as in torch). Sums
- * run over K in order whatever the chunking: results do not depend on it. */
-static inline void matmul_pairs(const float *x, int64_t M, int64_t K, const float *panels,
-                                int64_t N, const float *bias, float *out, int64_t ldo,
-                                int add_to, int64_t p0, int64_t p1) {
-    vf acc[ROW_GROUP / BLOCK_ROWS][BLOCK_ACCS];
-    for (int64_t c = p0 * PAIR_COLS; c < p1 * PAIR_COLS; c += BLOCK_COLS) {
-        const float *w[BLOCK_VECS];
-        vf b[BLOCK_VECS];
-        for (int j = 0; j < BLOCK_VECS; j++) {
-            w[j] = panel_column(panels, K, c + j * VW);
-            b[j] = bias ? vload_n(bias + c + j * VW, N - c - j * VW) : vzero();
-        }
-        for (int64_t g = 0; g < M; g += ROW_GROUP) {
-            const int64_t rows = M - g < ROW_GROUP ? M - g : ROW_GROUP;
-            const int64_t blocks = (rows + BLOCK_ROWS - 1) / BLOCK_ROWS;
-            for (int64_t rb = 0; rb < blocks; rb++)
-                for (int i = 0; i < BLOCK_ACCS; i++) acc[rb][i] = vzero();
-            for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK) {
-                const int64_t k1 = k0 + K_CHUNK < K ? k0 + K_CHUNK : K;
-                block_rows_cols(x + g * K, K, w, k0, k1, acc[0], 1);
-                for (int64_t rb = 1; rb < blocks; rb++)
-                    block_rows_cols(x + (g + rb * BLOCK_ROWS) * K, K, w, k0, k1, acc[rb], 0);
-            }
-            for (int64_t i = 0; i < rows; i++)
-                for (int j = 0; j < BLOCK_VECS; j++) {
-                    int64_t col = c + j * VW, n = N - col;
-                    float *o = out + (g + i) * ldo + col;
-                    vf y = acc[i / BLOCK_ROWS][(i % BLOCK_ROWS) * BLOCK_VECS + j] + b[j];
-                    if (add_to) y += vload_n(o, n);
-                    vstore_n(o, y, n);
-                }
-        }
-    }
-}
-
 /* ---- quantized weights: small integers dequantized in registers ---------------------
  * A weight [N, K] kept as integer values q in column panels [P][K][16] with, per panel
  * column and block of `bk` consecutive k, a scale s and an offset m (fp32, [P][K / bk]
@@ -280,15 +242,33 @@ static inline void block_rows_cols_q8(const float *x, int64_t K, const QPanels *
     }
 }
 
-/* matmul_pairs on quantized panels (same contract: rows [0, M), panel pairs [p0, p1)). */
-static inline void matmul_pairs_q8(const float *x, int64_t M, int64_t K, const QPanels *w,
-                                   int64_t N, const float *bias, float *out, int64_t ldo,
-                                   int add_to, int64_t p0, int64_t p1) {
+/* One row block against the column vectors from c on, over [k0, k1): fp32 panels
+ * (w: their column pointers) or, with q, quantized ones. */
+static inline __attribute__((always_inline)) void block_any(
+    const float *x, int64_t K, const float *const w[BLOCK_VECS], const QPanels *q, int64_t c,
+    int64_t k0, int64_t k1, vf acc[BLOCK_ACCS], const int prefetch, int one_row) {
+    if (q)
+        block_rows_cols_q8(x, K, q, c, k0, k1, acc, prefetch, one_row);
+    else
+        block_rows_cols(x, K, w, k0, k1, acc, prefetch);
+}
+
+/* Rows [0, M) of x (row stride K; rows up to the next multiple of BLOCK_ROWS are read
+ * and their results dropped) times panel pairs [p0, p1) -> out (row stride ldo) + bias;
+ * add_to: out += that instead (the residual, added after the bias as in torch). The
+ * weight: fp32 `panels`, or quantized panels `q` (then `panels` is unused). Sums run
+ * over K in order whatever the chunking: results do not depend on it. */
+static inline void matmul_pairs(const float *x, int64_t M, int64_t K, const float *panels,
+                                const QPanels *q, int64_t N, const float *bias, float *out,
+                                int64_t ldo, int add_to, int64_t p0, int64_t p1) {
     vf acc[ROW_GROUP / BLOCK_ROWS][BLOCK_ACCS];
     for (int64_t c = p0 * PAIR_COLS; c < p1 * PAIR_COLS; c += BLOCK_COLS) {
+        const float *w[BLOCK_VECS];
         vf b[BLOCK_VECS];
-        for (int j = 0; j < BLOCK_VECS; j++)
+        for (int j = 0; j < BLOCK_VECS; j++) {
+            w[j] = q ? NULL : panel_column(panels, K, c + j * VW);
             b[j] = bias ? vload_n(bias + c + j * VW, N - c - j * VW) : vzero();
+        }
         for (int64_t g = 0; g < M; g += ROW_GROUP) {
             const int64_t rows = M - g < ROW_GROUP ? M - g : ROW_GROUP;
             const int64_t blocks = (rows + BLOCK_ROWS - 1) / BLOCK_ROWS;
@@ -296,10 +276,9 @@ static inline void matmul_pairs_q8(const float *x, int64_t M, int64_t K, const Q
                 for (int i = 0; i < BLOCK_ACCS; i++) acc[rb][i] = vzero();
             for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK) {
                 const int64_t k1 = k0 + K_CHUNK < K ? k0 + K_CHUNK : K;
-                block_rows_cols_q8(x + g * K, K, w, c, k0, k1, acc[0], 1, M == 1);
+                block_any(x + g * K, K, w, q, c, k0, k1, acc[0], 1, M == 1);
                 for (int64_t rb = 1; rb < blocks; rb++)
-                    block_rows_cols_q8(x + (g + rb * BLOCK_ROWS) * K, K, w, c, k0, k1, acc[rb],
-                                       0, 0);
+                    block_any(x + (g + rb * BLOCK_ROWS) * K, K, w, q, c, k0, k1, acc[rb], 0, 0);
             }
             for (int64_t i = 0; i < rows; i++)
                 for (int j = 0; j < BLOCK_VECS; j++) {

@@ -16,7 +16,7 @@ int skinny_gemm(const float *x, int64_t M, int64_t K, const float *panels, int64
     memcpy(padded, x, (size_t)(M * K) * sizeof(float));
 #pragma omp parallel for schedule(static)
     for (int64_t pp = 0; pp < pairs; pp++)
-        matmul_pairs(padded, M, K, panels, N, bias, out, N, 0, pp, pp + 1);
+        matmul_pairs(padded, M, K, panels, NULL, N, bias, out, N, 0, pp, pp + 1);
     free(padded);
     return 0;
 }
@@ -32,7 +32,7 @@ int skinny_gemm_q8(const float *x, int64_t M, int64_t K, const uint8_t *values,
     memcpy(padded, x, (size_t)(M * K) * sizeof(float));
 #pragma omp parallel for schedule(static)
     for (int64_t pp = 0; pp < pairs; pp++)
-        matmul_pairs_q8(padded, M, K, &w, N, bias, out, N, 0, pp, pp + 1);
+        matmul_pairs(padded, M, K, NULL, &w, N, bias, out, N, 0, pp, pp + 1);
     free(padded);
     return 0;
 }
