@@ -33,13 +33,14 @@ from typing import Any
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.errors import CacheMissError, NoCapacityError
+from pdserve.engine.guided_requests import GuidedRequests
 from pdserve.engine.kv_export import KVExport, handoff_groups, new_payload_buffer
 from pdserve.engine.kv_payload import KVPayload, KVPayloadError, dtype_name
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import EngineStats, HandOff, RequestOutput, StepOutputs
 from pdserve.engine.partial_imports import PartialImports
-from pdserve.engine.request_outputs import request_outputs
-from pdserve.engine.step_inputs import RunnerRow
+from pdserve.engine.request_outputs import engine_stats, request_outputs
+from pdserve.engine.step_inputs import runner_rows
 from pdserve.scheduler.block_pool import AllocStatus
 from pdserve.scheduler.config import EngineType
 from pdserve.scheduler.output import SchedulerOutput, StepKind, StepResult
@@ -92,6 +93,9 @@ class LLMEngine:
         self._export = KVExport(self.runner, config.block_size)  # PROMPT
         self._partial = PartialImports(self.scheduler, self.runner.kv_cache,  # COMPLETION
                                        config.block_size)
+        # structured output and the other logits controls (engine/guided_requests.py)
+        self.guided = GuidedRequests(self.tokenizer, self.runner.vocab_size)
+        self.scheduler.token_check = self.guided.accept
 
     # -- admission -------------------------------------------------------------------
 
@@ -118,7 +122,18 @@ class LLMEngine:
         for fork_id, _ in forks:
             self._requests[fork_id] = None  # type: ignore[assignment]  # id reserved
             self._unforked[fork_id] = seq
+        if sampling.guide is None:
+            self.scheduler.add(seq)
+            return
+        seq.so_status = 1  # its forks take it too
+        self.guided.admit_or_park(request_id, sampling.guide, lambda: self.scheduler.add(seq),
+                                  lambda cause: self._fail_unstarted(seq, cause))
+
+    def _fail_unstarted(self, seq: Sequence, cause: str) -> None:
+        """End a request that never ran with ``error`` (and its forks with it)."""
         self.scheduler.add(seq)
+        self._failed[seq.request_id] = cause
+        self.scheduler.abort(seq.request_id)
 
     def import_prefilled(self, data: Any, *, borrowed: bool = False,
                          skip_blocks: int = 0) -> str:
@@ -152,6 +167,8 @@ class LLMEngine:
         payload.sampling = _payload_sampling(payload.sampling, "sampling")  # type: ignore[assignment]
         for i, fork in enumerate(payload.forks):
             fork.sampling = _payload_sampling(fork.sampling, f"forks[{i}].sampling")
+        if payload.sampling.guide is not None:  # compiled while it waits for its turn
+            self.guided.book.request(payload.sampling.guide)
         self.runner.kv_cache.check_import(payload.tensors, payload.num_prompt_tokens, skipped)
         if skipped:  # the prefix it left out must be here (streamed or cached): held from now
             payload.cached_block_ids = self._take_skipped_prefix(payload)
@@ -193,6 +210,9 @@ class LLMEngine:
             return True
         if request_id not in self._requests:
             return False
+        if self.guided.unpark(request_id):  # still waiting for its grammar
+            self._abort_unstarted(self._requests[request_id])
+            return True
         parent = self._unforked.pop(request_id, None)
         if parent is not None:  # a fork not made yet: it never will be
             parent.forks = [f for f in parent.forks if f[0] != request_id]
@@ -214,6 +234,12 @@ class LLMEngine:
         self.scheduler.abort(request_id)
         return True
 
+    def _abort_unstarted(self, seq: Sequence) -> None:
+        for request_id in (seq.request_id, *(fork_id for fork_id, _ in seq.forks)):
+            self._unforked.pop(request_id, None)
+            self._aborted_unstarted.append(request_id)
+        seq.forks = []
+
     # -- the step --------------------------------------------------------------------
 
     def step(self) -> StepOutputs:
@@ -226,6 +252,7 @@ class LLMEngine:
         started = time.perf_counter()
         if self._partial:
             self._expire_partials()
+        self.guided.admit_ready()
         self._admit_imports()
         sched_out = self.scheduler.schedule()
         if sched_out.kind == StepKind.PROMPT and sched_out.scheduled:
@@ -320,22 +347,7 @@ class LLMEngine:
             cache.copy_state(src, dst)
         if sched_out.is_empty:
             return []
-        rows = [
-            RunnerRow(
-                token_ids=row.seq.token_ids[row.start_pos:row.seqlen_k],
-                start_pos=row.start_pos,
-                block_table=row.seq.block_table,
-                state_slot=row.seq.state_slot,
-                sampling=row.seq.sampling,
-                sample=row.sample,
-                # The position of the token drawn: seeded draws stay the same when a
-                # request is recomputed elsewhere from its history.
-                output_index=len(row.seq.token_ids),
-                extra_draws=(tuple(sp for _, sp in row.seq.forks)
-                             if row.seq.forks and row.sample else ()),
-            )
-            for row in sched_out.scheduled
-        ]
+        rows = runner_rows(sched_out.scheduled, self.guided.controls_for)
         tokens, logprobs = self.runner.execute_with_logprobs(rows)
         if logprobs is not None:  # some row asked (sampling.logprobs): keyed for the outputs
             self._step_logprobs = {row.seq.request_id: lp for row, lp in
@@ -349,6 +361,7 @@ class LLMEngine:
                                          self._aborted_unstarted)
         self._aborted_unstarted.clear()
         for request_id in ended:
+            self.guided.forget(request_id)
             self._unforked.pop(request_id, None)  # the forks of a prompt that ended
             self._requests.pop(request_id, None)
         return outputs
@@ -372,11 +385,15 @@ class LLMEngine:
         for member in group:
             self.scheduler.release_handed_off(member)
             self._requests.pop(member.request_id, None)
+            self.guided.forget(member.request_id)
         return handoff
 
     def _admit_imports(self) -> None:
         while self._pending_imports:
             payload = self._pending_imports[0]
+            guide = payload.sampling.guide
+            if guide is not None and not self.guided.book.ready(guide):
+                return  # FIFO: the imports behind it wait for its grammar
             if self.scheduler.can_admit_prefilled(
                     payload.num_prompt_tokens, len(payload.forks),
                     len(payload.cached_block_ids)) != AllocStatus.OK:
@@ -387,6 +404,7 @@ class LLMEngine:
                            arrival_time=payload.arrival_time,
                            eos_token_id=self.tokenizer.eos_token_id)
             seq.processed = payload.num_prompt_tokens
+            seq.so_status = 1 if guide is not None else 0  # its forks take it too
             self.scheduler.add_prefilled(seq, payload.cached_block_ids)
             if payload.cached_block_hashes:  # streamed blocks: named from here on
                 seq.block_hashes = list(payload.cached_block_hashes)
@@ -434,9 +452,18 @@ class LLMEngine:
                 f"prompt_token_ids has {len(token_ids)} tokens; the model allows at most "
                 f"{self.max_model_len - 1} so one can be generated")
         sampling.validate()
+        named = [t for t, _ in sampling.logit_bias] + [
+            t for word in sampling.bad_words_token_ids for t in word]
+        if any(t >= vocab for t in named):
+            raise ValueError(f"logit_bias and bad_words name token ids outside the "
+                             f"vocabulary [0, {vocab})")
+
+    @property
+    def num_pending_imports(self) -> int:
+        return len(self._pending_imports)
 
     def has_work(self) -> bool:
-        return bool(self._pending_imports or self._aborted_unstarted
+        return bool(self._pending_imports or self._aborted_unstarted or self.guided.num_parked
                     or self.scheduler.has_unfinished())
 
     def assert_drained(self) -> None:
@@ -444,27 +471,14 @@ class LLMEngine:
         assert not self._requests, f"requests still registered: {sorted(self._requests)}"
         assert not self._unforked, f"forks never made: {sorted(self._unforked)}"
         assert not self._partial, f"streamed KV never imported: {sorted(self._partial)}"
+        assert not self.guided.num_parked and not self.guided.num_matchers, \
+            "guided requests still waiting or matched"
         assert not self._export.streamed, \
             f"streams never handed off: {sorted(self._export.streamed)}"
         self.scheduler.assert_drained()
 
     def stats(self) -> EngineStats:
-        sched = self.scheduler
-        outstanding = sum(len(s) - s.processed for s in sched.waiting)
-        return EngineStats(
-            engine_type=self.config.engine_type, rank=self.rank,
-            num_waiting=len(sched.waiting) + len(self._pending_imports),
-            # Finished sequences may sit in `running` until the next decode pass (S26).
-            num_running=sum(not s.is_finished for s in sched.running),
-            num_prompted=len(sched.prompted),
-            num_free_blocks=sched.num_free_blocks, num_total_blocks=self.runner.num_kv_blocks - 1,
-            outstanding_prompt_tokens=outstanding, num_preemptions=sched.num_preemptions,
-            num_empty_steps=self.num_empty_steps, num_steps=self.num_steps,
-            num_failed_steps=self.num_failed_steps,
-            cache_queried_tokens=sched.num_cache_queried_tokens,
-            cache_hit_tokens=sched.num_cache_hit_tokens,
-            cache_evictions=getattr(sched.blocks, "num_evictions", 0),
-            num_cached_blocks=getattr(sched.blocks, "num_cached", 0))
+        return engine_stats(self)
 
 
 def _payload_sampling(settings: dict, where: str) -> SamplingParams:

@@ -55,6 +55,8 @@ class LLM:
         # a folder, a GGUF file, or a built-in name (smollm2-135m-instruct, tiny)
         model_dir = resolve_model(model_dir).path
         settings["partial_prompts_first"] = partial_prompts_first
+        # it recomputes preempted requests: guided ones too, their matchers kept
+        settings.setdefault("recompute_structured_output", True)
 
         def config(engine_type: str, stop_preempted: bool) -> EngineConfig:
             return EngineConfig(model_dir=model_dir, engine_type=engine_type,

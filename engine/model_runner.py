@@ -17,6 +17,8 @@ sliding-window ring (ignored by models without one). A step may mix prefill chun
 of several requests and decode rows (q = 1). ``execute`` returns one sampled token
 per row, or ``None`` for rows with ``sample=False`` (non-final prompt chunks);
 ``execute_with_logprobs`` also each token's logprobs where ``sampling.logprobs`` asks.
+A row's ``controls`` (penalties, bias, min_tokens, bad words, a grammar's matcher:
+``engine/logits_controls.py``) shape the logits it samples from; logprobs stay raw.
 A row with ``extra_draws`` gets that many more tokens drawn from its logits (the first
 tokens of its forks): they follow the rows' entries, in row order.
 """
@@ -31,6 +33,7 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.config import DEFAULT_KV_COPY_THREADS
+from pdserve.engine.logits_controls import apply_controls
 from pdserve.engine.model import load_model
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.step_inputs import RunnerRow, check_rows, decode_inputs, general_inputs
@@ -241,7 +244,9 @@ class ModelRunner:
                     [*range(len(want)), *(j for j, _ in extra)], device=logits.device))
                 wanted += [dataclass_replace(wanted[j], sampling=sp, extra_draws=())
                            for j, sp in extra]
-            sampled = self._sample(logits, wanted)
+            controlled = apply_controls(logits, [r.sampling for r in wanted],
+                                        [r.controls for r in wanted])
+            sampled = self._sample(controlled, wanted)
             ask = [j for j, r in enumerate(wanted) if r.sampling.logprobs is not None]
             logprobs = self._logprobs(logits, sampled, wanted, ask) if ask else None
             tokens = sampled.tolist()
@@ -339,6 +344,8 @@ class ModelRunner:
             torch.tensor([p.top_p for p in sp], dtype=torch.float32, device=dev),
             seeds.to(dev),
             torch.tensor([r.output_index for r in rows], dtype=torch.long, device=dev),
+            min_p=(torch.tensor([p.min_p for p in sp], dtype=torch.float32, device=dev)
+                   if any(p.min_p > 0 for p in sp) else None),
         )
 
 

@@ -1,11 +1,11 @@
 """What one step reports for each request it touched (``RequestOutput``): the token it
 drew (with its logprobs where asked) and, once, how it finished. A request whose step
 failed finishes with ``error`` and none of that step's tokens; the forks of a prompt
-that ended before it completed end with it."""
+that ended before it completed end with it. And an engine's counters (``engine_stats``)."""
 
 from __future__ import annotations
 
-from pdserve.engine.outputs import RequestOutput, TokenLogprobs
+from pdserve.engine.outputs import EngineStats, RequestOutput, TokenLogprobs
 from pdserve.scheduler.output import StepResult
 from pdserve.scheduler.sequence import Sequence
 
@@ -68,3 +68,25 @@ def _output_for(by_id: dict[str, RequestOutput], seq: Sequence) -> RequestOutput
     out.num_output_tokens = seq.output_len
     out.first_token_time = seq.first_token_time
     return out
+
+
+def engine_stats(engine) -> EngineStats:
+    """An engine's counters for the router (``LLMEngine.stats``)."""
+    sched = engine.scheduler
+    outstanding = sum(len(s) - s.processed for s in sched.waiting)
+    return EngineStats(
+        engine_type=engine.config.engine_type, rank=engine.rank,
+        num_waiting=(len(sched.waiting) + engine.num_pending_imports
+                     + engine.guided.num_parked),
+        # Finished sequences may sit in `running` until the next decode pass (S26).
+        num_running=sum(not s.is_finished for s in sched.running),
+        num_prompted=len(sched.prompted),
+        num_free_blocks=sched.num_free_blocks,
+        num_total_blocks=engine.runner.num_kv_blocks - 1,
+        outstanding_prompt_tokens=outstanding, num_preemptions=sched.num_preemptions,
+        num_empty_steps=engine.num_empty_steps, num_steps=engine.num_steps,
+        num_failed_steps=engine.num_failed_steps,
+        cache_queried_tokens=sched.num_cache_queried_tokens,
+        cache_hit_tokens=sched.num_cache_hit_tokens,
+        cache_evictions=getattr(sched.blocks, "num_evictions", 0),
+        num_cached_blocks=getattr(sched.blocks, "num_cached", 0))

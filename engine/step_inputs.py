@@ -11,16 +11,20 @@ sliding-window ring (ignored by models without one).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import chain
 
 import torch
 
+from pdserve.engine.logits_controls import RowControls
 from pdserve.kernels.attention import AttentionGroup, AttentionMetadata
 from pdserve.kernels.decode_kv import DecodePlan
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.slot_mapping import full_slots, ring_slots
+from pdserve.scheduler.output import ScheduledSequence
 from pdserve.scheduler.sampling_params import SamplingParams
+from pdserve.scheduler.sequence import Sequence
 
 _GREEDY = SamplingParams(temperature=0.0)
 
@@ -39,6 +43,33 @@ class RunnerRow:
     # More tokens drawn from this row's logits, one per entry's settings: the first
     # tokens of the forks that share its prompt (n > 1). Only on a row that samples.
     extra_draws: tuple[SamplingParams, ...] = ()
+    # What its logits controls read (penalties, bias, min_tokens, bad words, a
+    # grammar's matcher); None: it has none and pays nothing for them.
+    controls: RowControls | None = None
+
+
+def runner_rows(scheduled: list[ScheduledSequence],
+                controls_for: Callable[[Sequence, int], RowControls | None]
+                ) -> list[RunnerRow]:
+    """The runner's rows of a step's scheduled rows; ``controls_for(seq, length)``: the
+    controls of a row that draws the token at ``length``."""
+    return [
+        RunnerRow(
+            token_ids=row.seq.token_ids[row.start_pos:row.seqlen_k],
+            start_pos=row.start_pos,
+            block_table=row.seq.block_table,
+            state_slot=row.seq.state_slot,
+            sampling=row.seq.sampling,
+            sample=row.sample,
+            controls=controls_for(row.seq, row.seqlen_k) if row.sample else None,
+            # The position of the token drawn: seeded draws stay the same when a
+            # request is recomputed elsewhere from its history.
+            output_index=len(row.seq.token_ids),
+            extra_draws=(tuple(sp for _, sp in row.seq.forks)
+                         if row.seq.forks and row.sample else ()),
+        )
+        for row in scheduled
+    ]
 
 
 def check_rows(rows: list[RunnerRow], block_size: int, cache: KVCache) -> None:

@@ -107,6 +107,14 @@ def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     return torch.empty_like(x).scatter_(1, order, sorted_x)
 
 
+def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) the tokens of each row whose probability is below min_p times the
+    row's largest; min_p 0 leaves a row as it is."""
+    probs = x.softmax(dim=-1)
+    floor = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+    return x.masked_fill(probs < floor, float("-inf"))
+
+
 def sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -114,15 +122,22 @@ def sample(
     top_p: torch.Tensor,
     seeds: torch.Tensor,
     output_index: torch.Tensor,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One token per row. logits [B, V] (any float dtype); per-row settings [B]."""
+    """One token per row. logits [B, V] (any float dtype); per-row settings [B].
+    ``min_p`` (None: off for every row) drops tokens whose probability after
+    temperature is below min_p times the row's most likely one's (vLLM's order:
+    temperature, then min_p, then top-k and top-p)."""
     logits = logits.float()
     greedy_tokens = greedy(logits)
     sampled = temperature > 0
     if not bool(sampled.any()):
         return greedy_tokens
     temp = torch.where(sampled, temperature, torch.ones_like(temperature))
-    x = apply_top_k_top_p(logits / temp[:, None], top_k, top_p)
+    x = logits / temp[:, None]
+    if min_p is not None:
+        x = apply_min_p(x, min_p)
+    x = apply_top_k_top_p(x, top_k, top_p)
     u = seeded_uniform(seeds, output_index, x.shape[-1])
     gumbel = -torch.log(-torch.log(u))
     drawn = (x.double() + gumbel).argmax(dim=-1)

@@ -54,6 +54,9 @@ class SchedulerPolicy:
     continuation_at_back: bool = False
     hol_bypass_limit: int = 0  # K > 0: a smaller request may pass a LATER head K times
     decode_room_needs_no_block: bool = False
+    # A preempted sequence with an active structured-output matcher is recomputed (its
+    # matcher kept, or replayed over its answer) instead of ended (S30's default).
+    recompute_structured_output: bool = False
     # A partly prefilled prompt already owns blocks for its whole prompt: let it finish
     # before a recompute-preempted request retakes the head, and past the watermark,
     # so the pool can never wedge with every free block held by unfinished prompts.
@@ -91,6 +94,7 @@ class SchedulerPolicy:
     def _check_switches(self) -> None:
         for name in ("chunked_prefill", "stop_preempted_request", "continuation_at_back",
                      "decode_room_needs_no_block", "partial_prompts_first",
+                     "recompute_structured_output",
                      "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -110,7 +110,10 @@ class DecodePath(BlockManager):
         out.num_preempted += 1
         out.preempted.append(seq)
         stop = self.config.stop_preempted_request
-        if stop or seq.so_status != 0:
+        # a matcher is kept through a recompute when the section 9 policy is on
+        guided_stops = seq.so_status == -1 or (
+            seq.so_status == 1 and not self.config.recompute_structured_output)
+        if stop or guided_stops:
             why = "stop_preempted_request is set" if stop else (
                 f"structured output (so_status {seq.so_status}) cannot be recomputed")
             logger.warning("request %s is preempted and stops: %s", seq.request_id, why)

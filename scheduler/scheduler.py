@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 
 from pdserve.scheduler.block_manager import BlockManager
 from pdserve.scheduler.block_pool import AllocStatus
@@ -44,6 +45,9 @@ class Scheduler(PrefillPath, DecodePath, BlockManager):
         self.prompted: deque[tuple[Sequence, bool]] = deque()
         self.decode_step = 0
         self.num_preemptions = 0
+        # Checks each token appended to a sequence with an active structured-output
+        # matcher (so_status 1); False refuses it (so_status -1). The engine's matchers.
+        self.token_check: Callable[[Sequence, int], bool] | None = None
         self._live: dict[str, Sequence] = {}  # admitted, not retired, not handed off
         self._unreported: list[Sequence] = []  # retired since the last process_outputs
         self._maybe_finished_in_queues = False  # set by abort and by every finish
@@ -364,6 +368,9 @@ class Scheduler(PrefillPath, DecodePath, BlockManager):
             raise ValueError(f"row of {seq.request_id!r} needs a sampled token")
         history = seq.token_ids
         history.append(token)
+        if seq.so_status == 1 and self.token_check is not None \
+                and not self.token_check(seq, token):
+            seq.so_status = -1  # the grammar refused it: structured_output_failed below
         if seq.first_token_time is None and len(history) - seq.prompt_len == 1:
             seq.first_token_time = time.monotonic()
         result.updated.append(seq)

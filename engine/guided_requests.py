@@ -1,0 +1,156 @@
+"""An engine's guided requests and the controls of its rows.
+
+1. A guided request (``SamplingParams.guide``) that arrives before its grammar is
+   compiled waits here (``park``), out of the scheduler; ``admit_ready`` (each step)
+   lets in those whose grammar is ready, so no step waits for a compile.
+2. Each row that has controls gets a ``RowControls`` (``controls_for``): the sequence's
+   tokens and, when guided, its matcher.
+3. A matcher is made when first needed, by replaying the sequence's answer so far: a
+   request that was moved (its answer is the end of its prompt), imported from a
+   prefill rank (its first token), forked (n > 1) or recomputed after a preemption
+   continues where its answer is, with no state carried between ranks.
+4. Every token the scheduler appends to a guided sequence goes through ``accept`` (its
+   ``token_check``); a refused one ends the request (``structured_output_failed``).
+5. ``forget`` drops a matcher when its request ends or is handed off.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.engine.guided_decoding import GrammarBook
+from pdserve.engine.logits_controls import RowControls
+from pdserve.scheduler.sampling_params import Guide
+from pdserve.scheduler.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+# A grammar evicted from the book's cache while its requests still run is compiled
+# again; a matcher made meanwhile waits this long for it.
+RECOMPILE_WAIT_S = 30.0
+
+
+@dataclass
+class _Parked:
+    request_id: str
+    future: Future
+    admit: Callable[[], None]
+    fail: Callable[[str], None]
+
+
+class GuidedRequests:
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        self.book = GrammarBook(tokenizer, vocab_size)
+        self._eos = tuple(tokenizer.eos_token_ids)
+        self._matchers: dict[str, Any] = {}
+        self._parked: list[_Parked] = []
+
+    # -- waiting for a grammar ---------------------------------------------------------
+
+    def admit_or_park(self, request_id: str, guide: Guide, admit: Callable[[], None],
+                      fail: Callable[[str], None]) -> None:
+        """Call ``admit`` now if the guide is compiled, else when it is (``fail`` with
+        the cause if it cannot be)."""
+        future = self.book.request(guide)
+        parked = _Parked(request_id, future, admit, fail)
+        if future.done():
+            self._release(parked)
+        else:
+            self._parked.append(parked)
+
+    def admit_ready(self) -> None:
+        if not self._parked:
+            return
+        ready = [p for p in self._parked if p.future.done()]
+        self._parked = [p for p in self._parked if not p.future.done()]
+        for parked in ready:
+            self._release(parked)
+
+    @staticmethod
+    def _release(parked: _Parked) -> None:
+        exc = parked.future.exception()
+        if exc is None:
+            parked.admit()
+        else:
+            log.error("grammar of request %s did not compile: %s", parked.request_id, exc)
+            parked.fail(f"its structured-output grammar did not compile: {exc}")
+
+    def unpark(self, request_id: str) -> bool:
+        """Drop a request still waiting for its grammar (aborted); True if it was."""
+        kept = [p for p in self._parked if p.request_id != request_id]
+        found = len(kept) != len(self._parked)
+        self._parked = kept
+        return found
+
+    @property
+    def num_parked(self) -> int:
+        return len(self._parked)
+
+    # -- rows and tokens ---------------------------------------------------------------
+
+    def controls_for(self, seq: Sequence, length: int) -> RowControls | None:
+        """The controls of a row of ``seq`` that draws the token at ``length``; None
+        when its settings have none."""
+        sampling = seq.sampling
+        if not sampling.has_controls:
+            return None
+        stops = (*((seq.eos_token_id,) if seq.eos_token_id is not None else ()),
+                 *sampling.stop_token_ids)
+        matcher = self._matcher(seq, length) if seq.so_status == 1 else None
+        return RowControls(seq.token_ids, length, answer_start(seq), stops, matcher)
+
+    def accept(self, seq: Sequence, token: int) -> bool:
+        """The scheduler's check of a token just appended to a guided sequence."""
+        matcher = self._matcher(seq, len(seq.token_ids) - 1)
+        if matcher is None:
+            return False
+        ok = not matcher.is_terminated() and matcher.accept_token(int(token))
+        if not ok:
+            log.warning("request %s: token %d does not fit its grammar", seq.request_id, token)
+        return ok
+
+    def _matcher(self, seq: Sequence, length: int):
+        """``seq``'s matcher, made by replaying its answer before ``length`` when new;
+        None (and so_status -1) when that answer does not fit the grammar."""
+        matcher = self._matchers.get(seq.request_id)
+        if matcher is not None:
+            return matcher
+        guide = seq.sampling.guide
+        try:
+            self.book.request(guide).result(timeout=RECOMPILE_WAIT_S)
+            matcher, fits = self.book.matcher(guide, seq.token_ids[answer_start(seq):length])
+        except Exception as exc:  # one request's grammar never fails the step
+            log.error("request %s: no matcher for its grammar: %s", seq.request_id, exc)
+            seq.so_status = -1
+            return None
+        if not fits:
+            log.warning("request %s: its answer so far does not fit its grammar",
+                        seq.request_id)
+            seq.so_status = -1
+            return None
+        self._matchers[seq.request_id] = matcher
+        return matcher
+
+    def forget(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+
+    def forget_all(self, request_ids) -> None:
+        for request_id in request_ids:
+            self._matchers.pop(request_id, None)
+
+    @property
+    def num_matchers(self) -> int:
+        return len(self._matchers)
+
+    def close(self) -> None:
+        self.book.close()
+
+
+def answer_start(seq: Sequence) -> int:
+    """Where ``seq``'s answer starts: after its prompt, less the answer a moved request
+    carries at the end of its prompt (``prior_output_tokens``)."""
+    return seq.prompt_len - seq.sampling.prior_output_tokens
