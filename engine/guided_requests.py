@@ -65,8 +65,10 @@ class GuidedRequests:
     def admit_ready(self) -> None:
         if not self._parked:
             return
-        ready = [p for p in self._parked if p.future.done()]
-        self._parked = [p for p in self._parked if not p.future.done()]
+        ready, waiting = [], []
+        for parked in self._parked:  # one look each: a compile may end meanwhile
+            (ready if parked.future.done() else waiting).append(parked)
+        self._parked = waiting
         for parked in ready:
             self._release(parked)
 

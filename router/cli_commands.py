@@ -65,10 +65,59 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
+    add_control_args(p)
     p.add_argument("--request-id", default="")
     p.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (token_ids, text, finish_reason) at the end")
+
+
+# the logits controls (vLLM's semantics; see router.proto): flag -> GenerateRequest field
+CONTROL_FLAGS = (("--presence-penalty", float), ("--frequency-penalty", float),
+                 ("--repetition-penalty", float), ("--min-tokens", int), ("--min-p", float))
+
+
+def add_control_args(p: argparse.ArgumentParser) -> None:
+    """The logits controls and one structured output (docs/serving.md)."""
+    for flag, kind in CONTROL_FLAGS:
+        p.add_argument(flag, type=kind, default=None)
+    so = p.add_mutually_exclusive_group()
+    so.add_argument("--json-schema", metavar="FILE",
+                    help="structured output: the answer is JSON this schema (a file) accepts")
+    so.add_argument("--regex", help="structured output: the answer matches this regex")
+    so.add_argument("--choice", action="append",
+                    help="structured output: the answer is one of these (repeat the flag)")
+    so.add_argument("--grammar", metavar="FILE",
+                    help="structured output: an EBNF grammar file (xgrammar's syntax, rule root)")
+
+
+def control_options(args: argparse.Namespace) -> dict:
+    """``build_request`` keyword arguments from ``add_control_args``' flags; ValueError
+    (one line) when a file cannot be read or the schema is not JSON."""
+    out = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
+           for flag, _ in CONTROL_FLAGS}
+    if args.json_schema:
+        text = _read_text(args.json_schema, "--json-schema")
+        try:
+            json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"--json-schema {args.json_schema}: not valid JSON: {exc}") from None
+        out["structured_output"] = {"json_schema": text}
+    elif args.grammar:
+        out["structured_output"] = {"grammar": _read_text(args.grammar, "--grammar")}
+    elif args.regex is not None:
+        out["structured_output"] = {"regex": args.regex}
+    elif args.choice:
+        out["structured_output"] = {"choice": args.choice}
+    return out
+
+
+def _read_text(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{flag}: cannot read {path}: {exc}") from None
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -80,7 +129,7 @@ def _run_generate(args: argparse.Namespace) -> int:
             for msg in client.stream(args.prompt, request_id=args.request_id,
                                      max_tokens=args.max_tokens, temperature=args.temperature,
                                      top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                                     ignore_eos=args.ignore_eos):
+                                     ignore_eos=args.ignore_eos, **control_options(args)):
                 out.add(msg)
                 if not args.json:
                     print(msg.text, end="", flush=True)

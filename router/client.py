@@ -19,6 +19,7 @@ certificate; ``tls_server_name=`` when the address is not a name the certificate
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -80,10 +81,23 @@ def build_request(prompt: str | Sequence[int] | Sequence[Mapping[str, str]], *,
                   seed: int | None = None, stop_token_ids: Sequence[int] = (),
                   ignore_eos: bool = False, stop: Sequence[str] = (),
                   include_stop_str_in_output: bool = False,
-                  logprobs: int | None = None, n: int | None = None) -> router_pb2.GenerateRequest:
+                  logprobs: int | None = None, n: int | None = None,
+                  presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                  repetition_penalty: float | None = None, min_tokens: int | None = None,
+                  min_p: float | None = None, logit_bias: Mapping[int, float] | None = None,
+                  bad_words: Sequence[str] = (),
+                  structured_output: router_pb2.StructuredOutput | Mapping | None = None,
+                  ) -> router_pb2.GenerateRequest:
+    """A GenerateRequest (router.proto documents each field). ``structured_output``: a
+    StructuredOutput message, or one of ``{"json_schema": schema (a dict or its JSON
+    text)}``, ``{"regex": str}``, ``{"grammar": str}``, ``{"choice": [str, ...]}``,
+    ``{"json_object": True}``."""
     req = router_pb2.GenerateRequest(request_id=request_id, stop_token_ids=list(stop_token_ids),
                                      ignore_eos=ignore_eos, stop=list(stop),
-                                     include_stop_str_in_output=include_stop_str_in_output)
+                                     include_stop_str_in_output=include_stop_str_in_output,
+                                     logit_bias=dict(logit_bias or {}), bad_words=list(bad_words))
+    if structured_output is not None:
+        req.structured_output.CopyFrom(structured_output_message(structured_output))
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt and isinstance(prompt[0], Mapping):  # a conversation: [{role, content}, ...]
@@ -95,10 +109,30 @@ def build_request(prompt: str | Sequence[int] | Sequence[Mapping[str, str]], *,
             req.token_ids.SetInParent()  # an explicit, empty token list
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature),
                         ("top_p", top_p), ("top_k", top_k), ("seed", seed),
-                        ("logprobs", logprobs), ("n", n)):
+                        ("logprobs", logprobs), ("n", n),
+                        ("presence_penalty", presence_penalty),
+                        ("frequency_penalty", frequency_penalty),
+                        ("repetition_penalty", repetition_penalty),
+                        ("min_tokens", min_tokens), ("min_p", min_p)):
         if value is not None:
             setattr(req, name, value)
     return req
+
+
+def structured_output_message(spec: router_pb2.StructuredOutput | Mapping
+                              ) -> router_pb2.StructuredOutput:
+    """``{kind: value}`` (one entry) as a StructuredOutput message; a message as is."""
+    if isinstance(spec, router_pb2.StructuredOutput):
+        return spec
+    if len(spec) != 1:
+        raise ValueError("structured_output must hold one of json_schema, json_object, "
+                         "regex, grammar, choice")
+    (kind, value), = spec.items()
+    if kind == "choice":
+        return router_pb2.StructuredOutput(choice=router_pb2.ChoiceList(choices=list(value)))
+    if kind == "json_schema" and not isinstance(value, str):
+        value = json.dumps(value)
+    return router_pb2.StructuredOutput(**{kind: value})
 
 
 def channel_credentials(tls_ca_file: str | None) -> grpc.ChannelCredentials | None:

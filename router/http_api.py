@@ -104,7 +104,7 @@ class OpenAIFront:
                 states += svc.admit(prepared, tenant=tenant)  # n choices, in order
         except RequestError as exc:
             self._end_all(states)
-            raise http_error(exc) from None
+            raise http_error(exc, c) from None
         except BaseException:
             self._end_all(states)
             raise

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from pdserve.router.validation import RequestError
 from pdserve.rpc import router_pb2
+from pdserve.scheduler.sampling_params import MAX_LOGIT_BIAS
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions call
+TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,12}")  # a logit_bias key
 MAX_LOGPROBS = 20
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
@@ -30,17 +33,19 @@ ERROR_TYPE = {400: "BadRequestError", 401: "AuthenticationError", 403: "Permissi
               503: "ServiceUnavailableError", 500: "InternalServerError"}
 # Fields OpenAI defines that pdserve does not do yet: refused, never ignored.
 UNSUPPORTED = {
-    "completions": ("suffix", "echo", "best_of", "logit_bias", "presence_penalty",
-                    "frequency_penalty", "min_tokens"),
-    "chat": ("tools", "tool_choice", "functions", "function_call", "response_format",
-             "logit_bias", "presence_penalty", "frequency_penalty", "audio", "modalities",
-             "prediction", "web_search_options", "min_tokens"),
+    "completions": ("suffix", "echo", "best_of"),
+    "chat": ("tools", "tool_choice", "functions", "function_call", "audio", "modalities",
+             "prediction", "web_search_options"),
 }
 # Accepted and without effect on the output (documented): labels and hints.
 IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+# The logits controls (vLLM's semantics; their ranges are the shared validation's).
+CONTROL_FLOATS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
 # GenerateRequest fields set from Common when given, and the ones the proto holds as int32
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "n")
-INT32_FIELDS = ("max_tokens", "top_k", "logprobs", "n")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "n",
+                   "min_tokens", *CONTROL_FLOATS)
+INT32_FIELDS = ("max_tokens", "top_k", "logprobs", "n", "min_tokens")
+FLOAT_FIELDS = ("temperature", "top_p", *CONTROL_FLOATS)
 
 
 class HTTPError(Exception):
@@ -49,10 +54,16 @@ class HTTPError(Exception):
         self.status, self.message, self.param = status, message, param
 
 
-def http_error(exc: RequestError) -> HTTPError:
-    """The HTTP form of a refusal by the shared validation or admission."""
+def http_error(exc: RequestError, c: Common | None = None) -> HTTPError:
+    """The HTTP form of a refusal by the shared validation or admission. A refusal of
+    the structured output names the body's field it came from (``c.structured_field``)."""
     status = HTTP_STATUS.get(exc.code, 500)
-    return HTTPError(status, exc.message, _param_of(exc.message))
+    message = exc.message
+    head = message.split(" ", 1)[0].rstrip(":")
+    if c is not None and c.structured_field and head.startswith("structured_output"):
+        message = c.structured_field + message[len(head):]
+        return HTTPError(status, message, c.structured_field.split(".", 1)[0])
+    return HTTPError(status, message, _param_of(message))
 
 
 def _param_of(message: str) -> str | None:
@@ -105,6 +116,17 @@ class Common:
     include_usage: bool
     return_token_ids: bool
     n: int  # choices per prompt
+    # the logits controls (None: unset), vLLM's semantics
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    bad_words: list[str] = field(default_factory=list)
+    # the structured output (openai_structured.py) and the body's field it came from
+    structured_output: router_pb2.StructuredOutput | None = None
+    structured_field: str = ""
 
 
 def common_fields(body: dict, endpoint: str, logprobs: int | None) -> Common:
@@ -120,15 +142,57 @@ def common_fields(body: dict, endpoint: str, logprobs: int | None) -> Common:
     top_p = body_field(body, "top_p", (int, float))
     seed = body_field(body, "seed", (int,))
     top_k = body_field(body, "top_k", (int,))
+    ignore_eos = body_field(body, "ignore_eos", (bool,), False)
+    controls = _control_fields(body, ignore_eos)
     return Common(
         max_tokens=max_tokens,
         temperature=None if temperature is None else float(temperature),
         top_p=None if top_p is None else float(top_p), top_k=top_k, seed=seed, stop=stop,
-        stop_token_ids=stop_ids, ignore_eos=body_field(body, "ignore_eos", (bool,), False),
+        stop_token_ids=stop_ids, ignore_eos=ignore_eos,
         include_stop_str_in_output=body_field(body, "include_stop_str_in_output", (bool,),
                                               False),
         logprobs=logprobs, stream=stream, include_usage=include_usage,
-        return_token_ids=body_field(body, "return_token_ids", (bool,), False), n=n)
+        return_token_ids=body_field(body, "return_token_ids", (bool,), False), n=n,
+        **controls)
+
+
+def _control_fields(body: dict, ignore_eos: bool) -> dict:
+    """Common's logits controls and structured output, as keyword arguments."""
+    from pdserve.router.openai_structured import structured_output
+
+    out = {}
+    for name in CONTROL_FLOATS:
+        value = body_field(body, name, (int, float))
+        out[name] = None if value is None else float(value)
+    out["min_tokens"] = body_field(body, "min_tokens", (int,))
+    out["logit_bias"] = _logit_bias(body)
+    bad_words = body_field(body, "bad_words", (list,), [])
+    if not all(isinstance(w, str) for w in bad_words):
+        raise HTTPError(400, "bad_words must be a list of strings", "bad_words")
+    out["bad_words"] = bad_words
+    out["structured_output"], out["structured_field"] = structured_output(body)
+    if out["structured_output"] is not None and ignore_eos:
+        raise HTTPError(400, f"ignore_eos cannot be combined with {out['structured_field']}: "
+                        "the answer ends where its grammar does", "ignore_eos")
+    return out
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    """OpenAI's ``logit_bias``: token ids (as JSON object keys, strings) to biases."""
+    bias = body_field(body, "logit_bias", (dict,), {})
+    if len(bias) > MAX_LOGIT_BIAS:  # before reading them one by one
+        raise HTTPError(400, f"logit_bias must hold at most {MAX_LOGIT_BIAS} entries, got "
+                        f"{len(bias)}", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not TOKEN_ID_KEY.fullmatch(key) or not -2**31 <= int(key) < 2**31:
+            raise HTTPError(400, f"logit_bias keys must be token ids (integers), got "
+                            f"{json.dumps(key)[:40]}", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise HTTPError(400, f"logit_bias[{key}] must be a number, got "
+                            f"{json.dumps(value)[:40]}", "logit_bias")
+        out[int(key)] = float(value)
+    return out
 
 
 def _refuse_unsupported(body: dict, endpoint: str) -> None:
@@ -206,6 +270,7 @@ def generate_request(prompt: str | list[int], c: Common) -> router_pb2.GenerateR
     req = router_pb2.GenerateRequest(stop=c.stop, stop_token_ids=c.stop_token_ids,
                                      ignore_eos=c.ignore_eos,
                                      include_stop_str_in_output=c.include_stop_str_in_output)
+    _set_controls(req, c)
     if isinstance(prompt, str):
         req.text = prompt
     else:
@@ -219,10 +284,24 @@ def generate_request(prompt: str | list[int], c: Common) -> router_pb2.GenerateR
     return req
 
 
+def _set_controls(req: router_pb2.GenerateRequest, c: Common) -> None:
+    """The logit bias, bad words and structured output (their values are checked by
+    the shared validation)."""
+    for token, bias in c.logit_bias.items():
+        req.logit_bias[token] = bias
+    try:
+        req.bad_words.extend(c.bad_words)
+    except ValueError as exc:  # a string protobuf cannot hold (a lone surrogate)
+        raise HTTPError(400, f"bad_words must be valid Unicode text: {exc}",
+                        "bad_words") from None
+    if c.structured_output is not None:
+        req.structured_output.CopyFrom(c.structured_output)
+
+
 def _set_sampling_field(req: router_pb2.GenerateRequest, name: str, value: Any) -> None:
     if name in INT32_FIELDS and not -2**31 <= value < 2**31:
         raise HTTPError(400, f"{name} is out of range: {value}", name)
-    if name in ("temperature", "top_p") and not math.isfinite(value):
+    if name in FLOAT_FIELDS and not math.isfinite(value):
         raise HTTPError(400, f"{name} must be a finite number, got {value}", name)
     try:
         setattr(req, name, value)

@@ -104,11 +104,14 @@ class RequestState:
         """A new attempt that computes the whole history so far (prompt + streamed
         tokens) and generates only what is left: the chapter's recompute, across ranks.
         Seeded draws depend on (seed, position), so a moved seeded request continues
-        exactly as it would have."""
+        exactly as it would have; ``prior_output_tokens`` tells the rank that the prompt
+        ends with the answer so far, which the penalties, min_tokens, the bad words and
+        the structured output's grammar go on from."""
         self.attempt += 1
         self.attempt_tokens = 0
         self.progress_at = time.monotonic()
-        sampling = dataclasses.replace(self.request.sampling, max_tokens=self.tokens_left)
+        sampling = dataclasses.replace(self.request.sampling, max_tokens=self.tokens_left,
+                                       prior_output_tokens=len(self.tokens))
         return AddRequest(self.attempt_key, self.request.prompt_token_ids + self.tokens,
                           sampling)
 

@@ -1,7 +1,9 @@
 """Checks a GenerateRequest before anything is allocated; each failure names its field.
 
 Cheap checks (sizes, counts, numbers) come before any per-element work, and the prompt
-is tokenized last, so an oversized or malformed request costs the router almost nothing.
+is tokenized last (then the bad words), so an oversized or malformed request costs the
+router almost nothing. The logits controls and the structured output are checked by
+``sampling_fields.py``.
 Every limit here is listed in the "Limits" section of router/README.md.
 """
 
@@ -200,7 +202,15 @@ def prepare(request, tokenizer, limits: ModelLimits,
                       f"got {num_stop_ids}")
     stop_ids = _check_ids("stop_token_ids", request.stop_token_ids, limits.vocab_size)
     stop = check_stop_strings(request.stop)
+    # the logits controls and the structured output (sampling_fields.py): numbers and
+    # counts, then the guide's parse; the bad words are tokenized after the prompt
+    from pdserve.router.sampling_fields import bad_words_token_ids, control_values
+
+    values.update(control_values(request, limits, values["max_tokens"]))
     ids = _prompt_token_ids(request, tokenizer, limits, chat_template)
+    if request.bad_words:
+        values["bad_words_token_ids"] = bad_words_token_ids(request.bad_words, tokenizer,
+                                                            limits.vocab_size)
     try:
         sampling = SamplingParams(stop_token_ids=tuple(stop_ids), ignore_eos=request.ignore_eos,
                                   **values)

@@ -214,7 +214,9 @@ def test_chat_errors_name_the_field(client, model):
                           ({"messages": [{"role": "user", "content": "x"}],
                             "extra_body": {"tools": [{"type": "function"}]}}, "tools"),
                           ({"messages": [{"role": "user", "content": "x"}],
-                            "extra_body": {"response_format": {"type": "json_object"}}},
+                            "extra_body": {"response_format": {
+                                "type": "json_schema",
+                                "json_schema": {"name": "a", "schema": {"type": "foo"}}}}},
                            "response_format")):
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=model, max_tokens=2, **kwargs)

@@ -24,6 +24,7 @@ from pdserve.router.validation import (
     prepare,
 )
 from pdserve.rpc import router_pb2
+from pdserve.scheduler.sampling_params import Guide
 
 LIMITS = ModelLimits(vocab_size=100, max_model_len=64, max_tokens_limit=63)
 INT32 = st.integers(-(2**31), 2**31 - 1)
@@ -309,3 +310,136 @@ def test_invalid_utf8_is_invalid_argument_end_to_end(shared_router):
         good = field(1, b"r-utf8") + field(2, "café".encode()) + bytes([4 << 3, 2])  # max_tokens 2
         msgs = list(generate(good, timeout=60))
         assert msgs[-1].finish_reason in ("length", "stop") and msgs[-1].request_id == "r-utf8"
+
+
+# --- the logits controls and the structured output (sampling_fields.py) -----------------
+
+
+class SpecialByteTokenizer(ByteTokenizer):
+    """ByteTokenizer that takes ``add_special_tokens`` (bad words are encoded without)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return super().encode(text)
+
+
+def prepared(req, tokenizer=None, limits=LIMITS):
+    return prepare(req, tokenizer or SpecialByteTokenizer(), limits).sampling
+
+
+def so(**kind) -> router_pb2.StructuredOutput:
+    if "choice" in kind:
+        return router_pb2.StructuredOutput(choice=router_pb2.ChoiceList(choices=kind["choice"]))
+    return router_pb2.StructuredOutput(**kind)
+
+
+def test_controls_reach_the_sampling_params():
+    s = prepared(request("hi", max_tokens=8, presence_penalty=-0.5, frequency_penalty=1.5,
+                         repetition_penalty=1.25, min_tokens=8, min_p=0.5,
+                         logit_bias={9: 1.5, 3: -100.0}, bad_words=["ab"]))
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (-0.5, 1.5, 1.25)
+    assert (s.min_tokens, s.min_p, s.prior_output_tokens) == (8, 0.5, 0)
+    assert s.logit_bias == ((3, -100.0), (9, 1.5))
+    assert s.bad_words_token_ids == ((4, 5),)
+    assert s.guide is None and s.has_controls
+    plain = prepared(request("hi"))
+    assert not plain.has_controls and plain.repetition_penalty == 1.0
+
+
+@pytest.mark.parametrize("structured, guide", [
+    (so(json_schema='{"type": "object"}'), Guide("json", '{"type": "object"}')),
+    (so(json_object=True), Guide("json_object")),
+    (so(regex="[0-9]+"), Guide("regex", "[0-9]+")),
+    (so(grammar='root ::= "a" | "b"'), Guide("grammar", 'root ::= "a" | "b"')),
+    (so(choice=["yes", 'say "no"']), Guide("choice", json.dumps(["yes", 'say "no"']))),
+])
+def test_each_structured_output_becomes_its_guide(structured, guide):
+    assert prepared(request("hi", structured_output=structured)).guide == guide
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"presence_penalty": 2.5}, "presence_penalty must be a number in [-2, 2]"),
+    ({"presence_penalty": math.nan}, "presence_penalty"),
+    ({"frequency_penalty": -math.inf}, "frequency_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be a finite number > 0"),
+    ({"repetition_penalty": math.inf}, "repetition_penalty"),
+    ({"min_p": -0.1}, "min_p must be a number in [0, 1]"),
+    ({"min_p": math.nan}, "min_p"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens must be in [0, max_tokens = 4]"),
+    ({"logit_bias": {LIMITS.vocab_size: 1.0}}, "logit_bias[100]"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias[-1]"),
+    ({"logit_bias": {5: 100.5}}, "logit_bias[5] must be a bias in [-100, 100]"),
+    ({"logit_bias": {5: math.nan}}, "logit_bias[5]"),
+    ({"logit_bias": {i: 1.0 for i in range(1025)}}, "logit_bias must hold at most 1024"),
+    ({"bad_words": [""]}, "bad_words[0]"),
+    ({"bad_words": ["ok", "  "]}, "bad_words[1]"),
+    ({"bad_words": ["w"] * 33}, "bad_words must hold at most 32"),
+    ({"bad_words": ["x" * 257]}, "bad_words[0] must be at most 256 characters"),
+    ({"bad_words": ["x" * 33]}, "bad_words[0] must be at most 32 tokens"),
+    ({"structured_output": router_pb2.StructuredOutput()}, "structured_output must set one"),
+    ({"structured_output": so(json_object=False)}, "structured_output.json_object"),
+    ({"structured_output": so(json_schema="")}, "structured_output.json_schema"),
+    ({"structured_output": so(json_schema='{"type": "foo"}')},
+     'structured_output.json_schema: Unsupported type "foo"'),
+    ({"structured_output": so(json_schema="{oops")},
+     "structured_output.json_schema: the JSON schema is not valid JSON"),
+    ({"structured_output": so(json_schema="[1]")},
+     "structured_output.json_schema: the JSON schema must be an object"),
+    ({"structured_output": so(json_schema=" " * 70000)},
+     "structured_output.json_schema must be at most 65536 characters"),
+    ({"structured_output": so(regex="a[b")}, "structured_output.regex: Regex parsing error"),
+    ({"structured_output": so(grammar="root ::= ")}, "structured_output.grammar: EBNF parser"),
+    ({"structured_output": so(choice=[])}, "structured_output.choice must hold 1..256"),
+    ({"structured_output": so(choice=["a", ""])}, "structured_output.choice: "),
+    ({"structured_output": so(choice=["a"] * 257)}, "structured_output.choice must hold"),
+    ({"structured_output": so(json_object=True), "ignore_eos": True},
+     "ignore_eos cannot be combined with structured_output"),
+])
+def test_bad_controls_are_invalid_argument_naming_the_field(fields, words):
+    message = rejected(request("hi", **fields), SpecialByteTokenizer())
+    assert message.startswith(words), message
+
+
+def test_the_structured_output_is_checked_before_the_prompt_is_tokenized():
+    tokenizer = ByteTokenizer()
+    rejected(request("hi", structured_output=so(regex="(")), tokenizer)
+    assert tokenizer.calls == 0
+
+
+def vllm_bad_words(words, tokenizer) -> tuple:
+    """vLLM's SamplingParams.update_from_tokenizer, restated."""
+    out = []
+    for word in words:
+        for prefix in ("", " "):
+            ids = tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False)
+            if not prefix or (ids[0] != out[-1][0] and len(ids) == len(out[-1])):
+                out.append(tuple(ids))
+    return tuple(dict.fromkeys(out))
+
+
+def test_bad_words_are_tokenized_as_vllm_does(tiny_tokenizer_and_limits):
+    tokenizer, limits = tiny_tokenizer_and_limits
+    words = ["hello", " world", "the quick", "x", "  indented", "hello"]
+    s = prepared(request("hi", bad_words=words), tokenizer, limits)
+    assert s.bad_words_token_ids == vllm_bad_words(words, tokenizer)
+    assert any(len(w) > 1 for w in s.bad_words_token_ids)
+    assert len(s.bad_words_token_ids) > len(set(words))  # some words have both forms
+    bos = tokenizer.bos_token_id
+    assert bos is None or all(bos not in w for w in s.bad_words_token_ids)
+
+
+def test_a_moved_request_tells_the_rank_where_its_answer_starts():
+    from pdserve.router.requests import RequestState
+
+    req = prepare(request([5, 6, 7], max_tokens=10, min_tokens=8, presence_penalty=1.0,
+                          structured_output=so(regex="[a-z]+")), SpecialByteTokenizer(), LIMITS)
+    state = RequestState(req, "r" * 24, "label")
+    first = state.begin_attempt()
+    assert first.sampling.prior_output_tokens == 0 and first.sampling.max_tokens == 10
+    state.tokens.extend([11, 12, 13])
+    moved = state.begin_attempt()
+    assert moved.prompt_token_ids == [5, 6, 7, 11, 12, 13]
+    s = moved.sampling
+    assert (s.prior_output_tokens, s.max_tokens, s.min_tokens) == (3, 7, 8)
+    assert (s.presence_penalty, s.guide) == (1.0, req.sampling.guide)
+    assert req.sampling.prior_output_tokens == 0  # the request's own params are unchanged

@@ -24,7 +24,8 @@ def test_defaults_are_the_engines():
     assert c.prefill_watermark == 0.9 and c.ring_len == 134 and c.cp_align == 1
     assert SchedulerConfig(**BASE, cp_size=3).cp_align == 6
     assert c.prompt_limit == 2048
-    assert not (c.continuation_at_back or c.hol_bypass_limit or c.decode_room_needs_no_block)
+    assert not (c.continuation_at_back or c.hol_bypass_limit or c.decode_room_needs_no_block
+                or c.recompute_structured_output)
 
 
 def test_prompt_limit_depends_on_chunking():

@@ -286,3 +286,37 @@ def test_api_misuse_is_refused(kit):
         s.fork(a, "child")  # its prompt is still in flight
     s.process_outputs(out, [3])
     assert s.get_sequence("A") is a and s.get_sequence("B") is None
+
+
+@pytest.mark.parametrize("so,recompute", [(1, True), (-1, False), (0, True)])
+def test_section9_structured_output_recomputed_when_the_policy_is_on(kit, so, recompute):
+    """Spec section 9: with recompute_structured_output, a preempted sequence with an
+    active matcher (so_status 1) is recomputed like any other (its matcher kept by the
+    engine); a failed one (-1) still ends. S30's default is tested above."""
+    s, a, b = _full_pool(kit, stop_preempted_request=False, recompute_structured_output=True)
+    a.so_status = so
+    s.add(kit.seq("D", 4))
+    out = s.schedule()
+    assert out.preempted == [a]
+    if recompute:
+        assert a.status is ST.WAITING and a.so_status == so and out.ignored == []
+    else:
+        assert a.status is ST.FINISHED_PREEMPTED and out.ignored == [a]
+
+
+def test_token_check_refusal_ends_the_sequence_structured_output_failed(kit):
+    """The engine's matcher sees each token appended to a sequence with so_status 1;
+    a refused token ends it with structured_output_failed (the token stays reported)."""
+    s = kit.sched(max_num_batched_tokens=16, max_num_seqs=8)
+    seen = []
+    s.token_check = lambda seq, token: seen.append((seq.request_id, token)) or token != 7
+    a, b = kit.seq("A", 4), kit.seq("B", 4)
+    a.so_status = 1
+    s.add(a)
+    s.add(b)
+    kit.step(s, token=5)
+    assert seen == [("A", 5)] and a.status is ST.RUNNING  # B (so_status 0) unchecked
+    kit.admit_prompted(s)
+    out, res = kit.step(s, token=7)
+    assert a.status is ST.FINISHED_SO_FAILED and a.finish_reason == "structured_output_failed"
+    assert a in res.finished and b.status is ST.RUNNING and a.block_table == []
