@@ -15,26 +15,7 @@ import time
 
 import pytest
 
-from pdserve.bench.harness import RouterHarness
-
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def real_router(ray_session, real_model_path):
-    from pdserve.router.config import PoolConfig, RouterConfig
-
-    engine = dict(num_kv_blocks=256, max_num_seqs=16, block_size=16)
-    config = RouterConfig(
-        model_dir=real_model_path, port=0, served_model_name="smollm2-135m-instruct",
-        collective_timeout_s=10.0,
-        prefill=PoolConfig("prefill", replicas=1, num_cpus=0.5, resources={"prefill": 1},
-                           engine=engine),
-        decode=PoolConfig("decode", replicas=1, num_cpus=0.5, resources={"decode": 1},
-                          engine=engine))
-    harness = RouterHarness(config)
-    yield harness
-    harness.close()
 
 
 def test_grpc_chat_answers_paris(real_router):
