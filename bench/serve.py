@@ -360,7 +360,14 @@ def run_serve(args: argparse.Namespace) -> int:
 # ---- `pdserve bench ...` -------------------------------------------------------------
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    from pdserve.bench import choices, compare_modes, kv_transfer, peers, perplexity
+    from pdserve.bench import (
+        choices,
+        compare_modes,
+        kv_transfer,
+        peers,
+        perplexity,
+        structured_output,
+    )
 
     sub = p.add_subparsers(dest="bench", metavar="BENCHMARK")
     sub.required = True
@@ -388,6 +395,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                        "one run", description=peers.__doc__.splitlines()[0])
     peers.add_args(q)
     q.set_defaults(_bench=peers.run)
+    g = sub.add_parser("structured-output", help="16 streams, half under a JSON schema, "
+                       "beside all unconstrained; compile times",
+                       description=structured_output.__doc__.splitlines()[0])
+    structured_output.add_args(g)
+    g.set_defaults(_bench=structured_output.run)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -396,7 +408,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def register_commands(register) -> None:
     register("bench", "benchmarks: serve (load a router), compare-modes, kv-transfer, choices, "
-             "perplexity, peers",
+             "perplexity, peers, structured-output",
              add_bench_args, run_bench)
 
 
