@@ -67,6 +67,11 @@ class DecodeRank(EngineRank):
             nbytes = max(0, nbytes - skip_blocks * cache.bytes_per_block())
         return ImportResult(True, attempt=attempt, nbytes=nbytes)
 
+    def prepare_grammar(self, guide: Any) -> None:
+        """Start compiling a structured-output guide whose request is being prefilled,
+        so that its import finds the grammar ready (the router's hint; no answer)."""
+        self.engine.guided.book.request(guide)
+
     def abort(self, attempt: str) -> bool:
         self._imported_at.pop(attempt, None)
         return super().abort(attempt)

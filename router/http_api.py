@@ -44,6 +44,7 @@ from pdserve.router.openai_response import (
     completion_events,
     raise_if_failed,
 )
+from pdserve.router.openai_tools import chat_inputs
 from pdserve.router.validation import RequestError, prepare
 
 MAX_BODY_BYTES = 16 << 20
@@ -132,7 +133,7 @@ class OpenAIFront:
         tenant = self.authenticate(request)
         body = await self.body(request)
         c = chat_fields(body)
-        prompt_ids = self._chat_prompt_ids(self._render_chat(body))
+        prompt_ids = self._chat_prompt_ids(self._render_chat(body, c))
         states = await self.admit([prompt_ids], c, tenant)
         rid = f"chatcmpl-{states[0].rid}"
         if c.stream:
@@ -141,18 +142,21 @@ class OpenAIFront:
         raise_if_failed(collected)
         return chat_body(self.svc.tokenizer, self.model_name, rid, states, collected, c)
 
-    def _render_chat(self, body: dict) -> str:
-        """The conversation in ``messages`` as the model's chat template writes it."""
+    def _render_chat(self, body: dict, c: Common) -> str:
+        """The conversation in ``messages`` as the model's chat template writes it, with
+        the tools (``openai_tools.chat_inputs``: the template's, or the Hermes fallback)."""
         if self.chat_template is None:
             raise HTTPError(400, f"the model {self.model_name!r} has no chat template "
                             "(neither its folder nor its GGUF file carries one); use /v1/completions",
                             "messages")
         if "messages" not in body:
             raise HTTPError(400, "messages is required", "messages")
+        messages, tools = chat_inputs(self.chat_template, body["messages"], c.tools)
         try:
             return self.chat_template.render(
-                body["messages"], True,
-                chat_template_kwargs=body_field(body, "chat_template_kwargs", (dict,), {}))
+                messages, True,
+                chat_template_kwargs=body_field(body, "chat_template_kwargs", (dict,), {}),
+                **tools)
         except ValueError as exc:
             raise HTTPError(400, str(exc), "messages") from None
 

@@ -34,9 +34,12 @@ ERROR_TYPE = {400: "BadRequestError", 401: "AuthenticationError", 403: "Permissi
 # Fields OpenAI defines that pdserve does not do yet: refused, never ignored.
 UNSUPPORTED = {
     "completions": ("suffix", "echo", "best_of"),
-    "chat": ("tools", "tool_choice", "functions", "function_call", "audio", "modalities",
-             "prediction", "web_search_options"),
+    "chat": ("functions", "function_call", "audio", "modalities", "prediction",
+             "web_search_options"),
 }
+# what a refusal says beyond "not supported" (the legacy names of tools and tool_choice)
+UNSUPPORTED_HINT = {"functions": "the legacy function-calling API; use tools",
+                    "function_call": "the legacy function-calling API; use tool_choice"}
 # Accepted and without effect on the output (documented): labels and hints.
 IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
 # The logits controls (vLLM's semantics; their ranges are the shared validation's).
@@ -127,6 +130,7 @@ class Common:
     # the structured output (openai_structured.py) and the body's field it came from
     structured_output: router_pb2.StructuredOutput | None = None
     structured_field: str = ""
+    tools: Any = None  # chat: the ToolPlan of tools and tool_choice (openai_tools.py)
 
 
 def common_fields(body: dict, endpoint: str, logprobs: int | None) -> Common:
@@ -198,7 +202,8 @@ def _logit_bias(body: dict) -> dict[int, float]:
 def _refuse_unsupported(body: dict, endpoint: str) -> None:
     for name in UNSUPPORTED[endpoint]:
         if body.get(name) not in (None, 0, False, [], {}):
-            raise HTTPError(400, f"{name} is not supported by pdserve yet", name)
+            hint = f" ({UNSUPPORTED_HINT[name]})" if name in UNSUPPORTED_HINT else ""
+            raise HTTPError(400, f"{name} is not supported by pdserve yet{hint}", name)
 
 
 def _stop_fields(body: dict) -> tuple[list[str], list[int]]:
@@ -251,7 +256,11 @@ def chat_fields(body: dict) -> Common:
                         "top_logprobs")
     if top is not None and not want:
         raise HTTPError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    return common_fields(body, "chat", (top or 0) if want else None)
+    from pdserve.router.openai_tools import tool_fields
+
+    c = common_fields(body, "chat", (top or 0) if want else None)
+    tool_fields(body, c)  # tools and tool_choice; a forced call's structured output
+    return c
 
 
 # -- into the proto ------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.router.openai_request import Common, HTTPError, error_body
+from pdserve.router.openai_tools import ToolStream, call_deltas, tool_message
 from pdserve.router.request_stream import Chunk, merged_chunks, stream_chunks
 
 
@@ -170,9 +171,13 @@ def chat_body(tokenizer, model: str, rid: str, states: list, collected: list,
               c: Common) -> dict:
     choices = []
     for index, ch in enumerate(collected):
-        choice = {"index": index, "message": {"role": "assistant", "content": ch.text},
+        message, finish = {"role": "assistant", "content": ch.text}, _openai_finish(
+            ch.finish_reason)
+        if c.tools is not None and c.tools.parses:  # the answer's calls (openai_tools.py)
+            message, finish = tool_message(ch.text, c.tools, finish)
+        choice = {"index": index, "message": message,
                   "logprobs": _chat_logprobs(tokenizer, ch) if c.logprobs is not None else None,
-                  "finish_reason": _openai_finish(ch.finish_reason)}
+                  "finish_reason": finish}
         if c.return_token_ids:
             choice["token_ids"] = ch.token_ids
         choices.append(choice)
@@ -201,10 +206,16 @@ async def chat_events(svc, model: str, rid: str, states: list, c: Common):
                                     "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}]}
     totals = [0] * len(states)
+    tools = [ToolStream(c.tools) for _ in states] if c.tools is not None and c.tools.parses \
+        else None
     async with contextlib.aclosing(_choice_chunks(svc, states, totals)) as chunks:
         async for index, chunk in chunks:
             if index is None:  # a choice ended without its output: an error event
                 yield chunk
+                continue
+            if tools is not None:  # the text held where calls may be, the calls at the end
+                for event in _tool_events(svc, head, index, chunk, tools[index], c):
+                    yield event
                 continue
             delta = {"content": chunk.text} if chunk.text or chunk.finish_reason is None else {}
             choice = {"index": index, "delta": delta, "logprobs": (
@@ -216,3 +227,27 @@ async def chat_events(svc, model: str, rid: str, states: list, c: Common):
             yield {**head, "choices": [choice]}
     if c.include_usage:
         yield {**head, "choices": [], "usage": _streamed_usage(states, totals)}
+
+
+def _tool_events(svc, head: dict, index: int, chunk, stream: ToolStream, c: Common) -> list:
+    """A chunk of a choice whose answer may hold tool calls (``ToolStream``): its content
+    so far, and at the end the rest of it, each call's deltas and the finish reason
+    ("tool_calls" when it made calls); the chunk's logprobs and token ids go on the last."""
+    text = stream.feed(chunk.text)
+    extra = {"logprobs": _chat_logprobs(svc.tokenizer, Collected.of(chunk))
+             if c.logprobs is not None else None}
+    if c.return_token_ids:
+        extra["token_ids"] = chunk.token_ids
+    if chunk.finish_reason is None:
+        if not text and extra["logprobs"] is None and not c.return_token_ids:
+            return []
+        return [{**head, "choices": [{"index": index, "delta": {"content": text}, **extra,
+                                      "finish_reason": None}]}]
+    rest, calls = stream.finish()
+    deltas = ([{"content": text + rest}] if text + rest else []) + call_deltas(calls)
+    events = [{**head, "choices": [{"index": index, "delta": d, "logprobs": None,
+                                    "finish_reason": None}]} for d in deltas]
+    finish = "tool_calls" if calls else _openai_finish(chunk.finish_reason)
+    events.append({**head, "choices": [{"index": index, "delta": {}, **extra,
+                                        "finish_reason": finish}]})
+    return events

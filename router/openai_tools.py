@@ -40,7 +40,6 @@ NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 TOOL_KEYS = ("type", "function")
 FUNCTION_KEYS = ("name", "description", "parameters", "strict")
 CHOICES = ("none", "auto", "required")
-LEGACY_HINT = "the legacy function-calling API is not supported by pdserve; use tools and tool_choice"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 CALL_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 NO_ARGUMENTS = {"type": "object", "properties": {}}
@@ -178,11 +177,11 @@ def _depth(value: Any) -> int:
     deepest, stack = 0, [(value, 1)]
     while stack:
         item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(
-            item, list) else ()
-        if isinstance(item, (dict, list)):
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
             deepest = max(deepest, depth)
-            stack.extend((child, depth + 1) for child in children)
+            stack.extend((child, depth + 1) for child in item)
     return deepest
 
 
@@ -267,10 +266,16 @@ def chat_inputs(template, messages: Any, plan: ToolPlan | None) -> tuple[Any, di
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         return messages, {}
     native = _renders_tools(template, plan)
-    out = [_tool_message(m, i, native) for i, m in enumerate(messages)]
+    out: list[dict] = []
+    for i, message in enumerate(messages):
+        converted = _tool_message(message, i, native)
+        if not native and message.get("role") == "tool" and i and messages[i - 1].get(
+                "role") == "tool":  # consecutive results: one user message
+            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + converted["content"]}
+        else:
+            out.append(converted)
     if native:
         return out, ({"tools": list(plan.tools)} if plan is not None else {})
-    out = _merged_results(out)
     if plan is not None and plan.choice != "none":
         out = _with_system_text(out, fallback_system_text(plan))
     return out, {}
@@ -309,14 +314,16 @@ def _tool_message(message: dict, i: int, native: bool) -> dict:
     where = f"messages[{i}]"
     role = message.get("role")
     calls = message.get("tool_calls")
-    if calls is not None:
+    if calls == []:  # no calls: a plain message
+        message = {k: v for k, v in message.items() if k != "tool_calls"}
+    elif calls is not None:
         if role != "assistant":
             raise HTTPError(400, f"{where}.tool_calls: only an assistant message has "
                             "tool_calls", "messages")
         checked = _tool_calls(calls, f"{where}.tool_calls")
         content = message.get("content")
         if not native:
-            return {"role": role, "content": _calls_text(content, checked)}
+            return {"role": role, "content": _calls_text(content, checked, where)}
         return {**message, "content": "" if content is None else content,
                 "tool_calls": checked}
     if role != "tool":
@@ -356,36 +363,24 @@ def _past_call(call: Any, where: str) -> dict:
     return {**call, "type": "function", "function": {"name": fn["name"], "arguments": args}}
 
 
-def _calls_text(content: Any, calls: list[dict]) -> str:
+def _calls_text(content: Any, calls: list[dict], where: str) -> str:
     """An assistant message's text and its calls, as Hermes writes them."""
     blocks = [CALL_OPEN + "\n" + json.dumps(
         {"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
         ensure_ascii=False) + "\n" + CALL_CLOSE for c in calls]
-    text = "" if content is None else _text_of(content, "content")
+    text = "" if content is None else _text_of(content, f"{where}.content")
     return "\n".join([text, *blocks] if text else blocks)
 
 
 def _text_of(content: Any, where: str) -> str:
+    if content is None:
+        raise HTTPError(400, f"{where}: missing", "messages")
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
         return "\n".join(p["text"] for p in content)
     raise HTTPError(400, f"{where}: must be a string or a list of text parts", "messages")
-
-
-def _merged_results(messages: list[dict]) -> list[dict]:
-    """Consecutive tool results (user messages of ``<tool_response>`` blocks, as
-    ``_tool_message`` wrote them) as one user message."""
-    out: list[dict] = []
-    for m in messages:
-        result = m.get("role") == "user" and str(m.get("content", "")).startswith(
-            "<tool_response>\n")
-        if result and out and out[-1].get("_results"):
-            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + m["content"]}
-        else:
-            out.append({**m, "_results": True} if result else m)
-    return [{k: v for k, v in m.items() if k != "_results"} for m in out]
 
 
 # -- the answer ----------------------------------------------------------------------------

@@ -159,6 +159,7 @@ class RequestFlow:
                 return True  # the rank's death got there first and has already moved them
             await self._not_started(rank, started, exc)
             return False
+        self._prepare_grammar(state)
         for s, key in started:
             if s.attempt_key != key:
                 continue  # moved meanwhile (its rank died): it goes on elsewhere
@@ -168,6 +169,16 @@ class RequestFlow:
             elif s.aborted or s.finished:  # ended while add_request was on its way
                 await self.abort_on(rank, key)
         return True
+
+    def _prepare_grammar(self, state: RequestState) -> None:
+        """Disaggregated: every decode rank starts compiling a guided request's grammar
+        while its prompt computes, so the import that follows finds it ready. A hint:
+        nothing waits for it (a rank that misses it compiles on import)."""
+        guide = state.request.sampling.guide
+        if guide is None or not self.disaggregated:
+            return
+        for rank in self.pools["decode"].ready():
+            rank.actor.prepare_grammar.remote(guide)
 
     async def _not_started(self, rank: RankHandle, started: list[tuple[RequestState, str]],
                            exc: Exception) -> None:
