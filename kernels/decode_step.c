@@ -262,8 +262,8 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
         if (bad) return -2 - (int)(r < 1000000 ? r : 1000000);
     }
     Barrier barrier = {0, 0};
-    /* Work counters: per layer, four matmuls and the attention tasks; the LM head. */
-    int64_t *counters = (int64_t *)calloc((size_t)(5 * L + 1), sizeof(int64_t));
+    /* Work counters: per layer, four matmuls and the two attention passes; the LM head. */
+    int64_t *counters = (int64_t *)calloc((size_t)(6 * L + 1), sizeof(int64_t));
     if (!counters) return -1;
 
 #pragma omp parallel num_threads(threads)
@@ -278,30 +278,21 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
         end_phase(&barrier, t, nt, times, PH_NORM, &mark);
         for (int64_t l = 0; l < L; l++) {
             const int64_t *p = layers + l * P_COUNT;
-            int64_t *next = counters + 5 * l;
+            int64_t *next = counters + 6 * l;
             matmul(next, nt, x, n, H, (const Weight *)p[P_QKV], W, (const float *)p[P_QKV_B], qkv, 0);
             end_phase(&barrier, t, nt, times, PH_QKV, &mark);
             float *ks = (float *)p[P_K_STORE], *vs = (float *)p[P_V_STORE];
             const int64_t window = p[P_WINDOW];
-            /* One task per row, from a counter: rows attend to different lengths. */
+            /* Two passes, so that rows may share a block table (a speculative step's
+             * positions of one sequence, each a row): first every row's K/V are written
+             * and its queries roped in place, then (after the barrier) every row attends
+             * to its positions, the other rows' new ones included. */
             for (int64_t r; (r = __atomic_fetch_add(next + 4, 1, __ATOMIC_RELAXED)) < n;) {
                 const int64_t *table = tables + r * tw;
-                const float *row = qkv + r * W, *c = cos + r * D, *s = sin + r * D;
-                int64_t nruns = 0, len;
-                int64_t dest;  /* the store row this step's K/V go to */
-                if (!window) {
-                    dest = table[pos[r] / bs] * bs + pos[r] % bs;
-                    len = pos[r] + 1;
-                    for (int64_t b = 0; b * bs < len; b++, nruns++)
-                        runs[nruns] = (Run){table[b] * bs, len - b * bs < bs ? len - b * bs : bs};
-                } else {
-                    const int64_t first = pos[r] + 1 > window ? pos[r] + 1 - window : 0;
-                    const int64_t base = states[r] * R, at = first % R;
-                    dest = base + pos[r] % R;
-                    len = pos[r] + 1 - first;
-                    runs[nruns++] = (Run){base + at, len < R - at ? len : R - at};
-                    if (len > R - at) runs[nruns++] = (Run){base, len - (R - at)};
-                }
+                float *row = qkv + r * W;
+                const float *c = cos + r * D, *s = sin + r * D;
+                const int64_t dest = !window ? table[pos[r] / bs] * bs + pos[r] % bs
+                                             : states[r] * R + pos[r] % R;
                 /* Qwen3: each q and k head is RMS-normalised before the rotation. */
                 const float *q_norm = (const float *)p[P_Q_NORM], *k_norm = (const float *)p[P_K_NORM];
                 float normed[256];
@@ -312,12 +303,30 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
                     memcpy(vs + (dest * hk + j) * D, row + (hq + hk + j) * D, D * sizeof(float));
                 }
                 for (int64_t i = 0; i < hq; i++) {
-                    const float *qh = row + i * D;
+                    float *qh = row + i * D;
                     if (q_norm) rms_norm_row(qh, q_norm, D, eps, normed);
-                    rope(q_norm ? normed : qh, c, s, D, q + i * D);
+                    rope(q_norm ? normed : qh, c, s, D, q);
+                    memcpy(qh, q, D * sizeof(float));
+                }
+            }
+            barrier_wait(&barrier, nt);
+            /* One task per row, from a counter: rows attend to different lengths. */
+            for (int64_t r; (r = __atomic_fetch_add(next + 5, 1, __ATOMIC_RELAXED)) < n;) {
+                const int64_t *table = tables + r * tw;
+                int64_t nruns = 0, len;
+                if (!window) {
+                    len = pos[r] + 1;
+                    for (int64_t b = 0; b * bs < len; b++, nruns++)
+                        runs[nruns] = (Run){table[b] * bs, len - b * bs < bs ? len - b * bs : bs};
+                } else {
+                    const int64_t first = pos[r] + 1 > window ? pos[r] + 1 - window : 0;
+                    const int64_t base = states[r] * R, at = first % R;
+                    len = pos[r] + 1 - first;
+                    runs[nruns++] = (Run){base + at, len < R - at ? len : R - at};
+                    if (len > R - at) runs[nruns++] = (Run){base, len - (R - at)};
                 }
                 RowKV kv = {ks, vs, runs, nruns, hk};
-                attend_any(q, kv, len, hq, g, D, scale, scores, attn + r * hq * D);
+                attend_any(qkv + r * W, kv, len, hq, g, D, scale, scores, attn + r * hq * D);
             }
             end_phase(&barrier, t, nt, times, PH_ATTENTION, &mark);
             matmul(next + 1, nt, attn, n, hq * D, (const Weight *)p[P_O], H, (const float *)p[P_O_B], h, 1);
@@ -347,7 +356,7 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
             end_phase(&barrier, t, nt, times, PH_NORM, &mark);
         }
         if (lm_head) {  /* x holds the final-normed rows (padded to whole blocks) */
-            matmul(counters + 5 * L, nt, x, n, H, lm_head, vocab, NULL, logits, 0);
+            matmul(counters + 6 * L, nt, x, n, H, lm_head, vocab, NULL, logits, 0);
             end_phase(&barrier, t, nt, times, PH_LM_HEAD, &mark);
         }
     }

@@ -1,9 +1,10 @@
 """A request's streamed chunks (``request_stream``) as OpenAI's response objects.
 
 Completions and chat completions, whole or as SSE events: choices in order, logprobs
-in each endpoint's shape, ``usage`` counting each prompt once, and a choice that ended
-without its output (aborted, no rank could serve it) as a 503: the whole response when
-collected, an error event in a stream.
+in each endpoint's shape, a chat answer's tool calls (``openai_tools``: parsed from the
+whole answer, or held back while streamed and sent at its end), ``usage`` counting each
+prompt once, and a choice that ended without its output (aborted, no rank could serve
+it) as a 503: the whole response when collected, an error event in a stream.
 """
 
 from __future__ import annotations

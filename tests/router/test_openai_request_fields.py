@@ -214,9 +214,9 @@ def test_bad_structured_outputs_are_400s_naming_the_field(endpoint, fields, para
     assert err.param == param and words in err.message, (err.param, err.message)
 
 
-def test_the_tools_fields_stay_refused():
-    for name, value in (("tools", [{"type": "function"}]), ("tool_choice", "auto"),
-                        ("functions", [{"name": "f"}]), ("function_call", "auto")):
+def test_the_legacy_function_fields_stay_refused():
+    # tools and tool_choice are tests/router/test_openai_tools.py's
+    for name, value in (("functions", [{"name": "f"}]), ("function_call", "auto")):
         with pytest.raises(HTTPError) as err:
             chat_fields({"model": "m", "messages": MESSAGES, name: value})
         assert err.value.param == name and "not supported" in err.value.message
