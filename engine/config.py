@@ -23,6 +23,7 @@ _ENGINE_TYPES = {"normal": EngineType.NORMAL, "prompt": EngineType.PROMPT,
                  "completion": EngineType.COMPLETION}
 _DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "int8", "none")  # EngineSettings.quantization
+SPECULATIVE_METHODS = ("off", "ngram")  # EngineSettings.speculative
 
 
 @dataclass(kw_only=True)
@@ -53,6 +54,15 @@ class EngineSettings(SchedulerPolicy):
     # scatter; kernels/kv_copy.c): one core's copy is bound by the misses it keeps in
     # flight, and two measured ~1.8x one here. A short burst while the engine waits.
     kv_copy_threads: int = DEFAULT_KV_COPY_THREADS
+    # Speculative decoding on the ranks that decode (engine/speculation.py): "ngram"
+    # drafts by prompt lookup over each request's own history; a draft's size follows
+    # the request's acceptance and the measured step costs, up to
+    # num_speculative_tokens, and none is used where it would not pay.
+    speculative: str = "off"
+    num_speculative_tokens: int = 5
+    # the n-gram sizes matched ("ngram"): the longest that ends the history first
+    ngram_min: int = 2
+    ngram_max: int = 4
 
     def __post_init__(self) -> None:
         self.check()
@@ -77,6 +87,18 @@ class EngineSettings(SchedulerPolicy):
             raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1 or None, got {self.max_model_len}")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.speculative!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got "
+                             f"{self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max <= 16:
+            raise ValueError(f"ngram_min must be in [1, ngram_max], ngram_max at most 16; got "
+                             f"{self.ngram_min}, {self.ngram_max}")
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], where: str = "engine") -> EngineSettings:

@@ -39,7 +39,8 @@ from pdserve.engine.kv_payload import KVPayload, KVPayloadError, dtype_name
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import EngineStats, HandOff, RequestOutput, StepOutputs
 from pdserve.engine.partial_imports import PartialImports
-from pdserve.engine.request_outputs import engine_stats, request_outputs
+from pdserve.engine.request_outputs import engine_stats, request_outputs, split_fork_draws
+from pdserve.engine.speculation import make_speculator
 from pdserve.engine.step_inputs import runner_rows
 from pdserve.scheduler.block_pool import AllocStatus
 from pdserve.scheduler.config import EngineType
@@ -96,6 +97,7 @@ class LLMEngine:
         # structured output and the other logits controls (engine/guided_requests.py)
         self.guided = GuidedRequests(self.tokenizer, self.runner.vocab_size)
         self.scheduler.token_check = self.guided.accept
+        self.speculator = make_speculator(config, self.runner, self.max_model_len)
 
     # -- admission -------------------------------------------------------------------
 
@@ -254,6 +256,8 @@ class LLMEngine:
             self._expire_partials()
         self.guided.admit_ready()
         self._admit_imports()
+        drafted = self.speculator.propose(self.scheduler.running, self.guided.fitting_draft) \
+            if self.speculator is not None else []
         sched_out = self.scheduler.schedule()
         if sched_out.kind == StepKind.PROMPT and sched_out.scheduled:
             self._note_scheduled(sched_out)
@@ -267,8 +271,11 @@ class LLMEngine:
         else:
             if sched_out.kind == StepKind.PROMPT and sched_out.scheduled:
                 self.scheduler.observe_prompt_step(sched_out, time.perf_counter() - run_started)
-        sampled, fork_tokens = self._split_fork_draws(sched_out, sampled)
+        sampled, fork_tokens = split_fork_draws(sched_out, sampled, self._draw_logprobs,
+                                                self._step_logprobs)
         result = self.scheduler.process_outputs(sched_out, sampled, fork_tokens)
+        for seq in drafted:  # verified, or never scheduled: a draft lives one step
+            seq.draft_len, seq.draft_token_ids = 0, []
         for child in result.forked:
             self._unforked.pop(child.request_id, None)
             self._requests[child.request_id] = child
@@ -309,26 +316,6 @@ class LLMEngine:
             result.handed_off.remove(seq)
             result.finished.append(seq)
 
-    def _split_fork_draws(self, sched_out: SchedulerOutput, sampled: list[int | None]
-                          ) -> tuple[list[int | None], dict[str, list[int]]]:
-        """The rows' tokens, and the forks' first tokens (drawn after them, in row
-        order) by the request they fork from; each fork's logprobs keyed by its own id."""
-        rows = sched_out.scheduled
-        if len(sampled) == len(rows):
-            return sampled, {}
-        fork_tokens: dict[str, list[int]] = {}
-        extra = iter(range(len(rows), len(sampled)))
-        for row in rows:
-            seq = row.seq
-            if row.sample and seq.forks:
-                slots = [next(extra) for _ in seq.forks]
-                fork_tokens[seq.request_id] = [sampled[i] for i in slots]
-                if self._draw_logprobs is not None:
-                    for (fork_id, _), i in zip(seq.forks, slots, strict=True):
-                        if self._draw_logprobs[i] is not None:
-                            self._step_logprobs[fork_id] = self._draw_logprobs[i]
-        return sampled[:len(rows)], fork_tokens
-
     @staticmethod
     def _note_scheduled(sched_out: SchedulerOutput) -> None:
         """Stamp when each prompt first ran, for the router's TTFT breakdown."""
@@ -347,12 +334,20 @@ class LLMEngine:
             cache.copy_state(src, dst)
         if sched_out.is_empty:
             return []
-        rows = runner_rows(sched_out.scheduled, self.guided.controls_for)
+        rows, spans = runner_rows(sched_out.scheduled, self.guided.controls_for)
+        spec = self.speculator if sched_out.kind == StepKind.DECODE else None
+        if spec is not None:
+            spec.step_started()
         tokens, logprobs = self.runner.execute_with_logprobs(rows)
-        if logprobs is not None:  # some row asked (sampling.logprobs): keyed for the outputs
-            self._step_logprobs = {row.seq.request_id: lp for row, lp in
-                                   zip(sched_out.scheduled, logprobs, strict=False)
-                                   if lp is not None}
+        if spec is not None:
+            spec.step_done(len(rows))
+        if spans is not None:  # drafts verified: each drafted row emits a list
+            tokens, per_row = spec.fold(sched_out.scheduled, spans, tokens, logprobs)
+        else:
+            per_row = logprobs and [None if lp is None else [lp] for lp in logprobs]
+        if per_row is not None:  # some row asked (sampling.logprobs): keyed for the outputs
+            self._step_logprobs = {row.seq.request_id: lps for row, lps in
+                                   zip(sched_out.scheduled, per_row, strict=False) if lps}
             self._draw_logprobs = logprobs  # the forks' draws follow the rows
         return tokens
 
@@ -362,6 +357,8 @@ class LLMEngine:
         self._aborted_unstarted.clear()
         for request_id in ended:
             self.guided.forget(request_id)
+            if self.speculator is not None:
+                self.speculator.forget(request_id)
             self._unforked.pop(request_id, None)  # the forks of a prompt that ended
             self._requests.pop(request_id, None)
         return outputs
@@ -381,7 +378,8 @@ class LLMEngine:
 
     def _hand_off(self, group: list[Sequence]) -> HandOff:
         """Export the choices of one prompt that go on; their blocks go back."""
-        handoff = self._export.hand_off(group, self.payload_buffer, self._step_logprobs)
+        handoff = self._export.hand_off(group, self.payload_buffer,
+                                        {k: v[0] for k, v in self._step_logprobs.items()})
         for member in group:
             self.scheduler.release_handed_off(member)
             self._requests.pop(member.request_id, None)

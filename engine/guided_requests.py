@@ -94,16 +94,37 @@ class GuidedRequests:
 
     # -- rows and tokens ---------------------------------------------------------------
 
-    def controls_for(self, seq: Sequence, length: int) -> RowControls | None:
-        """The controls of a row of ``seq`` that draws the token at ``length``; None
-        when its settings have none."""
+    def controls_for(self, seq: Sequence, length: int,
+                     draft: list[int] | tuple = ()) -> RowControls | None:
+        """The controls of a row of ``seq`` that draws the token at ``length``, after
+        its history and ``draft`` (the drafted tokens before that position, when
+        speculating); None when its settings have none."""
         sampling = seq.sampling
         if not sampling.has_controls:
             return None
         stops = (*((seq.eos_token_id,) if seq.eos_token_id is not None else ()),
                  *sampling.stop_token_ids)
-        matcher = self._matcher(seq, length) if seq.so_status == 1 else None
-        return RowControls(seq.token_ids, length, answer_start(seq), stops, matcher)
+        matcher = None
+        if seq.so_status == 1:
+            matcher = self._matcher(seq, len(seq.token_ids))
+            if matcher is not None and draft:
+                matcher = _advanced(matcher, draft)
+        history = [*seq.token_ids, *draft] if draft else seq.token_ids
+        return RowControls(history, length, answer_start(seq), stops, matcher)
+
+    def fitting_draft(self, seq: Sequence, draft: list[int]) -> list[int]:
+        """The longest start of ``draft`` that ``seq``'s grammar accepts (all of it for
+        an unguided sequence): drafted tokens pass the matcher before they are verified."""
+        if seq.so_status != 1 or not draft:
+            return draft
+        matcher = self._matcher(seq, len(seq.token_ids))
+        if matcher is None:
+            return []
+        probe = matcher.fork()
+        for j, token in enumerate(draft):
+            if probe.is_terminated() or not probe.accept_token(int(token)):
+                return draft[:j]
+        return draft
 
     def accept(self, seq: Sequence, token: int) -> bool:
         """The scheduler's check of a token just appended to a guided sequence."""
@@ -150,6 +171,15 @@ class GuidedRequests:
 
     def close(self) -> None:
         self.book.close()
+
+
+def _advanced(matcher, tokens: list[int]):
+    """A fork of ``matcher`` that has accepted ``tokens`` (which it accepts: the draft
+    was cut to fit, ``fitting_draft``)."""
+    fork = matcher.fork()
+    for token in tokens:
+        fork.accept_token(int(token))
+    return fork
 
 
 def answer_start(seq: Sequence) -> int:

@@ -5,12 +5,14 @@ that ended before it completed end with it. And an engine's counters (``engine_s
 
 from __future__ import annotations
 
+from collections import Counter
+
 from pdserve.engine.outputs import EngineStats, RequestOutput, TokenLogprobs
-from pdserve.scheduler.output import StepResult
+from pdserve.scheduler.output import SchedulerOutput, StepResult
 from pdserve.scheduler.sequence import Sequence
 
 
-def request_outputs(result: StepResult, step_logprobs: dict[str, TokenLogprobs],
+def request_outputs(result: StepResult, step_logprobs: dict[str, list[TokenLogprobs]],
                     failed: dict[str, str], aborted_unstarted: list[str]
                     ) -> tuple[list[RequestOutput], list[str]]:
     """The step's outputs, and the ids of the requests that ended (to forget).
@@ -21,19 +23,25 @@ def request_outputs(result: StepResult, step_logprobs: dict[str, TokenLogprobs],
     ended: list[str] = []
     # A handed-off request's first token travels in its HandOff, not here.
     handed_off = {seq.request_id for seq in result.handed_off}
+    # A drafted row may append several tokens in one step (speculative decoding): the
+    # sequence is listed once per token, its new tokens the last that many of its history.
+    appended = Counter(seq.request_id for seq in result.updated)
+    seen: Counter = Counter()
     for seq in result.updated:
         if seq.request_id in handed_off or seq.request_id in failed:
             continue
         out = _output_for(by_id, seq)
-        out.new_token_ids.append(seq.token_ids[-1])
+        k = seen[seq.request_id]
+        seen[seq.request_id] += 1
+        out.new_token_ids.append(seq.token_ids[k - appended[seq.request_id]])
         if step_logprobs:  # empty unless a request asked for logprobs
             # Every token of a request that asked was drawn by a row that computed
             # its logprobs, so new_logprobs stays aligned with new_token_ids.
-            lp = step_logprobs.get(seq.request_id)
-            if lp is not None:
+            lps = step_logprobs.get(seq.request_id)
+            if lps is not None:
                 if out.new_logprobs is None:
                     out.new_logprobs = []
-                out.new_logprobs.append(lp)
+                out.new_logprobs.append(lps[k])
     for seq in result.finished:
         out = _output_for(by_id, seq)
         cause = failed.pop(seq.request_id, None)
@@ -90,3 +98,26 @@ def engine_stats(engine) -> EngineStats:
         cache_hit_tokens=sched.num_cache_hit_tokens,
         cache_evictions=getattr(sched.blocks, "num_evictions", 0),
         num_cached_blocks=getattr(sched.blocks, "num_cached", 0))
+
+
+def split_fork_draws(sched_out: SchedulerOutput, sampled: list, draw_logprobs: list | None,
+                     step_logprobs: dict[str, list[TokenLogprobs]]
+                     ) -> tuple[list, dict[str, list[int]]]:
+    """The rows' tokens, and the forks' first tokens (drawn after them, in row order)
+    by the request they fork from; each fork's logprobs go into ``step_logprobs`` under
+    its own id."""
+    rows = sched_out.scheduled
+    if len(sampled) == len(rows):
+        return sampled, {}
+    fork_tokens: dict[str, list[int]] = {}
+    extra = iter(range(len(rows), len(sampled)))
+    for row in rows:
+        seq = row.seq
+        if row.sample and seq.forks:
+            slots = [next(extra) for _ in seq.forks]
+            fork_tokens[seq.request_id] = [sampled[i] for i in slots]
+            if draw_logprobs is not None:
+                for (fork_id, _), i in zip(seq.forks, slots, strict=True):
+                    if draw_logprobs[i] is not None:
+                        step_logprobs[fork_id] = [draw_logprobs[i]]
+    return sampled[:len(rows)], fork_tokens

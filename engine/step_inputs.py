@@ -24,7 +24,6 @@ from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.slot_mapping import full_slots, ring_slots
 from pdserve.scheduler.output import ScheduledSequence
 from pdserve.scheduler.sampling_params import SamplingParams
-from pdserve.scheduler.sequence import Sequence
 
 _GREEDY = SamplingParams(temperature=0.0)
 
@@ -49,27 +48,55 @@ class RunnerRow:
 
 
 def runner_rows(scheduled: list[ScheduledSequence],
-                controls_for: Callable[[Sequence, int], RowControls | None]
-                ) -> list[RunnerRow]:
-    """The runner's rows of a step's scheduled rows; ``controls_for(seq, length)``: the
-    controls of a row that draws the token at ``length``."""
-    return [
-        RunnerRow(
-            token_ids=row.seq.token_ids[row.start_pos:row.seqlen_k],
+                controls_for: Callable[..., RowControls | None]
+                ) -> tuple[list[RunnerRow], list[tuple[int, int]] | None]:
+    """The runner's rows of a step's scheduled rows, and where each scheduled row's
+    runner rows are ((first, count) each; None when every row is one runner row).
+    ``controls_for(seq, length, draft)``: the controls of a row that draws the token at
+    ``length`` after the history and ``draft``.
+
+    A decode row with a draft (speculative decoding) becomes 1 + draft_len rows of one
+    position each, sharing its block table: its last token, then each drafted token, at
+    their positions, each sampling the token after it (engine/speculation.py)."""
+    rows: list[RunnerRow] = []
+    spans: list[tuple[int, int]] | None = None
+    for n, row in enumerate(scheduled):
+        seq = row.seq
+        draft = seq.draft_token_ids
+        if draft and row.query_len == 1 + len(draft):
+            if spans is None:
+                spans = [(i, 1) for i in range(n)]
+            spans.append((len(rows), 1 + len(draft)))
+            rows += _drafted_rows(row, controls_for)
+            continue
+        if spans is not None:
+            spans.append((len(rows), 1))
+        rows.append(RunnerRow(
+            token_ids=seq.token_ids[row.start_pos:row.seqlen_k],
             start_pos=row.start_pos,
-            block_table=row.seq.block_table,
-            state_slot=row.seq.state_slot,
-            sampling=row.seq.sampling,
+            block_table=seq.block_table,
+            state_slot=seq.state_slot,
+            sampling=seq.sampling,
             sample=row.sample,
-            controls=controls_for(row.seq, row.seqlen_k) if row.sample else None,
+            controls=controls_for(seq, row.seqlen_k) if row.sample else None,
             # The position of the token drawn: seeded draws stay the same when a
             # request is recomputed elsewhere from its history.
-            output_index=len(row.seq.token_ids),
-            extra_draws=(tuple(sp for _, sp in row.seq.forks)
-                         if row.seq.forks and row.sample else ()),
-        )
-        for row in scheduled
-    ]
+            output_index=len(seq.token_ids),
+            extra_draws=(tuple(sp for _, sp in seq.forks) if seq.forks and row.sample else ()),
+        ))
+    return rows, spans
+
+
+def _drafted_rows(row: ScheduledSequence, controls_for) -> list[RunnerRow]:
+    seq, length = row.seq, len(row.seq.token_ids)
+    draft = seq.draft_token_ids
+    tokens = [seq.token_ids[-1], *draft]
+    return [RunnerRow(token_ids=[token], start_pos=row.start_pos + j,
+                      block_table=seq.block_table, state_slot=seq.state_slot,
+                      sampling=seq.sampling, sample=True,
+                      controls=controls_for(seq, length + j, draft[:j]),
+                      output_index=length + j)
+            for j, token in enumerate(tokens)]
 
 
 def check_rows(rows: list[RunnerRow], block_size: int, cache: KVCache) -> None:

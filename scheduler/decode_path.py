@@ -45,6 +45,9 @@ class DecodePath(BlockManager):
         while left < right and len(scheduled) < max_seqs:
             seq = running[right - 1]
             fits = candidate_fits(seq)
+            if not fits and seq.draft_len:  # a draft never costs anyone a preemption
+                seq.draft_len, seq.draft_token_ids = 0, []
+                fits = candidate_fits(seq)
             while not fits and right - left > 1:
                 self._preempt(running[left], out)
                 left += 1
@@ -56,12 +59,16 @@ class DecodePath(BlockManager):
                 self._preempt(seq, out)
             right -= 1
         scheduled.sort(key=len, reverse=True)  # S29: batch order, longest history first
+        # S36, before the in-flight counts grow; a row with a draft computes its positions
+        # too (speculative decoding: its last token and each drafted one)
         out.scheduled = rows = [
-            ScheduledSequence(seq, 1, seq.processed + seq.in_flight + 1, True) for seq in scheduled
-        ]  # S36, before the in-flight counts grow
-        for seq in scheduled:
-            seq.in_flight += 1
-        out.num_batched_tokens = len(rows)
+            ScheduledSequence(seq, 1 + seq.draft_len,
+                              seq.processed + seq.in_flight + 1 + seq.draft_len, True)
+            for seq in scheduled
+        ]
+        for row in rows:
+            row.seq.in_flight += row.query_len
+        out.num_batched_tokens = sum(row.query_len for row in rows)
         # Anything the max_num_seqs cap left unvisited stays running, unscheduled.
         self.running = scheduled + running[left:right] if left < right else scheduled
         self.decode_step += 1  # S11

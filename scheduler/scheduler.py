@@ -304,10 +304,12 @@ class Scheduler(PrefillPath, DecodePath, BlockManager):
 
     # ---- processing a step's outputs (S32) ----
 
-    def process_outputs(self, output: SchedulerOutput, sampled_token_ids: list[int | None],
+    def process_outputs(self, output: SchedulerOutput,
+                        sampled_token_ids: list[int | list[int] | None],
                         fork_tokens: dict[str, list[int]] | None = None) -> StepResult:
         """``fork_tokens``: request id -> the first tokens drawn for its ``forks``, for
-        each prompt completed this step that has any (n > 1)."""
+        each prompt completed this step that has any (n > 1). A decode row with a draft
+        gets a list: the drafted tokens accepted and the one drawn after them."""
         rows = output.scheduled
         if len(sampled_token_ids) != len(rows):
             raise ValueError(f"{len(sampled_token_ids)} sampled tokens for {len(rows)} scheduled rows")
@@ -326,14 +328,18 @@ class Scheduler(PrefillPath, DecodePath, BlockManager):
             seq = row.seq
             if seq.status is WAITING:  # preempted while in flight: stale output (S32)
                 continue
-            seq.in_flight -= 1
+            seq.in_flight -= row.query_len
             if seq.status.is_finished:
                 self._retire(seq)
                 continue
-            seq.processed += 1
-            if self.caching and seq.processed % self._block_size == 0:
-                self._register_full_blocks(seq)
-            append_token(seq, token, result)
+            # a speculative row: its accepted drafts and the token after them, in order,
+            # each a position computed; the stop rules end it at the first that stops
+            for t in token if isinstance(token, list) else (token,):
+                seq.processed += 1
+                if self.caching and seq.processed % self._block_size == 0:
+                    self._register_full_blocks(seq)
+                if not append_token(seq, t, result):
+                    break
 
     def _process_prompt(self, rows, tokens, result: StepResult,
                         fork_tokens: dict[str, list[int]]) -> None:

@@ -50,7 +50,8 @@ class Sequence:
 
     __slots__ = (
         "request_id", "token_ids", "prompt_len", "sampling", "eos_token_id", "arrival_time",
-        "order", "processed", "in_flight", "draft_len", "block_table", "state_slot", "status",
+        "order", "processed", "in_flight", "draft_len", "draft_token_ids", "block_table",
+        "state_slot", "status",
         "so_status", "schedulable", "checkpoints", "first_scheduled_time", "first_token_time",
         "fork_pending",
         "forks",
@@ -80,7 +81,10 @@ class Sequence:
         self.order = next(_creation_order)
         self.processed = 0
         self.in_flight = 0
-        self.draft_len = 0  # no speculative decoding yet; kept so blocks_needed reads as S4
+        # Speculative decoding: the tokens proposed to follow the history, verified by the
+        # next decode step (its row computes 1 + draft_len positions); cleared after it.
+        self.draft_len = 0
+        self.draft_token_ids: list[int] = []
         self.block_table: list[int] = []
         self.state_slot = -1
         self.status = SequenceStatus.WAITING
@@ -137,4 +141,5 @@ class Sequence:
         so the next prefill rebuilds the whole history and the answer continues (S30, S31)."""
         self.processed = 0
         self.in_flight = 0
-        self.draft_len = 0
+        self.draft_len = 0  # Listing 5.10: draft state cleared
+        self.draft_token_ids = []

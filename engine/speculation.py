@@ -1,0 +1,247 @@
+"""Speculative decoding on a decoding engine: drafts proposed before the step, verified
+by it, and never a slower step than decoding one token.
+
+1. Before each step, ``Speculator.propose`` gives each running sequence a draft (its
+   ``draft_token_ids``; ``draft_len`` counts it in the blocks it needs, spec S4): the
+   tokens a ``Proposer`` expects to follow its history, as many as the sequence's own
+   acceptance and the measured step costs say pay (``plan_draft_lens``). A draft never
+   costs a preemption: the scheduler drops it first (scheduler/decode_path.py).
+2. The decode step computes the row's last token and every drafted one at their
+   positions, each a row of the C decode step sharing the sequence's block table
+   (``engine/step_inputs.runner_rows``), and samples a token after each as a plain
+   decode step would (same logits controls, same seeded draws by position).
+3. ``verify``: drafted token j is accepted while it equals the token sampled after the
+   ones before it; the sequence gets the accepted drafts and the token sampled after
+   them. Each emitted token is the one non-speculative decoding would draw from the
+   same history (greedy: argmax; seeded: the draw keyed by seed and position), so
+   outputs are exactly those of decoding without a draft, and a moved request goes on
+   token for token. The KV rows of rejected positions lie past the sequence's processed
+   count: the next tokens overwrite them.
+4. Stop strings, EOS, ``max_tokens`` and the grammar apply to the emitted tokens only
+   (the scheduler's stop rules, token by token). A recomputed sequence's draft is
+   cleared (Listing 5.10).
+
+Proposers: ``NgramProposer`` (prompt lookup over the sequence's own history, vLLM's
+``ngram`` method). The interface leaves room for draft models and MTP heads.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pdserve.scheduler.sequence import Sequence
+
+ACCEPTANCE_PRIOR = 0.5  # a new request's acceptance rate before it has any
+ACCEPTANCE_DECAY = 0.8  # weight of the past in a request's acceptance estimate
+PROBE_EVERY = 8  # steps between two tries of a draft size whose cost is unknown
+
+
+class Proposer(Protocol):
+    def propose(self, history: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens expected to follow ``history``."""
+
+
+@dataclass
+class NgramProposer:
+    """Prompt lookup: the longest n-gram (``min_n`` ..= ``max_n`` tokens) that ends the
+    history and occurred before, and the tokens that followed its latest occurrence."""
+
+    min_n: int = 2
+    max_n: int = 4
+    window: int = 4096  # history tokens searched (the most recent)
+
+    def propose(self, history: list[int], k: int) -> list[int]:
+        if k <= 0 or len(history) <= self.min_n:
+            return []
+        start = max(0, len(history) - self.window)
+        for n in range(min(self.max_n, len(history) - 1), self.min_n - 1, -1):
+            tail = history[-n:]
+            # the latest earlier occurrence: scan back from just before the tail itself
+            for i in range(len(history) - n - 1, start - 1, -1):
+                if history[i] == tail[0] and history[i:i + n] == tail:
+                    return history[i + n:i + n + k]
+        return []
+
+
+@dataclass
+class StepCosts:
+    """Measured decode step times by rows computed (an exponential average per count),
+    and the cost of a count not measured yet, interpolated or extrapolated linearly."""
+
+    decay: float = 0.9
+    times: dict[int, float] = field(default_factory=dict)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        old = self.times.get(rows)
+        self.times[rows] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+
+    def estimate(self, rows: int) -> float | None:
+        if rows in self.times:
+            return self.times[rows]
+        known = sorted(self.times)
+        if len(known) < 2:
+            return None
+        lower = [n for n in known if n < rows]
+        upper = [n for n in known if n > rows]
+        a, b = (lower[-1], upper[0]) if lower and upper else \
+            ((known[-2], known[-1]) if lower else (known[0], known[1]))
+        ta, tb = self.times[a], self.times[b]
+        return max(ta + (tb - ta) * (rows - a) / (b - a), 1e-6)
+
+
+def expected_tokens(rate: float, k: int) -> float:
+    """Tokens a step emits for a draft of ``k`` whose tokens are each accepted with
+    probability ``rate`` until the first rejection: the accepted ones plus one."""
+    return 1.0 + sum(rate ** j for j in range(1, k + 1))
+
+
+@dataclass
+class SpecMetrics:
+    """vLLM's counters: drafts, drafted and accepted tokens, acceptance by position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    num_skipped_steps: int = 0  # steps where a draft was possible and did not pay
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_pos) < drafted:
+            self.accepted_per_pos += [0] * (drafted - len(self.accepted_per_pos))
+        for j in range(accepted):
+            self.accepted_per_pos[j] += 1
+
+
+class Speculator:
+    """Drafts for an engine's running sequences, verified after each decode step."""
+
+    def __init__(self, proposer: Proposer, num_speculative_tokens: int,
+                 max_model_len: int) -> None:
+        self.proposer = proposer
+        self.k = num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.costs = StepCosts()
+        self.metrics = SpecMetrics()
+        self._rates: dict[str, float] = {}
+        self._steps = 0
+        self._step_started = 0.0
+
+    def propose(self, running: list[Sequence],
+                fit: Callable[[Sequence, list[int]], list[int]] | None = None
+                ) -> list[Sequence]:
+        """Give the running sequences drafts where they pay (module docstring, 1); the
+        sequences that got one. ``fit(seq, draft)``: the part of a draft the sequence's
+        grammar accepts."""
+        self._steps += 1
+        candidates: list[tuple[Sequence, list[int]]] = []
+        for seq in running:
+            if seq.status.is_finished or seq.in_flight or seq.processed + 1 != len(seq):
+                continue  # only a sequence whose next step is a plain decode row
+            room = min(self.k, seq.sampling.max_tokens - seq.output_len - 1,
+                       self.max_model_len - len(seq) - 1)
+            draft = self.proposer.propose(seq.token_ids, room) if room > 0 else []
+            if draft and fit is not None:
+                draft = fit(seq, draft)
+            if draft:
+                candidates.append((seq, draft))
+        if not candidates:
+            return []
+        lens = self.plan_draft_lens(len(running), [
+            (self._rates.get(seq.request_id, ACCEPTANCE_PRIOR), len(d)) for seq, d in candidates])
+        if not any(lens):
+            self.metrics.num_skipped_steps += 1
+        drafted = []
+        for (seq, draft), k in zip(candidates, lens, strict=True):
+            if k:
+                seq.draft_token_ids, seq.draft_len = draft[:k], k
+                drafted.append(seq)
+        return drafted
+
+    def plan_draft_lens(self, rows: int, drafts: list[tuple[float, int]]) -> list[int]:
+        """Each candidate's draft length, for a step of ``rows`` decode rows: the common
+        cap (0 ..= K) that maximises the expected tokens per second of the step, each
+        draft cut to it, by the measured step costs. Until the plain step's cost is
+        known, no draft; a cap whose cost cannot be estimated yet is tried once every
+        PROBE_EVERY steps, so the costs get measured."""
+        base = self.costs.estimate(rows)
+        if base is None:
+            return [0] * len(drafts)
+        best, best_rate, unknown = 0, rows / base, None
+        for cap in range(1, self.k + 1):
+            lens = [min(n, cap) for _, n in drafts]
+            cost = self.costs.estimate(rows + sum(lens))
+            if cost is None:
+                unknown = cap if unknown is None else unknown
+                continue
+            tokens = rows - len(drafts) + sum(
+                expected_tokens(rate, n) for (rate, _), n in zip(drafts, lens, strict=True))
+            if tokens / cost > best_rate:
+                best, best_rate = cap, tokens / cost
+        if unknown is not None and self._steps % PROBE_EVERY == 0:
+            best = unknown
+        return [min(n, best) for _, n in drafts]
+
+    def step_started(self) -> None:
+        self._step_started = time.perf_counter()
+
+    def step_done(self, rows_computed: int) -> None:
+        self.costs.observe(rows_computed, time.perf_counter() - self._step_started)
+
+    def verify(self, seq: Sequence, drawn: list[int]) -> list[int]:
+        """The tokens ``seq`` emits: its drafted tokens while each equals the token drawn
+        after the ones before it, then the token drawn after the last accepted one.
+        ``drawn``: the token sampled at each of the row's 1 + draft_len positions."""
+        draft = seq.draft_token_ids
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == drawn[accepted]:
+            accepted += 1
+        self.metrics.record(len(draft), accepted)
+        # per-token acceptance, as a run of accepts ended by a rejection estimates it
+        rate = accepted / (accepted + (accepted < len(draft))) if draft else ACCEPTANCE_PRIOR
+        old = self._rates.get(seq.request_id, ACCEPTANCE_PRIOR)
+        self._rates[seq.request_id] = ACCEPTANCE_DECAY * old + (1 - ACCEPTANCE_DECAY) * rate
+        return [*draft[:accepted], drawn[accepted]]
+
+    def fold(self, scheduled: list, spans: list[tuple[int, int]], tokens: list,
+             logprobs: list | None) -> tuple[list, list | None]:
+        """A drafted step's runner results back to its scheduled rows: each row's token,
+        or the list of tokens a drafted row emits (``verify``); and each row's list of
+        logprobs (those of its emitted tokens), when the step computed any."""
+        out_tokens: list = []
+        out_logprobs: list | None = [] if logprobs is not None else None
+        for row, (first, count) in zip(scheduled, spans, strict=True):
+            drawn = tokens[first:first + count]
+            emitted = self.verify(row.seq, drawn) if count > 1 else drawn
+            out_tokens.append(emitted if count > 1 else drawn[0])
+            if out_logprobs is not None:
+                lps = logprobs[first:first + len(emitted)]
+                out_logprobs.append(lps if lps and lps[0] is not None else None)
+        return out_tokens, out_logprobs
+
+    def forget(self, request_id: str) -> None:
+        self._rates.pop(request_id, None)
+
+
+def make_speculator(config, runner, max_model_len: int) -> Speculator | None:
+    """The engine's speculator for its settings (None: "off", or a prefill engine,
+    which never decodes). ValueError where it cannot run: each drafted position is a
+    row of the C decode step, and a sliding-window ring would lose positions a
+    rejected draft overwrote."""
+    from pdserve.scheduler.config import EngineType
+
+    if config.speculative == "off" or config.type == EngineType.PROMPT:
+        return None
+    if runner.kv_cache.ring_layers:
+        raise ValueError("speculative: a model with sliding-window layers cannot draft "
+                         "(a rejected draft would overwrite ring positions still needed)")
+    if not runner.decode_kernel:
+        raise ValueError("speculative needs the C decode step (decode_kernel, a CPU "
+                         "device and a model it supports)")
+    proposer = NgramProposer(config.ngram_min, config.ngram_max)
+    return Speculator(proposer, config.num_speculative_tokens, max_model_len)
