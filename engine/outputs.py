@@ -126,6 +126,12 @@ class EngineStats:
     cache_hit_tokens: int = 0
     cache_evictions: int = 0
     num_cached_blocks: int = 0
+    # Speculative decoding (0 when off; vLLM's counters): drafts verified, tokens drafted
+    # and accepted, accepted by draft position (index 0: the first drafted token)
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
     # set by the rank, not the engine: direct hand-offs whose prefill rank woke this
     # rank through its wake channel (the ray KV transport's endpoint counts them)
     num_woken_imports: int = 0

@@ -97,7 +97,17 @@ def engine_stats(engine) -> EngineStats:
         cache_queried_tokens=sched.num_cache_queried_tokens,
         cache_hit_tokens=sched.num_cache_hit_tokens,
         cache_evictions=getattr(sched.blocks, "num_evictions", 0),
-        num_cached_blocks=getattr(sched.blocks, "num_cached", 0))
+        num_cached_blocks=getattr(sched.blocks, "num_cached", 0),
+        **_spec_counters(engine.speculator))
+
+
+def _spec_counters(speculator) -> dict:
+    if speculator is None:
+        return {}
+    m = speculator.metrics
+    return dict(spec_drafts=m.num_drafts, spec_draft_tokens=m.num_draft_tokens,
+                spec_accepted_tokens=m.num_accepted_tokens,
+                spec_accepted_per_pos=list(m.accepted_per_pos))
 
 
 def split_fork_draws(sched_out: SchedulerOutput, sampled: list, draw_logprobs: list | None,

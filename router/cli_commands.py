@@ -177,7 +177,7 @@ def _run_status(args: argparse.Namespace) -> int:
                   f"({100 * r.kv_usage:.0f}%)  in flight {r.num_inflight}  "
                   f"steps {r.num_steps} (empty {r.num_empty_steps})  prefix cache "
                   f"{_hit_rate(r)} hits, {r.num_cached_blocks} blocks, "
-                  f"{r.cache_evictions} evictions")
+                  f"{r.cache_evictions} evictions{_speculation(r)}")
     _print_planner(state.planner)
     return 0
 
@@ -200,6 +200,15 @@ def _print_planner(pl) -> None:
         error = f" ({d.error})" if d.error else ""
         print(f"  {when} {d.pool} {d.from_replicas} -> {d.to_replicas} [{d.outcome}]{error}: "
               f"{d.reason}")
+
+
+def _speculation(r) -> str:
+    """Acceptance rate and mean accepted length, as vLLM reports them ('' when off)."""
+    if not r.spec_drafts:
+        return ""
+    rate = r.spec_accepted_tokens / max(r.spec_draft_tokens, 1)
+    return (f"  speculation: {100 * rate:.0f}% of drafted tokens accepted, mean accepted "
+            f"length {r.spec_accepted_tokens / r.spec_drafts + 1:.2f}")
 
 
 def _hit_rate(r) -> str:

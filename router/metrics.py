@@ -153,7 +153,18 @@ class _RankCollector:
             "cache_evictions": CounterMetricFamily(
                 "pdserve_rank_prefix_cache_evictions", "Cached blocks whose KV was reused "
                 "for other tokens.", labels=labels),
+            "spec_drafts": CounterMetricFamily(
+                "pdserve_rank_spec_decode_drafts", "Speculative drafts verified.",
+                labels=labels),
+            "spec_draft_tokens": CounterMetricFamily(
+                "pdserve_rank_spec_decode_draft_tokens", "Tokens drafted.", labels=labels),
+            "spec_accepted_tokens": CounterMetricFamily(
+                "pdserve_rank_spec_decode_accepted_tokens", "Drafted tokens accepted "
+                "(acceptance rate: accepted / draft tokens).", labels=labels),
         }
+        per_pos = CounterMetricFamily(
+            "pdserve_rank_spec_decode_accepted_tokens_per_pos", "Drafted tokens accepted, "
+            "by their position in the draft (0: the first).", labels=[*labels, "position"])
         svc = self.service
         for pool in list(svc.pools.values()):
             for r in list(pool.ranks):
@@ -168,8 +179,11 @@ class _RankCollector:
                 gauges["inflight"].add_metric(lv, len(r.inflight))
                 for key, family in counters.items():
                     family.add_metric(lv, getattr(st, key))
+                for pos, n in enumerate(st.spec_accepted_per_pos):
+                    per_pos.add_metric([*lv, str(pos)], n)
         yield from gauges.values()
         yield from counters.values()
+        yield per_pos
         inflight = GaugeMetricFamily("pdserve_requests_in_flight",
                                      "Requests accepted by the router and not released.")
         inflight.add_metric([], len(svc.tracker))

@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from pdserve.engine.config import QUANTIZATIONS
+from pdserve.engine.config import QUANTIZATIONS, SPECULATIVE_METHODS
 from pdserve.engine.model_catalog import DEFAULT_MODEL, resolve_model
 
 DEFAULT_HOST = "127.0.0.1"
@@ -61,6 +61,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="weights the decode step reads (default auto: a GGUF file's Q8_0/"
                    "Q4_0/Q4_1 blocks in place; int8: every matmul quantized at load; none: "
                    "fp32; see docs/models.md)")
+    p.add_argument("--speculative", choices=SPECULATIVE_METHODS, default=None,
+                   help="speculative decoding on the ranks that decode (default off; ngram: "
+                   "drafts by prompt lookup over each request's history, used where they "
+                   "pay; see docs/serving.md)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="the most tokens one draft proposes (default 5)")
     p.add_argument("--auth-token-file", default=None,
                    help="tenant tokens, one `<tenant> <token>` per line, mode 0600 (see "
                    "SECURITY.md); clients then need one. Re-read on SIGHUP")
@@ -164,8 +170,9 @@ def _apply_pool_flags(pool, args: argparse.Namespace) -> None:
         pool.engine.num_kv_blocks = args.num_kv_blocks
     if getattr(args, "no_prefix_caching", False):
         pool.engine.enable_prefix_caching = False
-    if getattr(args, "quantization", None) is not None:
-        pool.engine.quantization = args.quantization
+    for name in ("quantization", "speculative", "num_speculative_tokens"):
+        if getattr(args, name, None) is not None:
+            setattr(pool.engine, name, getattr(args, name))
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -150,7 +150,10 @@ def rank_message(r: RankHandle) -> router_pb2.RankState:
         num_steps=st.num_steps, num_empty_steps=st.num_empty_steps,
         num_preemptions=st.num_preemptions, num_inflight=len(r.inflight),
         cache_queried_tokens=st.cache_queried_tokens, cache_hit_tokens=st.cache_hit_tokens,
-        cache_evictions=st.cache_evictions, num_cached_blocks=st.num_cached_blocks)
+        cache_evictions=st.cache_evictions, num_cached_blocks=st.num_cached_blocks,
+        spec_drafts=st.spec_drafts, spec_draft_tokens=st.spec_draft_tokens,
+        spec_accepted_tokens=st.spec_accepted_tokens,
+        spec_accepted_per_pos=st.spec_accepted_per_pos)
 
 
 def planner_message(state: dict) -> router_pb2.PlannerState:

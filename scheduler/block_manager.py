@@ -70,14 +70,16 @@ class BlockManager:
     # ---- a sequence's table ----
 
     def _append_slot(self, seq: Sequence) -> None:
-        """Grow the table by one block when the next position needs it; shrink a table
+        """Grow the table by one block when the next position needs it (more when a draft
+        does: the decode path cut the draft to blocks that are free); shrink a table
         longer than needed (S28)."""
         table = seq.block_table
         bs = self._block_size
         need = (len(seq.token_ids) + seq.in_flight + seq.draft_len + bs - 1) // bs  # S4
         have = len(table)
-        if have < need:
-            table.append(self.blocks.allocate_one())
+        if have < need:  # one block, or more for a draft's positions (S4)
+            for _ in range(need - have):
+                table.append(self.blocks.allocate_one())
         elif have > need:
             self.blocks.free(table[need:])
             del table[need:]

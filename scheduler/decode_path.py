@@ -44,9 +44,11 @@ class DecodePath(BlockManager):
         append_slot = self._append_slot
         while left < right and len(scheduled) < max_seqs:
             seq = running[right - 1]
+            if seq.draft_len:  # free blocks stay for the candidates left to visit
+                self._fit_draft(seq, self.blocks.num_free - (right - left))
             fits = candidate_fits(seq)
             if not fits and seq.draft_len:  # a draft never costs anyone a preemption
-                seq.draft_len, seq.draft_token_ids = 0, []
+                self._fit_draft(seq, 0)
                 fits = candidate_fits(seq)
             while not fits and right - left > 1:
                 self._preempt(running[left], out)
@@ -73,6 +75,16 @@ class DecodePath(BlockManager):
         self.running = scheduled + running[left:right] if left < right else scheduled
         self.decode_step += 1  # S11
         return out
+
+    def _fit_draft(self, seq: Sequence, spare: int) -> None:
+        """Cut ``seq``'s draft (speculative decoding) to the positions its blocks hold and
+        ``spare`` (if > 0) more blocks' worth: a draft never takes a block another
+        sequence needs."""
+        bs = self._block_size
+        room = (len(seq.block_table) + max(spare, 0)) * bs - len(seq) - seq.in_flight
+        if room < seq.draft_len:
+            keep = max(room, 0)
+            seq.draft_len, seq.draft_token_ids = keep, seq.draft_token_ids[:keep]
 
     def _sweep_finished(self, ignored: list[Sequence]) -> None:
         """S26: finished sequences leave running; aborted ones can sit anywhere in waiting."""

@@ -186,7 +186,7 @@ class ClusterStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RankState(_message.Message):
-    __slots__ = ("rank", "actor_id", "node_id", "state", "num_waiting", "num_running", "num_prompted", "num_free_blocks", "num_total_blocks", "kv_usage", "outstanding_prompt_tokens", "num_steps", "num_empty_steps", "num_preemptions", "num_inflight", "cache_queried_tokens", "cache_hit_tokens", "cache_evictions", "num_cached_blocks")
+    __slots__ = ("rank", "actor_id", "node_id", "state", "num_waiting", "num_running", "num_prompted", "num_free_blocks", "num_total_blocks", "kv_usage", "outstanding_prompt_tokens", "num_steps", "num_empty_steps", "num_preemptions", "num_inflight", "cache_queried_tokens", "cache_hit_tokens", "cache_evictions", "num_cached_blocks", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_pos")
     RANK_FIELD_NUMBER: _ClassVar[int]
     ACTOR_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +206,10 @@ class RankState(_message.Message):
     CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_PER_POS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     actor_id: str
     node_id: str
@@ -225,7 +229,11 @@ class RankState(_message.Message):
     cache_hit_tokens: int
     cache_evictions: int
     num_cached_blocks: int
-    def __init__(self, rank: _Optional[int] = ..., actor_id: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_prompted: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., outstanding_prompt_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_empty_steps: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_inflight: _Optional[int] = ..., cache_queried_tokens: _Optional[int] = ..., cache_hit_tokens: _Optional[int] = ..., cache_evictions: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
+    spec_drafts: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    spec_accepted_per_pos: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rank: _Optional[int] = ..., actor_id: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_prompted: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., outstanding_prompt_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_empty_steps: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_inflight: _Optional[int] = ..., cache_queried_tokens: _Optional[int] = ..., cache_hit_tokens: _Optional[int] = ..., cache_evictions: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PoolState(_message.Message):
     __slots__ = ("name", "target_replicas", "ranks", "group_generation")
