@@ -124,17 +124,20 @@ def shared_router(make_router):
 @pytest.fixture(scope="session")
 def real_router(ray_session, real_model_path):
     """The real model served disaggregated (1 prefill + 1 decode rank), for every module
-    that needs it: loaded once per session."""
+    that needs it: loaded once per session. Its decode rank drafts (n-gram speculative
+    decoding, which leaves every output as it is): each real-model service test runs
+    through it too."""
     from pdserve.router.config import PoolConfig, RouterConfig
 
     engine = dict(num_kv_blocks=256, max_num_seqs=16, block_size=16)
+    decode_engine = dict(engine, speculative="ngram")
     config = RouterConfig(
         model_dir=real_model_path, port=0, served_model_name="smollm2-135m-instruct",
         collective_timeout_s=10.0,
         prefill=PoolConfig("prefill", replicas=1, num_cpus=0.5, resources={"prefill": 1},
                            engine=engine),
         decode=PoolConfig("decode", replicas=1, num_cpus=0.5, resources={"decode": 1},
-                          engine=engine))
+                          engine=decode_engine))
     harness = RouterHarness(config)
     yield harness
     harness.close()
