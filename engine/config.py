@@ -23,7 +23,7 @@ _ENGINE_TYPES = {"normal": EngineType.NORMAL, "prompt": EngineType.PROMPT,
                  "completion": EngineType.COMPLETION}
 _DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "int8", "none")  # EngineSettings.quantization
-SPECULATIVE_METHODS = ("off", "ngram")  # EngineSettings.speculative
+SPECULATIVE_METHODS = ("off", "ngram", "draft")  # EngineSettings.speculative
 
 
 @dataclass(kw_only=True)
@@ -63,6 +63,9 @@ class EngineSettings(SchedulerPolicy):
     # the n-gram sizes matched ("ngram"): the longest that ends the history first
     ngram_min: int = 2
     ngram_max: int = 4
+    # "draft": a smaller model sharing the target's tokenizer (a folder, a GGUF file or a
+    # built-in name), with a KV cache of its own on each decoding rank
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         self.check()
@@ -96,6 +99,10 @@ class EngineSettings(SchedulerPolicy):
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got "
                              f"{self.num_speculative_tokens}")
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ValueError("draft_model must be set exactly when speculative is draft, got "
+                             f"speculative {self.speculative!r}, draft_model "
+                             f"{self.draft_model!r}")
         if not 1 <= self.ngram_min <= self.ngram_max <= 16:
             raise ValueError(f"ngram_min must be in [1, ngram_max], ngram_max at most 16; got "
                              f"{self.ngram_min}, {self.ngram_max}")

@@ -40,8 +40,15 @@ PROBE_EVERY = 8  # steps between two tries of a draft size whose cost is unknown
 
 
 class Proposer(Protocol):
-    def propose(self, history: list[int], k: int) -> list[int]:
-        """Up to ``k`` tokens expected to follow ``history``."""
+    # True for a proposer that costs a model run (a draft model): the draft sizes are
+    # planned before it proposes, so it drafts only as many tokens as will be checked
+    plans_first: bool
+
+    def propose_many(self, requests: list[tuple[str, list[int], int]]) -> list[list[int]]:
+        """Up to k tokens expected to follow each (request id, history, k)."""
+
+    def forget(self, request_id: str) -> None:
+        """The request ended: drop what the proposer keeps of it."""
 
 
 @dataclass
@@ -52,6 +59,7 @@ class NgramProposer:
     min_n: int = 2
     max_n: int = 4
     window: int = 4096  # history tokens searched (the most recent)
+    plans_first = False
 
     def propose(self, history: list[int], k: int) -> list[int]:
         if k <= 0 or len(history) <= self.min_n:
@@ -64,6 +72,12 @@ class NgramProposer:
                 if history[i] == tail[0] and history[i:i + n] == tail:
                     return history[i + n:i + n + k]
         return []
+
+    def propose_many(self, requests: list[tuple[str, list[int], int]]) -> list[list[int]]:
+        return [self.propose(history, k) for _, history, k in requests]
+
+    def forget(self, request_id: str) -> None:
+        pass
 
 
 @dataclass
@@ -131,6 +145,7 @@ class Speculator:
         self._rates: dict[str, float] = {}
         self._steps = 0
         self._step_started = 0.0
+        self._propose_s = 0.0
 
     def propose(self, running: list[Sequence],
                 fit: Callable[[Sequence, list[int]], list[int]] | None = None
@@ -139,21 +154,26 @@ class Speculator:
         sequences that got one. ``fit(seq, draft)``: the part of a draft the sequence's
         grammar accepts."""
         self._steps += 1
-        candidates: list[tuple[Sequence, list[int]]] = []
-        for seq in running:
-            if seq.status.is_finished or seq.in_flight or seq.processed + 1 != len(seq):
-                continue  # only a sequence whose next step is a plain decode row
-            room = min(self.k, seq.sampling.max_tokens - seq.output_len - 1,
-                       self.max_model_len - len(seq) - 1)
-            draft = self.proposer.propose(seq.token_ids, room) if room > 0 else []
-            if draft and fit is not None:
-                draft = fit(seq, draft)
-            if draft:
-                candidates.append((seq, draft))
+        self._propose_s = 0.0
+        eligible = [(seq, room) for seq in running if (room := self._room(seq)) > 0]
+        if not eligible:
+            return []
+        started = time.perf_counter()
+        if self.proposer.plans_first:  # a model: draft only what will be checked
+            lens = self.plan_draft_lens(len(running), [(self._rate(seq), room)
+                                                       for seq, room in eligible])
+            eligible = [(seq, k) for (seq, _), k in zip(eligible, lens, strict=True) if k]
+        drafts = self.proposer.propose_many([(seq.request_id, seq.token_ids, room)
+                                             for seq, room in eligible])
+        self._propose_s = time.perf_counter() - started
+        candidates = [(seq, fit(seq, d) if fit is not None and d else d)
+                      for (seq, _), d in zip(eligible, drafts, strict=True)]
+        candidates = [(seq, d) for seq, d in candidates if d]
         if not candidates:
             return []
-        lens = self.plan_draft_lens(len(running), [
-            (self._rates.get(seq.request_id, ACCEPTANCE_PRIOR), len(d)) for seq, d in candidates])
+        lens = [len(d) for _, d in candidates] if self.proposer.plans_first else \
+            self.plan_draft_lens(len(running), [(self._rate(seq), len(d))
+                                                for seq, d in candidates])
         if not any(lens):
             self.metrics.num_skipped_steps += 1
         drafted = []
@@ -162,6 +182,17 @@ class Speculator:
                 seq.draft_token_ids, seq.draft_len = draft[:k], k
                 drafted.append(seq)
         return drafted
+
+    def _room(self, seq: Sequence) -> int:
+        """How many tokens ``seq`` may draft: 0 unless its next step is a plain decode
+        row, and never past max_tokens (the last token is never drafted) or the model."""
+        if seq.status.is_finished or seq.in_flight or seq.processed + 1 != len(seq):
+            return 0
+        return min(self.k, seq.sampling.max_tokens - seq.output_len - 1,
+                   self.max_model_len - len(seq) - 1)
+
+    def _rate(self, seq: Sequence) -> float:
+        return self._rates.get(seq.request_id, ACCEPTANCE_PRIOR)
 
     def plan_draft_lens(self, rows: int, drafts: list[tuple[float, int]]) -> list[int]:
         """Each candidate's draft length, for a step of ``rows`` decode rows: the common
@@ -191,7 +222,9 @@ class Speculator:
         self._step_started = time.perf_counter()
 
     def step_done(self, rows_computed: int) -> None:
-        self.costs.observe(rows_computed, time.perf_counter() - self._step_started)
+        """The step's time, the proposer's included (a draft model's runs), by rows."""
+        elapsed = time.perf_counter() - self._step_started + self._propose_s
+        self.costs.observe(rows_computed, elapsed)
 
     def verify(self, seq: Sequence, drawn: list[int]) -> list[int]:
         """The tokens ``seq`` emits: its drafted tokens while each equals the token drawn
@@ -226,6 +259,7 @@ class Speculator:
 
     def forget(self, request_id: str) -> None:
         self._rates.pop(request_id, None)
+        self.proposer.forget(request_id)
 
 
 def make_speculator(config, runner, max_model_len: int) -> Speculator | None:
@@ -243,5 +277,14 @@ def make_speculator(config, runner, max_model_len: int) -> Speculator | None:
     if not runner.decode_kernel:
         raise ValueError("speculative needs the C decode step (decode_kernel, a CPU "
                          "device and a model it supports)")
-    proposer = NgramProposer(config.ngram_min, config.ngram_max)
+    if config.speculative == "draft":
+        from pdserve.engine.draft_model import DraftModelProposer
+        from pdserve.engine.model_catalog import resolve_model
+
+        proposer: Proposer = DraftModelProposer(
+            resolve_model(config.draft_model).path, runner.vocab_size, config.block_size,
+            dtype=config.dtype, device=config.device or "cpu", kernel_isa=config.kernel_isa,
+            quantization=config.quantization)
+    else:
+        proposer = NgramProposer(config.ngram_min, config.ngram_max)
     return Speculator(proposer, config.num_speculative_tokens, max_model_len)

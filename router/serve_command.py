@@ -67,6 +67,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "pay; see docs/serving.md)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="the most tokens one draft proposes (default 5)")
+    p.add_argument("--draft-model", default=None,
+                   help="with --speculative draft: a smaller model sharing the served "
+                   "model's tokenizer (a folder, a GGUF file or a built-in name)")
     p.add_argument("--auth-token-file", default=None,
                    help="tenant tokens, one `<tenant> <token>` per line, mode 0600 (see "
                    "SECURITY.md); clients then need one. Re-read on SIGHUP")
@@ -170,7 +173,7 @@ def _apply_pool_flags(pool, args: argparse.Namespace) -> None:
         pool.engine.num_kv_blocks = args.num_kv_blocks
     if getattr(args, "no_prefix_caching", False):
         pool.engine.enable_prefix_caching = False
-    for name in ("quantization", "speculative", "num_speculative_tokens"):
+    for name in ("quantization", "speculative", "num_speculative_tokens", "draft_model"):
         if getattr(args, name, None) is not None:
             setattr(pool.engine, name, getattr(args, name))
 
