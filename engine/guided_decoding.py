@@ -32,6 +32,7 @@ from typing import Any
 
 from pdserve.scheduler.sampling_params import Guide
 
+COMPILE_NICE = 10  # compiles run behind the steps of the same rank
 MAX_CACHED_GRAMMARS = 256  # compiled grammars a rank keeps (least recently used go)
 MAX_CHOICES = 256  # strings of a `choice` guide
 INSTALL_HINT = ("structured output needs the xgrammar package: pip install xgrammar "
@@ -118,7 +119,8 @@ class GrammarBook:
                 self._compiled.move_to_end(guide)
                 return future
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar",
+                                                initializer=_lower_priority)
             future = self._pool.submit(self._compile, guide)
             self._compiled[guide] = future
             while len(self._compiled) > MAX_CACHED_GRAMMARS:
@@ -157,6 +159,12 @@ class GrammarBook:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def accept(matcher, token: int) -> bool:
-    """Feed a sampled token to a matcher; False when the grammar refuses it."""
-    return not matcher.is_terminated() and matcher.accept_token(int(token))
+def _lower_priority() -> None:
+    """The compile thread yields the cores to the step loop (Linux: a thread's nice)."""
+    import os
+
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: compile as it is
+        pass
+
