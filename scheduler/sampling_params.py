@@ -154,14 +154,6 @@ class SamplingParams:
                 for w in self.bad_words_token_ids):
             raise ValueError(f"bad_words must hold at most {MAX_BAD_WORDS} words of 1.."
                              f"{MAX_BAD_WORD_TOKENS} tokens each")
-        if self.guide is not None and not isinstance(self.guide, Guide):
-            raise ValueError(f"guide must be a Guide or None, got {type(self.guide).__name__}")
-        if self.guide is not None and self.ignore_eos:
-            raise ValueError("ignore_eos cannot be combined with structured output: the "
-                             "answer ends where its grammar does")
-        if not isinstance(self.prior_output_tokens, int) or self.prior_output_tokens < 0:
-            raise ValueError(f"prior_output_tokens must be an integer >= 0, "
-                             f"got {self.prior_output_tokens!r}")
 
     def for_choice(self, index: int) -> SamplingParams:
         """Choice ``index`` (0-based) of a request for n completions: the same settings,
