@@ -51,33 +51,63 @@ class Proposer(Protocol):
         """The request ended: drop what the proposer keeps of it."""
 
 
-@dataclass
 class NgramProposer:
     """Prompt lookup: the longest n-gram (``min_n`` ..= ``max_n`` tokens) that ends the
-    history and occurred before, and the tokens that followed its latest occurrence."""
+    history and occurred before, and the tokens that followed its latest occurrence.
 
-    min_n: int = 2
-    max_n: int = 4
-    window: int = 4096  # history tokens searched (the most recent)
+    Each request keeps an index of its n-grams (where each last ended), grown by the
+    tokens added since its previous step, so a step costs a few lookups per request
+    whatever the history's length."""
+
     plans_first = False
 
+    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self._indexes: dict[str, _NgramIndex] = {}
+
     def propose(self, history: list[int], k: int) -> list[int]:
-        if k <= 0 or len(history) <= self.min_n:
-            return []
-        start = max(0, len(history) - self.window)
-        for n in range(min(self.max_n, len(history) - 1), self.min_n - 1, -1):
-            tail = history[-n:]
-            # the latest earlier occurrence: scan back from just before the tail itself
-            for i in range(len(history) - n - 1, start - 1, -1):
-                if history[i] == tail[0] and history[i:i + n] == tail:
-                    return history[i + n:i + n + k]
-        return []
+        """One history on its own (an index made for it and dropped)."""
+        return _NgramIndex(self.min_n, self.max_n).propose(history, k)
 
     def propose_many(self, requests: list[tuple[str, list[int], int]]) -> list[list[int]]:
-        return [self.propose(history, k) for _, history, k in requests]
+        out = []
+        for request_id, history, k in requests:
+            index = self._indexes.get(request_id)
+            if index is None:
+                index = self._indexes[request_id] = _NgramIndex(self.min_n, self.max_n)
+            out.append(index.propose(history, k))
+        return out
 
     def forget(self, request_id: str) -> None:
-        pass
+        self._indexes.pop(request_id, None)
+
+
+class _NgramIndex:
+    """n-gram -> the position right after its latest occurrence, for the n-grams that
+    end before the history's last position (each has a token after it)."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.sizes = range(max_n, min_n - 1, -1)
+        self.after: dict[tuple[int, ...], int] = {}
+        self.history: list[int] = []
+
+    def propose(self, history: list[int], k: int) -> list[int]:
+        if history[:len(self.history)] != self.history:  # not a continuation: start over
+            self.after.clear()
+            self.history = []
+        for end in range(max(len(self.history), 1), len(history)):
+            for n in self.sizes:
+                if end >= n:
+                    self.after[tuple(history[end - n:end])] = end
+        self.history = list(history)
+        if k <= 0:
+            return []
+        for n in self.sizes:
+            if len(history) > n:
+                at = self.after.get(tuple(history[-n:]))
+                if at is not None:
+                    return history[at:at + k]
+        return []
 
 
 @dataclass
