@@ -366,6 +366,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         kv_transfer,
         peers,
         perplexity,
+        speculative,
         structured_output,
     )
 
@@ -400,6 +401,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                        description=structured_output.__doc__.splitlines()[0])
     structured_output.add_args(g)
     g.set_defaults(_bench=structured_output.run)
+    d = sub.add_parser("speculative", help="n-gram speculative decoding off vs on: ITL at 1 "
+                       "stream, tok/s at 8, copy-heavy and open chat; acceptance",
+                       description=speculative.__doc__.splitlines()[0])
+    speculative.add_args(d)
+    d.set_defaults(_bench=speculative.run)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -408,7 +414,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def register_commands(register) -> None:
     register("bench", "benchmarks: serve (load a router), compare-modes, kv-transfer, choices, "
-             "perplexity, peers, structured-output",
+             "perplexity, peers, structured-output, speculative",
              add_bench_args, run_bench)
 
 
