@@ -111,7 +111,7 @@ def llama_cpp_server(model: str, log_dir: Path, parallel: int) -> Server:
 def hf_folder(model: str, out: Path) -> Path:
     """The GGUF as a Hugging Face folder (transformers dequantizes it; fp32), made once."""
     if (out / "config.json").is_file():
-        return _plain_config(out)
+        return _plain_config(_with_embedding(out))
     from safetensors.torch import save_model
     from transformers import AutoTokenizer
 
@@ -125,8 +125,27 @@ def hf_folder(model: str, out: Path) -> Path:
     hf.generation_config.save_pretrained(tmp)
     save_model(hf, str(tmp / "model.safetensors"))  # save_pretrained refuses GGUF loads
     AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(tmp)
+    _with_embedding(tmp)
     tmp.rename(out)
     return _plain_config(out)
+
+
+def _with_embedding(folder: Path) -> Path:
+    """Both names of a tied embedding: save_model writes the shared tensor once, as
+    lm_head.weight, and vLLM then leaves embed_tokens unloaded (it answers token 0)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    with safe_open(str(path), "pt") as f:
+        if "model.embed_tokens.weight" in f.keys():
+            return folder
+    tensors = load_file(path)
+    tensors["model.embed_tokens.weight"] = tensors["lm_head.weight"].clone()
+    tmp = path.with_name(f"model.safetensors.tmp{os.getpid()}")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(path)
+    return folder
 
 
 def _plain_config(folder: Path) -> Path:

