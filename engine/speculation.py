@@ -36,6 +36,7 @@ from pdserve.scheduler.sequence import Sequence
 
 ACCEPTANCE_PRIOR = 0.5  # a new request's acceptance rate before it has any
 ACCEPTANCE_DECAY = 0.8  # weight of the past in a request's acceptance estimate
+BUSY_GAP_S = 0.1  # a longer gap between two decode steps is idleness, not overhead
 PROBE_EVERY = 8  # steps between two tries of a draft size whose cost is unknown
 
 
@@ -176,6 +177,8 @@ class Speculator:
         self._steps = 0
         self._step_started = 0.0
         self._propose_s = 0.0
+        self._step_ended: float | None = None
+        self.overhead_s: float | None = None
 
     def propose(self, running: list[Sequence],
                 fit: Callable[[Sequence, list[int]], list[int]] | None = None
@@ -229,11 +232,14 @@ class Speculator:
         cap (0 ..= K) that maximises the expected tokens per second of the step, each
         draft cut to it, by the measured step costs. Until the plain step's cost is
         known, no draft; a cap whose cost cannot be estimated yet is tried once every
-        PROBE_EVERY steps, so the costs get measured."""
+        PROBE_EVERY steps, so the costs get measured. Each step also pays the time
+        measured between two busy decode steps (``overhead_s``): more tokens a step
+        spread it thinner."""
         base = self.costs.estimate(rows)
+        overhead = self.overhead_s or 0.0
         if base is None:
             return [0] * len(drafts)
-        best, best_rate, unknown = 0, rows / base, None
+        best, best_rate, unknown = 0, rows / (base + overhead), None
         for cap in range(1, self.k + 1):
             lens = [min(n, cap) for _, n in drafts]
             cost = self.costs.estimate(rows + sum(lens))
@@ -242,19 +248,27 @@ class Speculator:
                 continue
             tokens = rows - len(drafts) + sum(
                 expected_tokens(rate, n) for (rate, _), n in zip(drafts, lens, strict=True))
-            if tokens / cost > best_rate:
-                best, best_rate = cap, tokens / cost
+            if tokens / (cost + overhead) > best_rate:
+                best, best_rate = cap, tokens / (cost + overhead)
         if unknown is not None and self._steps % PROBE_EVERY == 0:
             best = unknown
         return [min(n, best) for _, n in drafts]
 
     def step_started(self) -> None:
-        self._step_started = time.perf_counter()
+        now = time.perf_counter()
+        if self._step_ended is not None and now - self._step_ended < BUSY_GAP_S:
+            # what a step costs besides its model run, whatever its rows: scheduling,
+            # reports, the router's round trip; a step that emits more tokens pays it once
+            gap = max(now - self._step_ended - self._propose_s, 0.0)  # drafting: in costs
+            self.overhead_s = gap if self.overhead_s is None else \
+                0.9 * self.overhead_s + 0.1 * gap
+        self._step_started = now
 
     def step_done(self, rows_computed: int) -> None:
         """The step's time, the proposer's included (a draft model's runs), by rows."""
-        elapsed = time.perf_counter() - self._step_started + self._propose_s
-        self.costs.observe(rows_computed, elapsed)
+        self._step_ended = time.perf_counter()
+        self.costs.observe(rows_computed, self._step_ended - self._step_started
+                           + self._propose_s)
 
     def verify(self, seq: Sequence, drawn: list[int]) -> list[int]:
         """The tokens ``seq`` emits: its drafted tokens while each equals the token drawn
