@@ -16,7 +16,9 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(address="local", include_dashboard=False, num_cpus=8,
+        # 12: routers of several modules live together (the real-model router for the
+        # whole session among them); a rank asks for 0.5
+        ray.init(address="local", include_dashboard=False, num_cpus=12,
                  # "scarce": a resource too small for every rank asked of it (scaling tests)
                  resources={"prefill": 8, "decode": 8, "scarce": 2},
                  # short (socket paths) and our own: other suites may run a Ray beside us
