@@ -20,7 +20,7 @@ def ray_session():
         # whole session among them); a rank asks for 0.5
         ray.init(address="local", include_dashboard=False, num_cpus=12,
                  # "scarce": a resource too small for every rank asked of it (scaling tests)
-                 resources={"prefill": 8, "decode": 8, "scarce": 2},
+                 resources={"prefill": 12, "decode": 12, "scarce": 2},
                  # short (socket paths) and our own: other suites may run a Ray beside us
                  _temp_dir=f"/tmp/pdr{os.getpid() % 100000}",
                  log_to_driver=False)
