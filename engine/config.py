@@ -63,6 +63,9 @@ class EngineSettings(SchedulerPolicy):
     # the n-gram sizes matched ("ngram"): the longest that ends the history first
     ngram_min: int = 2
     ngram_max: int = 4
+    # False: every draft is checked whatever the measured step costs say (vLLM's way;
+    # for measuring, and for tests that must see drafts)
+    speculative_adaptive: bool = True
     # "draft": a smaller model sharing the target's tokenizer (a folder, a GGUF file or a
     # built-in name), with a KV cache of its own on each decoding rank
     draft_model: str | None = None
@@ -103,6 +106,9 @@ class EngineSettings(SchedulerPolicy):
             raise ValueError("draft_model must be set exactly when speculative is draft, got "
                              f"speculative {self.speculative!r}, draft_model "
                              f"{self.draft_model!r}")
+        if not isinstance(self.speculative_adaptive, bool):
+            raise ValueError(f"speculative_adaptive must be true or false, got "
+                             f"{self.speculative_adaptive!r}")
         if not 1 <= self.ngram_min <= self.ngram_max <= 16:
             raise ValueError(f"ngram_min must be in [1, ngram_max], ngram_max at most 16; got "
                              f"{self.ngram_min}, {self.ngram_max}")

@@ -167,7 +167,8 @@ class Speculator:
     """Drafts for an engine's running sequences, verified after each decode step."""
 
     def __init__(self, proposer: Proposer, num_speculative_tokens: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, adaptive: bool = True) -> None:
+        self.adaptive = adaptive
         self.proposer = proposer
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
@@ -235,6 +236,8 @@ class Speculator:
         PROBE_EVERY steps, so the costs get measured. Each step also pays the time
         measured between two busy decode steps (``overhead_s``): more tokens a step
         spread it thinner."""
+        if not self.adaptive:
+            return [n for _, n in drafts]
         base = self.costs.estimate(rows)
         overhead = self.overhead_s or 0.0
         if base is None:
@@ -331,4 +334,5 @@ def make_speculator(config, runner, max_model_len: int) -> Speculator | None:
             quantization=config.quantization)
     else:
         proposer = NgramProposer(config.ngram_min, config.ngram_max)
-    return Speculator(proposer, config.num_speculative_tokens, max_model_len)
+    return Speculator(proposer, config.num_speculative_tokens, max_model_len,
+                      adaptive=config.speculative_adaptive)

@@ -33,16 +33,11 @@ def test_the_target_as_its_own_draft_proposes_its_greedy_tokens(tiny_model_dir):
 
 
 @pytest.mark.parametrize("mode", ["normal", "disaggregated"])
-def test_outputs_equal_plain_decoding_and_every_draft_is_accepted(tiny_model_dir, mode,
-                                                                  monkeypatch):
-    from pdserve.engine.speculation import Speculator
-
-    # the cost model would rarely let a draft as large as its target pay: draft always
-    monkeypatch.setattr(Speculator, "plan_draft_lens",
-                        lambda self, rows, drafts: [n for _, n in drafts])
+def test_outputs_equal_plain_decoding_and_every_draft_is_accepted(tiny_model_dir, mode):
     off = LLM(tiny_model_dir, mode=mode)
+    # the cost model would rarely let a draft as large as its target pay: draft always
     on = LLM(tiny_model_dir, mode=mode, speculative="draft", draft_model=tiny_model_dir,
-             num_speculative_tokens=4)
+             num_speculative_tokens=4, speculative_adaptive=False)
     m = on.engines[-1].speculator.metrics
     for sp in (SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
                SamplingParams(max_tokens=30, temperature=0.9, seed=4, ignore_eos=True)):

@@ -79,6 +79,12 @@ def test_drafts_only_where_the_measured_costs_say_they_pay():
     assert _planned({1: 0.006}, 1, [(0.9, 5)], steps=PROBE_EVERY + 1) == [0]
 
 
+def test_without_adaptation_every_draft_is_checked():
+    spec = Speculator(NgramProposer(), 5, max_model_len=100, adaptive=False)
+    spec.costs.times.update({1: 0.006, 6: 0.036})  # drafts could not pay
+    assert spec.plan_draft_lens(2, [(0.1, 5), (0.9, 3)]) == [5, 3]
+
+
 def test_expected_tokens_of_a_draft():
     assert expected_tokens(0.0, 5) == 1.0
     assert expected_tokens(1.0, 3) == 4.0

@@ -130,7 +130,7 @@ def real_router(ray_session, real_model_path):
     from pdserve.router.config import PoolConfig, RouterConfig
 
     engine = dict(num_kv_blocks=256, max_num_seqs=16, block_size=16)
-    decode_engine = dict(engine, speculative="ngram")
+    decode_engine = dict(engine, speculative="ngram", speculative_adaptive=False)
     config = RouterConfig(
         model_dir=real_model_path, port=0, served_model_name="smollm2-135m-instruct",
         collective_timeout_s=10.0,
