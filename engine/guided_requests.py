@@ -161,10 +161,6 @@ class GuidedRequests:
     def forget(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
 
-    def forget_all(self, request_ids) -> None:
-        for request_id in request_ids:
-            self._matchers.pop(request_id, None)
-
     @property
     def num_matchers(self) -> int:
         return len(self._matchers)

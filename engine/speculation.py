@@ -151,7 +151,6 @@ class SpecMetrics:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
-    num_skipped_steps: int = 0  # steps where a draft was possible and did not pay
 
     def record(self, drafted: int, accepted: int) -> None:
         self.num_drafts += 1
@@ -208,8 +207,6 @@ class Speculator:
         lens = [len(d) for _, d in candidates] if self.proposer.plans_first else \
             self.plan_draft_lens(len(running), [(self._rate(seq), len(d))
                                                 for seq, d in candidates])
-        if not any(lens):
-            self.metrics.num_skipped_steps += 1
         drafted = []
         for (seq, draft), k in zip(candidates, lens, strict=True):
             if k:

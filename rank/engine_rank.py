@@ -347,6 +347,7 @@ class EngineRank(GroupMember):
     def shutdown(self) -> None:
         self.pause(timeout_s=2.0)
         self.endpoint.close()
+        self.engine.guided.close()  # its compile thread
         self._close_group()
 
 
