@@ -2,27 +2,30 @@
 
 1. A GGUF file's quantized matmuls are kept as the file holds them: each fused matmul
    whose source tensors are all Q8_0, Q4_0 or Q4_1 gets ``QuantPanels`` (int8 values, or
-   nibbles where they fit, with a scale and offset per 32) beside its fp32 weight. Both
+   nibbles where they fit, with an fp16 scale and offset per 32) beside its fp32 weight. Both
    are the same weight (the values are the file's, the fp32 copy their dequantization),
    so prefill and the torch paths keep the fp32 copy and agree with the decode step up
-   to rounding. A decode step then reads 0.75 (Q4_1) to 1.25 (Q8_0) bytes a weight
+   to rounding. A decode step then reads 0.625 (Q4_1) to 1.0625 (Q8_0) bytes a weight
    instead of 4. The fp32 panels go (the quantized ones serve every product of a few
    rows, ``MatMul.forward``), so a rank holds the fp32 weight and the quantized panels.
 2. With ``int8=True`` every other matmul the C kernels run is quantized at load:
-   symmetric, a scale per 32 weights of a row (16 where K is no multiple of 32; the
-   largest magnitude maps to 127), and
+   symmetric, an fp16 scale per 32 weights of a row (16 where K is no multiple of 32;
+   the largest magnitude maps to 127), and
    its fp32 weight replaced by the dequantized one, so that every path (prefill, a moved
    request's replay, the decode step) computes with the same weights.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 from pdserve.kernels.quant_panels import QuantPanels, QuantRows
+
+log = logging.getLogger(__name__)
 
 BLOCK_K = 32
 # fused matmul -> the checkpoint's tensors it holds, in row order
@@ -52,13 +55,20 @@ def attach(model, model_dir: str | Path, int8: bool = False) -> int:
         if matmul.panels is None:
             continue  # no fp32 panels: the C kernels do not run this matmul
         rows = _from_file(gguf, names) if gguf is not None else None
-        if rows is None and int8 and matmul.in_features % 16 == 0:
+        at_load = rows is None and int8 and matmul.in_features % 16 == 0
+        if at_load:
             rows = quantize_int8(matmul.weight.detach())
-            matmul.weight = nn.Parameter(rows.dequantize(), requires_grad=False)
-        if rows is not None and rows.shape == (matmul.out_features, matmul.in_features):
+        if rows is None or rows.shape != (matmul.out_features, matmul.in_features):
+            continue
+        try:
             matmul.quant = QuantPanels.pack(rows)
-            matmul.panels = None  # the quantized panels serve every few-row product now
-            done += 1
+        except ValueError as e:  # a scale past fp16's range: this one stays fp32
+            log.warning("matmul %s stays fp32: %s", names[0], e)
+            continue
+        if at_load:
+            matmul.weight = nn.Parameter(rows.dequantize(), requires_grad=False)
+        matmul.panels = None  # the quantized panels serve every few-row product now
+        done += 1
     return done
 
 
@@ -75,12 +85,18 @@ def _from_file(gguf, names: list[str]) -> QuantRows | None:
 
 def quantize_int8(weight: torch.Tensor) -> QuantRows:
     """``weight`` [N, K] as int8 with a scale per 32 of a row (per 16 where K is no
-    multiple of 32; symmetric: the block's largest magnitude maps to 127; an all-zero
-    block gets scale 0)."""
+    multiple of 32; symmetric: the block's largest magnitude maps to 127 or just under,
+    the scale being the next fp16 value up, as the records hold scales in fp16; an
+    all-zero block gets scale 0)."""
     n, k = weight.shape
     bk = BLOCK_K if k % BLOCK_K == 0 else BLOCK_K // 2
     blocks = weight.float().reshape(n, k // bk, bk)
-    scales = blocks.abs().amax(dim=-1) / 127.0
+    amax = blocks.abs().amax(dim=-1)
+    halves = (amax / 127.0).to(torch.float16)
+    short = halves.float() * 127.0 < amax  # rounded down: the largest would pass 127
+    halves = torch.where(short, torch.nextafter(halves, torch.full_like(halves, float("inf"))),
+                         halves)
+    scales = halves.float()
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     values = torch.round(blocks / safe[..., None]).clamp_(-127, 127).to(torch.int8)
     return QuantRows(values.reshape(n, k), scales.contiguous(), None, bk)

@@ -35,8 +35,8 @@ HERE = Path(__file__).parent
 COMMON_FLAGS = ["-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
 # Best first. Each ISA: the /proc/cpuinfo flags it needs and the compiler flags for it.
 ISAS = ("avx512", "avx2", "generic")
-_ISA_CPU_FLAGS = {"avx512": ("avx512f",), "avx2": ("avx2", "fma"), "generic": ()}
-_ISA_COMPILER_FLAGS = {"avx512": ["-mavx512f", "-mfma"], "avx2": ["-mavx2", "-mfma"],
+_ISA_CPU_FLAGS = {"avx512": ("avx512f",), "avx2": ("avx2", "fma", "f16c"), "generic": ()}
+_ISA_COMPILER_FLAGS = {"avx512": ["-mavx512f", "-mfma"], "avx2": ["-mavx2", "-mfma", "-mf16c"],
                        "generic": []}
 
 

@@ -78,13 +78,12 @@ static void rms_norm_row(const float *x, const float *w, int64_t H, float eps, f
 }
 
 /* A matmul's weight (decode_step.py's _descriptor): fp32 column panels, or quantized
- * ones (skinny_block.h's QPanels: values, scales, offsets, bk, bits). */
+ * ones (skinny_block.h's QPanels: records, bk, bits, offsets). */
 enum { W_FP32 = 0, W_QUANT = 1 };
 typedef struct {
     int64_t format;
     const void *values;
-    const float *scales, *offsets;
-    int64_t bk, bits;
+    int64_t bk, bits, offsets;
 } Weight;
 
 /* Threads take chunks of panel pairs from a shared counter, so one slowed by its
@@ -94,7 +93,7 @@ typedef struct {
 static void matmul(int64_t *next, int threads, const float *x, int64_t M, int64_t K,
                    const Weight *w, int64_t N, const float *bias, float *out, int add_to) {
     int64_t pairs = (N + PAIR_COLS - 1) / PAIR_COLS, chunk = pairs / (8 * threads) > 1 ? pairs / (8 * threads) : 1;
-    const QPanels q = {(const uint8_t *)w->values, w->scales, w->offsets, w->bk, w->bits};
+    const QPanels q = {(const uint8_t *)w->values, w->bk, w->bits, w->offsets};
     for (;;) {
         int64_t p0 = __atomic_fetch_add(next, chunk, __ATOMIC_RELAXED);
         if (p0 >= pairs) return;

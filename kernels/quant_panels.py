@@ -7,15 +7,16 @@
 A weight is ``w = scale * q + offset`` per row and block of ``block_k`` consecutive k:
 what a GGUF file's Q8_0 (offset 0), Q4_0 (q - 8, offset 0) and Q4_1 (q in 0..15, offset
 its block's min) blocks hold (``engine/gguf_file.py`` reads them without dequantizing).
-``QuantPanels`` lays the values out as ``skinny_gemm``'s column panels: [P, K, 16] int8
-(a quarter of fp32's bytes), or, where every value lies in 0..15 (Q4_0 with offset
-``-8 * scale``, Q4_1), [P, K / 2, 16] nibble pairs (an eighth; byte j of pair row i holds
-column j of panel row 2i low and of panel row 2i + 1 high: one load, two rows); the scales and offsets per panel column and block [P, K / bk, 16]
-fp32. ``skinny_block.h``'s ``matmul_pairs_q8`` converts each panel row to fp32 in
-registers (``q * scale + offset``, one FMA shared by every row of x) and multiplies as
-the fp32 kernel does. The values are the file's, so the weight is the one
-its dequantized copy holds; only the products' rounding differs (the FMA rounds
-``scale * q + offset`` once where numpy's dequantization rounds twice).
+``QuantPanels`` lays a weight out as one stream of records (``skinny_block.h`` says why):
+pair of 16-column panels by pair, block by block, panel by panel, each record 16 fp16
+scales, 16 fp16 offsets (when there are any) and the block's values for the panel's 16
+columns: int8 panel rows (16 bytes each), or, where every value lies in 0..15 (Q4_0 with
+offset ``-8 * scale``, Q4_1), nibble pairs (byte j of pair row i holds column j of panel
+row 2i low and of panel row 2i + 1 high: one load, two rows). A Q4_1 block of 32 x 16
+is 320 bytes: 0.625 bytes a weight, llama.cpp's 0.625 too. Scales and offsets must be
+fp16 values (``pack`` checks): a GGUF file's are, and int8 quantization at load makes
+its scales so. The values are the file's, so the weight is the one its dequantized copy
+holds; only the products' rounding differs.
 """
 
 from __future__ import annotations
@@ -82,38 +83,70 @@ def _panels(t: torch.Tensor, p: int) -> torch.Tensor:
     return padded.view(p, PANEL, t.shape[1]).transpose(1, 2).contiguous()
 
 
+def _unpanels(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``_panels``' inverse: [P, C, 16] -> [n, C]."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1])[:n]
+
+
+def _halves(t: torch.Tensor, name: str) -> torch.Tensor:
+    """fp32 values as fp16 bytes [..., 2 * last]; they must be fp16 values exactly."""
+    h = t.to(torch.float16)
+    if not torch.equal(h.float(), t) or not bool(torch.isfinite(h).all()):
+        raise ValueError(f"{name} must be finite fp16 values (the records hold them as fp16)")
+    return h.view(torch.uint8)
+
+
 @dataclass(frozen=True)
 class QuantPanels:
     """``QuantRows`` in the C kernels' layout (see the module docstring)."""
 
-    values: torch.Tensor  # int8 [P, K, 16], or uint8 [P, K / 2, 16] nibble pairs (bits 4)
-    scales: torch.Tensor  # fp32 [P, K / block_k, 16]
-    offsets: torch.Tensor | None
+    records: torch.Tensor  # uint8 [pairs, K / block_k, 2, record bytes]
     block_k: int
     out_features: int
     bits: int = 8
+    has_offsets: bool = False
 
     @classmethod
     def pack(cls, rows: QuantRows, nibbles: bool = True) -> QuantPanels:
-        """``nibbles``: values that all lie in 0..15 are kept 4 bits each."""
-        n = rows.shape[0]
-        p = -(-n // (2 * PANEL)) * 2  # even: threads take pairs of panels
-        offsets = None if rows.offsets is None else _panels(rows.offsets, p)
+        """``nibbles``: values that all lie in 0..15 are kept 4 bits each. Raises
+        ValueError when a scale or offset is no fp16 value."""
+        n, k = rows.shape
+        p, nb = -(-n // (2 * PANEL)) * 2, k // rows.block_k  # even: threads take pairs
         values, bits = _panels(rows.values, p), 8
         if nibbles and rows.values.numel() and int(rows.values.min()) >= 0 \
                 and int(rows.values.max()) <= 15:
             pairs = values.view(p, -1, 2, PANEL)  # panel rows k (even) and k + 1
-            values, bits = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).view(torch.uint8).contiguous(), 4
-        return cls(values, _panels(rows.scales, p), offsets, rows.block_k, n, bits)
+            values, bits = pairs[:, :, 0] | (pairs[:, :, 1] << 4), 4
+        parts = [_halves(_panels(rows.scales, p), "scales")]
+        if rows.offsets is not None:
+            parts.append(_halves(_panels(rows.offsets, p), "offsets"))
+        parts.append(values.view(torch.uint8).reshape(p, nb, -1))
+        records = torch.cat(parts, dim=-1)  # [P, blocks, record]
+        records = records.view(p // 2, 2, nb, -1).transpose(1, 2).contiguous()
+        return cls(records, rows.block_k, n, bits, rows.offsets is not None)
 
     @property
     def in_features(self) -> int:
-        return self.scales.shape[1] * self.block_k
+        return self.records.shape[1] * self.block_k
+
+    def unpack(self) -> QuantRows:
+        """The rows this was packed from (``pack``'s inverse)."""
+        pairs, nb, _, size = self.records.shape
+        by_panel = self.records.transpose(1, 2).reshape(2 * pairs, nb, size)
+        head = 2 * PANEL * (2 if self.has_offsets else 1)
+        values = by_panel[..., head:].reshape(2 * pairs, -1, PANEL)  # [P, K or K / 2, 16]
+        if self.bits == 4:
+            values = torch.stack([values & 15, values >> 4], dim=2).reshape(2 * pairs, -1, PANEL)
+        halves = by_panel[..., :head].contiguous().view(torch.float16).float()
+        scales = _unpanels(halves[..., :PANEL], self.out_features)
+        offsets = _unpanels(halves[..., PANEL:], self.out_features) if self.has_offsets else None
+        return QuantRows(_unpanels(values.view(torch.int8), self.out_features).contiguous(),
+                         scales.contiguous(), None if offsets is None else offsets.contiguous(),
+                         self.block_k)
 
     def nbytes(self) -> int:
         """Bytes one multiplication reads."""
-        return sum(t.numel() * t.element_size()
-                   for t in (self.values, self.scales, self.offsets) if t is not None)
+        return self.records.numel()
 
 
 def available(isa: str | None = None) -> bool:
@@ -133,10 +166,9 @@ def matmul(x: torch.Tensor, w: QuantPanels, bias: torch.Tensor | None = None,
     out = torch.empty(m, w.out_features, dtype=torch.float32)
     if m:
         b = None if bias is None else bias.contiguous()
-        rc = lib.skinny_gemm_q8(x.data_ptr(), m, k, w.values.data_ptr(), w.scales.data_ptr(),
-                                None if w.offsets is None else w.offsets.data_ptr(), w.block_k,
-                                w.bits, w.out_features, None if b is None else b.data_ptr(),
-                                out.data_ptr())
+        rc = lib.skinny_gemm_q8(x.data_ptr(), m, k, w.records.data_ptr(), w.block_k, w.bits,
+                                int(w.has_offsets), w.out_features,
+                                None if b is None else b.data_ptr(), out.data_ptr())
         if rc != 0:
             raise MemoryError("skinny_gemm_q8 could not allocate its scratch rows")
     return out

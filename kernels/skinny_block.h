@@ -81,26 +81,77 @@ static inline __attribute__((always_inline)) void block_rows_cols(
 }
 
 /* ---- quantized weights: small integers dequantized in registers ---------------------
- * A weight [N, K] kept as integer values q in column panels [P][K][16] with, per panel
- * column and block of `bk` consecutive k, a scale s and an offset m (fp32, [P][K / bk]
- * [16]): w = s * q + m, what GGUF's Q8_0 (m = 0), Q4_0 (m = -8 s) and Q4_1 (m its
- * block's min) dequantize to. Values are int8 (16 bytes a panel row) or, where they fit
- * in 0..15, nibbles: 16 bytes hold two panel rows, byte j column j of the even row in
- * its low half and of the odd row in its high half (one load, two masks: two rows). Each panel row is converted and scaled once in
- * registers (one FMA per vector, shared by every row of x), then used like an fp32 panel
- * row: the memory stream is a quarter (int8) or an eighth (nibbles) of fp32's. */
-typedef int8_t vq __attribute__((vector_size(VW)));
-/* accumulators per column vector when a block computes one row (at most BLOCK_ROWS) */
-#define SPLIT (BLOCK_ROWS < 4 ? BLOCK_ROWS : 4) /* even: rows are taken in pairs */
-typedef int8_t vq_unaligned __attribute__((vector_size(VW), aligned(1)));
+ * A weight [N, K] kept as integer values q with, per column and block of `bk`
+ * consecutive k, a scale s and an offset m (fp16): w = s * q + m, what GGUF's Q8_0 (no
+ * offsets), Q4_0 (m = -8 s) and Q4_1 (m its block's min) dequantize to. Values are int8
+ * (16 bytes a panel row) or, where they fit in 0..15, nibbles: 16 bytes hold two panel
+ * rows, byte j column j of the even row in its low half and of the odd row in its high
+ * half (one load, two rows).
+ *
+ * The layout is one stream (quant_panels.py packs it): records, pair of 16-column panels
+ * by pair, then block of k by block, then panel by panel; a record is 16 fp16 scales,
+ * 16 fp16 offsets (when the weight has them) and the block's bk panel rows of values.
+ * A thread's share of a matmul (a run of panel pairs) is then one sequential read,
+ * which the prefetchers keep up with; values, scales and offsets in three arrays were
+ * six short streams per pair and ran at half the memory's read rate.
+ *
+ * One row of x (a single stream's decode) never dequantizes: per block and column it
+ * sums x_k * q_k in registers, then adds s * that + m * (x's sum over the block), so a
+ * value costs a conversion and one FMA. Several rows convert and scale each panel row
+ * once (one FMA shared by every row of x), then use it like an fp32 panel row. */
+#define Q_HALF_BYTES 2
+#define Q_PREFETCH_RECORDS 3 /* pair-records ahead (about 2 KiB): measured best of 2..16 */
 
 typedef struct {
-    const uint8_t *values; /* [P][K][16] int8, or [P][K / 2][16] nibble pairs */
-    const float *scales;   /* [P][K / bk][16] */
-    const float *offsets;  /* [P][K / bk][16], or NULL: all zero */
-    int64_t bk;            /* k per scale; divides K and K_CHUNK */
-    int64_t bits;          /* 8 or 4 */
+    const uint8_t *records;
+    int64_t bk;      /* k per scale; divides K and K_CHUNK */
+    int64_t bits;    /* 8 or 4 */
+    int64_t offsets; /* 1: records hold offsets */
 } QPanels;
+
+static inline int64_t q_header_bytes(int64_t offsets) {
+    return (offsets ? 2 : 1) * PANEL * Q_HALF_BYTES;
+}
+static inline int64_t q_record_bytes(const QPanels *w) {
+    return q_header_bytes(w->offsets) + w->bk * PANEL * w->bits / 8;
+}
+
+/* fp16 bits to float, for builds without a conversion instruction. */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023;
+    uint32_t bits;
+    if (exp == 0) {  /* zero or subnormal: man * 2^-24, exact in float */
+        float f = (float)man * 5.9604644775390625e-8f;
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | man << 13;
+    } else {
+        bits = sign | (exp + 112) << 23 | man << 13;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* VW fp16 values at p as floats. */
+static inline vf vhalf_load(const uint8_t *p) {
+#if VW == 16 && defined(__AVX512F__)
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif VW == 8 && defined(__F16C__)
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    vf v;
+    for (int i = 0; i < VW; i++) {
+        uint16_t h;
+        memcpy(&h, p + i * Q_HALF_BYTES, Q_HALF_BYTES);
+        v[i] = half_to_float(h);
+    }
+    return v;
+#endif
+}
+
+typedef int8_t vq_unaligned __attribute__((vector_size(VW), aligned(1)));
 
 /* VW int8 values at p as floats. GCC lowers __builtin_convertvector from int8 to a
  * byte-by-byte loop, so the two x86 widths say it with their one sign-extending load
@@ -115,140 +166,176 @@ static inline vf vq8_load(const uint8_t *p) {
 #endif
 }
 
-/* Columns [c0, c0 + VW) of the two panel rows a nibble pair row holds (c0 a multiple of
- * VW within the panel): the even row's in *lo, the odd row's in *hi. */
-static inline __attribute__((always_inline)) void vq4_load2(const uint8_t *pair, int64_t c0,
-                                                            vf *lo, vf *hi) {
+/* VW columns of a nibble pair row at p: the even row's values in *lo, the odd row's in
+ * *hi (one widening load; the high half needs no mask once widened). */
+static inline __attribute__((always_inline)) void vq4_load2(const uint8_t *p, vf *lo, vf *hi) {
 #if VW == 16 && defined(__AVX512F__)
-    (void)c0;
-    __m128i b = _mm_loadu_si128((const __m128i *)pair), m = _mm_set1_epi8(15);
-    *lo = (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, m)));
-    *hi = (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), m)));
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = (vf)_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    *hi = (vf)_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
 #elif VW == 8 && defined(__AVX2__)
-    __m128i b = _mm_loadl_epi64((const __m128i *)(pair + c0)), m = _mm_set1_epi8(15);
-    *lo = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, m)));
-    *hi = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), m)));
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *lo = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+    *hi = (vf)_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
 #else
     for (int i = 0; i < VW; i++) {
-        (*lo)[i] = (float)(pair[c0 + i] & 15);
-        (*hi)[i] = (float)(pair[c0 + i] >> 4);
+        (*lo)[i] = (float)(p[i] & 15);
+        (*hi)[i] = (float)(p[i] >> 4);
     }
 #endif
 }
 
-/* Panel rows k and k + 1 (k even), columns [c0, c0 + VW) of column vector j, dequantized
- * (q * s + m) into v0[j] and v1[j]. q[j]: the vector's values (int8: at its column;
- * nibbles: the panel's pair rows). */
-static inline __attribute__((always_inline)) void vq_rows2(
-    const uint8_t *q, int64_t k, int64_t c0, vf s, vf m, const int bits, vf *v0, vf *v1) {
+/* Panel rows k and k + 1 (k even) of a record's values, VW columns from the value
+ * pointer v (already at the columns), as floats: q, not yet scaled. */
+static inline __attribute__((always_inline)) void vq_rows2(const uint8_t *v, int64_t k,
+                                                           const int bits, vf *v0, vf *v1) {
     if (bits == 4) {
-        vf lo, hi;
-        vq4_load2(q + (k / 2) * PANEL, c0, &lo, &hi);
-        *v0 = vfma(lo, s, m);
-        *v1 = vfma(hi, s, m);
+        vq4_load2(v + (k / 2) * PANEL, v0, v1);
     } else {
-        *v0 = vfma(vq8_load(q + k * PANEL), s, m);
-        *v1 = vfma(vq8_load(q + (k + 1) * PANEL), s, m);
+        *v0 = vq8_load(v + k * PANEL);
+        *v1 = vq8_load(v + (k + 1) * PANEL);
     }
 }
 
-/* block_rows_cols on quantized panels, for the first `rows` rows of the block (the rest
- * of acc untouched): column vector j starts at column c + j * VW. `bits` and `rows` are
- * constants at each call site, so each gets its own loop: one row (a single stream's
- * decode) does 2 FMAs a panel row, not the whole block's 16, and the values' conversion
- * is then what bounds it. */
-static inline __attribute__((always_inline)) void block_rows_cols_q(
-    const float *x, int64_t K, const QPanels *w, int64_t c, int64_t k0, int64_t k1,
-    vf acc[BLOCK_ACCS], const int prefetch, const int bits, const int rows) {
-    const int64_t row_bytes = bits == 4 ? PANEL / 2 : PANEL;  /* on average, per k */
-    vf a[BLOCK_ACCS];
-    const uint8_t *q[BLOCK_VECS];
-    const float *sc[BLOCK_VECS], *of[BLOCK_VECS];
-    int64_t c0[BLOCK_VECS];
-    for (int j = 0; j < BLOCK_VECS; j++) {
-        const int64_t col = c + j * VW, panel = col / PANEL;
-        c0[j] = col % PANEL;
-        q[j] = w->values + panel * K * row_bytes + (bits == 4 ? 0 : c0[j]);  /* nibbles: +c0 on load */
-        sc[j] = w->scales + panel * (K / w->bk) * PANEL + c0[j];
-        of[j] = w->offsets ? w->offsets + panel * (K / w->bk) * PANEL + c0[j] : NULL;
-    }
-    for (int i = 0; i < BLOCK_ACCS; i++) a[i] = acc[i];
-    for (int64_t kb = k0; kb < k1; kb += w->bk) {
-        vf s[BLOCK_VECS], m[BLOCK_VECS];
-        for (int j = 0; j < BLOCK_VECS; j++) {
-            s[j] = vload(sc[j] + (kb / w->bk) * PANEL);
-            m[j] = of[j] ? vload(of[j] + (kb / w->bk) * PANEL) : vzero();
-        }
-        if (prefetch) {  /* the values of a block a few blocks ahead, line by line */
-            for (int j = 0; j < BLOCK_VECS; j++)
-                if ((j * VW) % PANEL == 0)
-                    for (int64_t l = 0; l < w->bk * row_bytes; l += 64)
-                        PREFETCH_L1(q[j] + (kb + 4 * w->bk) * row_bytes + l);
-        }
-        if (rows == 1) {
-            /* One row: its sums split over SPLIT accumulators by k (the free rows'
-             * registers), so consecutive FMAs do not wait on each other's latency. */
-            for (int64_t k = kb; k < kb + w->bk; k += SPLIT) {
+/* ---- one row ---- */
+#define PAIR_VECS (PAIR_COLS / VW)
+#if VW == 16
+#define ONE_ROW_SPLIT 4 /* sums per column vector, by k: 8 chains cover the FMA latency */
+#else
+#define ONE_ROW_SPLIT 2
+#endif
+
+/* acc[j] (column vector j of the pair) += row x times the pair's weight, over all its
+ * blocks. pair: the pair's first record. Sums run over k in a fixed order. */
+static inline __attribute__((always_inline)) void pair_one_row_q(
+    const float *x, int64_t K, const QPanels *w, const uint8_t *pair, vf acc[PAIR_VECS],
+    const int bits, const int offsets) {
+    const int64_t bk = w->bk, hdr = q_header_bytes(offsets), rec = hdr + bk * PANEL * bits / 8;
+    for (int64_t b = 0; b < K / bk; b++) {
+        const uint8_t *r = pair + b * 2 * rec;  /* panel 0's record; panel 1's follows */
+        for (int64_t l = 0; l < 2 * rec; l += 64) PREFETCH_L1(r + Q_PREFETCH_RECORDS * 2 * rec + l);
+        const float *xb = x + b * bk;
+        vf raw[ONE_ROW_SPLIT][PAIR_VECS];
+        for (int u = 0; u < ONE_ROW_SPLIT; u++)
+            for (int j = 0; j < PAIR_VECS; j++) raw[u][j] = vzero();
+        for (int64_t k = 0; k < bk; k += ONE_ROW_SPLIT) {
 #pragma GCC unroll 2
-                for (int u = 0; u < SPLIT; u += 2) {
-                    vf b0 = vset1(x[k + u]), b1 = vset1(x[k + u + 1]);
-#pragma GCC unroll 2
-                    for (int j = 0; j < BLOCK_VECS; j++) {
-                        vf v0, v1;
-                        vq_rows2(q[j], k + u, c0[j], s[j], m[j], bits, &v0, &v1);
-                        a[u * BLOCK_VECS + j] = vfma(b0, v0, a[u * BLOCK_VECS + j]);
-                        a[(u + 1) * BLOCK_VECS + j] = vfma(b1, v1, a[(u + 1) * BLOCK_VECS + j]);
-                    }
+            for (int u = 0; u < ONE_ROW_SPLIT; u += 2) {
+                const vf x0 = vset1(xb[k + u]), x1 = vset1(xb[k + u + 1]);
+#pragma GCC unroll 8
+                for (int j = 0; j < PAIR_VECS; j++) {
+                    const int64_t panel = j * VW / PANEL, c0 = j * VW % PANEL;
+                    vf v0, v1;
+                    vq_rows2(r + panel * rec + hdr + c0, k + u, bits, &v0, &v1);
+                    raw[u][j] = vfma(x0, v0, raw[u][j]);
+                    raw[u + 1][j] = vfma(x1, v1, raw[u + 1][j]);
                 }
             }
-            continue;
         }
-        for (int64_t k = kb; k < kb + w->bk; k += 2) {
+        float xsum = 0.0f;
+        if (offsets) {
+            vf s = vzero();
+            for (int64_t k = 0; k < bk; k += VW) s += vload(xb + k);
+            xsum = vsum(s);
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < PAIR_VECS; j++) {
+            const uint8_t *h = r + (j * VW / PANEL) * rec + (j * VW % PANEL) * Q_HALF_BYTES;
+            vf total = raw[0][j];
+            for (int u = 1; u < ONE_ROW_SPLIT; u++) total += raw[u][j];
+            acc[j] = vfma(total, vhalf_load(h), acc[j]);
+            if (offsets) acc[j] = vfma(vset1(xsum), vhalf_load(h + PANEL * Q_HALF_BYTES), acc[j]);
+        }
+    }
+}
+
+/* One row against panel pairs [p0, p1) -> out (+ bias; add_to: out += that). */
+static inline void matmul_pairs_one_row_q(const float *x, int64_t K, const QPanels *w,
+                                          int64_t N, const float *bias, float *out,
+                                          int add_to, int64_t p0, int64_t p1) {
+    const int64_t pair_bytes = (K / w->bk) * 2 * q_record_bytes(w);
+    for (int64_t p = p0; p < p1; p++) {
+        vf acc[PAIR_VECS];
+        for (int j = 0; j < PAIR_VECS; j++) acc[j] = vzero();
+        const uint8_t *pair = w->records + p * pair_bytes;
+        if (w->bits == 4 && w->offsets) pair_one_row_q(x, K, w, pair, acc, 4, 1);
+        else if (w->bits == 4) pair_one_row_q(x, K, w, pair, acc, 4, 0);
+        else if (w->offsets) pair_one_row_q(x, K, w, pair, acc, 8, 1);
+        else pair_one_row_q(x, K, w, pair, acc, 8, 0);
+        for (int j = 0; j < PAIR_VECS; j++) {
+            const int64_t col = p * PAIR_COLS + j * VW, n = N - col;
+            vf y = acc[j] + (bias ? vload_n(bias + col, n) : vzero());
+            if (add_to) y += vload_n(out + col, n);
+            vstore_n(out + col, y, n);
+        }
+    }
+}
+
+/* ---- several rows ---- */
+/* block_rows_cols on quantized panels: column vector j starts at column c + j * VW;
+ * panel rows [k0, k1) (whole blocks). */
+static inline __attribute__((always_inline)) void block_rows_cols_q(
+    const float *x, int64_t K, const QPanels *w, int64_t c, int64_t k0, int64_t k1,
+    vf acc[BLOCK_ACCS], const int prefetch, const int bits) {
+    const int64_t bk = w->bk, hdr = q_header_bytes(w->offsets), rec = q_record_bytes(w);
+    const uint8_t *pair = w->records + (c / PAIR_COLS) * (K / bk) * 2 * rec;
+    int64_t at[BLOCK_VECS];  /* column vector j's offset in a block's pair of records */
+    for (int j = 0; j < BLOCK_VECS; j++) {
+        const int64_t col = c % PAIR_COLS + j * VW;
+        at[j] = (col / PANEL) * rec + (col % PANEL) * Q_HALF_BYTES;
+    }
+    vf a[BLOCK_ACCS];
+    for (int i = 0; i < BLOCK_ACCS; i++) a[i] = acc[i];
+    for (int64_t kb = k0; kb < k1; kb += bk) {
+        const uint8_t *r = pair + (kb / bk) * 2 * rec;
+        vf s[BLOCK_VECS], m[BLOCK_VECS];
+        const uint8_t *v[BLOCK_VECS];
+        for (int j = 0; j < BLOCK_VECS; j++) {
+            s[j] = vhalf_load(r + at[j]);
+            m[j] = w->offsets ? vhalf_load(r + at[j] + PANEL * Q_HALF_BYTES) : vzero();
+            /* the values: past the header, at the vector's column */
+            const int64_t col = c % PAIR_COLS + j * VW;
+            v[j] = r + (col / PANEL) * rec + hdr + col % PANEL;
+        }
+        if (prefetch)
+            for (int64_t l = 0; l < 2 * rec; l += 64)
+                PREFETCH_L1(r + Q_PREFETCH_RECORDS * 2 * rec + l);
+        for (int64_t k = 0; k < bk; k += 2) {
             vf v0[BLOCK_VECS], v1[BLOCK_VECS];
 #pragma GCC unroll 2
-            for (int j = 0; j < BLOCK_VECS; j++)
-                vq_rows2(q[j], k, c0[j], s[j], m[j], bits, &v0[j], &v1[j]);
+            for (int j = 0; j < BLOCK_VECS; j++) {
+                vq_rows2(v[j], k, bits, &v0[j], &v1[j]);
+                v0[j] = vfma(v0[j], s[j], m[j]);
+                v1[j] = vfma(v1[j], s[j], m[j]);
+            }
 #pragma GCC unroll 8
-            for (int r = 0; r < rows; r++) {
-                vf b0 = vset1(x[r * K + k]), b1 = vset1(x[r * K + k + 1]);
+            for (int row = 0; row < BLOCK_ROWS; row++) {
+                vf b0 = vset1(x[row * K + kb + k]), b1 = vset1(x[row * K + kb + k + 1]);
 #pragma GCC unroll 2
                 for (int j = 0; j < BLOCK_VECS; j++)
-                    a[r * BLOCK_VECS + j] = vfma(b1, v1[j], vfma(b0, v0[j], a[r * BLOCK_VECS + j]));
+                    a[row * BLOCK_VECS + j] = vfma(b1, v1[j], vfma(b0, v0[j], a[row * BLOCK_VECS + j]));
             }
         }
     }
-    if (rows == 1)  /* the split sums back into row 0, in a fixed order */
-        for (int u = 1; u < SPLIT; u++)
-            for (int j = 0; j < BLOCK_VECS; j++) {
-                a[j] += a[u * BLOCK_VECS + j];
-                a[u * BLOCK_VECS + j] = vzero();
-            }
     for (int i = 0; i < BLOCK_ACCS; i++) acc[i] = a[i];
 }
 
-/* `one_row`: only the block's first row is wanted (M == 1). */
 static inline void block_rows_cols_q8(const float *x, int64_t K, const QPanels *w, int64_t c,
                                       int64_t k0, int64_t k1, vf acc[BLOCK_ACCS],
-                                      const int prefetch, int one_row) {
-    if (one_row) {
-        if (w->bits == 4)
-            block_rows_cols_q(x, K, w, c, k0, k1, acc, prefetch, 4, 1);
-        else
-            block_rows_cols_q(x, K, w, c, k0, k1, acc, prefetch, 8, 1);
-    } else if (w->bits == 4) {
-        block_rows_cols_q(x, K, w, c, k0, k1, acc, prefetch, 4, BLOCK_ROWS);
-    } else {
-        block_rows_cols_q(x, K, w, c, k0, k1, acc, prefetch, 8, BLOCK_ROWS);
-    }
+                                      const int prefetch) {
+    if (w->bits == 4)
+        block_rows_cols_q(x, K, w, c, k0, k1, acc, prefetch, 4);
+    else
+        block_rows_cols_q(x, K, w, c, k0, k1, acc, prefetch, 8);
 }
 
 /* One row block against the column vectors from c on, over [k0, k1): fp32 panels
  * (w: their column pointers) or, with q, quantized ones. */
 static inline __attribute__((always_inline)) void block_any(
     const float *x, int64_t K, const float *const w[BLOCK_VECS], const QPanels *q, int64_t c,
-    int64_t k0, int64_t k1, vf acc[BLOCK_ACCS], const int prefetch, int one_row) {
+    int64_t k0, int64_t k1, vf acc[BLOCK_ACCS], const int prefetch) {
     if (q)
-        block_rows_cols_q8(x, K, q, c, k0, k1, acc, prefetch, one_row);
+        block_rows_cols_q8(x, K, q, c, k0, k1, acc, prefetch);
     else
         block_rows_cols(x, K, w, k0, k1, acc, prefetch);
 }
@@ -261,6 +348,10 @@ static inline __attribute__((always_inline)) void block_any(
 static inline void matmul_pairs(const float *x, int64_t M, int64_t K, const float *panels,
                                 const QPanels *q, int64_t N, const float *bias, float *out,
                                 int64_t ldo, int add_to, int64_t p0, int64_t p1) {
+    if (q && M == 1) {
+        matmul_pairs_one_row_q(x, K, q, N, bias, out, add_to, p0, p1);
+        return;
+    }
     vf acc[ROW_GROUP / BLOCK_ROWS][BLOCK_ACCS];
     for (int64_t c = p0 * PAIR_COLS; c < p1 * PAIR_COLS; c += BLOCK_COLS) {
         const float *w[BLOCK_VECS];
@@ -276,9 +367,9 @@ static inline void matmul_pairs(const float *x, int64_t M, int64_t K, const floa
                 for (int i = 0; i < BLOCK_ACCS; i++) acc[rb][i] = vzero();
             for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK) {
                 const int64_t k1 = k0 + K_CHUNK < K ? k0 + K_CHUNK : K;
-                block_any(x + g * K, K, w, q, c, k0, k1, acc[0], 1, M == 1);
+                block_any(x + g * K, K, w, q, c, k0, k1, acc[0], 1);
                 for (int64_t rb = 1; rb < blocks; rb++)
-                    block_any(x + (g + rb * BLOCK_ROWS) * K, K, w, q, c, k0, k1, acc[rb], 0, 0);
+                    block_any(x + (g + rb * BLOCK_ROWS) * K, K, w, q, c, k0, k1, acc[rb], 0);
             }
             for (int64_t i = 0; i < rows; i++)
                 for (int j = 0; j < BLOCK_VECS; j++) {

@@ -51,9 +51,9 @@ def _built(isa: str) -> ctypes.CDLL | None:
         lib.skinny_gemm.restype = ctypes.c_int
         # its quantized twin (kernels/quant_panels.py), in the same library
         lib.skinny_gemm_q8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                       ctypes.c_void_p, ctypes.c_void_p]
+                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                       ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                       ctypes.c_void_p]
         lib.skinny_gemm_q8.restype = ctypes.c_int
     return lib
 

@@ -288,7 +288,7 @@ def test_kernel_isa_the_cpu_cannot_run_is_refused_naming_what_it_runs(tiny_dirs,
 
     with pytest.raises(ValueError, match="kernel_isa must be one of auto, avx512, avx2, generic"):
         EngineConfig(model_dir=str(tiny_dirs["llama"]), kernel_isa="sse9")
-    monkeypatch.setattr(cbuild, "_cpu_flags", lambda: frozenset({"avx2", "fma", "sse2"}))
+    monkeypatch.setattr(cbuild, "_cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "sse2"}))
     assert cbuild.runnable_isas() == ("avx2", "generic") and cbuild.host_isa() == "avx2"
     with pytest.raises(ValueError, match="'avx512' cannot run on this CPU .it runs avx2, generic"):
         ModelRunner(tiny_dirs["llama"], num_kv_blocks=16, num_state_slots=8, kernel_isa="avx512")
