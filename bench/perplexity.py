@@ -6,11 +6,14 @@ least ctx/2 tokens of context).
 The text ships with Python (``pydoc_data.topics``: the language reference's topic
 pages), so every machine scores the same tokens without a download.
 
-    pdserve bench perplexity [--model M] [--ctx 512] [--chunks 16] [--transformers]
-                             [--llama-perplexity PATH/TO/llama-perplexity]
+    pdserve bench perplexity [--model M] [--ctx 512] [--chunks 16] [--decode-steps]
+                             [--transformers] [--llama-perplexity PATH/TO/llama-perplexity]
 
 pdserve's figure comes from its own model runner (the same weights and kernels that
-serve); ``--transformers`` adds transformers' on the same GGUF (fp32, dequantized), and
+serve): each chunk in one forward pass (prefill's path: the fp32 weights), and with
+``--decode-steps`` also its scored half one token at a time through the decode step, the
+path a served token takes (the C decode step on a GGUF file's quantized blocks, in
+place); ``--transformers`` adds transformers' on the same GGUF (fp32, dequantized), and
 ``--llama-perplexity`` adds llama.cpp's on the file (it multiplies quantized weights, so
 it differs a little). Writes results/bench_perplexity.json.
 """
@@ -40,11 +43,14 @@ def chunks(token_ids: list[int], ctx: int, count: int) -> list[list[int]]:
 
 def score(logits, chunk: list[int]) -> tuple[float, int]:
     """(sum of negative log-likelihoods, tokens scored) over the chunk's second half;
-    ``logits`` [len(chunk), vocab] predict each next token."""
+    ``logits`` [len(chunk), vocab] predict each next token (or only the rows that
+    predict the scored half: [len(chunk) - len(chunk) // 2, vocab])."""
     import torch
 
     first = len(chunk) // 2
-    logp = torch.log_softmax(logits[first - 1:len(chunk) - 1].float(), dim=-1)
+    if len(logits) == len(chunk):
+        logits = logits[first - 1:len(chunk) - 1]
+    logp = torch.log_softmax(logits.float(), dim=-1)
     target = torch.tensor(chunk[first:])
     nll = -logp.gather(1, target[:, None]).sum().item()
     return nll, len(target)
@@ -61,6 +67,21 @@ def pdserve_logits(runner, chunk: list[int]):
     return runner.model.compute_logits(hidden)
 
 
+def pdserve_decode_logits(runner, chunk: list[int]):
+    """The rows predicting the chunk's scored half: its first half in one prefill, then
+    each next token as a single-row decode step (a served stream's path)."""
+    import torch
+
+    from pdserve.engine.model_runner import RunnerRow
+
+    bs, first = runner.block_size, len(chunk) // 2
+    table = list(range(1, (len(chunk) + bs - 1) // bs + 1))
+    rows = [runner.compute_logits([RunnerRow(chunk[:first], 0, table, 0)])[0]]
+    for pos in range(first, len(chunk) - 1):
+        rows.append(runner.compute_logits([RunnerRow([chunk[pos]], pos, table, 0)])[0])
+    return torch.stack(rows)
+
+
 def perplexity(logits_of, token_chunks: list[list[int]]) -> float:
     total, count = 0.0, 0
     for chunk in token_chunks:
@@ -69,12 +90,17 @@ def perplexity(logits_of, token_chunks: list[list[int]]) -> float:
     return math.exp(total / count)
 
 
-def pdserve_perplexity(model: str, token_chunks: list[list[int]]) -> float:
+def pdserve_perplexity(model: str, token_chunks: list[list[int]],
+                       decode_steps: bool = False, runner=None) -> float:
+    """One forward pass per chunk, or (``decode_steps``) the scored half a token at a
+    time through the decode step."""
     from pdserve.engine.model_runner import ModelRunner
 
     ctx = max(len(c) for c in token_chunks)
-    runner = ModelRunner(model, block_size=16, num_kv_blocks=ctx // 16 + 2, num_state_slots=1)
-    return perplexity(lambda c: pdserve_logits(runner, c), token_chunks)
+    runner = runner or ModelRunner(model, block_size=16, num_kv_blocks=ctx // 16 + 2,
+                                   num_state_slots=1)
+    logits_of = pdserve_decode_logits if decode_steps else pdserve_logits
+    return perplexity(lambda c: logits_of(runner, c), token_chunks)
 
 
 def transformers_perplexity(hf_model, token_chunks: list[list[int]]) -> float:
@@ -118,6 +144,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model (default: the default model)")
     p.add_argument("--ctx", type=int, default=512, help="tokens per chunk (default 512)")
     p.add_argument("--chunks", type=int, default=16, help="chunks scored (default 16)")
+    p.add_argument("--decode-steps", action="store_true",
+                   help="also score each chunk's second half one decode step at a time "
+                        "(the quantized decode step, where the file is quantized)")
     p.add_argument("--transformers", action="store_true",
                    help="also score with transformers (fp32) on the same file")
     p.add_argument("--llama-perplexity", default=None,
@@ -139,6 +168,13 @@ def run(args: argparse.Namespace) -> int:
     result["pdserve"] = pdserve_perplexity(model, token_chunks)
     result["pdserve_s"] = round(time.perf_counter() - t0, 2)
     print(f"pdserve      PPL {result['pdserve']:.4f}  ({result['pdserve_s']} s)", flush=True)
+    if args.decode_steps:
+        t0 = time.perf_counter()
+        result["pdserve_decode_steps"] = pdserve_perplexity(model, token_chunks, True)
+        result["decode_steps_vs_forward"] = result["pdserve_decode_steps"] / result["pdserve"] - 1
+        print(f"pdserve decode steps PPL {result['pdserve_decode_steps']:.4f}  "
+              f"({100 * result['decode_steps_vs_forward']:+.3f}% against one forward pass; "
+              f"{time.perf_counter() - t0:.1f} s)", flush=True)
     if args.transformers:
         t0 = time.perf_counter()
         result["transformers"] = transformers_perplexity(load_transformers(model), token_chunks)

@@ -215,3 +215,23 @@ def test_quantization_setting_is_checked():
 
     with pytest.raises(ValueError, match="^quantization must be one of auto, int8, none"):
         EngineSettings(quantization="int4")
+
+
+def test_perplexity_through_the_quantized_decode_step_is_the_fp32_figure(real_model_path):
+    """bench perplexity's --decode-steps: the scored half of each chunk one single-row
+    decode step at a time (the C step on the file's Q4_1 / Q8_0 blocks) against one
+    forward pass on the dequantized fp32 weights: the issue's bound is 0.2%; the same
+    weights differ only by rounding, so the figures agree far closer."""
+    from pdserve.bench import perplexity as ppl
+    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.tokenizer import Tokenizer
+
+    ids = Tokenizer.from_model(real_model_path).encode(ppl.reference_text()[:4000],
+                                                       add_special_tokens=False)
+    chunks = ppl.chunks(ids, 96, 2)
+    runner = ModelRunner(real_model_path, block_size=16, num_kv_blocks=16, num_state_slots=1)
+    assert runner.model.logits_proj.quant is not None and runner.decode_kernel
+    forward = ppl.pdserve_perplexity(real_model_path, chunks, runner=runner)
+    stepped = ppl.pdserve_perplexity(real_model_path, chunks, decode_steps=True, runner=runner)
+    assert 1.0 < forward < 100.0
+    assert abs(stepped / forward - 1) < 2e-4
