@@ -5,7 +5,9 @@ llama.cpp ships no binary wheel and Debian 12 does not package it; the source pa
 `llama-cpp-python` (from the package registry) vendors it under `vendor/llama.cpp`. The
 build (cmake, Release, native ISA, no curl) takes about 8-15 minutes on 2 cores and is
 kept under ``$PDSERVE_CACHE/llama.cpp-<version>-<cpu flags hash>`` (a build for another
-CPU is not reused: GGML_NATIVE tunes it to this one).
+CPU is not reused: GGML_NATIVE tunes it to this one). ``isa="avx2"`` builds for AVX2
+(with FMA and F16C, no AVX-512) instead, into ``...-avx2``: the same code as a CPU
+without AVX-512 runs, for comparing pdserve's AVX2 build on any machine.
 
     python -m pdserve.bench.llama_cpp            # build (or find) and print the bin folder
 """
@@ -41,11 +43,20 @@ def _cpu_flags() -> str:
     return ""
 
 
-def build_dir() -> Path:
+ISA_FLAGS = {  # cmake's ISA options per build
+    "native": ["-DGGML_NATIVE=ON"],
+    "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+             "-DGGML_F16C=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF",
+             "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX_VNNI=OFF"],
+}
+
+
+def build_dir(isa: str = "native") -> Path:
     from pdserve.engine.model_catalog import model_cache_dir
 
     tag = hashlib.sha256(_cpu_flags().encode()).hexdigest()[:10]
-    return model_cache_dir() / f"llama.cpp-{LLAMA_CPP_PYTHON}-{tag}"
+    suffix = "" if isa == "native" else f"-{isa}"
+    return model_cache_dir() / f"llama.cpp-{LLAMA_CPP_PYTHON}-{tag}{suffix}"
 
 
 def binaries(build: Path | None = None) -> dict[str, Path] | None:
@@ -55,9 +66,12 @@ def binaries(build: Path | None = None) -> dict[str, Path] | None:
     return found if all(p.is_file() for p in found.values()) else None
 
 
-def ensure_built(jobs: int = 2, log=print) -> dict[str, Path]:
-    """The binaries, built first when the cache has none (minutes: progress is shown)."""
-    build = build_dir()
+def ensure_built(jobs: int = 2, log=print, isa: str = "native") -> dict[str, Path]:
+    """The binaries, built first when the cache has none (minutes: progress is shown);
+    ``isa``: a key of ISA_FLAGS."""
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"isa must be one of {', '.join(ISA_FLAGS)}, got {isa!r}")
+    build = build_dir(isa)
     found = binaries(build)
     if found:
         return found
@@ -65,6 +79,9 @@ def ensure_built(jobs: int = 2, log=print) -> dict[str, Path]:
         raise RuntimeError("cmake is not installed (apt-get install cmake)")
     build.mkdir(parents=True, exist_ok=True)
     src = build / "src"
+    native_src = build_dir() / "src"
+    if not (src / "CMakeLists.txt").is_file() and (native_src / "CMakeLists.txt").is_file():
+        shutil.copytree(native_src, src, dirs_exist_ok=True)  # the same source, fetched once
     if not (src / "CMakeLists.txt").is_file():
         with tempfile.TemporaryDirectory() as tmp:
             log(f"fetching llama-cpp-python {LLAMA_CPP_PYTHON} (source) ...")
@@ -80,7 +97,7 @@ def ensure_built(jobs: int = 2, log=print) -> dict[str, Path]:
             shutil.copytree(vendored, src)
     log(f"building llama.cpp into {build} (about 8-15 minutes on 2 cores) ...")
     subprocess.run(["cmake", "-S", str(src), "-B", str(build / "build"),
-                    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+                    "-DCMAKE_BUILD_TYPE=Release", *ISA_FLAGS[isa], "-DLLAMA_CURL=OFF",
                     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                     "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=OFF"],
                    check=True, stdout=subprocess.DEVNULL, timeout=CONFIGURE_TIMEOUT_S)
@@ -93,4 +110,4 @@ def ensure_built(jobs: int = 2, log=print) -> dict[str, Path]:
 
 
 if __name__ == "__main__":
-    print(ensure_built()["llama-server"].parent)
+    print(ensure_built(isa=sys.argv[1] if len(sys.argv) > 1 else "native")["llama-server"].parent)

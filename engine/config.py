@@ -24,6 +24,7 @@ _ENGINE_TYPES = {"normal": EngineType.NORMAL, "prompt": EngineType.PROMPT,
 _DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "int8", "none")  # EngineSettings.quantization
 SPECULATIVE_METHODS = ("off", "ngram", "draft")  # EngineSettings.speculative
+KERNEL_ISAS = ("auto", *ISAS)  # EngineSettings.kernel_isa
 
 
 @dataclass(kw_only=True)
@@ -86,8 +87,8 @@ class EngineSettings(SchedulerPolicy):
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_copy_threads > 64:
             raise ValueError(f"kv_copy_threads must be <= 64, got {self.kv_copy_threads}")
-        if self.kernel_isa not in ("auto", *ISAS):
-            raise ValueError(f"kernel_isa must be one of auto, {', '.join(ISAS)}; got "
+        if self.kernel_isa not in KERNEL_ISAS:
+            raise ValueError(f"kernel_isa must be one of {', '.join(KERNEL_ISAS)}; got "
                              f"{self.kernel_isa!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}")

@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from pdserve.engine.config import QUANTIZATIONS, SPECULATIVE_METHODS
+from pdserve.engine.config import KERNEL_ISAS, QUANTIZATIONS, SPECULATIVE_METHODS
 from pdserve.engine.model_catalog import DEFAULT_MODEL, resolve_model
 
 DEFAULT_HOST = "127.0.0.1"
@@ -61,6 +61,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="weights the decode step reads (default auto: a GGUF file's Q8_0/"
                    "Q4_0/Q4_1 blocks in place; int8: every matmul quantized at load; none: "
                    "fp32; see docs/models.md)")
+    p.add_argument("--kernel-isa", choices=KERNEL_ISAS, default=None,
+                   help="the C kernels' build (default auto: the widest this CPU runs; "
+                   "avx2 or generic to run a narrower one, e.g. to compare builds)")
     p.add_argument("--speculative", choices=SPECULATIVE_METHODS, default=None,
                    help="speculative decoding on the ranks that decode (default off; ngram: "
                    "drafts by prompt lookup over each request's history, used where they "
@@ -173,7 +176,8 @@ def _apply_pool_flags(pool, args: argparse.Namespace) -> None:
         pool.engine.num_kv_blocks = args.num_kv_blocks
     if getattr(args, "no_prefix_caching", False):
         pool.engine.enable_prefix_caching = False
-    for name in ("quantization", "speculative", "num_speculative_tokens", "draft_model"):
+    for name in ("quantization", "kernel_isa", "speculative", "num_speculative_tokens",
+                 "draft_model"):
         if getattr(args, name, None) is not None:
             setattr(pool.engine, name, getattr(args, name))
 

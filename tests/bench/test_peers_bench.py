@@ -5,6 +5,8 @@ missing llama.cpp build is reported as missing."""
 
 from __future__ import annotations
 
+import pytest
+
 from pdserve.bench import llama_cpp, peers
 from pdserve.bench.datasets import chat_requests
 from pdserve.engine.tokenizer import Tokenizer
@@ -52,3 +54,12 @@ def test_missing_llama_cpp_build_is_none(tmp_path):
     for name in llama_cpp.TARGETS:
         (bin_dir / name).write_text("")
     assert set(llama_cpp.binaries(tmp_path)) == set(llama_cpp.TARGETS)
+
+
+def test_an_avx2_llama_cpp_build_has_its_own_folder_and_flags():
+    assert llama_cpp.build_dir("avx2") == llama_cpp.build_dir().with_name(
+        llama_cpp.build_dir().name + "-avx2")
+    assert "-DGGML_AVX512=OFF" in llama_cpp.ISA_FLAGS["avx2"]
+    assert "-DGGML_NATIVE=OFF" in llama_cpp.ISA_FLAGS["avx2"]
+    with pytest.raises(ValueError, match="isa must be one of native, avx2"):
+        llama_cpp.ensure_built(isa="sse9")

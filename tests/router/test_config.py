@@ -72,7 +72,7 @@ def test_flags_override_the_file(tiny_model_dir):
     args = build_parser().parse_args(
         ["serve", "--config", str(EXAMPLE), "--model", str(model), "--decode", "3",
          "--port", "0", "--kv-transport", "grpc", "--num-kv-blocks", "99",
-         "--quantization", "int8"])
+         "--quantization", "int8", "--kernel-isa", "generic"])
     config = serve_config(args)
     assert config.decode.replicas == 3 and config.prefill.replicas == 1
     assert config.port == 0 and config.kv_transport == "grpc"
@@ -80,6 +80,7 @@ def test_flags_override_the_file(tiny_model_dir):
     assert config.decode.engine.num_kv_blocks == 99
     assert config.decode.engine.max_num_seqs == 64  # from the file
     assert config.decode.engine.quantization == config.prefill.engine.quantization == "int8"
+    assert config.decode.engine.kernel_isa == config.prefill.engine.kernel_isa == "generic"
 
 
 def test_every_scheduler_policy_is_set_from_yaml():
