@@ -86,20 +86,32 @@ typedef struct {
     int64_t bk, bits, offsets;
 } Weight;
 
-/* Threads take chunks of panel pairs from a shared counter, so one slowed by its
- * neighbours on the memory bus does not hold the others at the barrier. Each output
- * column is still computed whole by one thread, in the same order: results do not
- * depend on who took which chunk. */
-static void matmul(int64_t *next, int threads, const float *x, int64_t M, int64_t K,
+/* Work counters: one per thread per work item, each on its own cache line. */
+#define COUNTER_STRIDE 8
+
+/* Thread t first takes the panel pairs of its own contiguous share, in order, a chunk
+ * at a time from its own counter (a line no other core touches until t is done), so
+ * its weights stream as one sequential read; then it helps the others, taking chunks
+ * from their counters, so one slowed by its neighbours on the memory bus does not hold
+ * the rest at the barrier. (One shared counter handed out interleaved pairs: every
+ * take moved its line between the cores, and each thread's stream jumped.) Each
+ * output column is still computed whole by one thread, in the same order: results do
+ * not depend on who took which chunk. */
+static void matmul(int64_t *item, int t, int nt, const float *x, int64_t M, int64_t K,
                    const Weight *w, int64_t N, const float *bias, float *out, int add_to) {
-    int64_t pairs = (N + PAIR_COLS - 1) / PAIR_COLS, chunk = pairs / (8 * threads) > 1 ? pairs / (8 * threads) : 1;
+    const int64_t pairs = (N + PAIR_COLS - 1) / PAIR_COLS;
     const QPanels q = {(const uint8_t *)w->values, w->bk, w->bits, w->offsets};
-    for (;;) {
-        int64_t p0 = __atomic_fetch_add(next, chunk, __ATOMIC_RELAXED);
-        if (p0 >= pairs) return;
-        int64_t p1 = p0 + chunk < pairs ? p0 + chunk : pairs;
-        matmul_pairs(x, M, K, (const float *)w->values, w->format == W_QUANT ? &q : NULL, N,
-                     bias, out, N, add_to, p0, p1);
+    for (int v = 0; v < nt; v++) {
+        const int u = (t + v) % nt;
+        const int64_t lo = pairs * u / nt, hi = pairs * (u + 1) / nt;
+        const int64_t chunk = (hi - lo) / 8 > 1 ? (hi - lo) / 8 : 1;
+        for (;;) {
+            const int64_t p0 = lo + __atomic_fetch_add(item + u * COUNTER_STRIDE, chunk,
+                                                       __ATOMIC_RELAXED);
+            if (p0 >= hi) break;
+            matmul_pairs(x, M, K, (const float *)w->values, w->format == W_QUANT ? &q : NULL,
+                         N, bias, out, N, add_to, p0, p0 + chunk < hi ? p0 + chunk : hi);
+        }
     }
 }
 
@@ -261,8 +273,10 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
         if (bad) return -2 - (int)(r < 1000000 ? r : 1000000);
     }
     Barrier barrier = {0, 0};
-    /* Work counters: per layer, four matmuls and the two attention passes; the LM head. */
-    int64_t *counters = (int64_t *)calloc((size_t)(6 * L + 1), sizeof(int64_t));
+    /* Work items: per layer, four matmuls and the two attention passes; the LM head.
+     * Each has a counter per thread (the attention passes use the first). */
+    const int64_t item = (int64_t)threads * COUNTER_STRIDE;
+    int64_t *counters = (int64_t *)calloc((size_t)((6 * L + 1) * item), sizeof(int64_t));
     if (!counters) return -1;
 
 #pragma omp parallel num_threads(threads)
@@ -277,8 +291,8 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
         end_phase(&barrier, t, nt, times, PH_NORM, &mark);
         for (int64_t l = 0; l < L; l++) {
             const int64_t *p = layers + l * P_COUNT;
-            int64_t *next = counters + 6 * l;
-            matmul(next, nt, x, n, H, (const Weight *)p[P_QKV], W, (const float *)p[P_QKV_B], qkv, 0);
+            int64_t *next = counters + 6 * l * item;
+            matmul(next, t, nt, x, n, H, (const Weight *)p[P_QKV], W, (const float *)p[P_QKV_B], qkv, 0);
             end_phase(&barrier, t, nt, times, PH_QKV, &mark);
             float *ks = (float *)p[P_K_STORE], *vs = (float *)p[P_V_STORE];
             const int64_t window = p[P_WINDOW];
@@ -286,7 +300,7 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
              * positions of one sequence, each a row): first every row's K/V are written
              * and its queries roped in place, then (after the barrier) every row attends
              * to its positions, the other rows' new ones included. */
-            for (int64_t r; (r = __atomic_fetch_add(next + 4, 1, __ATOMIC_RELAXED)) < n;) {
+            for (int64_t r; (r = __atomic_fetch_add(next + 4 * item, 1, __ATOMIC_RELAXED)) < n;) {
                 const int64_t *table = tables + r * tw;
                 float *row = qkv + r * W;
                 const float *c = cos + r * D, *s = sin + r * D;
@@ -310,7 +324,7 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
             }
             barrier_wait(&barrier, nt);
             /* One task per row, from a counter: rows attend to different lengths. */
-            for (int64_t r; (r = __atomic_fetch_add(next + 5, 1, __ATOMIC_RELAXED)) < n;) {
+            for (int64_t r; (r = __atomic_fetch_add(next + 5 * item, 1, __ATOMIC_RELAXED)) < n;) {
                 const int64_t *table = tables + r * tw;
                 int64_t nruns = 0, len;
                 if (!window) {
@@ -328,12 +342,12 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
                 attend_any(qkv + r * W, kv, len, hq, g, D, scale, scores, attn + r * hq * D);
             }
             end_phase(&barrier, t, nt, times, PH_ATTENTION, &mark);
-            matmul(next + 1, nt, attn, n, hq * D, (const Weight *)p[P_O], H, (const float *)p[P_O_B], h, 1);
+            matmul(next + item, t, nt, attn, n, hq * D, (const Weight *)p[P_O], H, (const float *)p[P_O_B], h, 1);
             end_phase(&barrier, t, nt, times, PH_O, &mark);
             for (int64_t r = t; r < n; r += nt)
                 rms_norm_row(h + r * H, (const float *)p[P_LN2], H, eps, x + r * H);
             end_phase(&barrier, t, nt, times, PH_POST_NORM, &mark);
-            matmul(next + 2, nt, x, n, H, (const Weight *)p[P_GATE_UP], 2 * I, (const float *)p[P_GATE_UP_B],
+            matmul(next + 2 * item, t, nt, x, n, H, (const Weight *)p[P_GATE_UP], 2 * I, (const float *)p[P_GATE_UP_B],
                    gu, 0);
             end_phase(&barrier, t, nt, times, PH_GATE_UP, &mark);
             for (int64_t r = t; r < n; r += nt) {
@@ -345,7 +359,7 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
                 }
             }
             end_phase(&barrier, t, nt, times, PH_SILU_MUL, &mark);
-            matmul(next + 3, nt, act, n, I, (const Weight *)p[P_DOWN], H, (const float *)p[P_DOWN_B], h, 1);
+            matmul(next + 3 * item, t, nt, act, n, I, (const Weight *)p[P_DOWN], H, (const float *)p[P_DOWN_B], h, 1);
             end_phase(&barrier, t, nt, times, PH_DOWN, &mark);
             const float *next_w = l + 1 < L ? (const float *)layers[(l + 1) * P_COUNT + P_LN] : norm_w;
             for (int64_t r = t; r < n; r += nt) {
@@ -355,7 +369,7 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
             end_phase(&barrier, t, nt, times, PH_NORM, &mark);
         }
         if (lm_head) {  /* x holds the final-normed rows (padded to whole blocks) */
-            matmul(counters + 6 * L, nt, x, n, H, lm_head, vocab, NULL, logits, 0);
+            matmul(counters + 6 * L * item, t, nt, x, n, H, lm_head, vocab, NULL, logits, 0);
             end_phase(&barrier, t, nt, times, PH_LM_HEAD, &mark);
         }
     }
