@@ -196,29 +196,26 @@ class GGUFModel:
                     "attention.head_count_kv", self._need("attention.head_count"))))
         return values
 
-    def quantized(self, hf_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+    def quantized(self, hf_name: str):
         """The weight as the file holds it, where the C kernels compute with it in place
-        (``kernels/quant_panels.py``): (values int8 [N, K], scales float32 [N, K / 32],
-        offsets float32 [N, K / 32] or None) with ``scale * value + offset`` what
-        ``tensor`` dequantizes to; None for other types (Q8_0, Q4_0 and Q4_1 only)."""
+        (``kernels/quant_panels.py``): (values int8 [N, K], scales float32 [N, K / bk],
+        offsets float32 [N, K / bk] or None, bk) with ``scale * value + offset`` what
+        ``tensor`` dequantizes to, bit for bit; None for other types (Q8_0, Q4_0, Q4_1,
+        Q4_K and Q6_K only)."""
         t = self._tensors[self.gguf_name(hf_name)]
         layout = _BLOCKS.get(t.tensor_type.name)
         if layout is None:
             return None
         n, k = self.tensor_shape(hf_name)
-        blocks = np.asarray(t.data).reshape(n, k // 32, -1)
-        scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-        offsets = None
-        if layout == "q8_0":
-            values = blocks[..., 2:].copy().view(np.int8)
+        if layout in ("q4_k", "q6_k"):
+            values, scales, offsets, bk = _k_quant(np.asarray(t.data).reshape(n * k // 256, -1),
+                                                   layout)
+            values, scales = values.reshape(n, k), scales.reshape(n, k // bk)
+            offsets = None if offsets is None else offsets.reshape(n, k // bk)
         else:
-            nibbles = blocks[..., 4:] if layout == "q4_1" else blocks[..., 2:]
-            values = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).astype(np.int8)
-            if layout == "q4_0":  # d * (q - 8) as d * q + (-8 d): both exact in float32
-                offsets = -8.0 * scales
-            else:
-                offsets = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        values = values.reshape(n, k)
+            values, scales, offsets, bk = _block_32(np.asarray(t.data).reshape(n, k // 32, -1),
+                                                    layout)
+            values = values.reshape(n, k)
         if self.hf_architecture in _PERMUTED_QK and hf_name.endswith(
                 ("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
             heads = int(self._need("attention.head_count") if "q_proj" in hf_name else
@@ -226,7 +223,7 @@ class GGUFModel:
                                    self._need("attention.head_count")))
             values, scales = _unpermute(values, heads), _unpermute(scales, heads)
             offsets = None if offsets is None else _unpermute(offsets, heads)
-        return values, scales, offsets
+        return values, scales, offsets, bk
 
     # -- tokenizer and chat template ---------------------------------------------------
 
@@ -319,7 +316,55 @@ def _name_map(architecture: str, num_layers: int):
 
 
 # GGUF block types whose 32-value blocks the C kernels read in place (quantized()).
-_BLOCKS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+_BLOCKS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_k", "Q6_K": "q6_k"}
+
+
+def _fp16_at(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 field at byte ``at`` of each block, as float32 [..., 1]."""
+    return blocks[..., at:at + 2].copy().view(np.float16).astype(np.float32)
+
+
+def _block_32(blocks: np.ndarray, layout: str):
+    """Q8_0 / Q4_0 / Q4_1 blocks [N, K / 32, bytes]: (values, scales, offsets, 32)."""
+    scales, offsets = _fp16_at(blocks, 0)[..., 0], None
+    if layout == "q8_0":
+        return blocks[..., 2:].copy().view(np.int8), scales, None, 32
+    nibbles = blocks[..., 4:] if layout == "q4_1" else blocks[..., 2:]
+    values = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).astype(np.int8)
+    if layout == "q4_0":  # d * (q - 8) as d * q + (-8 d): both exact in float32
+        offsets = -8.0 * scales
+    else:
+        offsets = _fp16_at(blocks, 2)[..., 0]
+    return values, scales, offsets, 32
+
+
+# Scale fields that make gguf's own dequantization give a K-quant's integer values:
+# Q4_K d = 1, dmin = 0 and every 6-bit sub-block scale 1, min 0; Q6_K d = 1 and every
+# int8 sub-block scale 1. The bit layouts stay gguf's (not a copy of them here).
+_UNIT_FP16 = np.array([1.0], np.float16).view(np.uint8)
+_Q4_K_UNIT_SCALES = np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], np.uint8)
+
+
+def _k_quant(blocks: np.ndarray, layout: str):
+    """Q4_K / Q6_K super-blocks [B, bytes] (256 values each) as (values int8 [B, 256],
+    scales [B, subs], offsets [B, subs] or None, values per sub-block): a sub-block's
+    scale is the product of the super-block's fp16 scale and its own (fp32: exact)."""
+    import gguf
+
+    unit = blocks.copy()
+    if layout == "q4_k":
+        sc, mn = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])
+        scales = _fp16_at(blocks, 0) * sc.astype(np.float32)
+        offsets = -(_fp16_at(blocks, 2) * mn.astype(np.float32))
+        unit[:, 0:2], unit[:, 2:4], unit[:, 4:16] = _UNIT_FP16, 0, _Q4_K_UNIT_SCALES
+        qtype, bk = gguf.GGMLQuantizationType.Q4_K, 32
+    else:
+        scales = _fp16_at(blocks, 208) * blocks[:, 192:208].view(np.int8).astype(np.float32)
+        offsets = None
+        unit[:, 192:208], unit[:, 208:210] = 1, _UNIT_FP16
+        qtype, bk = gguf.GGMLQuantizationType.Q6_K, 16
+    values = gguf.quants.dequantize(unit, qtype).reshape(len(blocks), 256).astype(np.int8)
+    return values, scales, offsets, bk
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:

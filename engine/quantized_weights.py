@@ -1,12 +1,13 @@
 """Quantized matmul weights for the C decode step (``kernels/quant_panels.py``).
 
 1. A GGUF file's quantized matmuls are kept as the file holds them: each fused matmul
-   whose source tensors are all Q8_0, Q4_0 or Q4_1 gets ``QuantPanels`` (int8 values, or
-   nibbles where they fit, with an fp16 scale and offset per 32) beside its fp32 weight. Both
+   whose source tensors are all Q8_0, Q4_0, Q4_1, Q4_K or Q6_K gets ``QuantPanels`` (int8
+   values, or nibbles where they fit, with a scale and offset per 32, per 16 for Q6_K)
+   beside its fp32 weight. Both
    are the same weight (the values are the file's, the fp32 copy their dequantization),
    so prefill and the torch paths keep the fp32 copy and agree with the decode step up
-   to rounding. A decode step then reads 0.625 (Q4_1) to 1.0625 (Q8_0) bytes a weight
-   instead of 4. The fp32 panels go (the quantized ones serve every product of a few
+   to rounding. A decode step then reads 0.625 (Q4_0, Q4_1), 0.75 (Q4_K), 1.0625 (Q8_0)
+   or 1.25 (Q6_K) bytes a weight instead of 4. The fp32 panels go (the quantized ones serve every product of a few
    rows, ``MatMul.forward``), so a rank holds the fp32 weight and the quantized panels.
 2. With ``int8=True`` every other matmul the C kernels run is quantized at load:
    symmetric, an fp16 scale per 32 weights of a row (16 where K is no multiple of 32;
@@ -62,7 +63,7 @@ def attach(model, model_dir: str | Path, int8: bool = False) -> int:
             continue
         try:
             matmul.quant = QuantPanels.pack(rows)
-        except ValueError as e:  # a scale past fp16's range: this one stays fp32
+        except ValueError as e:  # a weight that is not finite: this one stays fp32
             log.warning("matmul %s stays fp32: %s", names[0], e)
             continue
         if at_load:
@@ -79,8 +80,8 @@ def _from_file(gguf, names: list[str]) -> QuantRows | None:
     if any(f is None for f in found):
         return None
     return QuantRows.cat([QuantRows(torch.from_numpy(v), torch.from_numpy(s),
-                                    None if o is None else torch.from_numpy(o), BLOCK_K)
-                          for v, s, o in found])
+                                    None if o is None else torch.from_numpy(o), bk)
+                          for v, s, o, bk in found])
 
 
 def quantize_int8(weight: torch.Tensor) -> QuantRows:
@@ -96,7 +97,8 @@ def quantize_int8(weight: torch.Tensor) -> QuantRows:
     short = halves.float() * 127.0 < amax  # rounded down: the largest would pass 127
     halves = torch.where(short, torch.nextafter(halves, torch.full_like(halves, float("inf"))),
                          halves)
-    scales = halves.float()
+    # past fp16's range: fp32 scales (the records then hold fp32)
+    scales = torch.where(torch.isfinite(halves), halves.float(), amax / 127.0)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     values = torch.round(blocks / safe[..., None]).clamp_(-127, 127).to(torch.int8)
     return QuantRows(values.reshape(n, k), scales.contiguous(), None, bk)

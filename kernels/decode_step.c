@@ -78,12 +78,12 @@ static void rms_norm_row(const float *x, const float *w, int64_t H, float eps, f
 }
 
 /* A matmul's weight (decode_step.py's _descriptor): fp32 column panels, or quantized
- * ones (skinny_block.h's QPanels: records, bk, bits, offsets). */
+ * ones (skinny_block.h's QPanels: records, bk, bits, offsets, scale_bytes). */
 enum { W_FP32 = 0, W_QUANT = 1 };
 typedef struct {
     int64_t format;
     const void *values;
-    int64_t bk, bits, offsets;
+    int64_t bk, bits, offsets, scale_bytes;
 } Weight;
 
 /* Work counters: one per thread per work item, each on its own cache line. */
@@ -100,7 +100,7 @@ typedef struct {
 static void matmul(int64_t *item, int t, int nt, const float *x, int64_t M, int64_t K,
                    const Weight *w, int64_t N, const float *bias, float *out, int add_to) {
     const int64_t pairs = (N + PAIR_COLS - 1) / PAIR_COLS;
-    const QPanels q = {(const uint8_t *)w->values, w->bk, w->bits, w->offsets};
+    const QPanels q = {(const uint8_t *)w->values, w->bk, w->bits, w->offsets, w->scale_bytes};
     for (int v = 0; v < nt; v++) {
         const int u = (t + v) % nt;
         const int64_t lo = pairs * u / nt, hi = pairs * (u + 1) / nt;

@@ -50,9 +50,10 @@ LAYER_FIELDS = ("ln", "qkv", "qkv_bias", "o", "o_bias", "ln2", "gate_up", "gate_
                 "down", "down_bias", "q_norm", "k_norm", "k_store", "v_store", "window")
 _WEIGHT_FIELDS = LAYER_FIELDS[:12]
 _MATMUL_FIELDS = ("qkv", "o", "gate_up", "down")
-# A matmul's weight as decode_step.c's Weight struct: format, values, bk, bits, offsets.
+# A matmul's weight as decode_step.c's Weight struct: format, values, bk, bits, offsets,
+# scale_bytes.
 W_FP32, W_QUANT = 0, 1
-_DESCRIPTOR_INTS = 5
+_DESCRIPTOR_INTS = 6
 
 
 def _library(isa: str | None = None) -> ctypes.CDLL | None:
@@ -132,8 +133,9 @@ def _descriptor(w: Weight) -> list[int]:
         if w.records.dtype != torch.uint8 or not w.records.is_contiguous() or w.bits not in (4, 8):
             raise ValueError("quantized panels must be contiguous uint8 records of int8 "
                              "values or nibble pairs")
-        return [W_QUANT, w.records.data_ptr(), w.block_k, w.bits, int(w.has_offsets)]
-    return [W_FP32, _ptr(w), 0, 0, 0]
+        return [W_QUANT, w.records.data_ptr(), w.block_k, w.bits, int(w.has_offsets),
+                w.scale_bytes]
+    return [W_FP32, _ptr(w), 0, 0, 0, 0]
 
 
 class DecodeStep:
@@ -154,7 +156,7 @@ class DecodeStep:
         if len(self.windows) != len(layers) or any(w is not None and w < 1 for w in self.windows):
             raise ValueError(f"windows must give a window >= 1 or None per layer, got {windows}")
         self.lm_head, self.vocab_size = lm_head, vocab_size
-        # one Weight struct (5 int64) per matmul, the LM head's last; layers point into it
+        # one Weight struct (6 int64) per matmul, the LM head's last; layers point into it
         mats = [getattr(w, f) for w in layers for f in _MATMUL_FIELDS]
         self._descriptors = torch.tensor(
             [_descriptor(m) for m in mats] + [_descriptor(lm_head) if lm_head is not None

@@ -8,15 +8,17 @@ A weight is ``w = scale * q + offset`` per row and block of ``block_k`` consecut
 what a GGUF file's Q8_0 (offset 0), Q4_0 (q - 8, offset 0) and Q4_1 (q in 0..15, offset
 its block's min) blocks hold (``engine/gguf_file.py`` reads them without dequantizing).
 ``QuantPanels`` lays a weight out as one stream of records (``skinny_block.h`` says why):
-pair of 16-column panels by pair, block by block, panel by panel, each record 16 fp16
-scales, 16 fp16 offsets (when there are any) and the block's values for the panel's 16
+pair of 16-column panels by pair, block by block, panel by panel, each record 16
+scales, 16 offsets (when there are any) and the block's values for the panel's 16
 columns: int8 panel rows (16 bytes each), or, where every value lies in 0..15 (Q4_0 with
 offset ``-8 * scale``, Q4_1), nibble pairs (byte j of pair row i holds column j of panel
 row 2i low and of panel row 2i + 1 high: one load, two rows). A Q4_1 block of 32 x 16
-is 320 bytes: 0.625 bytes a weight, llama.cpp's 0.625 too. Scales and offsets must be
-fp16 values (``pack`` checks): a GGUF file's are, and int8 quantization at load makes
-its scales so. The values are the file's, so the weight is the one its dequantized copy
-holds; only the products' rounding differs.
+is 320 bytes: 0.625 bytes a weight, llama.cpp's 0.625 too. Scales and offsets are fp16
+where they all are fp16 values (Q8_0, Q4_0 and Q4_1's are, and int8 quantization at load
+makes its scales so), else fp32 (the K-quants' products of a super-block's scale and a
+sub-block's: Q4_K 0.75 bytes a weight, its file 0.5625; Q6_K 1.25, its file 0.82). The
+values are the file's, so the weight is the one its dequantized copy holds; only the
+products' rounding differs.
 """
 
 from __future__ import annotations
@@ -62,11 +64,24 @@ class QuantRows:
             w = w + self.offsets[..., None]
         return w.reshape(self.shape)
 
+    def with_block_k(self, block_k: int) -> QuantRows:
+        """The same weight with a scale (and offset) per ``block_k``, a divisor of this
+        one's: each repeated."""
+        if self.block_k % block_k:
+            raise ValueError(f"block_k {block_k} does not divide {self.block_k}")
+        r = self.block_k // block_k
+        return QuantRows(self.values, self.scales.repeat_interleave(r, dim=1),
+                         None if self.offsets is None else self.offsets.repeat_interleave(r, dim=1),
+                         block_k)
+
     @staticmethod
     def cat(parts: list[QuantRows]) -> QuantRows:
-        """Rows of several weights, one after another (a fused q|k|v or gate|up)."""
-        if len({p.block_k for p in parts}) != 1 or len({p.shape[1] for p in parts}) != 1:
-            raise ValueError("only weights with one K and one block_k are fused")
+        """Rows of several weights, one after another (a fused q|k|v or gate|up; a Q4_K
+        q beside a Q6_K v gets the finer blocks)."""
+        if len({p.shape[1] for p in parts}) != 1:
+            raise ValueError("only weights with one K are fused")
+        finest = min(p.block_k for p in parts)
+        parts = [p if p.block_k == finest else p.with_block_k(finest) for p in parts]
         if all(p.offsets is None for p in parts):
             offsets = None
         else:
@@ -88,12 +103,11 @@ def _unpanels(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.transpose(1, 2).reshape(-1, t.shape[1])[:n]
 
 
-def _halves(t: torch.Tensor, name: str) -> torch.Tensor:
-    """fp32 values as fp16 bytes [..., 2 * last]; they must be fp16 values exactly."""
+def _fits_fp16(t: torch.Tensor | None) -> bool:
+    if t is None:
+        return True
     h = t.to(torch.float16)
-    if not torch.equal(h.float(), t) or not bool(torch.isfinite(h).all()):
-        raise ValueError(f"{name} must be finite fp16 values (the records hold them as fp16)")
-    return h.view(torch.uint8)
+    return torch.equal(h.float(), t) and bool(torch.isfinite(h).all())
 
 
 @dataclass(frozen=True)
@@ -105,11 +119,17 @@ class QuantPanels:
     out_features: int
     bits: int = 8
     has_offsets: bool = False
+    scale_bytes: int = 2  # fp16 scales and offsets, or 4: fp32
 
     @classmethod
     def pack(cls, rows: QuantRows, nibbles: bool = True) -> QuantPanels:
         """``nibbles``: values that all lie in 0..15 are kept 4 bits each. Raises
-        ValueError when a scale or offset is no fp16 value."""
+        ValueError when a scale or offset is not finite."""
+        for t in (rows.scales, rows.offsets):
+            if t is not None and not bool(torch.isfinite(t).all()):
+                raise ValueError("scales and offsets must be finite")
+        half = _fits_fp16(rows.scales) and _fits_fp16(rows.offsets)
+        dtype = torch.float16 if half else torch.float32
         n, k = rows.shape
         p, nb = -(-n // (2 * PANEL)) * 2, k // rows.block_k  # even: threads take pairs
         values, bits = _panels(rows.values, p), 8
@@ -117,13 +137,13 @@ class QuantPanels:
                 and int(rows.values.max()) <= 15:
             pairs = values.view(p, -1, 2, PANEL)  # panel rows k (even) and k + 1
             values, bits = pairs[:, :, 0] | (pairs[:, :, 1] << 4), 4
-        parts = [_halves(_panels(rows.scales, p), "scales")]
+        parts = [_panels(rows.scales, p).to(dtype).view(torch.uint8)]
         if rows.offsets is not None:
-            parts.append(_halves(_panels(rows.offsets, p), "offsets"))
+            parts.append(_panels(rows.offsets, p).to(dtype).view(torch.uint8))
         parts.append(values.view(torch.uint8).reshape(p, nb, -1))
         records = torch.cat(parts, dim=-1)  # [P, blocks, record]
         records = records.view(p // 2, 2, nb, -1).transpose(1, 2).contiguous()
-        return cls(records, rows.block_k, n, bits, rows.offsets is not None)
+        return cls(records, rows.block_k, n, bits, rows.offsets is not None, 2 if half else 4)
 
     @property
     def in_features(self) -> int:
@@ -133,13 +153,14 @@ class QuantPanels:
         """The rows this was packed from (``pack``'s inverse)."""
         pairs, nb, _, size = self.records.shape
         by_panel = self.records.transpose(1, 2).reshape(2 * pairs, nb, size)
-        head = 2 * PANEL * (2 if self.has_offsets else 1)
+        head = self.scale_bytes * PANEL * (2 if self.has_offsets else 1)
         values = by_panel[..., head:].reshape(2 * pairs, -1, PANEL)  # [P, K or K / 2, 16]
         if self.bits == 4:
             values = torch.stack([values & 15, values >> 4], dim=2).reshape(2 * pairs, -1, PANEL)
-        halves = by_panel[..., :head].contiguous().view(torch.float16).float()
-        scales = _unpanels(halves[..., :PANEL], self.out_features)
-        offsets = _unpanels(halves[..., PANEL:], self.out_features) if self.has_offsets else None
+        dtype = torch.float16 if self.scale_bytes == 2 else torch.float32
+        heads = by_panel[..., :head].contiguous().view(dtype).float()
+        scales = _unpanels(heads[..., :PANEL], self.out_features)
+        offsets = _unpanels(heads[..., PANEL:], self.out_features) if self.has_offsets else None
         return QuantRows(_unpanels(values.view(torch.int8), self.out_features).contiguous(),
                          scales.contiguous(), None if offsets is None else offsets.contiguous(),
                          self.block_k)
@@ -167,7 +188,7 @@ def matmul(x: torch.Tensor, w: QuantPanels, bias: torch.Tensor | None = None,
     if m:
         b = None if bias is None else bias.contiguous()
         rc = lib.skinny_gemm_q8(x.data_ptr(), m, k, w.records.data_ptr(), w.block_k, w.bits,
-                                int(w.has_offsets), w.out_features,
+                                int(w.has_offsets), w.scale_bytes, w.out_features,
                                 None if b is None else b.data_ptr(), out.data_ptr())
         if rc != 0:
             raise MemoryError("skinny_gemm_q8 could not allocate its scratch rows")

@@ -82,15 +82,17 @@ static inline __attribute__((always_inline)) void block_rows_cols(
 
 /* ---- quantized weights: small integers dequantized in registers ---------------------
  * A weight [N, K] kept as integer values q with, per column and block of `bk`
- * consecutive k, a scale s and an offset m (fp16): w = s * q + m, what GGUF's Q8_0 (no
- * offsets), Q4_0 (m = -8 s) and Q4_1 (m its block's min) dequantize to. Values are int8
+ * consecutive k, a scale s and an offset m (fp16, or fp32 where fp16 cannot hold them):
+ * w = s * q + m, what GGUF's Q8_0 (no offsets), Q4_0 (m = -8 s), Q4_1 (m its block's
+ * min), Q4_K (s = d * sc, m = -dmin * mn per 32: fp32) and Q6_K (q - 32, s = d * sc per
+ * 16: fp32) dequantize to. Values are int8
  * (16 bytes a panel row) or, where they fit in 0..15, nibbles: 16 bytes hold two panel
  * rows, byte j column j of the even row in its low half and of the odd row in its high
  * half (one load, two rows).
  *
  * The layout is one stream (quant_panels.py packs it): records, pair of 16-column panels
- * by pair, then block of k by block, then panel by panel; a record is 16 fp16 scales,
- * 16 fp16 offsets (when the weight has them) and the block's bk panel rows of values.
+ * by pair, then block of k by block, then panel by panel; a record is 16 scales, 16
+ * offsets (when the weight has them) and the block's bk panel rows of values.
  * A thread's share of a matmul (a run of panel pairs) is then one sequential read,
  * which the prefetchers keep up with; values, scales and offsets in three arrays were
  * six short streams per pair and ran at half the memory's read rate.
@@ -107,13 +109,14 @@ typedef struct {
     int64_t bk;      /* k per scale; divides K and K_CHUNK */
     int64_t bits;    /* 8 or 4 */
     int64_t offsets; /* 1: records hold offsets */
+    int64_t scale_bytes; /* 2 (fp16 scales and offsets) or 4 (fp32) */
 } QPanels;
 
-static inline int64_t q_header_bytes(int64_t offsets) {
-    return (offsets ? 2 : 1) * PANEL * Q_HALF_BYTES;
+static inline int64_t q_header_bytes(int64_t offsets, int64_t scale_bytes) {
+    return (offsets ? 2 : 1) * PANEL * scale_bytes;
 }
 static inline int64_t q_record_bytes(const QPanels *w) {
-    return q_header_bytes(w->offsets) + w->bk * PANEL * w->bits / 8;
+    return q_header_bytes(w->offsets, w->scale_bytes) + w->bk * PANEL * w->bits / 8;
 }
 
 /* fp16 bits to float, for builds without a conversion instruction. */
@@ -149,6 +152,11 @@ static inline vf vhalf_load(const uint8_t *p) {
     }
     return v;
 #endif
+}
+
+/* VW scales (or offsets) at p: fp16 or fp32. */
+static inline vf vscale_load(const uint8_t *p, const int scale_bytes) {
+    return scale_bytes == 4 ? vload((const float *)p) : vhalf_load(p);
 }
 
 typedef int8_t vq_unaligned __attribute__((vector_size(VW), aligned(1)));
@@ -209,8 +217,8 @@ static inline __attribute__((always_inline)) void vq_rows2(const uint8_t *v, int
  * blocks. pair: the pair's first record. Sums run over k in a fixed order. */
 static inline __attribute__((always_inline)) void pair_one_row_q(
     const float *x, int64_t K, const QPanels *w, const uint8_t *pair, vf acc[PAIR_VECS],
-    const int bits, const int offsets) {
-    const int64_t bk = w->bk, hdr = q_header_bytes(offsets), rec = hdr + bk * PANEL * bits / 8;
+    const int bits, const int offsets, const int sb) {
+    const int64_t bk = w->bk, hdr = q_header_bytes(offsets, sb), rec = hdr + bk * PANEL * bits / 8;
     for (int64_t b = 0; b < K / bk; b++) {
         const uint8_t *r = pair + b * 2 * rec;  /* panel 0's record; panel 1's follows */
         for (int64_t l = 0; l < 2 * rec; l += 64) PREFETCH_L1(r + Q_PREFETCH_RECORDS * 2 * rec + l);
@@ -240,11 +248,11 @@ static inline __attribute__((always_inline)) void pair_one_row_q(
         }
 #pragma GCC unroll 8
         for (int j = 0; j < PAIR_VECS; j++) {
-            const uint8_t *h = r + (j * VW / PANEL) * rec + (j * VW % PANEL) * Q_HALF_BYTES;
+            const uint8_t *h = r + (j * VW / PANEL) * rec + (j * VW % PANEL) * sb;
             vf total = raw[0][j];
             for (int u = 1; u < ONE_ROW_SPLIT; u++) total += raw[u][j];
-            acc[j] = vfma(total, vhalf_load(h), acc[j]);
-            if (offsets) acc[j] = vfma(vset1(xsum), vhalf_load(h + PANEL * Q_HALF_BYTES), acc[j]);
+            acc[j] = vfma(total, vscale_load(h, sb), acc[j]);
+            if (offsets) acc[j] = vfma(vset1(xsum), vscale_load(h + PANEL * sb, sb), acc[j]);
         }
     }
 }
@@ -258,10 +266,20 @@ static inline void matmul_pairs_one_row_q(const float *x, int64_t K, const QPane
         vf acc[PAIR_VECS];
         for (int j = 0; j < PAIR_VECS; j++) acc[j] = vzero();
         const uint8_t *pair = w->records + p * pair_bytes;
-        if (w->bits == 4 && w->offsets) pair_one_row_q(x, K, w, pair, acc, 4, 1);
-        else if (w->bits == 4) pair_one_row_q(x, K, w, pair, acc, 4, 0);
-        else if (w->offsets) pair_one_row_q(x, K, w, pair, acc, 8, 1);
-        else pair_one_row_q(x, K, w, pair, acc, 8, 0);
+        if (w->scale_bytes == 4) {  /* K-quants' products of two scales */
+            if (w->bits == 4 && w->offsets) pair_one_row_q(x, K, w, pair, acc, 4, 1, 4);
+            else if (w->bits == 4) pair_one_row_q(x, K, w, pair, acc, 4, 0, 4);
+            else if (w->offsets) pair_one_row_q(x, K, w, pair, acc, 8, 1, 4);
+            else pair_one_row_q(x, K, w, pair, acc, 8, 0, 4);
+        } else if (w->bits == 4 && w->offsets) {
+            pair_one_row_q(x, K, w, pair, acc, 4, 1, 2);
+        } else if (w->bits == 4) {
+            pair_one_row_q(x, K, w, pair, acc, 4, 0, 2);
+        } else if (w->offsets) {
+            pair_one_row_q(x, K, w, pair, acc, 8, 1, 2);
+        } else {
+            pair_one_row_q(x, K, w, pair, acc, 8, 0, 2);
+        }
         for (int j = 0; j < PAIR_VECS; j++) {
             const int64_t col = p * PAIR_COLS + j * VW, n = N - col;
             vf y = acc[j] + (bias ? vload_n(bias + col, n) : vzero());
@@ -277,12 +295,13 @@ static inline void matmul_pairs_one_row_q(const float *x, int64_t K, const QPane
 static inline __attribute__((always_inline)) void block_rows_cols_q(
     const float *x, int64_t K, const QPanels *w, int64_t c, int64_t k0, int64_t k1,
     vf acc[BLOCK_ACCS], const int prefetch, const int bits) {
-    const int64_t bk = w->bk, hdr = q_header_bytes(w->offsets), rec = q_record_bytes(w);
+    const int64_t bk = w->bk, sb = w->scale_bytes, hdr = q_header_bytes(w->offsets, sb);
+    const int64_t rec = q_record_bytes(w);
     const uint8_t *pair = w->records + (c / PAIR_COLS) * (K / bk) * 2 * rec;
     int64_t at[BLOCK_VECS];  /* column vector j's offset in a block's pair of records */
     for (int j = 0; j < BLOCK_VECS; j++) {
         const int64_t col = c % PAIR_COLS + j * VW;
-        at[j] = (col / PANEL) * rec + (col % PANEL) * Q_HALF_BYTES;
+        at[j] = (col / PANEL) * rec + (col % PANEL) * sb;
     }
     vf a[BLOCK_ACCS];
     for (int i = 0; i < BLOCK_ACCS; i++) a[i] = acc[i];
@@ -291,8 +310,8 @@ static inline __attribute__((always_inline)) void block_rows_cols_q(
         vf s[BLOCK_VECS], m[BLOCK_VECS];
         const uint8_t *v[BLOCK_VECS];
         for (int j = 0; j < BLOCK_VECS; j++) {
-            s[j] = vhalf_load(r + at[j]);
-            m[j] = w->offsets ? vhalf_load(r + at[j] + PANEL * Q_HALF_BYTES) : vzero();
+            s[j] = vscale_load(r + at[j], (int)sb);
+            m[j] = w->offsets ? vscale_load(r + at[j] + PANEL * sb, (int)sb) : vzero();
             /* the values: past the header, at the vector's column */
             const int64_t col = c % PAIR_COLS + j * VW;
             v[j] = r + (col / PANEL) * rec + hdr + col % PANEL;

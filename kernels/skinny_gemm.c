@@ -21,11 +21,13 @@ int skinny_gemm(const float *x, int64_t M, int64_t K, const float *panels, int64
     return 0;
 }
 
-/* skinny_gemm on quantized panels (skinny_block.h's QPanels: records, bk, bits, offsets). */
+/* skinny_gemm on quantized panels (skinny_block.h's QPanels: records, bk, bits, offsets,
+ * scale_bytes). */
 int skinny_gemm_q8(const float *x, int64_t M, int64_t K, const uint8_t *records, int64_t bk,
-                   int64_t bits, int64_t offsets, int64_t N, const float *bias, float *out) {
+                   int64_t bits, int64_t offsets, int64_t scale_bytes, int64_t N,
+                   const float *bias, float *out) {
     int64_t pairs = (N + PAIR_COLS - 1) / PAIR_COLS, rows = padded_rows(M);
-    const QPanels w = {records, bk, bits, offsets};
+    const QPanels w = {records, bk, bits, offsets, scale_bytes};
     float *padded = (float *)calloc((size_t)(rows * K), sizeof(float));
     if (!padded) return -1;
     memcpy(padded, x, (size_t)(M * K) * sizeof(float));

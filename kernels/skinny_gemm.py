@@ -52,8 +52,8 @@ def _built(isa: str) -> ctypes.CDLL | None:
         # its quantized twin (kernels/quant_panels.py), in the same library
         lib.skinny_gemm_q8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                       ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                       ctypes.c_void_p]
+                                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                       ctypes.c_void_p, ctypes.c_void_p]
         lib.skinny_gemm_q8.restype = ctypes.c_int
     return lib
 

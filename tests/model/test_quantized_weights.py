@@ -63,13 +63,27 @@ def test_panels_unpack_to_the_rows_they_were_packed_from(offsets, block_k):
         assert torch.equal(back.offsets, offs)
 
 
-def test_panels_refuse_scales_that_are_not_fp16_values():
-    rows = QuantRows(torch.ones(32, 32, dtype=torch.int8), torch.full((32, 1), 0.1), None, 32)
-    with pytest.raises(ValueError, match="fp16"):
-        QuantPanels.pack(rows)  # 0.1 is no fp16 value
-    big = QuantRows(torch.ones(32, 32, dtype=torch.int8), torch.full((32, 1), 1e6), None, 32)
-    with pytest.raises(ValueError, match="fp16"):
-        QuantPanels.pack(big)
+@pytest.mark.parametrize("isa", ISAS)
+def test_scales_fp16_cannot_hold_are_kept_fp32_and_computed_alike(isa):
+    """0.1 is no fp16 value and 1e6 is past fp16's range (a K-quant's products of two
+    scales are no fp16 values either): those records hold fp32; the matmul is exact."""
+    g = torch.Generator().manual_seed(3)
+    for scale, offsets in ((0.1, False), (1e6, False), (0.1, True)):
+        values = torch.randint(0, 16, (40, 64), generator=g, dtype=torch.int8)
+        offs = torch.full((40, 2), -0.3) if offsets else None
+        rows = QuantRows(values, torch.full((40, 2), scale), offs, 32)
+        panels = QuantPanels.pack(rows)
+        assert panels.scale_bytes == 4 and panels.bits == 4
+        assert torch.equal(panels.unpack().scales, rows.scales)
+        w = rows.dequantize()
+        for m in (1, 9):
+            x = torch.randn(m, 64, generator=g)
+            want = (x.double() @ w.double().T).float()
+            got = quant_panels.matmul(x, panels, isa=isa)
+            assert (got - want).abs().max().item() < 1e-5 * max(1.0, want.abs().max().item())
+    with pytest.raises(ValueError, match="finite"):
+        QuantPanels.pack(QuantRows(torch.ones(32, 32, dtype=torch.int8),
+                                   torch.full((32, 1), float("inf")), None, 32))
 
 
 def test_quant_rows_check_their_shapes():
@@ -82,6 +96,11 @@ def test_quant_rows_check_their_shapes():
     both = QuantRows.cat([_rows(32, 64, False), _rows(64, 64, True, seed=1)])
     assert both.shape == (96, 64) and both.offsets is not None
     assert torch.equal(both.offsets[:32], torch.zeros(32, 2))  # the symmetric part
+    # a Q4_K part (a scale per 32) beside a Q6_K one (per 16): the finer blocks
+    fine = _rows(16, 64, False, seed=2).with_block_k(16)
+    mixed = QuantRows.cat([_rows(32, 64, True, seed=3), fine])
+    assert mixed.block_k == 16 and mixed.shape == (48, 64)
+    assert torch.equal(mixed.dequantize()[:32], _rows(32, 64, True, seed=3).dequantize())
 
 
 def test_gguf_blocks_read_in_place_equal_the_dequantized_tensor(real_model_path):
@@ -91,37 +110,62 @@ def test_gguf_blocks_read_in_place_equal_the_dequantized_tensor(real_model_path)
     g = GGUFModel.open(real_model_path)
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
                  "model.layers.7.mlp.down_proj.weight", "model.embed_tokens.weight"):
-        values, scales, offsets = g.quantized(name)
+        values, scales, offsets, bk = g.quantized(name)
         rows = QuantRows(torch.from_numpy(values), torch.from_numpy(scales),
-                         None if offsets is None else torch.from_numpy(offsets), 32)
+                         None if offsets is None else torch.from_numpy(offsets), bk)
         assert torch.equal(rows.dequantize(), torch.from_numpy(g.tensor(name))), name
     assert g.quantized("model.norm.weight") is None  # F32: not a block type
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def _k_quant_blocks(qtype: str, n: int, k: int) -> np.ndarray:
+    """Random K-quant super-blocks (any bits are valid values and sub-block scales),
+    their fp16 scale fields set to small positive values."""
+    import gguf
+
+    size = gguf.constants.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][1]
+    rng = np.random.default_rng(1)
+    blocks = rng.integers(0, 256, (n * k // 256, size), dtype=np.uint8)
+    fields = (0, 2) if qtype == "Q4_K" else (208,)  # d, dmin / d
+    for at in fields:
+        blocks[:, at:at + 2] = rng.uniform(1e-3, 2e-2, (len(blocks), 1)).astype(
+            np.float16).view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 def test_each_block_type_reads_back_bit_for_bit(tmp_path, qtype):
+    """The values and scales read in place dequantize to gguf's own dequantization bit
+    for bit, and the C matmul on them equals the dequantized weight."""
     import gguf
 
     from pdserve.engine.gguf_file import GGUFModel
 
-    x = np.random.default_rng(0).standard_normal((64, 96)).astype(np.float32)
+    n, k = 64, 512 if qtype.endswith("_K") else 96
+    x = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)
     t = gguf.GGMLQuantizationType[qtype]
     path = tmp_path / "one.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(1)  # what the name map needs
-    q = gguf.quants.quantize(x, t)
+    q = _k_quant_blocks(qtype, n, k) if qtype.endswith("_K") else gguf.quants.quantize(x, t)
     w.add_tensor("output.weight", q, raw_shape=q.shape, raw_dtype=t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     g = GGUFModel(path, gguf.GGUFReader(str(path)))
-    values, scales, offsets = g.quantized("lm_head.weight")
-    assert (offsets is not None) == (qtype != "Q8_0")
+    values, scales, offsets, bk = g.quantized("lm_head.weight")
+    assert (offsets is not None) == (qtype not in ("Q8_0", "Q6_K"))
+    assert bk == (16 if qtype == "Q6_K" else 32)
     rows = QuantRows(torch.from_numpy(values), torch.from_numpy(scales),
-                     None if offsets is None else torch.from_numpy(offsets), 32)
-    want = gguf.quants.dequantize(q, t).reshape(64, 96)
-    assert torch.equal(rows.dequantize(), torch.from_numpy(want))
+                     None if offsets is None else torch.from_numpy(offsets), bk)
+    want = torch.from_numpy(gguf.quants.dequantize(q, t).reshape(n, k))
+    assert torch.equal(rows.dequantize(), want)
+    panels = QuantPanels.pack(rows)
+    assert panels.scale_bytes == (4 if qtype.endswith("_K") else 2)
+    assert panels.bits == (8 if qtype in ("Q8_0", "Q6_K") else 4)
+    xs = torch.randn(3, k, generator=torch.Generator().manual_seed(4))
+    got, exact = quant_panels.matmul(xs, panels), (xs.double() @ want.double().T).float()
+    assert (got - exact).abs().max().item() < 1e-5 * max(1.0, exact.abs().max().item())
 
 
 def test_quantized_decode_steps_match_the_fp32_weights(real_model_path, real_chat_prompts):
