@@ -97,10 +97,12 @@ static inline __attribute__((always_inline)) void block_rows_cols(
  * which the prefetchers keep up with; values, scales and offsets in three arrays were
  * six short streams per pair and ran at half the memory's read rate.
  *
- * One row of x (a single stream's decode) never dequantizes: per block and column it
- * sums x_k * q_k in registers, then adds s * that + m * (x's sum over the block), so a
- * value costs a conversion and one FMA. Several rows convert and scale each panel row
- * once (one FMA shared by every row of x), then use it like an fp32 panel row. */
+ * One row of x (a single stream's decode), and up to 4 on AVX-512 (a few streams, or
+ * one with a draft), never dequantize: per block and column each row sums x_k * q_k in
+ * registers, then adds s * that + m * (x's sum over the block), so a value costs one
+ * conversion for all the rows and one FMA per row. More rows convert and scale each
+ * panel row once (one FMA shared by every row of x), then use it like an fp32 panel
+ * row in the register block. */
 #define Q_HALF_BYTES 2
 #define Q_PREFETCH_RECORDS 3 /* pair-records ahead (about 2 KiB): measured best of 2..16 */
 
@@ -205,87 +207,115 @@ static inline __attribute__((always_inline)) void vq_rows2(const uint8_t *v, int
     }
 }
 
-/* ---- one row ---- */
+/* ---- one to a few rows ---- */
 #define PAIR_VECS (PAIR_COLS / VW)
 #if VW == 16
 #define ONE_ROW_SPLIT 4 /* sums per column vector, by k: 8 chains cover the FMA latency */
+#define FEW_ROWS 4      /* rows this way at most: 4 x 2 x 2 sums and 4 x 2 totals fit 32 registers */
 #else
 #define ONE_ROW_SPLIT 2
+#define FEW_ROWS 1      /* 16 registers: one row */
 #endif
 
-/* acc[j] (column vector j of the pair) += row x times the pair's weight, over all its
- * blocks. pair: the pair's first record. Sums run over k in a fixed order. */
-static inline __attribute__((always_inline)) void pair_one_row_q(
-    const float *x, int64_t K, const QPanels *w, const uint8_t *pair, vf acc[PAIR_VECS],
-    const int bits, const int offsets, const int sb) {
+/* acc[i][j] (row i, column vector j of the pair) += rows x times the pair's weight,
+ * over all its blocks; R rows (x row stride K). pair: the pair's first record. Each
+ * value is converted once for every row; sums run over k in a fixed order. */
+static inline __attribute__((always_inline)) void pair_rows_q(
+    const float *x, int64_t K, const QPanels *w, const uint8_t *pair,
+    vf acc[FEW_ROWS][PAIR_VECS], const int bits, const int offsets, const int sb, const int R) {
+    const int S = R == 1 ? ONE_ROW_SPLIT : 2;  /* sums per row and vector, by k */
     const int64_t bk = w->bk, hdr = q_header_bytes(offsets, sb), rec = hdr + bk * PANEL * bits / 8;
     for (int64_t b = 0; b < K / bk; b++) {
         const uint8_t *r = pair + b * 2 * rec;  /* panel 0's record; panel 1's follows */
         for (int64_t l = 0; l < 2 * rec; l += 64) PREFETCH_L1(r + Q_PREFETCH_RECORDS * 2 * rec + l);
-        const float *xb = x + b * bk;
-        vf raw[ONE_ROW_SPLIT][PAIR_VECS];
-        for (int u = 0; u < ONE_ROW_SPLIT; u++)
-            for (int j = 0; j < PAIR_VECS; j++) raw[u][j] = vzero();
-        for (int64_t k = 0; k < bk; k += ONE_ROW_SPLIT) {
+        vf raw[FEW_ROWS][ONE_ROW_SPLIT][PAIR_VECS];
+        for (int i = 0; i < R; i++)
+            for (int u = 0; u < S; u++)
+                for (int j = 0; j < PAIR_VECS; j++) raw[i][u][j] = vzero();
+        for (int64_t k = 0; k < bk; k += S) {
 #pragma GCC unroll 2
-            for (int u = 0; u < ONE_ROW_SPLIT; u += 2) {
-                const vf x0 = vset1(xb[k + u]), x1 = vset1(xb[k + u + 1]);
+            for (int u = 0; u < S; u += 2) {
 #pragma GCC unroll 8
                 for (int j = 0; j < PAIR_VECS; j++) {
                     const int64_t panel = j * VW / PANEL, c0 = j * VW % PANEL;
                     vf v0, v1;
                     vq_rows2(r + panel * rec + hdr + c0, k + u, bits, &v0, &v1);
-                    raw[u][j] = vfma(x0, v0, raw[u][j]);
-                    raw[u + 1][j] = vfma(x1, v1, raw[u + 1][j]);
+#pragma GCC unroll 4
+                    for (int i = 0; i < R; i++) {
+                        const float *xb = x + i * K + b * bk + k + u;
+                        raw[i][u][j] = vfma(vset1(xb[0]), v0, raw[i][u][j]);
+                        raw[i][u + 1][j] = vfma(vset1(xb[1]), v1, raw[i][u + 1][j]);
+                    }
                 }
             }
         }
-        float xsum = 0.0f;
-        if (offsets) {
-            vf s = vzero();
-            for (int64_t k = 0; k < bk; k += VW) s += vload(xb + k);
-            xsum = vsum(s);
-        }
+#pragma GCC unroll 4
+        for (int i = 0; i < R; i++) {
+            float xsum = 0.0f;
+            if (offsets) {
+                vf s = vzero();
+                for (int64_t k = 0; k < bk; k += VW) s += vload(x + i * K + b * bk + k);
+                xsum = vsum(s);
+            }
 #pragma GCC unroll 8
-        for (int j = 0; j < PAIR_VECS; j++) {
-            const uint8_t *h = r + (j * VW / PANEL) * rec + (j * VW % PANEL) * sb;
-            vf total = raw[0][j];
-            for (int u = 1; u < ONE_ROW_SPLIT; u++) total += raw[u][j];
-            acc[j] = vfma(total, vscale_load(h, sb), acc[j]);
-            if (offsets) acc[j] = vfma(vset1(xsum), vscale_load(h + PANEL * sb, sb), acc[j]);
+            for (int j = 0; j < PAIR_VECS; j++) {
+                const uint8_t *h = r + (j * VW / PANEL) * rec + (j * VW % PANEL) * sb;
+                vf total = raw[i][0][j];
+                for (int u = 1; u < S; u++) total += raw[i][u][j];
+                acc[i][j] = vfma(total, vscale_load(h, sb), acc[i][j]);
+                if (offsets)
+                    acc[i][j] = vfma(vset1(xsum), vscale_load(h + PANEL * sb, sb), acc[i][j]);
+            }
         }
     }
 }
 
-/* One row against panel pairs [p0, p1) -> out (+ bias; add_to: out += that). */
-static inline void matmul_pairs_one_row_q(const float *x, int64_t K, const QPanels *w,
-                                          int64_t N, const float *bias, float *out,
-                                          int add_to, int64_t p0, int64_t p1) {
+/* pair_rows_q for this weight's format (each a loop of its own). */
+static inline __attribute__((always_inline)) void pair_rows_any(
+    const float *x, int64_t K, const QPanels *w, const uint8_t *pair,
+    vf acc[FEW_ROWS][PAIR_VECS], const int R) {
+    if (w->scale_bytes == 4) {  /* K-quants' products of two scales */
+        if (w->bits == 4 && w->offsets) pair_rows_q(x, K, w, pair, acc, 4, 1, 4, R);
+        else if (w->bits == 4) pair_rows_q(x, K, w, pair, acc, 4, 0, 4, R);
+        else if (w->offsets) pair_rows_q(x, K, w, pair, acc, 8, 1, 4, R);
+        else pair_rows_q(x, K, w, pair, acc, 8, 0, 4, R);
+    } else if (w->bits == 4 && w->offsets) {
+        pair_rows_q(x, K, w, pair, acc, 4, 1, 2, R);
+    } else if (w->bits == 4) {
+        pair_rows_q(x, K, w, pair, acc, 4, 0, 2, R);
+    } else if (w->offsets) {
+        pair_rows_q(x, K, w, pair, acc, 8, 1, 2, R);
+    } else {
+        pair_rows_q(x, K, w, pair, acc, 8, 0, 2, R);
+    }
+}
+
+/* M <= FEW_ROWS rows against panel pairs [p0, p1) -> out (row stride ldo; + bias;
+ * add_to: out += that). M is rounded up to 1, 2 or 4 rows (x holds padded rows). */
+static inline void matmul_pairs_few_rows_q(const float *x, int64_t M, int64_t K,
+                                           const QPanels *w, int64_t N, const float *bias,
+                                           float *out, int64_t ldo, int add_to, int64_t p0,
+                                           int64_t p1) {
     const int64_t pair_bytes = (K / w->bk) * 2 * q_record_bytes(w);
     for (int64_t p = p0; p < p1; p++) {
-        vf acc[PAIR_VECS];
-        for (int j = 0; j < PAIR_VECS; j++) acc[j] = vzero();
+        vf acc[FEW_ROWS][PAIR_VECS];
+        for (int i = 0; i < FEW_ROWS; i++)
+            for (int j = 0; j < PAIR_VECS; j++) acc[i][j] = vzero();
         const uint8_t *pair = w->records + p * pair_bytes;
-        if (w->scale_bytes == 4) {  /* K-quants' products of two scales */
-            if (w->bits == 4 && w->offsets) pair_one_row_q(x, K, w, pair, acc, 4, 1, 4);
-            else if (w->bits == 4) pair_one_row_q(x, K, w, pair, acc, 4, 0, 4);
-            else if (w->offsets) pair_one_row_q(x, K, w, pair, acc, 8, 1, 4);
-            else pair_one_row_q(x, K, w, pair, acc, 8, 0, 4);
-        } else if (w->bits == 4 && w->offsets) {
-            pair_one_row_q(x, K, w, pair, acc, 4, 1, 2);
-        } else if (w->bits == 4) {
-            pair_one_row_q(x, K, w, pair, acc, 4, 0, 2);
-        } else if (w->offsets) {
-            pair_one_row_q(x, K, w, pair, acc, 8, 1, 2);
-        } else {
-            pair_one_row_q(x, K, w, pair, acc, 8, 0, 2);
-        }
-        for (int j = 0; j < PAIR_VECS; j++) {
-            const int64_t col = p * PAIR_COLS + j * VW, n = N - col;
-            vf y = acc[j] + (bias ? vload_n(bias + col, n) : vzero());
-            if (add_to) y += vload_n(out + col, n);
-            vstore_n(out + col, y, n);
-        }
+#if FEW_ROWS >= 4
+        if (M > 2) pair_rows_any(x, K, w, pair, acc, 4);
+        else if (M == 2) pair_rows_any(x, K, w, pair, acc, 2);
+        else
+#endif
+            pair_rows_any(x, K, w, pair, acc, 1);
+        for (int64_t i = 0; i < M; i++)
+            for (int j = 0; j < PAIR_VECS; j++) {
+                const int64_t col = p * PAIR_COLS + j * VW, n = N - col;
+                float *o = out + i * ldo + col;
+                vf y = acc[i][j] + (bias ? vload_n(bias + col, n) : vzero());
+                if (add_to) y += vload_n(o, n);
+                vstore_n(o, y, n);
+            }
     }
 }
 
@@ -367,8 +397,8 @@ static inline __attribute__((always_inline)) void block_any(
 static inline void matmul_pairs(const float *x, int64_t M, int64_t K, const float *panels,
                                 const QPanels *q, int64_t N, const float *bias, float *out,
                                 int64_t ldo, int add_to, int64_t p0, int64_t p1) {
-    if (q && M == 1) {
-        matmul_pairs_one_row_q(x, K, q, N, bias, out, add_to, p0, p1);
+    if (q && M <= FEW_ROWS) {
+        matmul_pairs_few_rows_q(x, M, K, q, N, bias, out, ldo, add_to, p0, p1);
         return;
     }
     vf acc[ROW_GROUP / BLOCK_ROWS][BLOCK_ACCS];
