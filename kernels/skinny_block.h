@@ -211,10 +211,12 @@ static inline __attribute__((always_inline)) void vq_rows2(const uint8_t *v, int
 #define PAIR_VECS (PAIR_COLS / VW)
 #if VW == 16
 #define ONE_ROW_SPLIT 4 /* sums per column vector, by k: 8 chains cover the FMA latency */
-#define FEW_ROWS 4      /* rows this way at most: 4 x 2 x 2 sums and 4 x 2 totals fit 32 registers */
+#define FEW_ROWS 4      /* rows at once: 4 x 2 x 2 sums and 4 x 2 totals fit 32 registers */
+#define FEW_ROWS_ALL 8  /* rows this way at most, in groups of FEW_ROWS (measured) */
 #else
 #define ONE_ROW_SPLIT 2
 #define FEW_ROWS 1      /* 16 registers: one row */
+#define FEW_ROWS_ALL 1
 #endif
 
 /* acc[i][j] (row i, column vector j of the pair) += rows x times the pair's weight,
@@ -290,32 +292,36 @@ static inline __attribute__((always_inline)) void pair_rows_any(
     }
 }
 
-/* M <= FEW_ROWS rows against panel pairs [p0, p1) -> out (row stride ldo; + bias;
- * add_to: out += that). M is rounded up to 1, 2 or 4 rows (x holds padded rows). */
+/* M <= FEW_ROWS_ALL rows against panel pairs [p0, p1) -> out (row stride ldo; + bias;
+ * add_to: out += that): per pair, groups of FEW_ROWS rows, each rounded up to 1, 2 or 4
+ * (x holds padded rows); a second group reads the pair's records from L1. */
 static inline void matmul_pairs_few_rows_q(const float *x, int64_t M, int64_t K,
                                            const QPanels *w, int64_t N, const float *bias,
                                            float *out, int64_t ldo, int add_to, int64_t p0,
                                            int64_t p1) {
     const int64_t pair_bytes = (K / w->bk) * 2 * q_record_bytes(w);
     for (int64_t p = p0; p < p1; p++) {
-        vf acc[FEW_ROWS][PAIR_VECS];
-        for (int i = 0; i < FEW_ROWS; i++)
-            for (int j = 0; j < PAIR_VECS; j++) acc[i][j] = vzero();
         const uint8_t *pair = w->records + p * pair_bytes;
+        for (int64_t g = 0; g < M; g += FEW_ROWS) {
+            const int64_t rows = M - g < FEW_ROWS ? M - g : FEW_ROWS;
+            vf acc[FEW_ROWS][PAIR_VECS];
+            for (int i = 0; i < FEW_ROWS; i++)
+                for (int j = 0; j < PAIR_VECS; j++) acc[i][j] = vzero();
 #if FEW_ROWS >= 4
-        if (M > 2) pair_rows_any(x, K, w, pair, acc, 4);
-        else if (M == 2) pair_rows_any(x, K, w, pair, acc, 2);
-        else
+            if (rows > 2) pair_rows_any(x + g * K, K, w, pair, acc, 4);
+            else if (rows == 2) pair_rows_any(x + g * K, K, w, pair, acc, 2);
+            else
 #endif
-            pair_rows_any(x, K, w, pair, acc, 1);
-        for (int64_t i = 0; i < M; i++)
-            for (int j = 0; j < PAIR_VECS; j++) {
-                const int64_t col = p * PAIR_COLS + j * VW, n = N - col;
-                float *o = out + i * ldo + col;
-                vf y = acc[i][j] + (bias ? vload_n(bias + col, n) : vzero());
-                if (add_to) y += vload_n(o, n);
-                vstore_n(o, y, n);
-            }
+                pair_rows_any(x + g * K, K, w, pair, acc, 1);
+            for (int64_t i = 0; i < rows; i++)
+                for (int j = 0; j < PAIR_VECS; j++) {
+                    const int64_t col = p * PAIR_COLS + j * VW, n = N - col;
+                    float *o = out + (g + i) * ldo + col;
+                    vf y = acc[i][j] + (bias ? vload_n(bias + col, n) : vzero());
+                    if (add_to) y += vload_n(o, n);
+                    vstore_n(o, y, n);
+                }
+        }
     }
 }
 
@@ -397,7 +403,7 @@ static inline __attribute__((always_inline)) void block_any(
 static inline void matmul_pairs(const float *x, int64_t M, int64_t K, const float *panels,
                                 const QPanels *q, int64_t N, const float *bias, float *out,
                                 int64_t ldo, int add_to, int64_t p0, int64_t p1) {
-    if (q && M <= FEW_ROWS) {
+    if (q && M <= FEW_ROWS_ALL) {
         matmul_pairs_few_rows_q(x, M, K, q, N, bias, out, ldo, add_to, p0, p1);
         return;
     }
