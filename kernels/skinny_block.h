@@ -85,10 +85,9 @@ static inline __attribute__((always_inline)) void block_rows_cols(
  * consecutive k, a scale s and an offset m (fp16, or fp32 where fp16 cannot hold them):
  * w = s * q + m, what GGUF's Q8_0 (no offsets), Q4_0 (m = -8 s), Q4_1 (m its block's
  * min), Q4_K (s = d * sc, m = -dmin * mn per 32: fp32) and Q6_K (q - 32, s = d * sc per
- * 16: fp32) dequantize to. Values are int8
- * (16 bytes a panel row) or, where they fit in 0..15, nibbles: 16 bytes hold two panel
- * rows, byte j column j of the even row in its low half and of the odd row in its high
- * half (one load, two rows).
+ * 16: fp32) dequantize to. Values are int8 (16 bytes a panel row) or, where they fit in
+ * 0..15, nibbles: 16 bytes hold two panel rows, byte j column j of the even row in its
+ * low half and of the odd row in its high half (one load, two rows).
  *
  * The layout is one stream (quant_panels.py packs it): records, pair of 16-column panels
  * by pair, then block of k by block, then panel by panel; a record is 16 scales, 16
@@ -97,12 +96,12 @@ static inline __attribute__((always_inline)) void block_rows_cols(
  * which the prefetchers keep up with; values, scales and offsets in three arrays were
  * six short streams per pair and ran at half the memory's read rate.
  *
- * One row of x (a single stream's decode), and up to 4 on AVX-512 (a few streams, or
- * one with a draft), never dequantize: per block and column each row sums x_k * q_k in
- * registers, then adds s * that + m * (x's sum over the block), so a value costs one
- * conversion for all the rows and one FMA per row. More rows convert and scale each
- * panel row once (one FMA shared by every row of x), then use it like an fp32 panel
- * row in the register block. */
+ * One row of x (a single stream's decode), and up to 8 on AVX-512 in groups of 4 (a
+ * few streams, or one with a draft), never dequantize: per block and column each row
+ * sums x_k * q_k in registers, then adds s * that + m * (x's sum over the block), so a
+ * value costs one conversion for the group and one FMA per row. More rows convert and
+ * scale each panel row once (one FMA shared by every row of x), then use it like an
+ * fp32 panel row in the register block. */
 #define Q_HALF_BYTES 2
 #define Q_PREFETCH_RECORDS 3 /* pair-records ahead (about 2 KiB): measured best of 2..16 */
 
