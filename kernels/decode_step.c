@@ -141,7 +141,9 @@ typedef struct {
 } RowKV;
 
 /* The row's hq query heads (q: hq x D; head h uses kv head h / g) against its len
- * positions: scores scaled, softmax, weighted sum of values -> out (hq x D). Positions
+ * positions: scores scaled, softmax, weighted sum of values -> out (hq x D). With ml,
+ * a part of the row's positions: the sum is left unnormalised and each head's score
+ * maximum and exp-sum go to ml[2h], ml[2h + 1] (merge_parts combines the parts). Positions
  * are read whole (every kv head: contiguous memory, all of each cache line used; one
  * task per head read a quarter of every line and ran ~1.5x slower); values are
  * prefetched into L2 during the key pass for the per-head value passes. dc = D / VW, a
@@ -149,7 +151,7 @@ typedef struct {
 #define MAX_HEAD_VECS (256 / VW)
 static inline __attribute__((always_inline)) void attend(
     const float *q, RowKV kv, int64_t len, int64_t hq, int64_t g, const int dc, float scale,
-    float *scores, float *out) {
+    float *scores, float *out, float *ml) {
     const int64_t D = dc * VW, hk = kv.hk, rs = hk * D, lines = rs / 16;
     for (int64_t u = 0, t = 0; u < kv.nruns; u++) {
         const float *K = kv.k + kv.runs[u].start * rs, *V = kv.v + kv.runs[u].start * rs;
@@ -184,7 +186,13 @@ static inline __attribute__((always_inline)) void attend(
             sum += e;
         }
         const float total = vsum(sum);
-        for (int64_t t = 0; t < len; t += VW) vstore_n(s + t, vload_n(s + t, len - t) / total, len - t);
+        if (ml) {
+            ml[2 * h] = m;
+            ml[2 * h + 1] = total;
+        } else {
+            for (int64_t t = 0; t < len; t += VW)
+                vstore_n(s + t, vload_n(s + t, len - t) / total, len - t);
+        }
         vf acc[MAX_HEAD_VECS];
 #pragma GCC unroll 16
         for (int c = 0; c < dc; c++) acc[c] = vzero();
@@ -203,11 +211,69 @@ static inline __attribute__((always_inline)) void attend(
 }
 
 static void attend_any(const float *q, RowKV kv, int64_t len, int64_t hq, int64_t g,
-                       int64_t D, float scale, float *scores, float *out) {
+                       int64_t D, float scale, float *scores, float *out, float *ml) {
     switch (D) {
-    case 64: attend(q, kv, len, hq, g, 64 / VW, scale, scores, out); break;
-    case 128: attend(q, kv, len, hq, g, 128 / VW, scale, scores, out); break;
-    default: attend(q, kv, len, hq, g, (int)(D / VW), scale, scores, out); break;
+    case 64: attend(q, kv, len, hq, g, 64 / VW, scale, scores, out, ml); break;
+    case 128: attend(q, kv, len, hq, g, 128 / VW, scale, scores, out, ml); break;
+    default: attend(q, kv, len, hq, g, (int)(D / VW), scale, scores, out, ml); break;
+    }
+}
+
+/* A step of at most SPLIT_ROWS rows (a single stream, a few, or one with a draft) cuts
+ * each row's positions into parts of SPLIT_LEN, attended by whichever thread takes
+ * them, then merged: one row's attention no longer runs on one thread while the others
+ * wait (at 2000 positions it reads as many bytes as the weights). The cut depends only
+ * on the row's length, so results do not depend on the thread count; a row of at most
+ * SPLIT_LEN positions is one part, computed as before. */
+#define SPLIT_ROWS 4
+#define SPLIT_LEN 256
+
+static int64_t split_parts(int64_t len, int split) {
+    return split ? (len + SPLIT_LEN - 1) / SPLIT_LEN : 1;
+}
+
+/* A part's unnormalised sums (hq x D), then its maxima and exp-sums (hq x 2). */
+static int64_t part_floats(const int64_t *dims) {
+    return dims[D_Q_HEADS] * (dims[D_HEAD_DIM] + 2);
+}
+
+/* The K/V rows of logical positions [a, b) as runs: paged, the table's blocks; a ring
+ * (base: the row's ring), the stretch from a % R, wrapping once. Returns the count. */
+static int64_t position_runs(const int64_t *table, int64_t bs, int64_t window, int64_t base,
+                             int64_t R, int64_t a, int64_t b, Run *runs) {
+    int64_t n = 0;
+    if (!window) {
+        for (int64_t p = a; p < b;) {
+            const int64_t left = bs - p % bs, count = b - p < left ? b - p : left;
+            runs[n++] = (Run){table[p / bs] * bs + p % bs, count};
+            p += count;
+        }
+    } else {
+        const int64_t at = a % R, len = b - a;
+        runs[n++] = (Run){base + at, len < R - at ? len : R - at};
+        if (len > R - at) runs[n++] = (Run){base, len - (R - at)};
+    }
+    return n;
+}
+
+/* The parts' sums of one row, rescaled to their common maximum -> out (hq x D). */
+static void merge_parts(const float *parts, int64_t count, int64_t hq, int64_t D,
+                        int64_t stride, float *out) {
+    for (int64_t h = 0; h < hq; h++) {
+        float m = -INFINITY, total = 0.0f;
+        for (int64_t i = 0; i < count; i++) {
+            const float mi = parts[i * stride + hq * D + 2 * h];
+            m = mi > m ? mi : m;
+        }
+        for (int64_t c = 0; c < D; c += VW) vstore(out + h * D + c, vzero());
+        for (int64_t i = 0; i < count; i++) {
+            const float *part = parts + i * stride;
+            const float w = expf(part[hq * D + 2 * h] - m);
+            total += w * part[hq * D + 2 * h + 1];
+            for (int64_t c = 0; c < D; c += VW)
+                vstore(out + h * D + c, vfma(vset1(w), vload(part + h * D + c), vload(out + h * D + c)));
+        }
+        for (int64_t c = 0; c < D; c += VW) vstore(out + h * D + c, vload(out + h * D + c) / total);
     }
 }
 
@@ -228,9 +294,14 @@ static int64_t thread_floats(const int64_t *dims) {
     return (f + 15) / 16 * 16;
 }
 
+/* Floats of the attention parts of a split step (SPLIT_ROWS rows), rounded to 16. */
+static int64_t split_floats(const int64_t *dims) {
+    return (SPLIT_ROWS * split_parts(dims[D_MAX_LEN], 1) * part_floats(dims) + 15) / 16 * 16;
+}
+
 /* Floats of scratch that decode_step needs for these dims and thread count. */
 int64_t decode_step_workspace(const int64_t *dims, int64_t threads) {
-    return row_floats(dims) + threads * thread_floats(dims);
+    return row_floats(dims) + split_floats(dims) + threads * thread_floats(dims);
 }
 
 /* h [n, H]: the embedded tokens in, the last layer's output out (before the final norm);
@@ -258,7 +329,10 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
     const int64_t W = (hq + 2 * hk) * D;
     const float eps = (float)eps_d, scale = (float)scale_d;
     float *x = work, *qkv = x + n8 * H, *attn = qkv + n8 * W, *gu = attn + n8 * hq * D;
-    float *act = gu + n8 * 2 * I, *thread_scratch = work + row_floats(dims);
+    float *act = gu + n8 * 2 * I, *partials = work + row_floats(dims);
+    float *thread_scratch = partials + split_floats(dims);
+    const int split = n <= SPLIT_ROWS;
+    const int64_t max_parts = split_parts(max_len, 1), pf = part_floats(dims);
     int paged = 0, ringed = 0;
     for (int64_t l = 0; l < L; l++) {
         if (layers[l * P_COUNT + P_WINDOW]) ringed = 1; else paged = 1;
@@ -323,23 +397,39 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
                 }
             }
             barrier_wait(&barrier, nt);
-            /* One task per row, from a counter: rows attend to different lengths. */
-            for (int64_t r; (r = __atomic_fetch_add(next + 5 * item, 1, __ATOMIC_RELAXED)) < n;) {
-                const int64_t *table = tables + r * tw;
-                int64_t nruns = 0, len;
-                if (!window) {
-                    len = pos[r] + 1;
-                    for (int64_t b = 0; b * bs < len; b++, nruns++)
-                        runs[nruns] = (Run){table[b] * bs, len - b * bs < bs ? len - b * bs : bs};
-                } else {
-                    const int64_t first = pos[r] + 1 > window ? pos[r] + 1 - window : 0;
-                    const int64_t base = states[r] * R, at = first % R;
-                    len = pos[r] + 1 - first;
-                    runs[nruns++] = (Run){base + at, len < R - at ? len : R - at};
-                    if (len > R - at) runs[nruns++] = (Run){base, len - (R - at)};
+            /* Tasks from a counter (rows attend to different lengths): a row each, or in
+             * a split step a part of a row each. Row r attends to positions [first, end). */
+            int64_t tasks = 0, merges = 0;
+            for (int64_t r = 0; r < n; r++) {
+                const int64_t first = window && pos[r] + 1 > window ? pos[r] + 1 - window : 0;
+                const int64_t parts = split_parts(pos[r] + 1 - first, split);
+                tasks += parts;
+                merges += parts > 1;
+            }
+            for (int64_t task; (task = __atomic_fetch_add(next + 5 * item, 1, __ATOMIC_RELAXED)) < tasks;) {
+                int64_t r = 0, first, parts;
+                for (;; r++, task -= parts) {
+                    first = window && pos[r] + 1 > window ? pos[r] + 1 - window : 0;
+                    parts = split_parts(pos[r] + 1 - first, split);
+                    if (task < parts) break;
                 }
-                RowKV kv = {ks, vs, runs, nruns, hk};
-                attend_any(qkv + r * W, kv, len, hq, g, D, scale, scores, attn + r * hq * D);
+                const int64_t a = first + task * SPLIT_LEN, end = pos[r] + 1;
+                const int64_t b = parts > 1 && a + SPLIT_LEN < end ? a + SPLIT_LEN : end;
+                const int64_t ring = window ? states[r] * R : 0;  /* paged rows have no slot */
+                RowKV kv = {ks, vs, runs,
+                            position_runs(tables + r * tw, bs, window, ring, R, a, b, runs), hk};
+                float *part = partials + (r * max_parts + task) * pf;
+                attend_any(qkv + r * W, kv, b - a, hq, g, D, scale, scores,
+                           parts > 1 ? part : attn + r * hq * D, parts > 1 ? part + hq * D : NULL);
+            }
+            if (merges) {
+                end_phase(&barrier, t, nt, times, PH_ATTENTION, &mark);
+                for (int64_t r = t; r < n; r += nt) {
+                    const int64_t first = window && pos[r] + 1 > window ? pos[r] + 1 - window : 0;
+                    const int64_t parts = split_parts(pos[r] + 1 - first, split);
+                    if (parts > 1)
+                        merge_parts(partials + r * max_parts * pf, parts, hq, D, pf, attn + r * hq * D);
+                }
             }
             end_phase(&barrier, t, nt, times, PH_ATTENTION, &mark);
             matmul(next + item, t, nt, attn, n, hq * D, (const Weight *)p[P_O], H, (const float *)p[P_O_B], h, 1);

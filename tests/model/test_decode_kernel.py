@@ -254,6 +254,53 @@ def test_decode_kernel_long_context_equals_transformers(tiny_dirs, h, isa):
 
 @needs_kernel
 @every_isa
+@pytest.mark.parametrize("model", ["llama", "window-300"])
+def test_decode_kernel_splits_few_long_rows_across_threads(tiny_dirs, h, isa, model, tmp_path):
+    """A step of at most 4 rows cuts each row's positions into parts of 256, attended by
+    any thread and merged: rows of ~600, ~300 and ~40 positions (3, 2 and 1 parts; paged
+    layers, and ring layers whose 300-position window is cut too) give the torch path's
+    hidden states, alone and together, and the same bits on 1 thread as on 2."""
+    import json
+    import shutil
+
+    path = tiny_dirs["llama"]
+    if model == "window-300":
+        path = tmp_path / "swa300"
+        shutil.copytree(tiny_dirs["mistral-swa"], path)
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, "sliding_window": 300}))
+    kw = dict(num_kv_blocks=160, num_state_slots=8, adaptive_threads=False)
+    ref = ModelRunner(path, decode_kernel=False, **kw)
+    ker = ModelRunner(path, kernel_isa=isa, **kw)
+    assert ker.decode_kernel and not ref.decode_kernel
+    prompts = h.prompts_of([600, 300, 40], seed=40)
+    per = -(-700 // ref.block_size)
+    tables = [list(range(1 + per * i, 1 + per * (i + 1))) for i in range(3)]
+    for r in (ref, ker):
+        r.execute([RunnerRow(p, 0, t, state_slot=i + 1)
+                   for i, (p, t) in enumerate(zip(prompts, tables, strict=True))])
+    seqs = [list(p) for p in prompts]
+    caller = torch.get_num_threads()
+    try:
+        for step in range(4):
+            pick = [0] if step % 2 == 0 else [0, 1, 2]  # a lone long row, then all three
+            rows = [RunnerRow([seqs[i][-1]], len(seqs[i]) - 1, tables[i], state_slot=i + 1)
+                    for i in pick]
+            a = _decode_hidden(ref, rows)
+            torch.set_num_threads(1)
+            one = _decode_hidden(ker, rows)
+            torch.set_num_threads(2)
+            two = _decode_hidden(ker, rows)  # rewrites the same K/V: the same inputs
+            assert torch.equal(one, two), step
+            assert (a - two).abs().max() < 1e-4, step
+            for i, tok in zip(pick, ref.model.compute_logits(a).argmax(-1).tolist(), strict=True):
+                seqs[i].append(tok)
+    finally:
+        torch.set_num_threads(caller)
+
+
+@needs_kernel
+@every_isa
 def test_decode_kernel_sliding_window_equals_torch_and_transformers(tiny_dirs, h, isa):
     """Sliding-window layers (the tiny mistral-swa, window 32): rows decode well past
     the window, so each reads the last 32 positions of its ring, wrapping at the ring's
