@@ -228,6 +228,11 @@ static void attend_any(const float *q, RowKV kv, int64_t len, int64_t hq, int64_
 #define SPLIT_ROWS 4
 #define SPLIT_LEN 256
 
+/* The first position row r attends to: 0, or in a sliding-window layer its window's. */
+static inline int64_t attended_from(const int64_t *pos, int64_t r, int64_t window) {
+    return window && pos[r] + 1 > window ? pos[r] + 1 - window : 0;
+}
+
 static int64_t split_parts(int64_t len, int split) {
     return split ? (len + SPLIT_LEN - 1) / SPLIT_LEN : 1;
 }
@@ -401,7 +406,7 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
              * a split step a part of a row each. Row r attends to positions [first, end). */
             int64_t tasks = 0, merges = 0;
             for (int64_t r = 0; r < n; r++) {
-                const int64_t first = window && pos[r] + 1 > window ? pos[r] + 1 - window : 0;
+                const int64_t first = attended_from(pos, r, window);
                 const int64_t parts = split_parts(pos[r] + 1 - first, split);
                 tasks += parts;
                 merges += parts > 1;
@@ -409,7 +414,7 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
             for (int64_t task; (task = __atomic_fetch_add(next + 5 * item, 1, __ATOMIC_RELAXED)) < tasks;) {
                 int64_t r = 0, first, parts;
                 for (;; r++, task -= parts) {
-                    first = window && pos[r] + 1 > window ? pos[r] + 1 - window : 0;
+                    first = attended_from(pos, r, window);
                     parts = split_parts(pos[r] + 1 - first, split);
                     if (task < parts) break;
                 }
@@ -425,7 +430,7 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
             if (merges) {
                 end_phase(&barrier, t, nt, times, PH_ATTENTION, &mark);
                 for (int64_t r = t; r < n; r += nt) {
-                    const int64_t first = window && pos[r] + 1 > window ? pos[r] + 1 - window : 0;
+                    const int64_t first = attended_from(pos, r, window);
                     const int64_t parts = split_parts(pos[r] + 1 - first, split);
                     if (parts > 1)
                         merge_parts(partials + r * max_parts * pf, parts, hq, D, pf, attn + r * hq * D);

@@ -15,10 +15,12 @@ gathered copy: each row's length is its own) from the paged cache through its bl
 table (keys ``[0, pos]``), or from its ring in a sliding-window layer (the last
 ``window`` positions); o matmul + residual; rmsnorm; gate|up matmul; SiLU * up; down
 matmul + residual; then the final norm and, if asked, the LM head. Matmuls are
-``skinny_block.h`` on ``skinny_gemm``'s column panels; threads take chunks of panels
-(and attention's rows) from shared counters, so each output is computed whole by one
-thread and results do not depend on the thread count; attention reads each row's K/V
-once. Small model, 16 rows, 2 threads, AVX-512 build: 22-28 ms per step (torch eager
+``skinny_block.h`` on ``skinny_gemm``'s column panels (fp32, or quantized records read
+in place); each thread takes chunks of its own contiguous share of panels first, then
+helps the others, so each output is computed whole by one thread and results do not
+depend on the thread count. Attention takes rows from a counter, or, in a step of at
+most 4 rows, parts of 256 positions merged after (the cut depends only on a row's
+length); it reads each row's K/V once. Small model, 16 rows, 2 threads, AVX-512 build: 22-28 ms per step (torch eager
 ~41-48, compiled ~34-63), its matmuls at ~17 GB/s of weights; AVX2 build 28-42 ms, bound
 by its FMAs (``bench/decode_paths.py`` compares every path side by side;
 ``bench/offline.py --analyse`` times each phase). One source for every ISA
