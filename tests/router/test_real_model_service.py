@@ -87,8 +87,15 @@ def test_pdserve_chat_ctrl_c_stops_the_answer_not_the_program(real_router):
     main, child = pty.openpty()
     # an answer long enough to still be streaming when Ctrl-C lands: a drafting decode
     # rank writes 400 tokens in about a second
-    proc = subprocess.Popen([*_chat_cli(real_router.address), "--max-tokens", "4000"],
-                            stdin=child, stdout=child, stderr=child, close_fds=True)
+    # A suite started where SIGINT is ignored (a shell's background job without job
+    # control) passes that on through exec, and Python then installs no Ctrl-C handler:
+    # the child starts from the default, as a terminal's program does.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([*_chat_cli(real_router.address), "--max-tokens", "4000"],
+                                stdin=child, stdout=child, stderr=child, close_fds=True)
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     os.close(child)
     seen = b""
 
