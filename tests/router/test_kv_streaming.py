@@ -129,7 +129,8 @@ def test_decode_reports_ahead_of_their_direct_hand_off_wait_for_it(make_router, 
 
     def late_hand_offs(pool, rank, step):
         if any(t.direct_import is not None for t in step.handoffs):
-            asyncio.get_running_loop().call_later(0.3, on_step, pool, rank, step)
+            # long enough for the decode rank to report first on a loaded 2-core machine
+            asyncio.get_running_loop().call_later(1.0, on_step, pool, rank, step)
             return
         on_step(pool, rank, step)
 
