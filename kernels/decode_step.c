@@ -237,6 +237,11 @@ static int64_t split_parts(int64_t len, int split) {
     return split ? (len + SPLIT_LEN - 1) / SPLIT_LEN : 1;
 }
 
+/* How many parts row r's attended positions are cut into. */
+static inline int64_t row_parts(const int64_t *pos, int64_t r, int64_t window, int split) {
+    return split_parts(pos[r] + 1 - attended_from(pos, r, window), split);
+}
+
 /* A part's unnormalised sums (hq x D), then its maxima and exp-sums (hq x 2). */
 static int64_t part_floats(const int64_t *dims) {
     return dims[D_Q_HEADS] * (dims[D_HEAD_DIM] + 2);
@@ -406,18 +411,17 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
              * a split step a part of a row each. Row r attends to positions [first, end). */
             int64_t tasks = 0, merges = 0;
             for (int64_t r = 0; r < n; r++) {
-                const int64_t first = attended_from(pos, r, window);
-                const int64_t parts = split_parts(pos[r] + 1 - first, split);
+                const int64_t parts = row_parts(pos, r, window, split);
                 tasks += parts;
                 merges += parts > 1;
             }
             for (int64_t task; (task = __atomic_fetch_add(next + 5 * item, 1, __ATOMIC_RELAXED)) < tasks;) {
                 int64_t r = 0, first, parts;
                 for (;; r++, task -= parts) {
-                    first = attended_from(pos, r, window);
-                    parts = split_parts(pos[r] + 1 - first, split);
+                    parts = row_parts(pos, r, window, split);
                     if (task < parts) break;
                 }
+                first = attended_from(pos, r, window);
                 const int64_t a = first + task * SPLIT_LEN, end = pos[r] + 1;
                 const int64_t b = parts > 1 && a + SPLIT_LEN < end ? a + SPLIT_LEN : end;
                 const int64_t ring = window ? states[r] * R : 0;  /* paged rows have no slot */
@@ -430,8 +434,7 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
             if (merges) {
                 end_phase(&barrier, t, nt, times, PH_ATTENTION, &mark);
                 for (int64_t r = t; r < n; r += nt) {
-                    const int64_t first = attended_from(pos, r, window);
-                    const int64_t parts = split_parts(pos[r] + 1 - first, split);
+                    const int64_t parts = row_parts(pos, r, window, split);
                     if (parts > 1)
                         merge_parts(partials + r * max_parts * pf, parts, hq, D, pf, attn + r * hq * D);
                 }
