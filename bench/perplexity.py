@@ -10,10 +10,12 @@ pages), so every machine scores the same tokens without a download.
                              [--transformers] [--llama-perplexity PATH/TO/llama-perplexity]
 
 pdserve's figure comes from its own model runner (the same weights and kernels that
-serve): each chunk in one forward pass (prefill's path: the fp32 weights), and with
-``--decode-steps`` also its scored half one token at a time through the decode step, the
-path a served token takes (the C decode step on a GGUF file's quantized blocks, in
-place); ``--transformers`` adds transformers' on the same GGUF (fp32, dequantized), and
+serve): each chunk in one forward pass (prefill's path: a GGUF file's quantized blocks
+in place, where it has them); for a quantized file also the same on its weights
+dequantized to fp32 (``quantization="none"``, the reference the quantized kernels are
+held to); with ``--decode-steps`` also its scored half one token at a time through the
+decode step, the path a served token takes; ``--transformers`` adds transformers' on
+the same GGUF (fp32, dequantized), and
 ``--llama-perplexity`` adds llama.cpp's on the file (it multiplies quantized weights, so
 it differs a little). Writes results/bench_perplexity.json.
 """
@@ -90,15 +92,19 @@ def perplexity(logits_of, token_chunks: list[list[int]]) -> float:
     return math.exp(total / count)
 
 
+def pdserve_runner(model: str, token_chunks: list[list[int]], quantization: str = "auto"):
+    from pdserve.engine.model_runner import ModelRunner
+
+    ctx = max(len(c) for c in token_chunks)
+    return ModelRunner(model, block_size=16, num_kv_blocks=ctx // 16 + 2, num_state_slots=1,
+                       quantization=quantization)
+
+
 def pdserve_perplexity(model: str, token_chunks: list[list[int]],
                        decode_steps: bool = False, runner=None) -> float:
     """One forward pass per chunk, or (``decode_steps``) the scored half a token at a
     time through the decode step."""
-    from pdserve.engine.model_runner import ModelRunner
-
-    ctx = max(len(c) for c in token_chunks)
-    runner = runner or ModelRunner(model, block_size=16, num_kv_blocks=ctx // 16 + 2,
-                                   num_state_slots=1)
+    runner = runner or pdserve_runner(model, token_chunks)
     logits_of = pdserve_decode_logits if decode_steps else pdserve_logits
     return perplexity(lambda c: logits_of(runner, c), token_chunks)
 
@@ -164,16 +170,25 @@ def run(args: argparse.Namespace) -> int:
     token_chunks = chunks(ids, args.ctx, args.chunks)
     result: dict = {"model": model, "ctx": args.ctx, "chunks": len(token_chunks),
                     "text": "pydoc_data.topics", "text_tokens": len(ids)}
+    runner = pdserve_runner(model, token_chunks)
     t0 = time.perf_counter()
-    result["pdserve"] = pdserve_perplexity(model, token_chunks)
+    result["pdserve"] = pdserve_perplexity(model, token_chunks, runner=runner)
     result["pdserve_s"] = round(time.perf_counter() - t0, 2)
     print(f"pdserve      PPL {result['pdserve']:.4f}  ({result['pdserve_s']} s)", flush=True)
+    reference = result["pdserve"]
+    if runner.model.matmul_quantized():
+        fp32 = pdserve_runner(model, token_chunks, quantization="none")
+        reference = result["pdserve_fp32"] = pdserve_perplexity(model, token_chunks, runner=fp32)
+        result["pdserve_vs_fp32"] = result["pdserve"] / reference - 1
+        print(f"pdserve fp32 PPL {reference:.4f}  (the quantized weights "
+              f"{100 * result['pdserve_vs_fp32']:+.4f}%)", flush=True)
     if args.decode_steps:
         t0 = time.perf_counter()
-        result["pdserve_decode_steps"] = pdserve_perplexity(model, token_chunks, True)
-        result["decode_steps_vs_forward"] = result["pdserve_decode_steps"] / result["pdserve"] - 1
+        result["pdserve_decode_steps"] = pdserve_perplexity(model, token_chunks, True, runner)
+        result["decode_steps_vs_reference"] = result["pdserve_decode_steps"] / reference - 1
         print(f"pdserve decode steps PPL {result['pdserve_decode_steps']:.4f}  "
-              f"({100 * result['decode_steps_vs_forward']:+.3f}% against one forward pass; "
+              f"({100 * result['decode_steps_vs_reference']:+.4f}% against one forward pass"
+              f"{' on fp32' if 'pdserve_fp32' in result else ''}; "
               f"{time.perf_counter() - t0:.1f} s)", flush=True)
     if args.transformers:
         t0 = time.perf_counter()

@@ -19,6 +19,9 @@ attention metadata says where each row's keys live.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -65,6 +68,10 @@ class MatMul(nn.Module):
     compiler) compute bitwise the same logits, e.g. a replacement rank replaying a
     greedy request.
     Elsewhere (GPU, bf16/fp16): ``F.linear`` only.
+
+    A matmul given quantized panels (``quant``, engine/quantized_weights.py) multiplies
+    them for every product, whatever its rows, and usually drops the fp32 weight
+    (``drop_fp32``).
     """
 
     PACK_BATCH_HINT = 16  # oneDNN picks its blocking for about this many rows
@@ -117,10 +124,18 @@ class MatMul(nn.Module):
             return self.quant.nbytes()
         return self.out_features * self.in_features * self.weight.element_size()
 
+    def drop_fp32(self) -> None:
+        """Keep only the quantized panels (``quant``), which then serve every product:
+        the weight is held once, at its quantized size."""
+        if self.quant is None:
+            raise ValueError("a matmul without quantized panels keeps its fp32 weight")
+        self.weight = None
+        self.panels = self.packed = self.transposed = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:  # any rows: 1.8-2x faster than F.linear, 16-2048 rows
+            return quant_panels.matmul(x, self.quant, self.bias, self.kernel_isa)
         if x.shape[0] <= self.DECODE_MAX_ROWS:
-            if self.quant is not None:
-                return quant_panels.matmul(x, self.quant, self.bias, self.kernel_isa)
             if self.panels is not None:
                 return skinny_gemm.matmul(x, self.panels, self.out_features, self.bias,
                                           self.kernel_isa)
@@ -139,6 +154,20 @@ def linear(x: torch.Tensor, operand: torch.Tensor, bias: torch.Tensor | None) ->
     if operand.dim() == 3:
         return torch.ops.pdserve.skinny_matmul(x, operand, operand.shape[0] * 16, bias)
     return F.linear(x, operand, bias)
+
+
+class QuantEmbedding(nn.Module):
+    """A tied model's embedding read from its LM head's quantized panels (rows
+    dequantized on lookup, bit for bit the weight's rows), so that the matrix is held
+    once, quantized (``quantized_weights.attach``)."""
+
+    def __init__(self, head: quant_panels.QuantPanels, kernel_isa: str | None = None):
+        super().__init__()
+        self.quant = head
+        self.kernel_isa = kernel_isa  # skinny_gemm's build; None: the host's
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return quant_panels.gather_columns(self.quant, tokens, self.kernel_isa)
 
 
 class Attention(nn.Module):
@@ -296,7 +325,7 @@ class CausalLM(nn.Module):
         The compiled blocks' matmuls keep the host's build."""
         self.kernel_isa = isa
         for m in self.modules():
-            if isinstance(m, MatMul):
+            if isinstance(m, (MatMul, QuantEmbedding)):
                 m.kernel_isa = isa
 
     def use_decode_kernel(self, on: bool = True) -> bool:
@@ -331,6 +360,10 @@ class CausalLM(nn.Module):
             return k.run(tokens, positions, cache, meta, with_logits=True)[1]
         return self.compute_logits(self.forward_decode(tokens, positions, cache, meta))
 
+    def matmul_quantized(self) -> bool:
+        """Does any matmul compute with quantized panels?"""
+        return any(m.quant is not None for m in self.modules() if isinstance(m, MatMul))
+
     def matmul_weight_bytes(self) -> int:
         """Bytes of every matmul weight: what a decode step reads at least once."""
         return sum(m.weight_bytes() for m in self.modules() if isinstance(m, MatMul))
@@ -342,10 +375,12 @@ class CausalLM(nn.Module):
 
 def load_model(model_dir, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu",
-               quantization: str = "auto") -> tuple[ModelConfig, CausalLM]:
+               quantization: str = "auto", keep_fp32: bool = False
+               ) -> tuple[ModelConfig, CausalLM]:
     """Build the model for ``model_dir``'s config.json and load its checked weights;
-    ``quantization``: which matmuls the C decode step reads quantized ("auto": a GGUF
-    file's quantized ones, "int8": every one, "none"; engine/quantized_weights.py)."""
+    ``quantization``: which matmuls are held quantized ("auto": a GGUF file's quantized
+    ones, "int8": every one, "none"; engine/quantized_weights.py); ``keep_fp32``: they
+    keep their fp32 weight too (what a compiled decode graph multiplies)."""
     cfg = ModelConfig.from_model(model_dir)
     with torch.device("meta"):
         model = CausalLM(cfg)
@@ -369,5 +404,18 @@ def load_model(model_dir, dtype: torch.dtype = torch.float32,
     if quantization != "none":
         from pdserve.engine import quantized_weights
 
-        quantized_weights.attach(model, model_dir, int8=quantization == "int8")
+        quantized_weights.attach(model, model_dir, int8=quantization == "int8",
+                                 keep_fp32=keep_fp32)
+    _return_freed_memory()
     return cfg, model.eval().requires_grad_(False)
+
+
+def _return_freed_memory() -> None:
+    """Give the load's transient copies (every tensor dequantized to fp32, then fused)
+    back to the OS: glibc keeps freed heap memory otherwise, and a rank whose matmuls
+    are quantized would stay at the fp32 model's size (the real model: 1.09 GiB
+    resident after loading, 0.31 GiB after this). A no-op without glibc."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass

@@ -91,8 +91,9 @@ class ModelRunner:
         self.device = resolve_device(device)
         cfg0 = ModelConfig.from_model(model_dir)
         self.dtype = resolve_dtype(dtype, cfg0.torch_dtype)
+        # a compiled graph multiplies fp32 weights: quantized matmuls keep theirs then
         self.config, self.model = load_model(model_dir, self.dtype, self.device,
-                                             quantization=quantization)
+                                             quantization=quantization, keep_fp32=compile)
         self.compile = compile
         # ValueError now, naming what the CPU runs, for an ISA it cannot execute.
         self.kernel_isa = cbuild.resolve_isa(kernel_isa) if self.device.type == "cpu" else None

@@ -1,19 +1,20 @@
-"""Quantized matmul weights for the C decode step (``kernels/quant_panels.py``).
+"""Quantized matmul weights for the C kernels (``kernels/quant_panels.py``).
 
 1. A GGUF file's quantized matmuls are kept as the file holds them: each fused matmul
    whose source tensors are all Q8_0, Q4_0, Q4_1, Q4_K or Q6_K gets ``QuantPanels`` (int8
-   values, or nibbles where they fit, with a scale and offset per 32, per 16 for Q6_K)
-   beside its fp32 weight. Both
-   are the same weight (the values are the file's, the fp32 copy their dequantization),
-   so prefill and the torch paths keep the fp32 copy and agree with the decode step up
-   to rounding. A decode step then reads 0.625 (Q4_0, Q4_1), 0.75 (Q4_K), 1.0625 (Q8_0)
-   or 1.25 (Q6_K) bytes a weight instead of 4. The fp32 panels go (the quantized ones serve every product of a few
-   rows, ``MatMul.forward``), so a rank holds the fp32 weight and the quantized panels.
+   values, or nibbles where they fit, with a scale and offset per 32, per 16 for Q6_K).
+   A product of any number of rows then reads 0.625 (Q4_0, Q4_1), 0.75 (Q4_K), 1.0625
+   (Q8_0) or 1.25 (Q6_K) bytes a weight instead of 4, and the fp32 weight is dropped:
+   the panels serve prompts too (``MatMul.forward``: faster than MKL's fp32 GEMM here),
+   and a tied embedding reads the LM head's records (``QuantEmbedding``). A rank holds
+   each weight once. ``keep_fp32`` (a compiled decode graph, which multiplies fp32
+   weights) keeps the dequantized copy beside the panels.
 2. With ``int8=True`` every other matmul the C kernels run is quantized at load:
    symmetric, an fp16 scale per 32 weights of a row (16 where K is no multiple of 32;
    the largest magnitude maps to 127), and
-   its fp32 weight replaced by the dequantized one, so that every path (prefill, a moved
-   request's replay, the decode step) computes with the same weights.
+   its fp32 weight dropped (kept as the dequantized one with ``keep_fp32``), so that
+   every path (prefill, a moved request's replay, the decode step) computes with the
+   same weights.
 """
 
 from __future__ import annotations
@@ -38,10 +39,13 @@ _LAYER_PARTS = {
 }
 
 
-def attach(model, model_dir: str | Path, int8: bool = False) -> int:
+def attach(model, model_dir: str | Path, int8: bool = False, keep_fp32: bool = False) -> int:
     """Give ``model``'s fused matmuls their quantized panels (a GGUF file's blocks; with
-    ``int8`` the others quantized at load); returns how many got them."""
+    ``int8`` the others quantized at load); returns how many got them. Unless
+    ``keep_fp32``, each drops its fp32 weight (the panels serve every product), and a
+    tied embedding reads the LM head's panels."""
     from pdserve.engine.gguf_file import GGUFModel, find_gguf
+    from pdserve.engine.model import QuantEmbedding
 
     path = find_gguf(model_dir)
     gguf = GGUFModel.open(path) if path is not None else None
@@ -66,10 +70,16 @@ def attach(model, model_dir: str | Path, int8: bool = False) -> int:
         except ValueError as e:  # a weight that is not finite: this one stays fp32
             log.warning("matmul %s stays fp32: %s", names[0], e)
             continue
-        if at_load:
-            matmul.weight = nn.Parameter(rows.dequantize(), requires_grad=False)
-        matmul.panels = None  # the quantized panels serve every few-row product now
+        if keep_fp32:
+            if at_load:  # every path computes with the same weights
+                matmul.weight = nn.Parameter(rows.dequantize(), requires_grad=False)
+            matmul.panels = None  # the quantized panels serve every product now
+        else:
+            matmul.drop_fp32()
         done += 1
+    head = model.logits_proj
+    if model.cfg.tie_word_embeddings and head.quant is not None and not keep_fp32:
+        model.model.embed_tokens = QuantEmbedding(head.quant, head.kernel_isa)
     return done
 
 

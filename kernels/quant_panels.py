@@ -3,6 +3,7 @@
     rows = QuantRows(values, scales, offsets, block_k)   # [N, K] int8, [N, K / bk] fp32
     panels = QuantPanels.pack(rows)                      # once at load
     out = matmul(x, panels, bias=None)                   # x [M, K] -> [M, N]
+    rows = gather_columns(panels, ids)                   # W[ids] [n, K]: a tied embedding
 
 A weight is ``w = scale * q + offset`` per row and block of ``block_k`` consecutive k:
 what a GGUF file's Q8_0 (offset 0), Q4_0 (q - 8, offset 0) and Q4_1 (q in 0..15, offset
@@ -193,3 +194,21 @@ def matmul(x: torch.Tensor, w: QuantPanels, bias: torch.Tensor | None = None,
         if rc != 0:
             raise MemoryError("skinny_gemm_q8 could not allocate its scratch rows")
     return out
+
+
+def gather_columns(w: QuantPanels, ids: torch.Tensor, isa: str | None = None) -> torch.Tensor:
+    """Rows ``ids`` of the weight, dequantized: [n, K] fp32, each equal bit for bit to
+    that row of ``w.unpack().dequantize()``. A tied model's embedding lookup reads its LM
+    head's records this way, so the rank keeps no fp32 copy of the matrix. IndexError
+    for an id outside [0, N)."""
+    lib = skinny_gemm._library(isa)
+    if lib is None:
+        raise RuntimeError(f"skinny_gemm ({cbuild.resolve_isa(isa)}) is not available here")
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(flat.numel(), w.in_features, dtype=torch.float32)
+    rc = lib.q_gather_columns(w.records.data_ptr(), w.block_k, w.bits, int(w.has_offsets),
+                              w.scale_bytes, w.in_features, w.out_features, flat.data_ptr(),
+                              flat.numel(), out.data_ptr())
+    if rc != 0:
+        raise IndexError(f"token ids must lie in [0, {w.out_features})")
+    return out.view(*ids.shape, w.in_features)

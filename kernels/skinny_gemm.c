@@ -37,3 +37,46 @@ int skinny_gemm_q8(const float *x, int64_t M, int64_t K, const uint8_t *records,
     free(padded);
     return 0;
 }
+
+/* Columns ids[0..n) of quantized panels as rows of out [n, K]: an embedding lookup in
+ * a tied LM head's records. Each value is scale * q, then + offset, rounded after each
+ * (volatile: no FMA), as numpy and QuantRows.dequantize compute them, so a row equals
+ * the dequantized weight's bit for bit. Returns 0, or -1 for an id outside [0, N). */
+int q_gather_columns(const uint8_t *records, int64_t bk, int64_t bits, int64_t offsets,
+                     int64_t scale_bytes, int64_t K, int64_t N, const int64_t *ids, int64_t n,
+                     float *out) {
+    const QPanels w = {records, bk, bits, offsets, scale_bytes};
+    const int64_t rec = q_record_bytes(&w), hdr = q_header_bytes(offsets, scale_bytes);
+    const int64_t blocks = K / bk;
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= N) return -1;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t pair = ids[i] / PAIR_COLS, panel = ids[i] % PAIR_COLS / PANEL;
+        const int64_t col = ids[i] % PANEL;
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *r = records + ((pair * blocks + b) * 2 + panel) * rec;
+            float scale, offset = 0.0f;
+            if (scale_bytes == 4) {
+                memcpy(&scale, r + col * 4, 4);
+                if (offsets) memcpy(&offset, r + (PANEL + col) * 4, 4);
+            } else {
+                uint16_t h;
+                memcpy(&h, r + col * 2, 2);
+                scale = half_to_float(h);
+                if (offsets) {
+                    memcpy(&h, r + (PANEL + col) * 2, 2);
+                    offset = half_to_float(h);
+                }
+            }
+            for (int64_t k = 0; k < bk; k++) {
+                const uint8_t byte = bits == 4 ? r[hdr + (k / 2) * PANEL + col]
+                                               : r[hdr + k * PANEL + col];
+                const float q = bits == 4 ? (float)(k % 2 ? byte >> 4 : byte & 15)
+                                          : (float)(int8_t)byte;
+                volatile float scaled = scale * q;
+                out[i * K + b * bk + k] = offsets ? scaled + offset : scaled;
+            }
+        }
+    }
+    return 0;
+}

@@ -55,6 +55,9 @@ def _built(isa: str) -> ctypes.CDLL | None:
                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                        ctypes.c_void_p, ctypes.c_void_p]
         lib.skinny_gemm_q8.restype = ctypes.c_int
+        lib.q_gather_columns.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 6 + [
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+        lib.q_gather_columns.restype = ctypes.c_int
     return lib
 
 

@@ -170,43 +170,96 @@ def test_each_block_type_reads_back_bit_for_bit(tmp_path, qtype):
 
 def test_quantized_decode_steps_match_the_fp32_weights(real_model_path, real_chat_prompts):
     """The C decode step on the file's Q4_1 / Q8_0 blocks against the same step in torch
-    on the dequantized fp32 weights: the same weights, so logits differ only by rounding,
-    and greedy tokens are equal wherever fp32's top two are not a near tie."""
+    on the dequantized fp32 weights (``quantization="none"``): the same weights, so
+    logits differ only by rounding, and greedy tokens are equal wherever fp32's top two
+    are not a near tie."""
     from pdserve.engine.model import MatMul
     from pdserve.engine.model_runner import ModelRunner, RunnerRow
 
-    runner = ModelRunner(real_model_path, block_size=16, num_kv_blocks=16, num_state_slots=2,
-                         ring_len=16)
-    model = runner.model
-    mats = [m for m in model.modules() if isinstance(m, MatMul)]
+    def runner(quantization):
+        return ModelRunner(real_model_path, block_size=16, num_kv_blocks=16, num_state_slots=2,
+                           ring_len=16, quantization=quantization)
+
+    quantized, fp32 = runner("auto"), runner("none")
+    mats = [m for m in quantized.model.modules() if isinstance(m, MatMul)]
     assert all(m.quant is not None for m in mats)  # every matmul of the Q4_1 file
-    quant = [m.quant for m in mats]
     # Q4_1: half a byte a value, an fp16 scale and offset per 32 (0.625 of fp32's 4 bytes);
     # the Q8_0 head 1.0625: 0.179 of fp32's bytes in all, llama.cpp's own sizes
     fp32_bytes = sum(4 * m.out_features * m.in_features for m in mats)
-    assert model.matmul_weight_bytes() == sum(q.nbytes() for q in quant) < 0.18 * fp32_bytes
+    assert quantized.model.matmul_weight_bytes() == sum(m.quant.nbytes() for m in mats) \
+        < 0.18 * fp32_bytes
+    assert fp32.model.use_decode_kernel(False) is False  # torch, F.linear on fp32
 
-    def decode_logits(ids: list[int]) -> torch.Tensor:
-        table = list(range(1, 1 + -(-len(ids) // runner.block_size)))
-        runner.compute_logits([RunnerRow(ids[:-1], 0, table, 1)])  # the prompt's KV
-        return runner.compute_logits([RunnerRow(ids[-1:], len(ids) - 1, table, 1)])[0]
+    def decode_logits(r, ids: list[int]) -> torch.Tensor:
+        table = list(range(1, 1 + -(-len(ids) // r.block_size)))
+        r.compute_logits([RunnerRow(ids[:-1], 0, table, 1)])  # the prompt's KV
+        return r.compute_logits([RunnerRow(ids[-1:], len(ids) - 1, table, 1)])[0]
 
-    prompts = [p[:40] for p in real_chat_prompts]
-    try:
-        q_logits = [decode_logits(p) for p in prompts]
-        for m in mats:
-            m.quant = None
-        assert not model.use_decode_kernel(True)  # no panels left: torch, F.linear on fp32
-        f_logits = [decode_logits(p) for p in prompts]
-    finally:
-        for m, q in zip(mats, quant, strict=True):
-            m.quant = q
-        model.use_decode_kernel(True)
-    for q, f in zip(q_logits, f_logits, strict=True):
+    for p in real_chat_prompts:
+        q, f = decode_logits(quantized, p[:40]), decode_logits(fp32, p[:40])
         assert (q - f).abs().max().item() < 2e-3 * f.abs().max().item()
         top2 = f.topk(2).values
         if (top2[0] - top2[1]).item() > 1e-3:  # no near tie: the same argmax
             assert q.argmax().item() == f.argmax().item()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("bits,offsets,fp32_scales", [(4, True, False), (4, False, False),
+                                                      (8, False, False), (8, True, True)])
+def test_gathered_columns_are_the_dequantized_rows_bit_for_bit(isa, bits, offsets, fp32_scales):
+    g = torch.Generator().manual_seed(bits + 2 * offsets)
+    n, k = 100, 64
+    values = torch.randint(0, 16, (n, k), generator=g) if bits == 4 else \
+        torch.randint(-128, 128, (n, k), generator=g)
+
+    def per_block():
+        t = torch.randn(n, k // 32, generator=g)
+        return t if fp32_scales else t.half().float()
+
+    rows = QuantRows(values.to(torch.int8), per_block(), per_block() if offsets else None, 32)
+    panels = QuantPanels.pack(rows)
+    assert (panels.bits, panels.scale_bytes) == (bits, 4 if fp32_scales else 2)
+    ids = torch.tensor([[0, 99], [37, 16]])
+    assert torch.equal(quant_panels.gather_columns(panels, ids, isa), rows.dequantize()[ids])
+    for bad in (-1, n):
+        with pytest.raises(IndexError, match=r"token ids must lie in \[0, 100\)"):
+            quant_panels.gather_columns(panels, torch.tensor([3, bad]), isa)
+
+
+def test_a_quantized_model_holds_each_weight_once_at_its_quantized_size(real_model_path):
+    """The records serve every product (decode rows and prompts of any length) and the
+    tied embedding reads the LM head's: no fp32 copy of a quantized matmul is left, and a
+    long prompt (past the decode kernels' 128 rows) gives the fp32 weights' logits to
+    rounding. A compiled decode graph multiplies fp32 weights, so ``compile`` keeps them."""
+    from pdserve.engine.model import MatMul, QuantEmbedding, load_model
+    from pdserve.engine.model_runner import ModelRunner, RunnerRow
+
+    def runner(quantization):
+        return ModelRunner(real_model_path, block_size=16, num_kv_blocks=24, num_state_slots=2,
+                           quantization=quantization)
+
+    quantized, fp32 = runner("auto"), runner("none")
+    model = quantized.model
+    mats = [m for m in model.modules() if isinstance(m, MatMul)]
+    assert all(m.weight is None and m.panels is None and m.quant is not None for m in mats)
+    assert isinstance(model.model.embed_tokens, QuantEmbedding)
+    fp32_table = fp32.model.model.embed_tokens.weight
+    ids = torch.tensor([0, 1, 17, 4242, fp32_table.shape[0] - 1])
+    assert torch.equal(model.model.embed_tokens(ids), fp32_table[ids])  # bit for bit
+    with pytest.raises(IndexError, match="token ids must lie in"):
+        model.model.embed_tokens(torch.tensor([fp32_table.shape[0]]))
+    left = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert left < 0.01 * model.matmul_weight_bytes()  # the norms' weights only
+
+    prompt = [(i * 7919) % 40000 + 100 for i in range(300)]
+    table = list(range(1, 21))
+    q, f = (r.compute_logits([RunnerRow(prompt, 0, table, 1)])[0] for r in (quantized, fp32))
+    assert (q - f).abs().max().item() < 2e-3 * f.abs().max().item()
+
+    _, kept = load_model(real_model_path, keep_fp32=True)
+    assert all(m.weight is not None and m.quant is not None
+               for m in kept.modules() if isinstance(m, MatMul))
+    assert not isinstance(kept.model.embed_tokens, QuantEmbedding)
 
 
 def test_int8_quantization_rounds_each_block_to_its_nearest_step():
@@ -224,9 +277,9 @@ def test_int8_quantization_rounds_each_block_to_its_nearest_step():
 
 
 def test_int8_for_a_folder_model_is_one_set_of_weights_on_every_path(tiny_model_dir):
-    """--quantization int8 on a Hugging Face folder: every matmul quantized at load; the
-    decode kernel (int8 panels) and the torch path (the dequantized fp32 weights) compute
-    with the same weights, so their logits agree to rounding; "none" keeps fp32."""
+    """--quantization int8 on a Hugging Face folder: every matmul quantized at load, its
+    fp32 weight dropped; the decode kernel and the torch path (attention in torch, the
+    matmuls on the same int8 panels) agree to rounding; "none" keeps fp32."""
     from pdserve.engine.model import MatMul
     from pdserve.engine.model_runner import ModelRunner, RunnerRow
 
@@ -244,7 +297,7 @@ def test_int8_for_a_folder_model_is_one_set_of_weights_on_every_path(tiny_model_
     q, plain = runner("int8"), runner("none")
     mats = [m for m in q.model.modules() if isinstance(m, MatMul)]
     assert mats and all(m.quant is not None and m.quant.bits == 8 and m.panels is None
-                        for m in mats)  # the quantized panels replace the fp32 ones
+                        and m.weight is None for m in mats)  # the panels replace fp32
     assert all(m.quant is None for m in plain.model.modules() if isinstance(m, MatMul))
     kernel = logits(q)
     q.model.use_decode_kernel(False)  # the same step through torch on the fp32 copy
@@ -262,20 +315,24 @@ def test_quantization_setting_is_checked():
 
 
 def test_perplexity_through_the_quantized_decode_step_is_the_fp32_figure(real_model_path):
-    """bench perplexity's --decode-steps: the scored half of each chunk one single-row
-    decode step at a time (the C step on the file's Q4_1 / Q8_0 blocks) against one
-    forward pass on the dequantized fp32 weights: the issue's bound is 0.2%; the same
-    weights differ only by rounding, so the figures agree far closer."""
+    """bench perplexity's figures: the scored half of each chunk one single-row decode
+    step at a time (the C step on the file's Q4_1 / Q8_0 blocks), and one forward pass
+    per chunk on the same records, against one forward pass on the weights dequantized to
+    fp32: the issue's bound is 0.2%; the same weights differ only by rounding, so the
+    figures agree far closer."""
     from pdserve.bench import perplexity as ppl
-    from pdserve.engine.model_runner import ModelRunner
     from pdserve.engine.tokenizer import Tokenizer
 
     ids = Tokenizer.from_model(real_model_path).encode(ppl.reference_text()[:4000],
                                                        add_special_tokens=False)
     chunks = ppl.chunks(ids, 96, 2)
-    runner = ModelRunner(real_model_path, block_size=16, num_kv_blocks=16, num_state_slots=1)
-    assert runner.model.logits_proj.quant is not None and runner.decode_kernel
+    runner = ppl.pdserve_runner(real_model_path, chunks)
+    assert runner.model.matmul_quantized() and runner.decode_kernel
+    fp32 = ppl.pdserve_runner(real_model_path, chunks, quantization="none")
+    assert not fp32.model.matmul_quantized()
+    reference = ppl.pdserve_perplexity(real_model_path, chunks, runner=fp32)
     forward = ppl.pdserve_perplexity(real_model_path, chunks, runner=runner)
     stepped = ppl.pdserve_perplexity(real_model_path, chunks, decode_steps=True, runner=runner)
-    assert 1.0 < forward < 100.0
-    assert abs(stepped / forward - 1) < 2e-4
+    assert 1.0 < reference < 100.0
+    assert abs(forward / reference - 1) < 2e-4
+    assert abs(stepped / reference - 1) < 2e-4
