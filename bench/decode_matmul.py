@@ -12,6 +12,11 @@ Writes JSON (default results/bench_decode_matmul.json).
     python bench/decode_matmul.py                       # small model, 16/64/128 rows
     python bench/decode_matmul.py --size tiny --rows 16 --threads 1
     python bench/decode_matmul.py --model-dir DIR       # any Hugging Face folder
+    python bench/decode_matmul.py --model-dir smollm2-135m-instruct --rows 16 512 2048
+
+A quantized GGUF file (``--model-dir``: a file, folder or built-in name) adds its
+quantized panels (``quant_panels``), which ``MatMul`` multiplies for every product, the
+prompts' included: the rows past 128 show them against torch's fp32 GEMMs.
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ import torch
 import torch.nn.functional as F
 
 
-def _layouts(weights: list[torch.Tensor]) -> dict:
-    """name -> function(x by in_features) running every matmul once."""
-    from pdserve.kernels import skinny_gemm
+def _layouts(weights: list[torch.Tensor], quant: list | None = None) -> dict:
+    """name -> function(x by in_features) running every matmul once; ``quant``: each
+    one's quantized panels, where every matmul has them (a quantized GGUF file)."""
+    from pdserve.kernels import quant_panels, skinny_gemm
 
     def over(prepared, call):
         return lambda xs: [call(xs[w.shape[1]], w, p) for w, p in zip(weights, prepared,
@@ -45,17 +51,27 @@ def _layouts(weights: list[torch.Tensor]) -> dict:
     if skinny_gemm.available():
         out["skinny_gemm"] = over([skinny_gemm.pack(w) for w in weights],
                                   lambda x, w, p: skinny_gemm.matmul(x, p, w.shape[0]))
+    if quant and skinny_gemm.available():
+        out[QUANT] = over(quant, lambda x, w, p: quant_panels.matmul(x, p))
     return out
 
 
-def decode_weights(model) -> list[torch.Tensor]:
+OURS = ("skinny_gemm", "quant_panels")  # the others are torch's layouts
+QUANT = OURS[1]
+
+
+def decode_weights(model) -> tuple[list[torch.Tensor], list | None]:
+    """Every matmul's fp32 weight (load with ``keep_fp32``), and its quantized panels
+    where every matmul has them, else None."""
     from pdserve.engine.model import MatMul
 
-    return [m.weight.detach() for m in model.modules() if isinstance(m, MatMul)]
+    mats = [m for m in model.modules() if isinstance(m, MatMul)]
+    quant = [m.quant for m in mats]
+    return [m.weight.detach() for m in mats], quant if all(q is not None for q in quant) else None
 
 
-def run(weights: list[torch.Tensor], rows: int, rounds: int) -> dict:
-    layouts = _layouts(weights)
+def run(weights: list[torch.Tensor], rows: int, rounds: int, quant: list | None = None) -> dict:
+    layouts = _layouts(weights, quant)
     xs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
     times: dict[str, list[float]] = {name: [] for name in layouts}
     for f in layouts.values():
@@ -67,7 +83,7 @@ def run(weights: list[torch.Tensor], rows: int, rounds: int) -> dict:
             layouts[name](xs)
             times[name].append(time.perf_counter() - start)
     nbytes = sum(w.numel() * w.element_size() for w in weights)
-    torch_best = [min(times[n][i] for n in times if n != "skinny_gemm") for i in range(rounds)]
+    torch_best = [min(times[n][i] for n in times if n not in OURS) for i in range(rounds)]
     result = {}
     for name, ts in times.items():
         result[name] = {
@@ -95,20 +111,24 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = args.model_dir
-    if model_dir is None:
+    if model_dir is not None:
+        from pdserve.engine.model_catalog import resolve_model
+
+        model_dir = resolve_model(model_dir).path
+    else:
         from pdserve.engine.tiny_model import make_tiny_model
 
         model_dir = str(Path(tempfile.mkdtemp(prefix="pdserve-bench-")) / args.size)
         make_tiny_model(model_dir, variant="llama", size=args.size)
-    _, model = load_model(model_dir)
-    weights = decode_weights(model)
+    _, model = load_model(model_dir, keep_fp32=True)  # torch's layouts need the fp32 weights
+    weights, quant = decode_weights(model)
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     result = {"benchmark": "decode_matmul", "model_dir": model_dir, "threads": torch.get_num_threads(),
               "weight_bytes": nbytes, "bandwidth": measure_bandwidth(), "rows": {}}
     print(f"{len(weights)} matmuls, {nbytes / 1e6:.1f} MB of weights, "
           f"{result['threads']} threads; read bandwidth {result['bandwidth']['read_GBps']} GB/s")
     for rows in args.rows:
-        r = result["rows"][str(rows)] = run(weights, rows, args.rounds)
+        r = result["rows"][str(rows)] = run(weights, rows, args.rounds, quant)
         cells = "  ".join(f"{n} {v['best_ms']} ms ({v['weights_GBps_best']} GB/s, "
                           f"x{v['over_best_torch_layout_median']})" for n, v in r.items())
         print(f"rows {rows:4d}: {cells}", flush=True)

@@ -21,7 +21,8 @@ def test_decode_matmul_bench_times_every_layout_on_the_models_weights(tiny_model
         torch.set_num_threads(threads)
     data = json.loads(out.read_text())
     _, model = load_model(tiny_model_dir)
-    weights = decode_weights(model)
+    weights, quant = decode_weights(model)
+    assert quant is None  # a folder model's matmuls are fp32
     cfg = model.cfg
     assert len(weights) == 4 * cfg.num_layers + 1  # qkv, o, gate|up, down per layer + head
     assert data["weight_bytes"] == sum(w.numel() * 4 for w in weights)
@@ -33,3 +34,19 @@ def test_decode_matmul_bench_times_every_layout_on_the_models_weights(tiny_model
         # the best torch layout of each round is 1.0 against itself, never below
         assert min(c["over_best_torch_layout_median"] for n, c in cells.items()
                    if n != "skinny_gemm") >= 1.0
+
+
+def test_decode_matmul_bench_adds_a_quantized_files_panels(real_model_path, tmp_path):
+    import torch
+
+    from pdserve.bench.decode_matmul import main
+
+    out = tmp_path / "dm.json"
+    threads = torch.get_num_threads()
+    try:
+        main(["--model-dir", real_model_path, "--rows", "2", "--rounds", "1", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    cells = json.loads(out.read_text())["rows"]["2"]
+    assert {"linear", "quant_panels"} <= set(cells)
+    assert cells["quant_panels"]["best_ms"] > 0
