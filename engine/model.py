@@ -133,7 +133,7 @@ class MatMul(nn.Module):
         self.panels = self.packed = self.transposed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant is not None:  # any rows: 1.8-2x faster than F.linear, 16-2048 rows
+        if self.quant is not None:  # any rows: 1.7-2.3x faster than F.linear (docs/models.md)
             return quant_panels.matmul(x, self.quant, self.bias, self.kernel_isa)
         if x.shape[0] <= self.DECODE_MAX_ROWS:
             if self.panels is not None:
