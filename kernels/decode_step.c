@@ -126,166 +126,7 @@ static inline void rope(const float *x, const float *cos, const float *sin, int6
     }
 }
 
-/* Where a row's keys and values live: runs of consecutive store rows (each row holds
- * one position, every kv head side by side). A paged layer's runs are the row's blocks
- * (positions [0, len)); a sliding-window layer's are at most two stretches of its ring
- * (positions [len - window, len), wrapping at the ring's end). */
-typedef struct {
-    int64_t start, count;
-} Run;
-
-typedef struct {
-    const float *k, *v;
-    const Run *runs;
-    int64_t nruns, hk;
-} RowKV;
-
-/* The row's hq query heads (q: hq x D; head h uses kv head h / g) against its len
- * positions: scores scaled, softmax, weighted sum of values -> out (hq x D). With ml,
- * a part of the row's positions: the sum is left unnormalised and each head's score
- * maximum and exp-sum go to ml[2h], ml[2h + 1] (merge_parts combines the parts). Positions
- * are read whole (every kv head: contiguous memory, all of each cache line used; one
- * task per head read a quarter of every line and ran ~1.5x slower); values are
- * prefetched into L2 during the key pass for the per-head value passes. dc = D / VW, a
- * constant at each call site so that the loops over a head unroll into registers. */
-#define MAX_HEAD_VECS (256 / VW)
-static inline __attribute__((always_inline)) void attend(
-    const float *q, RowKV kv, int64_t len, int64_t hq, int64_t g, const int dc, float scale,
-    float *scores, float *out, float *ml) {
-    const int64_t D = dc * VW, hk = kv.hk, rs = hk * D, lines = rs / 16;
-    for (int64_t u = 0, t = 0; u < kv.nruns; u++) {
-        const float *K = kv.k + kv.runs[u].start * rs, *V = kv.v + kv.runs[u].start * rs;
-        const int64_t count = kv.runs[u].count;
-        for (int64_t i = 0; i < count; i++, t++) {
-            if (i + 4 < count)
-                for (int64_t c = 0; c < lines; c++) PREFETCH_L1(K + (i + 4) * rs + c * 16);
-            for (int64_t c = 0; c < lines; c++) PREFETCH_L2(V + i * rs + c * 16);
-            for (int64_t j = 0; j < hk; j++) {
-                vf kr[MAX_HEAD_VECS];
-#pragma GCC unroll 16
-                for (int c = 0; c < dc; c++) kr[c] = vload(K + i * rs + j * D + c * VW);
-                for (int64_t h = j * g; h < (j + 1) * g; h++) {
-                    vf s = vzero();
-#pragma GCC unroll 16
-                    for (int c = 0; c < dc; c++) s = vfma(vload(q + h * D + c * VW), kr[c], s);
-                    scores[h * len + t] = vsum(s) * scale;
-                }
-            }
-        }
-    }
-    for (int64_t h = 0; h < hq; h++) {
-        float *s = scores + h * len;
-        vf mv = vset1(-INFINITY);
-        for (int64_t t = 0; t < len; t += VW)
-            mv = vmax(vfirst_n(vload_n(s + t, len - t), len - t, -INFINITY), mv);
-        const float m = vmax_lanes(mv);
-        vf sum = vzero();
-        for (int64_t t = 0; t < len; t += VW) {
-            vf e = vfirst_n(vexp(vload_n(s + t, len - t) - m), len - t, 0.0f);
-            vstore_n(s + t, e, len - t);
-            sum += e;
-        }
-        const float total = vsum(sum);
-        if (ml) {
-            ml[2 * h] = m;
-            ml[2 * h + 1] = total;
-        } else {
-            for (int64_t t = 0; t < len; t += VW)
-                vstore_n(s + t, vload_n(s + t, len - t) / total, len - t);
-        }
-        vf acc[MAX_HEAD_VECS];
-#pragma GCC unroll 16
-        for (int c = 0; c < dc; c++) acc[c] = vzero();
-        const int64_t j = h / g;
-        for (int64_t u = 0, t = 0; u < kv.nruns; u++) {
-            const float *V = kv.v + kv.runs[u].start * rs + j * D;
-            for (int64_t i = 0; i < kv.runs[u].count; i++, t++) {
-                vf p = vset1(s[t]);
-#pragma GCC unroll 16
-                for (int c = 0; c < dc; c++) acc[c] = vfma(p, vload(V + i * rs + c * VW), acc[c]);
-            }
-        }
-#pragma GCC unroll 16
-        for (int c = 0; c < dc; c++) vstore(out + h * D + c * VW, acc[c]);
-    }
-}
-
-static void attend_any(const float *q, RowKV kv, int64_t len, int64_t hq, int64_t g,
-                       int64_t D, float scale, float *scores, float *out, float *ml) {
-    switch (D) {
-    case 64: attend(q, kv, len, hq, g, 64 / VW, scale, scores, out, ml); break;
-    case 128: attend(q, kv, len, hq, g, 128 / VW, scale, scores, out, ml); break;
-    default: attend(q, kv, len, hq, g, (int)(D / VW), scale, scores, out, ml); break;
-    }
-}
-
-/* A step of at most SPLIT_ROWS rows (a single stream, a few, or one with a draft) cuts
- * each row's positions into parts of SPLIT_LEN, attended by whichever thread takes
- * them, then merged: one row's attention no longer runs on one thread while the others
- * wait (at 2000 positions it reads as many bytes as the weights). The cut depends only
- * on the row's length, so results do not depend on the thread count; a row of at most
- * SPLIT_LEN positions is one part, computed as before. */
-#define SPLIT_ROWS 4
-#define SPLIT_LEN 256
-
-/* The first position row r attends to: 0, or in a sliding-window layer its window's. */
-static inline int64_t attended_from(const int64_t *pos, int64_t r, int64_t window) {
-    return window && pos[r] + 1 > window ? pos[r] + 1 - window : 0;
-}
-
-static int64_t split_parts(int64_t len, int split) {
-    return split ? (len + SPLIT_LEN - 1) / SPLIT_LEN : 1;
-}
-
-/* How many parts row r's attended positions are cut into. */
-static inline int64_t row_parts(const int64_t *pos, int64_t r, int64_t window, int split) {
-    return split_parts(pos[r] + 1 - attended_from(pos, r, window), split);
-}
-
-/* A part's unnormalised sums (hq x D), then its maxima and exp-sums (hq x 2). */
-static int64_t part_floats(const int64_t *dims) {
-    return dims[D_Q_HEADS] * (dims[D_HEAD_DIM] + 2);
-}
-
-/* The K/V rows of logical positions [a, b) as runs: paged, the table's blocks; a ring
- * (base: the row's ring), the stretch from a % R, wrapping once. Returns the count. */
-static int64_t position_runs(const int64_t *table, int64_t bs, int64_t window, int64_t base,
-                             int64_t R, int64_t a, int64_t b, Run *runs) {
-    int64_t n = 0;
-    if (!window) {
-        for (int64_t p = a; p < b;) {
-            const int64_t left = bs - p % bs, count = b - p < left ? b - p : left;
-            runs[n++] = (Run){table[p / bs] * bs + p % bs, count};
-            p += count;
-        }
-    } else {
-        const int64_t at = a % R, len = b - a;
-        runs[n++] = (Run){base + at, len < R - at ? len : R - at};
-        if (len > R - at) runs[n++] = (Run){base, len - (R - at)};
-    }
-    return n;
-}
-
-/* The parts' sums of one row, rescaled to their common maximum -> out (hq x D). */
-static void merge_parts(const float *parts, int64_t count, int64_t hq, int64_t D,
-                        int64_t stride, float *out) {
-    for (int64_t h = 0; h < hq; h++) {
-        float m = -INFINITY, total = 0.0f;
-        for (int64_t i = 0; i < count; i++) {
-            const float mi = parts[i * stride + hq * D + 2 * h];
-            m = mi > m ? mi : m;
-        }
-        for (int64_t c = 0; c < D; c += VW) vstore(out + h * D + c, vzero());
-        for (int64_t i = 0; i < count; i++) {
-            const float *part = parts + i * stride;
-            const float w = expf(part[hq * D + 2 * h] - m);
-            total += w * part[hq * D + 2 * h + 1];
-            for (int64_t c = 0; c < D; c += VW)
-                vstore(out + h * D + c, vfma(vset1(w), vload(part + h * D + c), vload(out + h * D + c)));
-        }
-        for (int64_t c = 0; c < D; c += VW) vstore(out + h * D + c, vload(out + h * D + c) / total);
-    }
-}
+#include "decode_attention.h"
 
 /* Floats of the row buffers (x, qkv, attn, gate|up, act) for rows padded to whole
  * matmul blocks, rounded to 16 so the thread scratch after them starts on a line. */
@@ -300,13 +141,31 @@ static int64_t row_floats(const int64_t *dims) {
  * so every thread's block starts aligned and on its own cache line. */
 static int64_t thread_floats(const int64_t *dims) {
     int64_t hq = dims[D_Q_HEADS];
-    int64_t f = 4 * (dims[D_TABLE_WIDTH] + 2) + hq * (dims[D_MAX_LEN] + dims[D_HEAD_DIM]);
+    int64_t f = 4 * (dims[D_TABLE_WIDTH] + 2) + hq * (GROUP_ROWS * dims[D_MAX_LEN] + dims[D_HEAD_DIM]);
     return (f + 15) / 16 * 16;
 }
 
-/* Floats of the attention parts of a split step (SPLIT_ROWS rows), rounded to 16. */
+/* Floats of the attention parts of a split step (at most SPLIT_ROWS groups), rounded to 16. */
 static int64_t split_floats(const int64_t *dims) {
-    return (SPLIT_ROWS * split_parts(dims[D_MAX_LEN], 1) * part_floats(dims) + 15) / 16 * 16;
+    const int64_t rows = dims[D_ROWS] < SPLIT_ROWS * GROUP_ROWS ? dims[D_ROWS] : SPLIT_ROWS * GROUP_ROWS;
+    return (rows * split_parts(dims[D_MAX_LEN], 1) * part_floats(dims) + 15) / 16 * 16;
+}
+
+/* Cuts rows [0, n) into groups that attend together (decode_attention.h's GroupRows):
+ * row r joins row r - 1's group when it writes the next position through the same
+ * blocks (its table equal over row r - 1's positions), up to GROUP_ROWS rows; first[u]
+ * is group u's first row, first[count] = n. Returns the count. Without paged layers
+ * (tables NULL) every row is its own group. */
+static int64_t group_rows(const int64_t *tables, int64_t tw, int64_t bs, const int64_t *pos,
+                          int64_t n, int64_t *first) {
+    int64_t count = 0;
+    for (int64_t r = 0; r < n; r++) {
+        const int joins = tables && r > 0 && r - first[count - 1] < GROUP_ROWS && pos[r] == pos[r - 1] + 1
+            && !memcmp(tables + r * tw, tables + (r - 1) * tw, (size_t)(pos[r - 1] / bs + 1) * sizeof(int64_t));
+        if (!joins) first[count++] = r;
+    }
+    first[count] = n;
+    return count;
 }
 
 /* Floats of scratch that decode_step needs for these dims and thread count. */
@@ -341,7 +200,6 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
     float *x = work, *qkv = x + n8 * H, *attn = qkv + n8 * W, *gu = attn + n8 * hq * D;
     float *act = gu + n8 * 2 * I, *partials = work + row_floats(dims);
     float *thread_scratch = partials + split_floats(dims);
-    const int split = n <= SPLIT_ROWS;
     const int64_t max_parts = split_parts(max_len, 1), pf = part_floats(dims);
     int paged = 0, ringed = 0;
     for (int64_t l = 0; l < L; l++) {
@@ -360,15 +218,21 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
     /* Work items: per layer, four matmuls and the two attention passes; the LM head.
      * Each has a counter per thread (the attention passes use the first). */
     const int64_t item = (int64_t)threads * COUNTER_STRIDE;
-    int64_t *counters = (int64_t *)calloc((size_t)((6 * L + 1) * item), sizeof(int64_t));
+    int64_t *counters = (int64_t *)calloc((size_t)((6 * L + 1) * item + n + 1), sizeof(int64_t));
     if (!counters) return -1;
+    /* Paged layers attend by groups (ring layers row by row); a step of at most
+     * SPLIT_ROWS groups splits its rows' positions into parts. Both depend on the rows
+     * alone: the results do not depend on the thread count. */
+    int64_t *group_first = counters + (6 * L + 1) * item;
+    const int64_t groups = group_rows(paged ? tables : NULL, tw, bs, pos, n, group_first);
+    const int split = groups <= SPLIT_ROWS;
 
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         float *mine = thread_scratch + t * thread_floats(dims);
         Run *runs = (Run *)mine;
-        float *scores = mine + 4 * (tw + 2), *q = scores + hq * max_len;
+        float *scores = mine + 4 * (tw + 2), *q = scores + GROUP_ROWS * hq * max_len;
         double mark = times && t == 0 ? now_ns() : 0.0;
         for (int64_t r = t; r < n; r += nt)
             rms_norm_row(h + r * H, (const float *)layers[P_LN], H, eps, x + r * H);
@@ -407,29 +271,41 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
                 }
             }
             barrier_wait(&barrier, nt);
-            /* Tasks from a counter (rows attend to different lengths): a row each, or in
-             * a split step a part of a row each. Row r attends to positions [first, end). */
+            /* Tasks from a counter (rows attend to different lengths): a group (a row,
+             * or a sequence's consecutive rows) each, or in a split step a part of a
+             * group each: positions [a, a + SPLIT_LEN) of its longest (last) row. */
+            const int64_t units = window ? n : groups;
             int64_t tasks = 0, merges = 0;
-            for (int64_t r = 0; r < n; r++) {
-                const int64_t parts = row_parts(pos, r, window, split);
-                tasks += parts;
-                merges += parts > 1;
-            }
+            for (int64_t r = 0; r < n; r++) merges += row_parts(pos, r, window, split) > 1;
+            for (int64_t u = 0; u < units; u++)
+                tasks += row_parts(pos, window ? u : group_first[u + 1] - 1, window, split);
             for (int64_t task; (task = __atomic_fetch_add(next + 5 * item, 1, __ATOMIC_RELAXED)) < tasks;) {
-                int64_t r = 0, first, parts;
-                for (;; r++, task -= parts) {
-                    parts = row_parts(pos, r, window, split);
+                int64_t u = 0, r0, last;
+                for (;; u++) {
+                    r0 = window ? u : group_first[u];
+                    last = window ? u : group_first[u + 1] - 1;
+                    const int64_t parts = row_parts(pos, last, window, split);
                     if (task < parts) break;
+                    task -= parts;
                 }
-                first = attended_from(pos, r, window);
-                const int64_t a = first + task * SPLIT_LEN, end = pos[r] + 1;
-                const int64_t b = parts > 1 && a + SPLIT_LEN < end ? a + SPLIT_LEN : end;
-                const int64_t ring = window ? states[r] * R : 0;  /* paged rows have no slot */
+                const int64_t a = attended_from(pos, last, window) + task * SPLIT_LEN;
+                GroupRows rows = {0};
+                int64_t b_max = a;
+                for (int64_t r = r0; r <= last; r++) {
+                    const int64_t parts = row_parts(pos, r, window, split), end = pos[r] + 1;
+                    if (task >= parts) continue;  /* its positions ended in an earlier part */
+                    const int64_t b = parts > 1 && a + SPLIT_LEN < end ? a + SPLIT_LEN : end;
+                    float *part = partials + (r * max_parts + task) * pf;
+                    rows.q[rows.m] = qkv + r * W;
+                    rows.len[rows.m] = b - a;
+                    rows.out[rows.m] = parts > 1 ? part : attn + r * hq * D;
+                    rows.ml[rows.m++] = parts > 1 ? part + hq * D : NULL;
+                    b_max = b > b_max ? b : b_max;
+                }
+                const int64_t ring = window ? states[last] * R : 0;  /* paged rows have no slot */
                 RowKV kv = {ks, vs, runs,
-                            position_runs(tables + r * tw, bs, window, ring, R, a, b, runs), hk};
-                float *part = partials + (r * max_parts + task) * pf;
-                attend_any(qkv + r * W, kv, b - a, hq, g, D, scale, scores,
-                           parts > 1 ? part : attn + r * hq * D, parts > 1 ? part + hq * D : NULL);
+                            position_runs(tables + last * tw, bs, window, ring, R, a, b_max, runs), hk};
+                attend_any(&rows, kv, hq, g, D, scale, scores);
             }
             if (merges) {
                 end_phase(&barrier, t, nt, times, PH_ATTENTION, &mark);

@@ -301,6 +301,41 @@ def test_decode_kernel_splits_few_long_rows_across_threads(tiny_dirs, h, isa, mo
 
 @needs_kernel
 @every_isa
+@pytest.mark.parametrize("drafted,length", [(3, 300), (9, 200)])
+def test_decode_kernel_rows_of_one_sequence_attend_as_a_group(tiny_dirs, h, isa, drafted,
+                                                              length):
+    """A speculative step's rows (one sequence's next positions, one block table) read
+    each key and value once for the group (at most 8 rows a group: 9 drafted tokens make
+    groups of 8 and 2): the same bits as the same rows out of order, where no row
+    continues the one before it and each attends alone (both split into parts of 256
+    positions: at most 4 groups; or neither: one part a row); the same bits on 1 thread
+    as on 2; the torch path's hidden states."""
+    kw = dict(num_kv_blocks=96, num_state_slots=8, adaptive_threads=False)
+    ref = ModelRunner(tiny_dirs["llama"], decode_kernel=False, **kw)
+    ker = ModelRunner(tiny_dirs["llama"], kernel_isa=isa, **kw)
+    prompt = h.prompts_of([length], seed=9)[0]
+    table = list(range(1, 1 + -(-(len(prompt) + drafted) // ref.block_size)))
+    for r in (ref, ker):
+        r.execute([RunnerRow(prompt[:-1], 0, table)])
+    tokens = [prompt[-1], *h.prompts_of([drafted], seed=10)[0]]
+    rows = [RunnerRow([t], len(prompt) - 1 + i, table) for i, t in enumerate(tokens)]
+    order = list(range(len(rows)))[::-2] + list(range(len(rows)))[-2::-2]  # no row follows its predecessor
+    caller = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _decode_hidden(ker, rows)
+        torch.set_num_threads(2)
+        grouped = _decode_hidden(ker, rows)
+        apart = _decode_hidden(ker, [rows[i] for i in order])
+    finally:
+        torch.set_num_threads(caller)
+    assert torch.equal(one, grouped)
+    assert torch.equal(apart, grouped[order])
+    assert (_decode_hidden(ref, rows) - grouped).abs().max() < 1e-4
+
+
+@needs_kernel
+@every_isa
 def test_decode_kernel_sliding_window_equals_torch_and_transformers(tiny_dirs, h, isa):
     """Sliding-window layers (the tiny mistral-swa, window 32): rows decode well past
     the window, so each reads the last 32 positions of its ring, wrapping at the ring's

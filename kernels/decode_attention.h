@@ -1,0 +1,197 @@
+/* Attention of the decode step (decode_step.c): a row's keys and values, a group of
+ * rows that share them, the split of long rows into parts and the merge of the parts. */
+#ifndef PDSERVE_DECODE_ATTENTION_H
+#define PDSERVE_DECODE_ATTENTION_H
+#include <math.h>
+#include <stdint.h>
+
+#include "simd.h"
+
+/* Where a row's keys and values live: runs of consecutive store rows (each row holds
+ * one position, every kv head side by side). A paged layer's runs are the row's blocks
+ * (positions [0, len)); a sliding-window layer's are at most two stretches of its ring
+ * (positions [len - window, len), wrapping at the ring's end). */
+typedef struct {
+    int64_t start, count;
+} Run;
+
+typedef struct {
+    const float *k, *v;
+    const Run *runs;
+    int64_t nruns, hk;
+} RowKV;
+
+/* The rows of a group (GroupRows: m rows, at most GROUP_ROWS, of one sequence at
+ * consecutive positions, so that each attends to a prefix of the same positions; most
+ * often one row) against their positions: row i's hq query heads (q[i]: hq x D; head h
+ * uses kv head h / g) against its first len[i] positions: scores scaled, softmax,
+ * weighted sum of values -> out[i] (hq x D). With ml[i], a part of the row's
+ * positions: the sum is left unnormalised and each head's score maximum and exp-sum go
+ * to ml[i][2h], ml[i][2h + 1] (merge_parts combines the parts). Positions are read
+ * whole (every kv head: contiguous memory, all of each cache line used; one task per
+ * head read a quarter of every line and ran ~1.5x slower), once for the whole group
+ * (a speculative step's drafted rows read the sequence's keys once, not once each);
+ * values are prefetched into L2 during the key pass for the per-head value passes. A
+ * row's arithmetic is the same, in the same order, whatever its group. dc = D / VW, a
+ * constant at each call site so that the loops over a head unroll into registers. */
+#define MAX_HEAD_VECS (256 / VW)
+#define GROUP_ROWS 8
+
+typedef struct {
+    int64_t m;
+    const float *q[GROUP_ROWS];
+    int64_t len[GROUP_ROWS];
+    float *out[GROUP_ROWS], *ml[GROUP_ROWS];
+} GroupRows;
+
+static inline __attribute__((always_inline)) void attend(
+    const GroupRows *rows, RowKV kv, int64_t hq, int64_t g, const int dc, float scale,
+    float *scores) {
+    const int64_t D = dc * VW, hk = kv.hk, rs = hk * D, lines = rs / 16, m = rows->m;
+    int64_t longest = 0;
+    for (int64_t i = 0; i < m; i++) longest = rows->len[i] > longest ? rows->len[i] : longest;
+    for (int64_t u = 0, t = 0; u < kv.nruns; u++) {
+        const float *K = kv.k + kv.runs[u].start * rs, *V = kv.v + kv.runs[u].start * rs;
+        const int64_t count = kv.runs[u].count;
+        for (int64_t i = 0; i < count; i++, t++) {
+            if (i + 4 < count)
+                for (int64_t c = 0; c < lines; c++) PREFETCH_L1(K + (i + 4) * rs + c * 16);
+            for (int64_t c = 0; c < lines; c++) PREFETCH_L2(V + i * rs + c * 16);
+            for (int64_t j = 0; j < hk; j++) {
+                vf kr[MAX_HEAD_VECS];
+#pragma GCC unroll 16
+                for (int c = 0; c < dc; c++) kr[c] = vload(K + i * rs + j * D + c * VW);
+                for (int64_t r = 0; r < m; r++) {
+                    if (t >= rows->len[r]) continue;
+                    const float *q = rows->q[r];
+                    float *s = scores + r * hq * longest;
+                    for (int64_t h = j * g; h < (j + 1) * g; h++) {
+                        vf acc = vzero();
+#pragma GCC unroll 16
+                        for (int c = 0; c < dc; c++) acc = vfma(vload(q + h * D + c * VW), kr[c], acc);
+                        s[h * rows->len[r] + t] = vsum(acc) * scale;
+                    }
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; r < m; r++) {
+        const int64_t len = rows->len[r];
+        float *out = rows->out[r], *ml = rows->ml[r];
+        for (int64_t h = 0; h < hq; h++) {
+            float *s = scores + r * hq * longest + h * len;
+            vf mv = vset1(-INFINITY);
+            for (int64_t t = 0; t < len; t += VW)
+                mv = vmax(vfirst_n(vload_n(s + t, len - t), len - t, -INFINITY), mv);
+            const float mx = vmax_lanes(mv);
+            vf sum = vzero();
+            for (int64_t t = 0; t < len; t += VW) {
+                vf e = vfirst_n(vexp(vload_n(s + t, len - t) - mx), len - t, 0.0f);
+                vstore_n(s + t, e, len - t);
+                sum += e;
+            }
+            const float total = vsum(sum);
+            if (ml) {
+                ml[2 * h] = mx;
+                ml[2 * h + 1] = total;
+            } else {
+                for (int64_t t = 0; t < len; t += VW)
+                    vstore_n(s + t, vload_n(s + t, len - t) / total, len - t);
+            }
+            vf acc[MAX_HEAD_VECS];
+#pragma GCC unroll 16
+            for (int c = 0; c < dc; c++) acc[c] = vzero();
+            const int64_t j = h / g;
+            for (int64_t u = 0, t = 0; u < kv.nruns && t < len; u++) {
+                const float *V = kv.v + kv.runs[u].start * rs + j * D;
+                for (int64_t i = 0; i < kv.runs[u].count && t < len; i++, t++) {
+                    vf p = vset1(s[t]);
+#pragma GCC unroll 16
+                    for (int c = 0; c < dc; c++) acc[c] = vfma(p, vload(V + i * rs + c * VW), acc[c]);
+                }
+            }
+#pragma GCC unroll 16
+            for (int c = 0; c < dc; c++) vstore(out + h * D + c * VW, acc[c]);
+        }
+    }
+}
+
+static void attend_any(const GroupRows *rows, RowKV kv, int64_t hq, int64_t g, int64_t D,
+                       float scale, float *scores) {
+    switch (D) {
+    case 64: attend(rows, kv, hq, g, 64 / VW, scale, scores); break;
+    case 128: attend(rows, kv, hq, g, 128 / VW, scale, scores); break;
+    default: attend(rows, kv, hq, g, (int)(D / VW), scale, scores); break;
+    }
+}
+
+/* A step of at most SPLIT_ROWS rows (a single stream, a few, or one with a draft) cuts
+ * each row's positions into parts of SPLIT_LEN, attended by whichever thread takes
+ * them, then merged: one row's attention no longer runs on one thread while the others
+ * wait (at 2000 positions it reads as many bytes as the weights). The cut depends only
+ * on the row's length, so results do not depend on the thread count; a row of at most
+ * SPLIT_LEN positions is one part, computed as before. */
+#define SPLIT_ROWS 4
+#define SPLIT_LEN 256
+
+/* The first position row r attends to: 0, or in a sliding-window layer its window's. */
+static inline int64_t attended_from(const int64_t *pos, int64_t r, int64_t window) {
+    return window && pos[r] + 1 > window ? pos[r] + 1 - window : 0;
+}
+
+static int64_t split_parts(int64_t len, int split) {
+    return split ? (len + SPLIT_LEN - 1) / SPLIT_LEN : 1;
+}
+
+/* How many parts row r's attended positions are cut into. */
+static inline int64_t row_parts(const int64_t *pos, int64_t r, int64_t window, int split) {
+    return split_parts(pos[r] + 1 - attended_from(pos, r, window), split);
+}
+
+/* A part's unnormalised sums (hq x D), then its maxima and exp-sums (hq x 2). */
+static int64_t part_floats(const int64_t *dims) {
+    return dims[D_Q_HEADS] * (dims[D_HEAD_DIM] + 2);
+}
+
+/* The K/V rows of logical positions [a, b) as runs: paged, the table's blocks; a ring
+ * (base: the row's ring), the stretch from a % R, wrapping once. Returns the count. */
+static int64_t position_runs(const int64_t *table, int64_t bs, int64_t window, int64_t base,
+                             int64_t R, int64_t a, int64_t b, Run *runs) {
+    int64_t n = 0;
+    if (!window) {
+        for (int64_t p = a; p < b;) {
+            const int64_t left = bs - p % bs, count = b - p < left ? b - p : left;
+            runs[n++] = (Run){table[p / bs] * bs + p % bs, count};
+            p += count;
+        }
+    } else {
+        const int64_t at = a % R, len = b - a;
+        runs[n++] = (Run){base + at, len < R - at ? len : R - at};
+        if (len > R - at) runs[n++] = (Run){base, len - (R - at)};
+    }
+    return n;
+}
+
+/* The parts' sums of one row, rescaled to their common maximum -> out (hq x D). */
+static void merge_parts(const float *parts, int64_t count, int64_t hq, int64_t D,
+                        int64_t stride, float *out) {
+    for (int64_t h = 0; h < hq; h++) {
+        float m = -INFINITY, total = 0.0f;
+        for (int64_t i = 0; i < count; i++) {
+            const float mi = parts[i * stride + hq * D + 2 * h];
+            m = mi > m ? mi : m;
+        }
+        for (int64_t c = 0; c < D; c += VW) vstore(out + h * D + c, vzero());
+        for (int64_t i = 0; i < count; i++) {
+            const float *part = parts + i * stride;
+            const float w = expf(part[hq * D + 2 * h] - m);
+            total += w * part[hq * D + 2 * h + 1];
+            for (int64_t c = 0; c < D; c += VW)
+                vstore(out + h * D + c, vfma(vset1(w), vload(part + h * D + c), vload(out + h * D + c)));
+        }
+        for (int64_t c = 0; c < D; c += VW) vstore(out + h * D + c, vload(out + h * D + c) / total);
+    }
+}
+
+
+#endif
