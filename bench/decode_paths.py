@@ -10,6 +10,8 @@ Paths (``--paths``; default all this CPU runs):
   c-avx512, c-avx2, c-generic  the C decode step (``kernels/decode_step``) of that build,
               reading a GGUF model's quantized blocks in place (``quantization="auto"``)
   c-avx512-fp32, ...  the same reading fp32 weights (``quantization="none"``)
+  c-avx512-bf16, ...  the same with every matmul the file holds no blocks for in bf16
+              (``quantization="bf16"``: a folder model's at half of fp32's bytes)
   compile     ``compile=True, decode_kernel=False``: dense blocks through torch.compile,
               their matmuls skinny_gemm's (host build) where it has panels
   inductor    the same with every matmul left to inductor (``W.T``, MKL): torch.compile
@@ -41,7 +43,8 @@ def _paths_here() -> list[str]:
     from pdserve.kernels import cbuild, decode_step
 
     built = [f"c-{isa}" for isa in cbuild.runnable_isas() if decode_step.available(isa)]
-    return [*built, *(f"{c}-fp32" for c in built), "compile", "inductor", "eager", "eager-mkl"]
+    return [*built, *(f"{c}-{q}" for q in ("fp32", "bf16") for c in built),
+            "compile", "inductor", "eager", "eager-mkl"]
 
 
 def _engine(model_dir: str, path: str, batch: int):
@@ -59,8 +62,9 @@ def _engine(model_dir: str, path: str, batch: int):
                     max_num_batched_tokens=8192, kv_cache_memory_mb=256,
                     stop_preempted_request=False, enable_prefix_caching=False)
     if path.startswith("c-"):
-        kw["kernel_isa"] = path[2:].removesuffix("-fp32")
-        kw["quantization"] = "none" if path.endswith("-fp32") else "auto"
+        isa, _, held = path[2:].partition("-")
+        kw["kernel_isa"] = isa
+        kw["quantization"] = {"fp32": "none", "bf16": "bf16", "": "auto"}[held]
     else:
         kw["decode_kernel"] = False
         kw["compile"] = path in ("compile", "inductor")

@@ -22,7 +22,7 @@ DEFAULT_KV_COPY_THREADS = 2
 _ENGINE_TYPES = {"normal": EngineType.NORMAL, "prompt": EngineType.PROMPT,
                  "completion": EngineType.COMPLETION}
 _DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATIONS = ("auto", "int8", "none")  # EngineSettings.quantization
+QUANTIZATIONS = ("auto", "int8", "bf16", "none")  # EngineSettings.quantization
 SPECULATIVE_METHODS = ("off", "ngram", "draft")  # EngineSettings.speculative
 KERNEL_ISAS = ("auto", *ISAS)  # EngineSettings.kernel_isa
 
@@ -49,7 +49,9 @@ class EngineSettings(SchedulerPolicy):
     # file's Q8_0 / Q4_0 / Q4_1 matmuls as the file holds them (int8 values or nibbles, a
     # scale and offset per 32), other weights fp32; "int8" also every other matmul,
     # quantized at load (symmetric, per 32 of a row; every path then computes with the
-    # quantized weights); "none": every step reads fp32 weights.
+    # quantized weights); "bf16" every other matmul rounded to bf16 at load (half of
+    # fp32's bytes; exact for a bf16 checkpoint; activations stay fp32); "none": every
+    # step reads fp32 weights.
     quantization: str = "auto"
     # Threads of a KV hand-off's block copies (the export's gather, the import's
     # scatter; kernels/kv_copy.c): one core's copy is bound by the misses it keeps in

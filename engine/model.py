@@ -404,7 +404,7 @@ def load_model(model_dir, dtype: torch.dtype = torch.float32,
     if quantization != "none":
         from pdserve.engine import quantized_weights
 
-        quantized_weights.attach(model, model_dir, int8=quantization == "int8",
+        quantized_weights.attach(model, model_dir, at_load=quantization,
                                  keep_fp32=keep_fp32)
     _return_freed_memory()
     return cfg, model.eval().requires_grad_(False)

@@ -9,9 +9,11 @@
    and a tied embedding reads the LM head's records (``QuantEmbedding``). A rank holds
    each weight once. ``keep_fp32`` (a compiled decode graph, which multiplies fp32
    weights) keeps the dequantized copy beside the panels.
-2. With ``int8=True`` every other matmul the C kernels run is quantized at load:
+2. With ``at_load="int8"`` every other matmul the C kernels run is quantized at load:
    symmetric, an fp16 scale per 32 weights of a row (16 where K is no multiple of 32;
-   the largest magnitude maps to 127), and
+   the largest magnitude maps to 127); with ``at_load="bf16"`` rounded to bf16 (2 bytes
+   a weight, unit scales: exact for a bf16 checkpoint; every ISA converts a bf16 to
+   fp32 with a shift, and the activations stay fp32); either way
    its fp32 weight dropped (kept as the dequantized one with ``keep_fp32``), so that
    every path (prefill, a moved request's replay, the decode step) computes with the
    same weights.
@@ -39,9 +41,10 @@ _LAYER_PARTS = {
 }
 
 
-def attach(model, model_dir: str | Path, int8: bool = False, keep_fp32: bool = False) -> int:
+def attach(model, model_dir: str | Path, at_load: str = "auto", keep_fp32: bool = False) -> int:
     """Give ``model``'s fused matmuls their quantized panels (a GGUF file's blocks; with
-    ``int8`` the others quantized at load); returns how many got them. Unless
+    ``at_load`` "int8" or "bf16" the others quantized so at load); returns how many got
+    them. Unless
     ``keep_fp32``, each drops its fp32 weight (the panels serve every product), and a
     tied embedding reads the LM head's panels."""
     from pdserve.engine.gguf_file import GGUFModel, find_gguf
@@ -60,9 +63,10 @@ def attach(model, model_dir: str | Path, int8: bool = False, keep_fp32: bool = F
         if matmul.panels is None:
             continue  # no fp32 panels: the C kernels do not run this matmul
         rows = _from_file(gguf, names) if gguf is not None else None
-        at_load = rows is None and int8 and matmul.in_features % 16 == 0
-        if at_load:
-            rows = quantize_int8(matmul.weight.detach())
+        quantize = _AT_LOAD.get(at_load) if rows is None and matmul.in_features % 16 == 0 \
+            else None
+        if quantize is not None:
+            rows = quantize(matmul.weight.detach())
         if rows is None or rows.shape != (matmul.out_features, matmul.in_features):
             continue
         try:
@@ -71,7 +75,7 @@ def attach(model, model_dir: str | Path, int8: bool = False, keep_fp32: bool = F
             log.warning("matmul %s stays fp32: %s", names[0], e)
             continue
         if keep_fp32:
-            if at_load:  # every path computes with the same weights
+            if quantize is not None:  # every path computes with the same weights
                 matmul.weight = nn.Parameter(rows.dequantize(), requires_grad=False)
             matmul.panels = None  # the quantized panels serve every product now
         else:
@@ -94,6 +98,14 @@ def _from_file(gguf, names: list[str]) -> QuantRows | None:
                           for v, s, o, bk in found])
 
 
+def round_bf16(weight: torch.Tensor) -> QuantRows:
+    """``weight`` [N, K] rounded to bf16 (to nearest even), with unit scales per block of
+    up to 128 (the kernels' unit of K): a bf16 checkpoint's weights exactly."""
+    n, k = weight.shape
+    bk = next(b for b in (128, 64, 32, 16) if k % b == 0)
+    return QuantRows(weight.to(torch.bfloat16).contiguous(), torch.ones(n, k // bk), None, bk)
+
+
 def quantize_int8(weight: torch.Tensor) -> QuantRows:
     """``weight`` [N, K] as int8 with a scale per 32 of a row (per 16 where K is no
     multiple of 32; symmetric: the block's largest magnitude maps to 127 or just under,
@@ -112,3 +124,7 @@ def quantize_int8(weight: torch.Tensor) -> QuantRows:
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     values = torch.round(blocks / safe[..., None]).clamp_(-127, 127).to(torch.int8)
     return QuantRows(values.reshape(n, k), scales.contiguous(), None, bk)
+
+
+# "quantization" -> how a matmul the file holds no quantized blocks for is quantized at load
+_AT_LOAD = {"int8": quantize_int8, "bf16": round_bf16}

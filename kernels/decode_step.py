@@ -135,9 +135,10 @@ def _ptr(t: torch.Tensor | None) -> int:
 def _descriptor(w: Weight) -> list[int]:
     """decode_step.c's Weight for fp32 panels or quantized ones."""
     if isinstance(w, QuantPanels):
-        if w.records.dtype != torch.uint8 or not w.records.is_contiguous() or w.bits not in (4, 8):
+        if w.records.dtype != torch.uint8 or not w.records.is_contiguous() or \
+                w.bits not in (4, 8, 16):
             raise ValueError("quantized panels must be contiguous uint8 records of int8 "
-                             "values or nibble pairs")
+                             "values, nibble pairs or bf16 values")
         return [W_QUANT, w.records.data_ptr(), w.block_k, w.bits, int(w.has_offsets),
                 w.scale_bytes]
     return [W_FP32, _ptr(w), 0, 0, 0, 0]

@@ -35,8 +35,9 @@ PANEL = skinny_gemm.PANEL
 
 @dataclass(frozen=True)
 class QuantRows:
-    """A quantized weight row by row: ``values`` [N, K] int8, ``scales`` and ``offsets``
-    (None: all zero) [N, K / block_k] fp32."""
+    """A quantized weight row by row: ``values`` [N, K] int8 (or bfloat16: the weight's
+    bf16 rounding, with unit scales and no offsets, which the kernels skip), ``scales``
+    and ``offsets`` (None: all zero) [N, K / block_k] fp32."""
 
     values: torch.Tensor
     scales: torch.Tensor
@@ -45,8 +46,8 @@ class QuantRows:
 
     def __post_init__(self) -> None:
         n, k = self.values.shape
-        if self.values.dtype != torch.int8 or k % self.block_k:
-            raise ValueError(f"values must be int8 [N, K] with K a multiple of block_k "
+        if self.values.dtype not in (torch.int8, torch.bfloat16) or k % self.block_k:
+            raise ValueError(f"values must be int8 or bfloat16 [N, K] with K a multiple of block_k "
                              f"{self.block_k}, got {self.values.dtype} {tuple(self.values.shape)}")
         want = (n, k // self.block_k)
         for name in ("scales", "offsets"):
@@ -129,12 +130,16 @@ class QuantPanels:
         for t in (rows.scales, rows.offsets):
             if t is not None and not bool(torch.isfinite(t).all()):
                 raise ValueError("scales and offsets must be finite")
+        if rows.values.dtype == torch.bfloat16 and (
+                rows.offsets is not None or not bool((rows.scales == 1).all())):
+            raise ValueError("bf16 values are the weight itself: unit scales, no offsets")
         half = _fits_fp16(rows.scales) and _fits_fp16(rows.offsets)
         dtype = torch.float16 if half else torch.float32
         n, k = rows.shape
         p, nb = -(-n // (2 * PANEL)) * 2, k // rows.block_k  # even: threads take pairs
-        values, bits = _panels(rows.values, p), 8
-        if nibbles and rows.values.numel() and int(rows.values.min()) >= 0 \
+        values = _panels(rows.values, p)
+        bits = 16 if rows.values.dtype == torch.bfloat16 else 8
+        if bits == 8 and nibbles and rows.values.numel() and int(rows.values.min()) >= 0 \
                 and int(rows.values.max()) <= 15:
             pairs = values.view(p, -1, 2, PANEL)  # panel rows k (even) and k + 1
             values, bits = pairs[:, :, 0] | (pairs[:, :, 1] << 4), 4
@@ -158,11 +163,16 @@ class QuantPanels:
         values = by_panel[..., head:].reshape(2 * pairs, -1, PANEL)  # [P, K or K / 2, 16]
         if self.bits == 4:
             values = torch.stack([values & 15, values >> 4], dim=2).reshape(2 * pairs, -1, PANEL)
+        if self.bits == 16:
+            values = by_panel[..., head:].contiguous().view(torch.bfloat16).reshape(
+                2 * pairs, -1, PANEL)
+        else:
+            values = values.view(torch.int8)
         dtype = torch.float16 if self.scale_bytes == 2 else torch.float32
         heads = by_panel[..., :head].contiguous().view(dtype).float()
         scales = _unpanels(heads[..., :PANEL], self.out_features)
         offsets = _unpanels(heads[..., PANEL:], self.out_features) if self.has_offsets else None
-        return QuantRows(_unpanels(values.view(torch.int8), self.out_features).contiguous(),
+        return QuantRows(_unpanels(values, self.out_features).contiguous(),
                          scales.contiguous(), None if offsets is None else offsets.contiguous(),
                          self.block_k)
 

@@ -108,7 +108,7 @@ static inline __attribute__((always_inline)) void block_rows_cols(
 typedef struct {
     const uint8_t *records;
     int64_t bk;      /* k per scale; divides K and K_CHUNK */
-    int64_t bits;    /* 8 or 4 */
+    int64_t bits;    /* 8, 4, or 16: bf16 values (unit scales) */
     int64_t offsets; /* 1: records hold offsets */
     int64_t scale_bytes; /* 2 (fp16 scales and offsets) or 4 (fp32) */
 } QPanels;
@@ -194,11 +194,38 @@ static inline __attribute__((always_inline)) void vq4_load2(const uint8_t *p, vf
 #endif
 }
 
+/* VW bf16 values at p as floats (exact: a bf16 is a float's upper half). */
+static inline vf vbf16_load(const uint8_t *p) {
+#if VW == 16 && defined(__AVX512F__)
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#elif VW == 8 && defined(__AVX2__)
+    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
+    vf v;
+    for (int i = 0; i < VW; i++) {
+        uint16_t b;
+        memcpy(&b, p + 2 * i, 2);
+        const uint32_t bits = (uint32_t)b << 16;
+        memcpy(&v[i], &bits, 4);
+    }
+    return v;
+#endif
+}
+
+/* Bytes a column takes in a panel row of values: 2 for bf16, else 1 (an int8, or a
+ * nibble pair's byte holding two panel rows). */
+static inline int64_t q_column_bytes(int64_t bits) {
+    return bits == 16 ? 2 : 1;
+}
+
 /* Panel rows k and k + 1 (k even) of a record's values, VW columns from the value
  * pointer v (already at the columns), as floats: q, not yet scaled. */
 static inline __attribute__((always_inline)) void vq_rows2(const uint8_t *v, int64_t k,
                                                            const int bits, vf *v0, vf *v1) {
-    if (bits == 4) {
+    if (bits == 16) {
+        *v0 = vbf16_load(v + k * PANEL * 2);
+        *v1 = vbf16_load(v + (k + 1) * PANEL * 2);
+    } else if (bits == 4) {
         vq4_load2(v + (k / 2) * PANEL, v0, v1);
     } else {
         *v0 = vq8_load(v + k * PANEL);
@@ -240,7 +267,7 @@ static inline __attribute__((always_inline)) void pair_rows_q(
                 for (int j = 0; j < PAIR_VECS; j++) {
                     const int64_t panel = j * VW / PANEL, c0 = j * VW % PANEL;
                     vf v0, v1;
-                    vq_rows2(r + panel * rec + hdr + c0, k + u, bits, &v0, &v1);
+                    vq_rows2(r + panel * rec + hdr + c0 * q_column_bytes(bits), k + u, bits, &v0, &v1);
 #pragma GCC unroll 4
                     for (int i = 0; i < R; i++) {
                         const float *xb = x + i * K + b * bk + k + u;
@@ -275,7 +302,9 @@ static inline __attribute__((always_inline)) void pair_rows_q(
 static inline __attribute__((always_inline)) void pair_rows_any(
     const float *x, int64_t K, const QPanels *w, const uint8_t *pair,
     vf acc[FEW_ROWS][PAIR_VECS], const int R) {
-    if (w->scale_bytes == 4) {  /* K-quants' products of two scales */
+    if (w->bits == 16) {  /* bf16 values, a unit scale per block */
+        pair_rows_q(x, K, w, pair, acc, 16, 0, 2, R);
+    } else if (w->scale_bytes == 4) {  /* K-quants' products of two scales */
         if (w->bits == 4 && w->offsets) pair_rows_q(x, K, w, pair, acc, 4, 1, 4, R);
         else if (w->bits == 4) pair_rows_q(x, K, w, pair, acc, 4, 0, 4, R);
         else if (w->offsets) pair_rows_q(x, K, w, pair, acc, 8, 1, 4, R);
@@ -349,7 +378,7 @@ static inline __attribute__((always_inline)) void block_rows_cols_q(
             m[j] = w->offsets ? vscale_load(r + at[j] + PANEL * sb, (int)sb) : vzero();
             /* the values: past the header, at the vector's column */
             const int64_t col = c % PAIR_COLS + j * VW;
-            v[j] = r + (col / PANEL) * rec + hdr + col % PANEL;
+            v[j] = r + (col / PANEL) * rec + hdr + (col % PANEL) * q_column_bytes(bits);
         }
         if (prefetch)
             for (int64_t l = 0; l < 2 * rec; l += 64)
@@ -359,8 +388,10 @@ static inline __attribute__((always_inline)) void block_rows_cols_q(
 #pragma GCC unroll 2
             for (int j = 0; j < BLOCK_VECS; j++) {
                 vq_rows2(v[j], k, bits, &v0[j], &v1[j]);
-                v0[j] = vfma(v0[j], s[j], m[j]);
-                v1[j] = vfma(v1[j], s[j], m[j]);
+                if (bits != 16) {  /* bf16 values are the weights (unit scales) */
+                    v0[j] = vfma(v0[j], s[j], m[j]);
+                    v1[j] = vfma(v1[j], s[j], m[j]);
+                }
             }
 #pragma GCC unroll 8
             for (int row = 0; row < BLOCK_ROWS; row++) {
@@ -379,6 +410,8 @@ static inline void block_rows_cols_q8(const float *x, int64_t K, const QPanels *
                                       const int prefetch) {
     if (w->bits == 4)
         block_rows_cols_q(x, K, w, c, k0, k1, acc, prefetch, 4);
+    else if (w->bits == 16)
+        block_rows_cols_q(x, K, w, c, k0, k1, acc, prefetch, 16);
     else
         block_rows_cols_q(x, K, w, c, k0, k1, acc, prefetch, 8);
 }

@@ -69,10 +69,17 @@ int q_gather_columns(const uint8_t *records, int64_t bk, int64_t bits, int64_t o
                 }
             }
             for (int64_t k = 0; k < bk; k++) {
-                const uint8_t byte = bits == 4 ? r[hdr + (k / 2) * PANEL + col]
-                                               : r[hdr + k * PANEL + col];
-                const float q = bits == 4 ? (float)(k % 2 ? byte >> 4 : byte & 15)
-                                          : (float)(int8_t)byte;
+                float q;
+                if (bits == 16) {
+                    uint16_t b;
+                    memcpy(&b, r + hdr + (k * PANEL + col) * 2, 2);
+                    const uint32_t u = (uint32_t)b << 16;
+                    memcpy(&q, &u, 4);
+                } else {
+                    const uint8_t byte = bits == 4 ? r[hdr + (k / 2) * PANEL + col]
+                                                   : r[hdr + k * PANEL + col];
+                    q = bits == 4 ? (float)(k % 2 ? byte >> 4 : byte & 15) : (float)(int8_t)byte;
+                }
                 volatile float scaled = scale * q;
                 out[i * K + b * bk + k] = offsets ? scaled + offset : scaled;
             }

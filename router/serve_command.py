@@ -59,8 +59,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="ranks recompute every prompt from its first token")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                    help="weights the decode step reads (default auto: a GGUF file's Q8_0/"
-                   "Q4_0/Q4_1 blocks in place; int8: every matmul quantized at load; none: "
-                   "fp32; see docs/models.md)")
+                   "Q4_0/Q4_1/Q4_K/Q6_K blocks in place; int8: every other matmul quantized "
+                   "at load; bf16: every other matmul rounded to bf16, exact for a bf16 "
+                   "checkpoint; none: fp32; see docs/models.md)")
     p.add_argument("--kernel-isa", choices=KERNEL_ISAS, default=None,
                    help="the C kernels' build (default auto: the widest this CPU runs; "
                    "avx2 or generic to run a narrower one, e.g. to compare builds)")

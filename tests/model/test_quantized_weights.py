@@ -42,6 +42,29 @@ def test_int8_matmul_equals_the_dequantized_weight(isa, offsets):
         assert (got - fp32).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_matmul_equals_the_rounded_weight(isa):
+    """bf16 values (``round_bf16``: unit scales per 64 here, K = 576) through the one-row,
+    few-rows and 8-row kernels: the products of the bf16 weights, to fp32 rounding; the
+    records unpack to the very bf16 values."""
+    from pdserve.engine.quantized_weights import round_bf16
+
+    w = torch.randn(200, 576, generator=torch.Generator().manual_seed(16))
+    rows = round_bf16(w)
+    panels = QuantPanels.pack(rows)
+    assert (panels.bits, panels.block_k, panels.scale_bytes) == (16, 64, 2)
+    assert torch.equal(panels.unpack().values.view(torch.int16), rows.values.view(torch.int16))
+    ref = rows.dequantize()
+    assert torch.equal(ref, w.to(torch.bfloat16).float())
+    with pytest.raises(ValueError, match="unit scales, no offsets"):
+        QuantPanels.pack(QuantRows(rows.values, rows.scales * 2, None, rows.block_k))
+    for m in (1, 3, 5, 16, 40):
+        x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
+        want = (x.double() @ ref.double().T).float()
+        got = quant_panels.matmul(x, panels, isa=isa)
+        assert (got - want).abs().max().item() < 1e-5 * max(1.0, want.abs().max().item())
+
+
 @pytest.mark.parametrize("offsets", [False, True])
 @pytest.mark.parametrize("block_k", [16, 32])
 def test_panels_unpack_to_the_rows_they_were_packed_from(offsets, block_k):
@@ -205,18 +228,21 @@ def test_quantized_decode_steps_match_the_fp32_weights(real_model_path, real_cha
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("bits,offsets,fp32_scales", [(4, True, False), (4, False, False),
-                                                      (8, False, False), (8, True, True)])
+                                                      (8, False, False), (8, True, True),
+                                                      (16, False, False)])
 def test_gathered_columns_are_the_dequantized_rows_bit_for_bit(isa, bits, offsets, fp32_scales):
     g = torch.Generator().manual_seed(bits + 2 * offsets)
     n, k = 100, 64
-    values = torch.randint(0, 16, (n, k), generator=g) if bits == 4 else \
-        torch.randint(-128, 128, (n, k), generator=g)
+    values = torch.randint(0, 16, (n, k), generator=g).to(torch.int8) if bits == 4 else \
+        torch.randint(-128, 128, (n, k), generator=g).to(torch.int8) if bits == 8 else \
+        torch.randn(n, k, generator=g).to(torch.bfloat16)
 
     def per_block():
         t = torch.randn(n, k // 32, generator=g)
         return t if fp32_scales else t.half().float()
 
-    rows = QuantRows(values.to(torch.int8), per_block(), per_block() if offsets else None, 32)
+    scales = torch.ones(n, k // 32) if bits == 16 else per_block()  # bf16: the weight itself
+    rows = QuantRows(values, scales, per_block() if offsets else None, 32)
     panels = QuantPanels.pack(rows)
     assert (panels.bits, panels.scale_bytes) == (bits, 4 if fp32_scales else 2)
     ids = torch.tensor([[0, 99], [37, 16]])
@@ -307,10 +333,52 @@ def test_int8_for_a_folder_model_is_one_set_of_weights_on_every_path(tiny_model_
     assert 0 < diff < 0.05 * logits(plain).abs().max().item()  # quantized, but close
 
 
+def test_bf16_holds_a_folder_models_matmuls_at_half_their_bytes_exactly_rounded(
+        tiny_model_dir, tmp_path):
+    """--quantization bf16: every matmul rounded to bf16 at load (2 bytes a weight, fp32
+    activations): the same logits, to rounding, as fp32 weights holding those bf16 values
+    (a bf16 checkpoint loses nothing), through the C decode step and prompts alike."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from pdserve.engine.model import MatMul
+    from pdserve.engine.model_runner import ModelRunner, RunnerRow
+
+    rounded = tmp_path / "bf16-values"
+    shutil.copytree(tiny_model_dir, rounded)
+    for f in rounded.glob("*.safetensors"):
+        save_file({k: v.to(torch.bfloat16).float() if "_proj." in k or k.startswith("lm_head")
+                   else v for k, v in load_file(str(f)).items()},
+                  str(f), metadata={"format": "pt"})  # the matmuls' weights
+
+    def runner(path, quantization):
+        return ModelRunner(path, block_size=8, num_kv_blocks=16, num_state_slots=2,
+                           ring_len=8, quantization=quantization)
+
+    bf16, fp32 = runner(tiny_model_dir, "bf16"), runner(rounded, "none")
+    mats = [m for m in bf16.model.modules() if isinstance(m, MatMul)]
+    assert mats and all(m.quant is not None and m.quant.bits == 16 and m.weight is None
+                        for m in mats)
+    fp32_bytes = sum(4 * m.out_features * m.in_features for m in mats)
+    assert bf16.model.matmul_weight_bytes() < 0.52 * fp32_bytes
+    ids = list(range(5, 45))
+    table = list(range(1, 8))
+    for r in (bf16, fp32):
+        r.compute_logits([RunnerRow(ids[:-1], 0, table, 1)])
+    prompt_last = [r.compute_logits([RunnerRow(ids[-2:-1], len(ids) - 2, table, 1)])[0]
+                   for r in (bf16, fp32)]  # rewrites one position: the same KV
+    decode = [r.compute_logits([RunnerRow(ids[-1:], len(ids) - 1, table, 1)])[0]
+              for r in (bf16, fp32)]
+    assert bf16.decode_kernel
+    for a, b in (prompt_last, decode):
+        assert (a - b).abs().max().item() < 1e-4 * max(1.0, b.abs().max().item())
+
+
 def test_quantization_setting_is_checked():
     from pdserve.engine.config import EngineSettings
 
-    with pytest.raises(ValueError, match="^quantization must be one of auto, int8, none"):
+    with pytest.raises(ValueError, match="^quantization must be one of auto, int8, bf16, none"):
         EngineSettings(quantization="int4")
 
 
