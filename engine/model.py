@@ -379,8 +379,9 @@ def load_model(model_dir, dtype: torch.dtype = torch.float32,
                ) -> tuple[ModelConfig, CausalLM]:
     """Build the model for ``model_dir``'s config.json and load its checked weights;
     ``quantization``: which matmuls are held quantized ("auto": a GGUF file's quantized
-    ones, "int8": every one, "none"; engine/quantized_weights.py); ``keep_fp32``: they
-    keep their fp32 weight too (what a compiled decode graph multiplies)."""
+    ones; "int8" or "bf16": the others too, so at load; "none";
+    engine/quantized_weights.py); ``keep_fp32``: they keep their fp32 weight too (what
+    a compiled decode graph multiplies)."""
     cfg = ModelConfig.from_model(model_dir)
     with torch.device("meta"):
         model = CausalLM(cfg)
@@ -413,8 +414,9 @@ def load_model(model_dir, dtype: torch.dtype = torch.float32,
 def _return_freed_memory() -> None:
     """Give the load's transient copies (every tensor dequantized to fp32, then fused)
     back to the OS: glibc keeps freed heap memory otherwise, and a rank whose matmuls
-    are quantized would stay at the fp32 model's size (the real model: 1.09 GiB
-    resident after loading, 0.31 GiB after this). A no-op without glibc."""
+    are quantized would stay at the fp32 model's size (the real model's runner with 64
+    KV blocks: 1.09 GiB resident after loading, 0.31 GiB after this). A no-op without
+    glibc."""
     try:
         ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
     except (OSError, AttributeError, TypeError):

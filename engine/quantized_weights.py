@@ -44,9 +44,8 @@ _LAYER_PARTS = {
 def attach(model, model_dir: str | Path, at_load: str = "auto", keep_fp32: bool = False) -> int:
     """Give ``model``'s fused matmuls their quantized panels (a GGUF file's blocks; with
     ``at_load`` "int8" or "bf16" the others quantized so at load); returns how many got
-    them. Unless
-    ``keep_fp32``, each drops its fp32 weight (the panels serve every product), and a
-    tied embedding reads the LM head's panels."""
+    them. Unless ``keep_fp32``, each drops its fp32 weight (the panels serve every
+    product), and a tied embedding reads the LM head's panels."""
     from pdserve.engine.gguf_file import GGUFModel, find_gguf
     from pdserve.engine.model import QuantEmbedding
 
