@@ -168,6 +168,14 @@ static int64_t group_rows(const int64_t *tables, int64_t tw, int64_t bs, const i
     return count;
 }
 
+/* The rows [*r0, *last] of attention unit u: group u in a paged layer, row u in a
+ * sliding-window one (its rows attend alone). */
+static inline void unit_rows(int64_t u, int64_t window, const int64_t *group_first,
+                             int64_t *r0, int64_t *last) {
+    *r0 = window ? u : group_first[u];
+    *last = window ? u : group_first[u + 1] - 1;
+}
+
 /* Floats of scratch that decode_step needs for these dims and thread count. */
 int64_t decode_step_workspace(const int64_t *dims, int64_t threads) {
     return row_floats(dims) + split_floats(dims) + threads * thread_floats(dims);
@@ -277,13 +285,14 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
             const int64_t units = window ? n : groups;
             int64_t tasks = 0, merges = 0;
             for (int64_t r = 0; r < n; r++) merges += row_parts(pos, r, window, split) > 1;
-            for (int64_t u = 0; u < units; u++)
-                tasks += row_parts(pos, window ? u : group_first[u + 1] - 1, window, split);
+            for (int64_t u = 0, r0, last; u < units; u++) {
+                unit_rows(u, window, group_first, &r0, &last);
+                tasks += row_parts(pos, last, window, split);
+            }
             for (int64_t task; (task = __atomic_fetch_add(next + 5 * item, 1, __ATOMIC_RELAXED)) < tasks;) {
                 int64_t u = 0, r0, last;
                 for (;; u++) {
-                    r0 = window ? u : group_first[u];
-                    last = window ? u : group_first[u + 1] - 1;
+                    unit_rows(u, window, group_first, &r0, &last);
                     const int64_t parts = row_parts(pos, last, window, split);
                     if (task < parts) break;
                     task -= parts;

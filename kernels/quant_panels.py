@@ -160,13 +160,14 @@ class QuantPanels:
         pairs, nb, _, size = self.records.shape
         by_panel = self.records.transpose(1, 2).reshape(2 * pairs, nb, size)
         head = self.scale_bytes * PANEL * (2 if self.has_offsets else 1)
-        values = by_panel[..., head:].reshape(2 * pairs, -1, PANEL)  # [P, K or K / 2, 16]
-        if self.bits == 4:
-            values = torch.stack([values & 15, values >> 4], dim=2).reshape(2 * pairs, -1, PANEL)
+        raw = by_panel[..., head:]
         if self.bits == 16:
-            values = by_panel[..., head:].contiguous().view(torch.bfloat16).reshape(
-                2 * pairs, -1, PANEL)
+            values = raw.contiguous().view(torch.bfloat16).reshape(2 * pairs, -1, PANEL)
         else:
+            values = raw.reshape(2 * pairs, -1, PANEL)  # [P, K or K / 2, 16]
+            if self.bits == 4:
+                values = torch.stack([values & 15, values >> 4], dim=2).reshape(
+                    2 * pairs, -1, PANEL)
             values = values.view(torch.int8)
         dtype = torch.float16 if self.scale_bytes == 2 else torch.float32
         heads = by_panel[..., :head].contiguous().view(dtype).float()

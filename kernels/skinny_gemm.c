@@ -71,9 +71,9 @@ int q_gather_columns(const uint8_t *records, int64_t bk, int64_t bits, int64_t o
             for (int64_t k = 0; k < bk; k++) {
                 float q;
                 if (bits == 16) {
-                    uint16_t b;
-                    memcpy(&b, r + hdr + (k * PANEL + col) * 2, 2);
-                    const uint32_t u = (uint32_t)b << 16;
+                    uint16_t half;
+                    memcpy(&half, r + hdr + (k * PANEL + col) * 2, 2);
+                    const uint32_t u = (uint32_t)half << 16;
                     memcpy(&q, &u, 4);
                 } else {
                     const uint8_t byte = bits == 4 ? r[hdr + (k / 2) * PANEL + col]
