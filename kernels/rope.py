@@ -68,6 +68,17 @@ class RopeTable:
         ``positions``, known on the host) avoids a device sync to check the table.
         ``signed``: sin with its first half negated, for ``apply_rope_signed``."""
         top = int(positions.max()) if max_position is None else max_position
+        cos, sin, sin_signed = self._rows(dtype, top)
+        return cos.index_select(0, positions), (sin_signed if signed else sin).index_select(
+            0, positions)
+
+    def tables(self, dtype: torch.dtype, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole cos and signed sin tables [N, head_dim], N > ``max_position``: what a
+        kernel that looks positions up itself reads (``kernels/gpu/layer_ops.rope_``)."""
+        cos, _, sin_signed = self._rows(dtype, max_position)
+        return cos, sin_signed
+
+    def _rows(self, dtype: torch.dtype, top: int):
         if top >= self._len or dtype not in self._cache:
             n = max(self._initial, self._len)
             while n <= top:
@@ -78,9 +89,7 @@ class RopeTable:
             sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
             self._cache = {dtype: (cos, sin, sin_signed)}
             self._len = n
-        cos, sin, sin_signed = self._cache[dtype]
-        return cos.index_select(0, positions), (sin_signed if signed else sin).index_select(
-            0, positions)
+        return self._cache[dtype]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
