@@ -26,13 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine.backends.base import ReferenceAttention
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.weights import WeightsError, load_checked
 from pdserve.kernels import quant_panels, skinny_gemm
-from pdserve.kernels.attention import AttentionMetadata, attention_step
+from pdserve.kernels.attention import AttentionMetadata
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.norms import RMSNorm
-from pdserve.kernels.rope import RopeTable, apply_rope_signed, inv_frequencies
+from pdserve.kernels.rope import RopeTable, inv_frequencies
 
 
 def _onednn_packing_available() -> bool:
@@ -195,20 +196,21 @@ class Attention(nn.Module):
         self.o = MatMul.fuse([self.o_proj])
         del self.q_proj, self.k_proj, self.v_proj, self.o_proj
 
-    def forward(self, x, cos, sin, cache: KVCache, meta: AttentionMetadata,
+    def forward(self, x, rotation, cache: KVCache, meta, backend,
                 keep: torch.Tensor | None = None):
         """``keep``: flat token indices whose output is wanted (the cache is written for
         every token); None: all."""
         t, hq, hk, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(x).view(t, hq + 2 * hk, d)
         v = qkv[:, hq + hk:]
+        rope = backend.ops.rope
         if self.qk_norm:
             q, k = self.q_norm(qkv[:, :hq]), self.k_norm(qkv[:, hq:hq + hk])
-            q, k = apply_rope_signed(q, cos, sin), apply_rope_signed(k, cos, sin)  # sin: signed
+            q, k = rope(q, rotation), rope(k, rotation)
         else:  # one rotation for the q and k heads together (same cos/sin per token)
-            qk = apply_rope_signed(qkv[:, :hq + hk], cos, sin)
+            qk = rope(qkv[:, :hq + hk], rotation)
             q, k = qk[:, :hq], qk[:, hq:]
-        out = attention_step(q, k, v, self.layer, cache, meta, self.scale)
+        out = backend.forward(self.layer, q, k, v, cache, meta, self.scale)
         if keep is not None:
             out = out.index_select(0, keep)
         return self.o(out.reshape(out.shape[0], hq * d))
@@ -229,10 +231,8 @@ class MLP(nn.Module):
         self.intermediate = self.gate_proj.out_features
         del self.gate_proj, self.up_proj, self.down_proj
 
-    def forward(self, x):
-        gu = self.gate_up(x)
-        i = self.intermediate
-        return self.down(F.silu(gu[:, :i]).mul_(gu[:, i:]))  # in place: one fewer [T, I]
+    def forward(self, x, ops):
+        return self.down(ops.silu_mul(self.gate_up(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -243,14 +243,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, cos, sin, cache, meta, keep: torch.Tensor | None = None):
-        """``keep``: compute the output only at these flat token indices (every token's
-        K/V is still written); the result then has ``len(keep)`` rows."""
-        # Residual adds into the fresh sublayer outputs (a + b == b + a exactly): no
-        # new [T, hidden] tensor per add.
-        a = self.self_attn(self.input_layernorm(h), cos, sin, cache, meta, keep)
-        h = a.add_(h if keep is None else h.index_select(0, keep))
-        return self.mlp(self.post_attention_layernorm(h)).add_(h)
+    def forward(self, h, residual, rotation, cache, meta, backend,
+                keep: torch.Tensor | None = None):
+        """(this layer's MLP output, the residual stream before it): the next norm adds
+        the two (``LayerOps.norm``), so an add and a norm are one op where the backend
+        fuses them. ``residual`` None: ``h`` is the embedding. ``keep``: compute the
+        output only at these flat token indices (every token's K/V is still written);
+        the result then has ``len(keep)`` rows."""
+        ops = backend.ops
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        x, residual = ops.norm(h, ln1.weight, ln1.eps, residual)
+        a = self.self_attn(x, rotation, cache, meta, backend, keep)
+        if keep is not None:
+            residual = residual.index_select(0, keep)
+        x, residual = ops.norm(a, ln2.weight, ln2.eps, residual)
+        return self.mlp(x, ops), residual
 
 
 class DecoderModel(nn.Module):
@@ -269,6 +276,12 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope: RopeTable | None = None  # set by init_rope (not a weight)
+        # where attention and the small ops run (engine/backends); the runner sets it
+        self.backend = ReferenceAttention()
+
+    def use_backend(self, backend) -> None:
+        """Run attention and the layer ops through ``backend`` (engine/backends/base.py)."""
+        self.backend = backend
 
     def init_rope(self, device: str | torch.device) -> None:
         r = self.cfg.rope
@@ -300,13 +313,16 @@ class CausalLM(nn.Module):
         for all T tokens, but the last layer's o_proj and MLP run on the kept rows only:
         in a prefill step that is most of one layer's matmuls saved (a 2048-token
         prefill keeps 16)."""
+        backend = self.backend
         h = self.model.embed_tokens(tokens)
-        # sin comes with its first half negated (see apply_rope_signed).
-        cos, sin = self.rope.cos_sin(positions, h.dtype, meta.max_position, signed=True)
+        rotation = backend.ops.rotation(self.rope, positions, h.dtype, meta.max_position)
         last = len(self.model.layers) - 1
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, cache, meta, keep if i == last else None)
-        return self.model.norm(h)
+            h, residual = layer(h, residual, rotation, cache, meta, backend,
+                                keep if i == last else None)
+        norm = self.model.norm
+        return backend.ops.norm(h, norm.weight, norm.eps, residual)[0]
 
     def enable_compile(self) -> None:
         """Opt in to the compiled decode path (engine/compiled_decode.py); its matmuls
