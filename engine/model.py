@@ -352,6 +352,11 @@ class CausalLM(nn.Module):
         self._kernel = decode_kernel.build(self, self.kernel_isa) if on else None
         return self._kernel is not None
 
+    @property
+    def decode_kernel_on(self) -> bool:
+        """Do decode steps run as the C step (``use_decode_kernel``)?"""
+        return getattr(self, "_kernel", None) is not None
+
     def forward_decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                        meta: AttentionMetadata) -> torch.Tensor:
         """``forward`` for a decode-only step: through the C decode step when

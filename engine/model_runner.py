@@ -32,15 +32,14 @@ from pathlib import Path
 
 import torch
 
+from pdserve.engine.backends import select_backend
 from pdserve.engine.config import DEFAULT_KV_COPY_THREADS
 from pdserve.engine.logits_controls import apply_controls
 from pdserve.engine.model import load_model
 from pdserve.engine.outputs import TokenLogprobs
-from pdserve.engine.step_inputs import RunnerRow, check_rows, decode_inputs, general_inputs
-from pdserve.engine.thread_tuner import ThreadTuner
+from pdserve.engine.step_inputs import RunnerRow
 from pdserve.engine.weights import file_digest, weight_files
 from pdserve.kernels import cbuild
-from pdserve.kernels.decode_kv import DecodeKV
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.sampling import greedy
 from pdserve.kernels.sampling import sample as sample_tokens
@@ -84,6 +83,8 @@ class ModelRunner:
         kernel_isa: str = "auto",
         kv_copy_threads: int = DEFAULT_KV_COPY_THREADS,
         quantization: str = "auto",
+        backend: str = "auto",
+        max_num_seqs: int = 64,
     ):
         from pdserve.engine.model_config import ModelConfig
 
@@ -129,9 +130,8 @@ class ModelRunner:
         self.num_kv_blocks = num_kv_blocks
         self.num_state_slots = num_state_slots
         self.ring_len = self.kv_cache.ring_len
-        # Contiguous K/V of decode rows, capped at the cache's own budget.
-        self.decode_kv = DecodeKV(self.kv_cache, max_bytes=kv_cache_bytes)
-        self._threads = ThreadTuner(enabled=adaptive_threads and self.device.type == "cpu")
+        self.backend = select_backend(backend, self.model, self.kv_cache, kv_cache_bytes,
+                                      adaptive_threads, max_num_seqs)
         self._gen = torch.Generator().manual_seed(seed)
         self._fingerprint: str | None = None
         self._tokenizer = None
@@ -162,6 +162,7 @@ class ModelRunner:
             kernel_isa=getattr(config, "kernel_isa", "auto"),
             kv_copy_threads=int(getattr(config, "kv_copy_threads", DEFAULT_KV_COPY_THREADS)),
             quantization=getattr(config, "quantization", "auto"),
+            max_num_seqs=int(getattr(config, "max_num_seqs", 64)),
         )
 
     # ---- identity ------------------------------------------------------------
@@ -178,7 +179,7 @@ class ModelRunner:
     def decode_kernel(self) -> bool:
         """Do decode steps run as the C step? (Read from the model, so that ``prepare``
         never disagrees with ``CausalLM.forward_decode`` about who takes a step.)"""
-        return getattr(self.model, "_kernel", None) is not None
+        return self.model.decode_kernel_on
 
     @property
     def max_model_len(self) -> int:
@@ -235,7 +236,7 @@ class ModelRunner:
         want = [i for i, r in enumerate(rows) if r.sample]
         extra = [(j, sp) for j, i in enumerate(want) for sp in rows[i].extra_draws]
         out: list[int | None] = [None] * (len(rows) + len(extra))
-        with self._threads.step(rows):
+        with self.backend.step_scope(rows):
             logits = self._logits(rows, want)
             if not want:
                 return out, None
@@ -284,45 +285,19 @@ class ModelRunner:
     def compute_logits(self, rows: list[RunnerRow]) -> torch.Tensor:
         """Run the step (writing KV like ``execute``) and return fp32 logits [B, V] at
         each row's last query position, whatever its ``sample`` flag."""
-        with self._threads.step(rows):
-            return self._logits(rows, range(len(rows)))
+        with self.backend.step_scope(rows):
+            return self._logits(rows, list(range(len(rows))))
 
     # ---- internals -------------------------------------------------------------
-    def _logits(self, rows: list[RunnerRow], want) -> torch.Tensor | None:
+    def _logits(self, rows: list[RunnerRow], want: list[int]) -> torch.Tensor | None:
         """fp32 logits [len(want), V] at the last query token of each row in ``want``
         (the step still writes every row's K/V); None when ``want`` is empty."""
-        tokens, positions, meta, last = self.prepare(rows)
-        if len(want) == tokens.shape[0]:  # a decode step: every token is kept
-            return self.model.decode_logits(tokens, positions, self.kv_cache, meta)
-        keep = last[list(want)] if len(want) else last[:1]  # no 0-row matmuls
-        hidden = self.model(tokens, positions, self.kv_cache, meta, keep)
-        return self.model.compute_logits(hidden) if len(want) else None
+        return self.backend.run(self.model, rows, want)
 
     def prepare(self, rows: list[RunnerRow]):
-        """Flat tokens/positions and attention metadata for a step (on the device)."""
-        check_rows(rows, self.block_size, self.kv_cache)
-        decode_rows = [i for i, r in enumerate(rows) if len(r.token_ids) == 1]
-        all_decode = len(decode_rows) == len(rows)
-        kernel_step = all_decode and self.decode_kernel
-        if kernel_step:
-            # The C step reads the paged cache through the block tables (and the rings
-            # through the state slots): no contiguous copy to plan, and the copy's slots
-            # are stale from now on.
-            self.decode_kv.forget()
-            plan = None
-        else:
-            # Every other step plans the contiguous decode K/V (a step without decode
-            # rows drops all slots: see DecodeKV's safety rules).
-            plan = self.decode_kv.plan([rows[i].block_table for i in decode_rows],
-                                       [rows[i].start_pos for i in decode_rows])
-        args = (rows, plan, self.device, self.block_size, self.kv_cache)
-        if kernel_step or (all_decode and not self.kv_cache.ring_layers):
-            tokens, positions, meta, last = decode_inputs(*args)
-        else:
-            tokens, positions, meta, last = general_inputs(*args)
-        meta.decode_kv, meta.decode_plan = self.decode_kv, plan
-        meta.max_position = max(r.start_pos + len(r.token_ids) for r in rows) - 1
-        return tokens, positions, meta, last
+        """Flat tokens/positions, attention metadata and each row's last token index
+        for a step (on the device), as the backend builds them."""
+        return self.backend.prepare(rows)
 
     def _sample(self, logits: torch.Tensor, rows: list[RunnerRow]) -> torch.Tensor:
         sp = [r.sampling for r in rows]

@@ -9,7 +9,7 @@ A backend is a metadata builder plus a per-layer forward (vLLM v1's split):
   cache, the step's K/V written first;
 - ``ops``: the layer's small ops (RMSNorm with the residual add, rotary, SiLU times up)
   as the device runs them best;
-- ``logits(model, inputs, want)``: runs the step (a decode step may replay a graph).
+- ``run(model, rows, want)``: the step's logits (a decode step may replay a graph).
 
 The model (``engine/model.py``) calls only these; it holds no device tests. The CPU
 backend (``cpu/``) keeps the C decode step, the contiguous decode K/V and the thread
@@ -20,6 +20,7 @@ small ops and replays decode steps from CUDA graphs.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import nullcontext
 
 import torch
 
@@ -60,6 +61,15 @@ class AttentionBackend(ABC):
     name: str
     ops: LayerOps
 
+    def start(self) -> None:
+        """Work done once the model runs through this backend (a GPU captures its
+        decode graphs)."""
+        return None
+
+    def step_scope(self, rows):
+        """The context a whole step (sampling included) runs in."""
+        return nullcontext()
+
     @abstractmethod
     def prepare(self, rows) -> StepInputs: ...
 
@@ -68,7 +78,9 @@ class AttentionBackend(ABC):
                 meta, scale: float) -> torch.Tensor: ...
 
     @abstractmethod
-    def logits(self, model, inputs: StepInputs, want: list[int]) -> torch.Tensor | None: ...
+    def run(self, model, rows, want: list[int]) -> torch.Tensor | None:
+        """fp32 logits [len(want), V] at the last token of each row in ``want`` (every
+        row's K/V written); None when ``want`` is empty."""
 
 
 class ReferenceAttention:

@@ -35,7 +35,7 @@ NO_WINDOW = 1 << 30
 
 
 @triton.jit
-def _paged_attention(
+def _paged_attention(  # noqa: PLR0915 (a kernel reads best top to bottom)
     q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, lse_ptr,
     tables_ptr, seq_lens_ptr, cu_q_ptr, slots_ptr,
     q_stride_t, q_stride_h, kv_stride_page, kv_stride_pos, kv_stride_h,
