@@ -116,7 +116,7 @@ def _paged_attention(  # noqa: PLR0915 (a kernel reads best top to bottom)
         lse = tl.where(seen_any, m_i + tl.log2(l_ref), float("-inf"))
         tl.store(lse_ptr + (tok * num_heads + head) * num_splits + split, lse, mask=m_ok)
     else:
-        out = acc / l_i[:, None]
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l = 0 only in masked rows
         tl.store(out_ptr + tok[:, None] * o_stride_t + head[:, None] * o_stride_h + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=store_mask)
 
