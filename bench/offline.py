@@ -354,7 +354,7 @@ def analyse(model_dir: str, prompts: list[list[int]], max_tokens: int) -> dict:
         "prefill_GFLOPS_achieved": round(_prefill_matmul_flops(runner.model, b, len(prompts[0]))
                                          / prefill_s / 1e9, 1),
         "thread_tuner_s_per_token": {f"{k[0]}/under_2^{k[1]}_tokens/{k[2]}_threads": round(v * 1e6, 1)
-                                     for k, v in runner._threads.cost.items()},
+                                     for k, v in runner.backend.threads.cost.items()},
         "load_avg_1min": round(os.getloadavg()[0], 2),
     }
     print("analysis:", json.dumps(result, indent=1), flush=True)

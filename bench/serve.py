@@ -363,6 +363,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     from pdserve.bench import (
         choices,
         compare_modes,
+        gpu,
         kv_transfer,
         peers,
         perplexity,
@@ -406,6 +407,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                        description=speculative.__doc__.splitlines()[0])
     speculative.add_args(d)
     d.set_defaults(_bench=speculative.run)
+    u = sub.add_parser("gpu", help="decode and prefill on a GPU beside the bandwidth roofline "
+                       "and transformers (random-weight Llama shapes)",
+                       description=gpu.__doc__.splitlines()[0])
+    gpu.add_args(u)
+    u.set_defaults(_bench=gpu.run)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -414,7 +420,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def register_commands(register) -> None:
     register("bench", "benchmarks: serve (load a router), compare-modes, kv-transfer, choices, "
-             "perplexity, peers, structured-output, speculative",
+             "perplexity, peers, structured-output, speculative, gpu",
              add_bench_args, run_bench)
 
 

@@ -43,7 +43,7 @@ def _paged_attention(  # noqa: PLR0915 (a kernel reads best top to bottom)
     scale_log2, window, ring_len, tiles_per_row, num_splits, num_heads,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    RING: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    RING: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -95,7 +95,10 @@ def _paged_attention(  # noqa: PLR0915 (a kernel reads best top to bottom)
         v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
         if UPCAST:
             k, v = k.to(tl.float32), v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale_log2
         seen = (k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
                 & (q_pos[:, None] - kpos[None, :] < window))
         s = tl.where(seen, s, float("-inf"))
@@ -104,7 +107,10 @@ def _paged_attention(  # noqa: PLR0915 (a kernel reads best top to bottom)
         alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
     store_mask = m_ok[:, None] & d_ok[None, :]
@@ -180,7 +186,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part = torch.empty(t, hq, num_splits, dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(t, hq, num_splits, dtype=torch.float32, device=q.device)
     d_pad = triton.next_power_of_2(dim)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
     # Triton's interpreter multiplies 16-bit floats as integers: widen them there
     upcast = interpreted() and q.dtype != torch.float32
     _paged_attention[(rows * tiles, hk, num_splits)](
@@ -190,7 +195,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out.stride(0), out.stride(1), tables.stride(0),
         scale * 1.4426950408889634, window or NO_WINDOW, ring_len, tiles, num_splits, hq,
         HEAD_DIM=dim, D_PAD=d_pad, PAGE=page, GROUP=group, BLOCK_Q=per_tile,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, RING=ring, SPLIT=split, PRECISION=precision,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, RING=ring, SPLIT=split, IEEE=q.dtype == torch.float32,
         UPCAST=upcast,
     )
     if split:

@@ -49,21 +49,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 @triton.jit
 def _rope(x_ptr, cos_ptr, sin_ptr, pos_ptr, x_stride_t, x_stride_h, table_stride, num_heads,
-          HALF: tl.constexpr, HEADS: tl.constexpr):
+          HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     p = tl.load(pos_ptr + t).to(tl.int64)
     h = tl.arange(0, HEADS)
-    c = tl.arange(0, HALF)
-    ok = (h < num_heads)[:, None]
+    c = tl.arange(0, HALF_PAD)
+    c_ok = c < HALF
+    ok = (h < num_heads)[:, None] & c_ok[None, :]
     lo = x_ptr + t * x_stride_t + h[:, None] * x_stride_h + c[None, :]
     x1 = tl.load(lo, mask=ok, other=0.0)
     x2 = tl.load(lo + HALF, mask=ok, other=0.0)
     row = p * table_stride + c
     # the tables are [positions, 2 * HALF]: cos repeated, sin with its first half negated
-    c1 = tl.load(cos_ptr + row).to(tl.float32)[None, :]
-    c2 = tl.load(cos_ptr + row + HALF).to(tl.float32)[None, :]
-    s1 = tl.load(sin_ptr + row).to(tl.float32)[None, :]
-    s2 = tl.load(sin_ptr + row + HALF).to(tl.float32)[None, :]
+    c1 = tl.load(cos_ptr + row, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + row + HALF, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + row, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + row + HALF, mask=c_ok, other=0.0).to(tl.float32)[None, :]
     a, b = x1.to(tl.float32), x2.to(tl.float32)
     tl.store(lo, (a * c1 + b * s1).to(x1.dtype), mask=ok)
     tl.store(lo + HALF, (b * c2 + a * s2).to(x1.dtype), mask=ok)
@@ -76,7 +77,8 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     covering every position."""
     t, heads, d = x.shape
     _rope[(t,)](x, cos, sin_signed, positions, x.stride(0), x.stride(1), cos.stride(0), heads,
-                HALF=d // 2, HEADS=triton.next_power_of_2(heads))
+                HALF=d // 2, HALF_PAD=triton.next_power_of_2(d // 2),
+                HEADS=triton.next_power_of_2(heads))
     return x
 
 

@@ -35,8 +35,9 @@ def test_rms_norm_and_residual_add(device, dtype, tol, n):
 
 
 @pytest.mark.parametrize("dtype,tol", DTYPES)
-def test_rope_in_place_on_the_qk_heads_of_a_qkv_view(device, dtype, tol):
-    hq, hk, d, t = 6, 2, 64, 7
+@pytest.mark.parametrize("d", [64, 80])
+def test_rope_in_place_on_the_qk_heads_of_a_qkv_view(device, dtype, tol, d):
+    hq, hk, t = 6, 2, 7
     table = RopeTable(inv_frequencies(d, 10000.0).to(device), initial=64)
     positions = torch.tensor([0, 3, 9, 63, 200, 5, 1], device=device)  # 200: the table grows
     qkv = _randn(t, hq + 2 * hk, d, dtype=dtype, device=device)

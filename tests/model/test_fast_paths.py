@@ -132,7 +132,7 @@ def _pair(path, kernel=False):
     copy is disabled (always gathers)."""
     fast = ModelRunner(path, num_kv_blocks=64, num_state_slots=8, decode_kernel=kernel)
     slow = ModelRunner(path, num_kv_blocks=64, num_state_slots=8, decode_kernel=False)
-    slow.decode_kv.max_bytes = 0
+    slow.backend.decode_kv.max_bytes = 0
     return fast, slow
 
 
@@ -153,7 +153,7 @@ def test_decode_copy_equals_gather_when_rows_come_and_go(tiny_dirs, h, kernel):
     if kernel and not decode_step.available():
         pytest.skip(_kernel_off_reason("the C decode step"))
     fast, slow = _pair(tiny_dirs["llama"], kernel)
-    assert fast.decode_kv.max_bytes > 0
+    assert fast.backend.decode_kv.max_bytes > 0
     p = h.prompts_of([20, 15, 33, 40], seed=11)
     t = {0: [1, 2], 1: [3, 4], 2: [5, 6, 7], 3: [8, 9, 10], 4: [3, 11]}  # 4: fork of 1
     pos = {0: 20, 1: 15, 2: 33}
@@ -167,7 +167,7 @@ def test_decode_copy_equals_gather_when_rows_come_and_go(tiny_dirs, h, kernel):
     for order in ([0, 1, 2], [2, 0], [1, 0, 2], [0, 2, 1]):
         _same(fast, slow, [dec(i) for i in order])
     # The copy is in use on the torch path; the C step keeps none.
-    assert len(fast.decode_kv.keys) == (0 if kernel else 3) and not slow.decode_kv.keys
+    assert len(fast.backend.decode_kv.keys) == (0 if kernel else 3) and not slow.backend.decode_kv.keys
     # Row 1 now has 15 + 3 = 18 positions; a prefill chunk shares a step with decodes.
     _same(fast, slow, [RunnerRow(p[3][:30], 0, t[3]), dec(0), dec(2)])
     _same(fast, slow, [RunnerRow(p[3][30:], 30, t[3]), dec(1), dec(0)])
