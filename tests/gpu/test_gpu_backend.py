@@ -67,7 +67,8 @@ def test_prefix_hit_and_fork_equal_a_cold_run(runners):
     assert hit == cold
     for r in (cpu, gpu):  # a fork: block 8 (positions 32..39) copied to block 11
         r.kv_cache.copy_block(8, 11)
-        r.kv_cache.copy_state(4, 6) if r.kv_cache.ring_layers else None
+        if r.kv_cache.ring_layers:
+            r.kv_cache.copy_state(4, 6)
     forked = _same(cpu, gpu, [RunnerRow([cold[0]], 40, [6, 7, 11], 6)])
     again = _same(cpu, gpu, [RunnerRow([cold[0]], 40, [6, 7, 8], 4)])
     assert forked == again
