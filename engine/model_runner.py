@@ -145,9 +145,10 @@ class ModelRunner:
         threads = getattr(config, "num_threads", None)
         if threads:
             torch.set_num_threads(int(threads))
+        max_seqs = int(getattr(config, "max_num_seqs", 64))
         slots = getattr(config, "num_state_slots", None)
         if slots is None:
-            slots = 2 * int(getattr(config, "max_num_seqs", 64)) + 1
+            slots = 2 * max_seqs + 1
         return cls(
             config.model_dir,
             dtype=getattr(config, "dtype", "float32"),
@@ -162,7 +163,7 @@ class ModelRunner:
             kernel_isa=getattr(config, "kernel_isa", "auto"),
             kv_copy_threads=int(getattr(config, "kv_copy_threads", DEFAULT_KV_COPY_THREADS)),
             quantization=getattr(config, "quantization", "auto"),
-            max_num_seqs=int(getattr(config, "max_num_seqs", 64)),
+            max_num_seqs=max_seqs,
         )
 
     # ---- identity ------------------------------------------------------------

@@ -13,10 +13,14 @@ The matmul layouts (panels, packed, quantized records) stay with the weights
 
 from __future__ import annotations
 
-from pdserve.engine.backends.base import AttentionBackend, LayerOps, StepInputs
+from pdserve.engine.backends.base import (
+    AttentionBackend,
+    LayerOps,
+    ReferenceAttention,
+    StepInputs,
+)
 from pdserve.engine.step_inputs import check_rows, decode_inputs, general_inputs
 from pdserve.engine.thread_tuner import ThreadTuner
-from pdserve.kernels.attention import attention_step
 from pdserve.kernels.decode_kv import DecodeKV
 from pdserve.kernels.kv_cache import KVCache
 
@@ -62,9 +66,7 @@ class CpuBackend(AttentionBackend):
         meta.max_position = max(r.start_pos + len(r.token_ids) for r in rows) - 1
         return tokens, positions, meta, last
 
-    @staticmethod
-    def forward(layer, q, k, v, cache, meta, scale):
-        return attention_step(q, k, v, layer, cache, meta, scale)
+    forward = staticmethod(ReferenceAttention.forward)  # decode rows: meta.decode_kv
 
     def run(self, model, rows, want: list[int]):
         tokens, positions, meta, last = self.prepare(rows)

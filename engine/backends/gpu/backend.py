@@ -4,7 +4,7 @@ Request lifecycle of one step:
 
 1. ``prepare``: the rows become one pinned int32 buffer (``inputs.py``), copied to the
    device without blocking; the metadata is views of it plus host-side bounds.
-2. ``logits``: a decode step whose rows fit a captured graph replays it
+2. ``run``: a decode step whose rows fit a captured graph replays it
    (``graphs.py``); any other step runs the model eagerly.
 3. ``forward`` (per layer): the step's K/V written to their pages
    (``layer_ops.write_kv``), then ``kernels/gpu/attention.paged_attention`` over the
@@ -20,7 +20,13 @@ import torch
 
 from pdserve.engine.backends.base import AttentionBackend, StepInputs
 from pdserve.engine.backends.gpu.graphs import DecodeGraphs
-from pdserve.engine.backends.gpu.inputs import GpuMetadata, Layout, fill, host_buffer
+from pdserve.engine.backends.gpu.inputs import (
+    GpuMetadata,
+    Layout,
+    fill,
+    host_buffer,
+    table_width,
+)
 from pdserve.engine.backends.gpu.ops import FusedOps
 from pdserve.engine.step_inputs import check_rows, general_inputs
 from pdserve.kernels.attention import attention_step
@@ -51,25 +57,22 @@ class GpuBackend(AttentionBackend):
         cache = self.cache
         check_rows(rows, cache.block_size, cache)
         t = sum(len(r.token_ids) for r in rows)
-        width = max(-(-(r.start_pos + len(r.token_ids)) // cache.block_size) for r in rows)
-        layout = Layout(rows=len(rows), tokens=t, width=width)
+        layout = Layout(rows=len(rows), tokens=t, width=table_width(rows, cache.block_size))
         host = host_buffer(layout.size(), self.device)
         fill(layout.views(host), rows, cache)
         dev = layout.views(host.to(self.device, non_blocking=True))
         meta = self.metadata(dev, rows, t)
         return dev["tokens"], dev["positions"], meta, dev["last"]
 
-    def metadata(self, dev: dict[str, torch.Tensor], rows, num_tokens: int,
-                 padded_rows: int | None = None) -> GpuMetadata:
+    def metadata(self, dev: dict[str, torch.Tensor], rows, num_tokens: int) -> GpuMetadata:
         """``dev``: the fields' device views (``Layout.views``)."""
         max_q = max(len(r.token_ids) for r in rows)
         decode = max_q == 1
-        n = padded_rows or len(rows)
         meta = GpuMetadata(
             positions=dev["positions"], slots=dev["slots"], ring_slots=dev["ring_slots"],
             cu_q=dev["cu_q"], seq_lens=dev["seq_lens"], state_slots=dev["state_slots"],
             tables=dev["tables"], max_q=max_q,
-            splits=decode_splits(n, self.cache.num_kv_heads, self.units) if decode else 1,
+            splits=decode_splits(len(rows), self.cache.num_kv_heads, self.units) if decode else 1,
             max_position=max(r.start_pos + len(r.token_ids) for r in rows) - 1,
             num_tokens=num_tokens, ring_write_first=decode)
         if self.cache.ring_layers and not decode:

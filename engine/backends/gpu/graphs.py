@@ -20,7 +20,13 @@ import time
 
 import torch
 
-from pdserve.engine.backends.gpu.inputs import GpuMetadata, Layout, fill, host_buffer
+from pdserve.engine.backends.gpu.inputs import (
+    GpuMetadata,
+    Layout,
+    fill,
+    host_buffer,
+    table_width,
+)
 from pdserve.engine.step_inputs import check_rows
 from pdserve.kernels.gpu.attention import decode_splits
 
@@ -72,8 +78,7 @@ class DecodeGraphs:
         return logits[:len(rows)]
 
     def _upload(self, rows, size: int) -> None:
-        bs = self.cache.block_size
-        width = max([-(-(r.start_pos + 1) // bs) for r in rows] + [1])
+        width = table_width(rows, self.cache.block_size)
         views = self.layout.views(self.host)
         # this step's tables, compact: one contiguous copy of [size, width]
         views["tables"] = self.host[self.vector_len:self.vector_len + size * width].view(

@@ -111,6 +111,11 @@ def fill(views: dict[str, torch.Tensor], rows, cache, padded_rows: int | None = 
         tables[r, 0] = 0
 
 
+def table_width(rows, block_size: int) -> int:
+    """Block-table columns a step's rows need (at least 1: a graph's padding rows)."""
+    return max([-(-(r.start_pos + len(r.token_ids)) // block_size) for r in rows] + [1])
+
+
 def host_buffer(n: int, device: torch.device) -> torch.Tensor:
     """An int32 host buffer, pinned where it feeds a GPU (a non-blocking copy then)."""
     return torch.empty(n, dtype=torch.int32, pin_memory=device.type == "cuda")
