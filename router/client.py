@@ -121,9 +121,13 @@ def build_request(prompt: str | Sequence[int] | Sequence[Mapping[str, str]], *,
 
 def structured_output_message(spec: router_pb2.StructuredOutput | Mapping
                               ) -> router_pb2.StructuredOutput:
-    """``{kind: value}`` (one entry) as a StructuredOutput message; a message as is."""
+    """``{kind: value}`` (one entry, and ``"loose": True`` beside a json_schema whose
+    keywords the grammar cannot enforce may only advise) as a StructuredOutput message;
+    a message as is."""
     if isinstance(spec, router_pb2.StructuredOutput):
         return spec
+    spec = dict(spec)
+    loose = bool(spec.pop("loose", False))
     if len(spec) != 1:
         raise ValueError("structured_output must hold one of json_schema, json_object, "
                          "regex, grammar, choice")
@@ -132,7 +136,7 @@ def structured_output_message(spec: router_pb2.StructuredOutput | Mapping
         return router_pb2.StructuredOutput(choice=router_pb2.ChoiceList(choices=list(value)))
     if kind == "json_schema" and not isinstance(value, str):
         value = json.dumps(value)
-    return router_pb2.StructuredOutput(**{kind: value})
+    return router_pb2.StructuredOutput(**{kind: value}, loose=loose)
 
 
 def channel_credentials(tls_ca_file: str | None) -> grpc.ChannelCredentials | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 from fastapi import FastAPI, Request
@@ -44,10 +45,13 @@ from pdserve.router.openai_response import (
     completion_events,
     raise_if_failed,
 )
+from pdserve.router.openai_structured import ADVISORY_HEADER, advisories
 from pdserve.router.openai_tools import chat_inputs
 from pdserve.router.validation import RequestError, prepare
 
 MAX_BODY_BYTES = 16 << 20
+
+log = logging.getLogger(__name__)
 
 
 class OpenAIFront:
@@ -123,11 +127,14 @@ class OpenAIFront:
         c, prompts = completion_fields(body)
         states = await self.admit(prompts, c, tenant)
         rid = f"cmpl-{states[0].rid}"
+        headers = self._advice(c)
         if c.stream:
-            return self._sse(completion_events(self.svc, self.model_name, rid, states, c))
+            return self._sse(completion_events(self.svc, self.model_name, rid, states, c),
+                             headers)
         collected = await asyncio.gather(*(collect(self.svc, s) for s in states))
         raise_if_failed(collected)
-        return completion_body(self.svc.tokenizer, self.model_name, rid, states, collected, c)
+        return JSONResponse(completion_body(self.svc.tokenizer, self.model_name, rid, states,
+                                            collected, c), headers=headers)
 
     async def chat(self, request):
         tenant = self.authenticate(request)
@@ -136,11 +143,25 @@ class OpenAIFront:
         prompt_ids = self._chat_prompt_ids(self._render_chat(body, c))
         states = await self.admit([prompt_ids], c, tenant)
         rid = f"chatcmpl-{states[0].rid}"
+        headers = self._advice(c)
         if c.stream:
-            return self._sse(chat_events(self.svc, self.model_name, rid, states, c))
+            return self._sse(chat_events(self.svc, self.model_name, rid, states, c), headers)
         collected = await asyncio.gather(*(collect(self.svc, s) for s in states))
         raise_if_failed(collected)
-        return chat_body(self.svc.tokenizer, self.model_name, rid, states, collected, c)
+        return JSONResponse(chat_body(self.svc.tokenizer, self.model_name, rid, states,
+                                      collected, c), headers=headers)
+
+    @staticmethod
+    def _advice(c: Common) -> dict[str, str]:
+        """The response's header naming what a loose JSON schema asks that the grammar
+        does not enforce (``openai_structured.advisories``), logged too."""
+        advice = advisories(c.structured_output)
+        if not advice:
+            return {}
+        text = "; ".join(advice)
+        log.warning("a JSON schema's keywords only advise (the grammar does not enforce "
+                    "them): %s", text[:500])
+        return {ADVISORY_HEADER: text.encode("ascii", "backslashreplace").decode()[:2000]}
 
     def _render_chat(self, body: dict, c: Common) -> str:
         """The conversation in ``messages`` as the model's chat template writes it, with
@@ -168,7 +189,7 @@ class OpenAIFront:
             return list(encode(self.svc.tokenizer, prompt))
         return list(self.svc.tokenizer.encode(prompt))
 
-    def _sse(self, events):
+    def _sse(self, events, headers: dict[str, str]):
         async def lines():
             try:
                 async for event in events:
@@ -178,7 +199,7 @@ class OpenAIFront:
                 await events.aclose()  # ends the requests of a stream the client left
 
         return _ClosingStream(lines(), media_type="text/event-stream",
-                              headers={"Cache-Control": "no-cache"})
+                              headers={"Cache-Control": "no-cache", **headers})
 
 
 class _ClosingStream(StreamingResponse):

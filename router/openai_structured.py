@@ -4,7 +4,9 @@ Three spellings, at most one per request (vLLM's semantics):
 
 - OpenAI's ``response_format``: ``{"type": "text"}`` (none), ``{"type": "json_object"}``,
   ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``
-  (the answer is always held to the schema, ``strict`` or not);
+  (the answer is held to the schema, ``strict`` or not; a keyword the grammar cannot
+  enforce, ``router/schema_audit.py``, is refused under ``strict: true`` and only
+  advises without it: ``advisories`` names them for the response's header);
 - vLLM's ``structured_outputs``: an object with exactly one of ``json`` (a schema, or
   its JSON text), ``regex``, ``grammar``, ``choice`` (a list of strings) or
   ``json_object`` (true);
@@ -22,6 +24,7 @@ import json
 from typing import Any
 
 from pdserve.router.openai_request import HTTPError, body_field
+from pdserve.router.schema_audit import unenforced
 from pdserve.rpc import router_pb2
 
 # vLLM's older top-level fields -> the structured_outputs key they stand for
@@ -73,7 +76,10 @@ def _response_format(body: dict) -> tuple[router_pb2.StructuredOutput, str] | No
         raise HTTPError(400, "response_format.json_schema.schema must be a JSON schema (an "
                         "object)", "response_format")
     field = "response_format.json_schema.schema"
-    return message("json", spec["schema"], field), field
+    so = message("json", spec["schema"], field)
+    # OpenAI's default is strict: false: keywords the grammar cannot enforce only advise
+    so.loose = spec.get("strict") is not True
+    return so, field
 
 
 def _structured_outputs(body: dict) -> tuple[router_pb2.StructuredOutput, str] | None:
@@ -96,6 +102,20 @@ def _guided(body: dict, name: str) -> tuple[router_pb2.StructuredOutput, str] | 
     if body.get(name) is None:
         return None
     return message(GUIDED[name], body[name], name), name
+
+
+def advisories(so: router_pb2.StructuredOutput | None) -> list[str]:
+    """What a loose JSON schema asks that the grammar does not enforce ("uniqueItems at
+    $.properties.langs"): the response says so (``ADVISORY_HEADER``)."""
+    if so is None or not so.loose or so.WhichOneof("kind") != "json_schema":
+        return []
+    try:
+        return [str(f) for f in unenforced(json.loads(so.json_schema))]
+    except ValueError:  # refused by the shared validation before any answer
+        return []
+
+
+ADVISORY_HEADER = "X-PDServe-Schema-Advisory"
 
 
 def message(kind: str, value: Any, field: str) -> router_pb2.StructuredOutput:

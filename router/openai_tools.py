@@ -96,7 +96,8 @@ def tool_fields(body: dict, c) -> None:
         raise HTTPError(400, f"tools: the schema of the forced call is {len(spec)} characters,"
                         f" more than a guide may hold ({MAX_GUIDE_CHARS})", "tools")
     try:
-        c.structured_output = router_pb2.StructuredOutput(json_schema=spec)
+        strict = all(t["function"].get("strict") is True for t in _called(plan))
+        c.structured_output = router_pb2.StructuredOutput(json_schema=spec, loose=not strict)
     except ValueError as exc:  # a string protobuf cannot hold (a lone surrogate)
         raise HTTPError(400, f"tools must be valid Unicode text: {exc}", "tools") from None
     c.structured_field = "tools"
@@ -219,12 +220,16 @@ def _tool_choice(body: dict, names: list[str]) -> tuple[str, str | None]:
 
 # -- the guide of a forced call ------------------------------------------------------------
 
+def _called(plan: ToolPlan) -> list[dict]:
+    """The tools a forced call may name."""
+    return [t for t in plan.tools if plan.choice != "named" or t["function"]["name"] == plan.named]
+
+
 def call_schema(plan: ToolPlan) -> dict:
     """The JSON schema a forced call's answer is held to: ``{"name": NAME, "arguments":
     PARAMETERS}`` for the named tool, or any of the tools' ("required"). A tool's local
     ``$ref``s ("#/...") are rewritten to where its parameters now sit."""
-    tools = [t for t in plan.tools if plan.choice != "named"
-             or t["function"]["name"] == plan.named]
+    tools = _called(plan)
     if len(tools) == 1:
         return _call_object(tools[0], "#/properties/arguments")
     return {"anyOf": [_call_object(t, f"#/anyOf/{i}/properties/arguments")

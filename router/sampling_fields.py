@@ -18,6 +18,7 @@ import grpc
 
 from pdserve.engine.guided_decoding import MAX_CHOICES as MAX_GUIDE_CHOICES
 from pdserve.engine.guided_decoding import check_guide
+from pdserve.router.schema_audit import unenforced
 from pdserve.router.validation import RequestError, invalid
 from pdserve.scheduler.sampling_params import (
     LOGIT_BIAS_RANGE,
@@ -151,7 +152,9 @@ def word_token_ids(word: str, tokenizer) -> list[tuple[int, ...]]:
 def guide_of(so) -> Guide:
     """The ``Guide`` of a StructuredOutput message, parsed (``check_guide``): a bad one is
     INVALID_ARGUMENT naming the field with the parser's reason, e.g.
-    ``structured_output.json_schema: Unsupported type "foo"``."""
+    ``structured_output.json_schema: Unsupported type "foo"``. A JSON schema with a
+    keyword the grammar cannot enforce (``router/schema_audit.py``) is refused naming it
+    and its path, unless the message is ``loose``."""
     kind = so.WhichOneof("kind")
     if kind is None:
         raise invalid("structured_output must set one of json_schema, json_object, regex, "
@@ -177,7 +180,18 @@ def guide_of(so) -> Guide:
     problem = guide_problem(guide)
     if problem is not None:
         raise invalid(f"{name}: {problem}")
+    if kind == "json_schema" and not so.loose:
+        _refuse_unenforced(name, spec)
     return guide
+
+
+def _refuse_unenforced(name: str, spec: str) -> None:
+    findings = unenforced(json.loads(spec))
+    if findings:
+        more = f" (and {len(findings) - 1} more)" if len(findings) > 1 else ""
+        raise invalid(f"{name}: {findings[0]} is not enforced by the grammar engine, so the "
+                      f"answer could break the schema{more}; remove it, or ask without "
+                      f"strict (then it only advises)")
 
 
 def guide_problem(guide: Guide) -> str | None:

@@ -139,3 +139,58 @@ def test_decode_rank_killed_mid_answer_moved_requests_still_validate(real_router
         jsonschema.validate(json.loads(out.text), PERSON)
     assert real_router.service.num_moves > moves  # answers did move mid-way
     real_router.assert_nothing_left(timeout=60)
+
+
+LANGS = {  # the schema of the strict-schema issue: the grammar does not enforce uniqueItems
+    "type": "object", "properties": {"person": {"type": "object", "properties": {
+        "name": {"type": "string"},
+        "born": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
+        "langs": {"type": "array", "items": {"enum": ["en", "fr", "de", "es"]},
+                  "uniqueItems": True}},
+        "required": ["name", "born", "langs"], "additionalProperties": False}},
+    "required": ["person"], "additionalProperties": False}
+
+
+def test_a_strict_schema_the_grammar_cannot_keep_is_refused_naming_keyword_and_path(
+        real_router):
+    """Refused before any rank sees it, over HTTP (strict: true) and gRPC (a gRPC schema
+    is strict unless ``loose``), never answered with text that breaks it."""
+    import grpc
+
+    from pdserve.router.client import Client
+
+    where = "uniqueItems at $.properties.person.properties.langs"
+    with _client(real_router) as c, pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8,
+                                  response_format=_json_schema_format(LANGS))
+    assert where in str(err.value) and "response_format" in str(err.value)
+    with Client(real_router.address, timeout=60) as grpc_client:
+        with pytest.raises(grpc.RpcError) as failed:
+            grpc_client.generate("hi", max_tokens=8, structured_output={"json_schema": LANGS})
+    assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert where in failed.value.details()
+
+
+def test_a_loose_schema_is_answered_with_the_advisory_named_in_a_header(real_router):
+    loose = {"type": "json_schema", "json_schema": {"name": "p", "schema": LANGS}}
+    with _client(real_router) as c:
+        raw = c.chat.completions.with_raw_response.create(
+            model=MODEL, messages=ASK, max_tokens=12, temperature=0, response_format=loose)
+        streamed = c.chat.completions.with_raw_response.create(
+            model=MODEL, messages=ASK, max_tokens=4, temperature=0, response_format=loose,
+            stream=True)
+    for response in (raw, streamed):
+        assert response.headers["x-pdserve-schema-advisory"] == (
+            "uniqueItems at $.properties.person.properties.langs")
+    assert raw.parse().choices[0].message.content.startswith('{"person": {"name": "')
+    strict_ok = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
+    with _client(real_router) as c:
+        plain = c.chat.completions.with_raw_response.create(
+            model=MODEL, messages=ASK, max_tokens=4, response_format=strict_ok)
+    assert "x-pdserve-schema-advisory" not in plain.headers
+    from pdserve.router.client import Client
+
+    with Client(real_router.address, timeout=60) as grpc_client:  # gRPC's loose
+        out = grpc_client.generate("hi", max_tokens=4, temperature=0,
+                                   structured_output={"json_schema": LANGS, "loose": True})
+    assert out.text.startswith("{") and out.finish_reason == "length"

@@ -356,6 +356,12 @@ def test_each_structured_output_becomes_its_guide(structured, guide):
     assert prepared(request("hi", structured_output=structured)).guide == guide
 
 
+def test_a_loose_schema_keeps_keywords_the_grammar_cannot_enforce():
+    spec = '{"type": "array", "uniqueItems": true}'
+    assert prepared(request("hi", structured_output=so(json_schema=spec, loose=True))
+                    ).guide == Guide("json", spec)
+
+
 @pytest.mark.parametrize("fields, words", [
     ({"presence_penalty": 2.5}, "presence_penalty must be a number in [-2, 2]"),
     ({"presence_penalty": math.nan}, "presence_penalty"),
@@ -394,6 +400,11 @@ def test_each_structured_output_becomes_its_guide(structured, guide):
     ({"structured_output": so(choice=["a"] * 257)}, "structured_output.choice must hold"),
     ({"structured_output": so(json_object=True), "ignore_eos": True},
      "ignore_eos cannot be combined with structured_output"),
+    ({"structured_output": so(json_schema='{"properties": {"x": {"not": {}}}}')},
+     "structured_output.json_schema: not at $.properties.x is not enforced by the grammar"),
+    ({"structured_output": so(json_schema='{"uniqueItems": true, "oneOf": [{}, {}]}')},
+     "structured_output.json_schema: uniqueItems at $ is not enforced by the grammar engine, "
+     "so the answer could break the schema (and 1 more)"),
 ])
 def test_bad_controls_are_invalid_argument_naming_the_field(fields, words):
     message = rejected(request("hi", **fields), SpecialByteTokenizer())
