@@ -12,6 +12,7 @@ xgrammar by a schema and an instance that breaks the keyword
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,8 @@ IGNORED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas",
 FORMATS = frozenset({"email", "date", "date-time", "time", "duration", "uuid", "uri",
                      "uri-reference", "uri-template", "ipv4", "ipv6", "hostname",
                      "json-pointer", "relative-json-pointer"})
+# a lookahead in a ``pattern`` (not after a backslash): xgrammar drops it silently
+LOOKAHEAD = re.compile(r"(?<!\\)\(\?[=!]")
 # keywords whose value is a subschema, a list of them, or a map of names to them
 ONE = ("additionalProperties", "items", "not", "if", "then", "else", "contains",
        "propertyNames", "unevaluatedProperties", "unevaluatedItems", "additionalItems")
@@ -79,6 +82,8 @@ def _ignored(schema: dict, keyword: str) -> bool:
         return isinstance(value, list) and len(value) > 1
     if keyword == "format":
         return value not in FORMATS
+    if keyword == "pattern":
+        return isinstance(value, str) and LOOKAHEAD.search(value) is not None
     if keyword == "multipleOf":  # enforced for integers only
         types = schema.get("type")
         types = types if isinstance(types, list) else [types]
@@ -87,6 +92,8 @@ def _ignored(schema: dict, keyword: str) -> bool:
 
 
 def _named(schema: dict, keyword: str) -> str:
+    if keyword == "pattern":
+        return "pattern lookahead"
     return f"format \"{schema[keyword]}\"" if keyword == "format" else keyword
 
 

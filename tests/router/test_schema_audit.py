@@ -33,6 +33,7 @@ IGNORED = {
     'format "iri"': ({"type": "string", "format": "iri"}, '"!! zz"'),
     'format "regex"': ({"type": "string", "format": "regex"}, '"(("'),
     "multipleOf": ({"type": "number", "multipleOf": 0.5}, "0.3"),
+    "pattern lookahead": ({"type": "string", "pattern": "(?!x)[a-z]"}, '"x"'),
 }
 ENFORCED = {
     "uniqueItems false": ({**INTS, "uniqueItems": False}, "[1.5]"),
@@ -42,6 +43,7 @@ ENFORCED = {
     "allOf of one": ({"allOf": [{"type": "integer", "minimum": 3}]}, "2"),
     "anyOf": ({"anyOf": [{"type": "integer"}, {"type": "boolean"}]}, '"s"'),
     "pattern": ({"type": "string", "pattern": "^[0-9]{2}$"}, '"abc"'),
+    "pattern with an escaped paren": ({"type": "string", "pattern": "^a\\(?=b$"}, '"a(=c"'),
     "minimum": ({"type": "integer", "minimum": 3}, "2"),
     "maxLength": ({"type": "string", "maxLength": 3}, '"abcd"'),
     "additionalProperties": ({**OBJ, "additionalProperties": False}, '{"c": 1}'),

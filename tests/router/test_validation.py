@@ -394,6 +394,13 @@ def test_a_loose_schema_keeps_keywords_the_grammar_cannot_enforce():
     ({"structured_output": so(json_schema=" " * 70000)},
      "structured_output.json_schema must be at most 65536 characters"),
     ({"structured_output": so(regex="a[b")}, "structured_output.regex: Regex parsing error"),
+    # what the grammar engine cannot keep is refused with its reason, never approximated
+    ({"structured_output": so(regex="(?=ab)a.")},
+     "structured_output.regex: Regex parsing error at position 3: Lookahead is not supported"),
+    ({"structured_output": so(regex=r"(a)\1")},
+     "structured_output.regex: Regex parsing error at position 4: Backreference is not"),
+    ({"structured_output": so(regex=r"a\bb")},
+     "structured_output.regex: Regex parsing error at position 2: Word boundary is not"),
     ({"structured_output": so(grammar="root ::= ")}, "structured_output.grammar: EBNF parser"),
     ({"structured_output": so(choice=[])}, "structured_output.choice must hold 1..256"),
     ({"structured_output": so(choice=["a", ""])}, "structured_output.choice: "),
