@@ -89,6 +89,9 @@ def add_control_args(p: argparse.ArgumentParser) -> None:
                     help="structured output: the answer is one of these (repeat the flag)")
     so.add_argument("--grammar", metavar="FILE",
                     help="structured output: an EBNF grammar file (xgrammar's syntax, rule root)")
+    p.add_argument("--loose-schema", action="store_true",
+                   help="with --json-schema: keywords the grammar cannot enforce (uniqueItems, "
+                   "not, ...) only advise instead of refusing the request")
 
 
 def control_options(args: argparse.Namespace) -> dict:
@@ -102,7 +105,7 @@ def control_options(args: argparse.Namespace) -> dict:
             json.loads(text)
         except ValueError as exc:
             raise ValueError(f"--json-schema {args.json_schema}: not valid JSON: {exc}") from None
-        out["structured_output"] = {"json_schema": text}
+        out["structured_output"] = {"json_schema": text, "loose": args.loose_schema}
     elif args.grammar:
         out["structured_output"] = {"grammar": _read_text(args.grammar, "--grammar")}
     elif args.regex is not None:

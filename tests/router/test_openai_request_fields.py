@@ -254,6 +254,10 @@ def test_generate_cli_flags_reach_the_request(tmp_path):
     assert (req.presence_penalty, req.frequency_penalty, req.min_tokens, req.min_p) == (
         0.5, 1.0, 2, 0.5)
     assert req.structured_output.json_schema == json.dumps(SCHEMA)
+    assert not req.structured_output.loose  # strict unless asked
+    loose = build_request("hi", **control_options(parser.parse_args(
+        ["hi", "--json-schema", str(schema), "--loose-schema"])))
+    assert loose.structured_output.loose
     choice = build_request("hi", **control_options(parser.parse_args(
         ["hi", "--choice", "yes", "--choice", "no"])))
     assert list(choice.structured_output.choice.choices) == ["yes", "no"]
