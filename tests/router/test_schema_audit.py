@@ -6,6 +6,7 @@ enforces more (or less) fails here and the table in docs/structured-output.md is
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -73,13 +74,8 @@ def test_each_enforced_keyword_stops_a_breaking_answer(case):
 
 
 def test_the_issues_schema_names_unique_items_at_its_path():
-    schema = {"type": "object", "properties": {"person": {"type": "object", "properties": {
-        "name": {"type": "string"},
-        "born": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
-        "langs": {"type": "array", "items": {"enum": ["en", "fr", "de", "es"]},
-                  "uniqueItems": True}},
-        "required": ["name", "born", "langs"], "additionalProperties": False}},
-        "required": ["person"], "additionalProperties": False}
+    schema = json.loads((Path(__file__).parent.parent / "data" / "unique_langs_schema.json")
+                        .read_text())
     assert unenforced(schema) == [Finding("uniqueItems", "$.properties.person.properties.langs")]
     assert str(unenforced(schema)[0]) == "uniqueItems at $.properties.person.properties.langs"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -141,14 +142,9 @@ def test_decode_rank_killed_mid_answer_moved_requests_still_validate(real_router
     real_router.assert_nothing_left(timeout=60)
 
 
-LANGS = {  # the schema of the strict-schema issue: the grammar does not enforce uniqueItems
-    "type": "object", "properties": {"person": {"type": "object", "properties": {
-        "name": {"type": "string"},
-        "born": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
-        "langs": {"type": "array", "items": {"enum": ["en", "fr", "de", "es"]},
-                  "uniqueItems": True}},
-        "required": ["name", "born", "langs"], "additionalProperties": False}},
-    "required": ["person"], "additionalProperties": False}
+# the schema of the strict-schema issue: the grammar does not enforce its uniqueItems
+LANGS = json.loads((Path(__file__).parent.parent / "data" / "unique_langs_schema.json")
+                   .read_text())
 
 
 def test_a_strict_schema_the_grammar_cannot_keep_is_refused_naming_keyword_and_path(
