@@ -389,7 +389,8 @@ def _check_router_released(svc: Any, result: ScenarioResult) -> None:
 
 
 def chaos_router_config(model_dir: str, transport: str, *, fault_rate: float = 0.01,
-                        seed: int = 0, prefill: int = 2, decode: int = 2):
+                        seed: int = 0, prefill: int = 2, decode: int = 2,
+                        collective_timeout_s: float = 3.0):
     from pdserve.rank.fault_injection import FaultyEngineFactory
     from pdserve.router.config import PoolConfig, RouterConfig
 
@@ -402,7 +403,7 @@ def chaos_router_config(model_dir: str, transport: str, *, fault_rate: float = 0
         decode=PoolConfig("decode", replicas=decode, num_cpus=0.25, resources={"decode": 1},
                           engine=engine),
         engine_factory=FaultyEngineFactory(rate=fault_rate, seed=seed) if fault_rate else None,
-        collective_timeout_s=3.0, drain_timeout_s=5.0, rank_wait_s=30.0,
+        collective_timeout_s=collective_timeout_s, drain_timeout_s=5.0, rank_wait_s=30.0,
         handoff_timeout_s=20.0, rank_unresponsive_s=30.0, rank_call_timeout_s=10.0,
         max_attempts=12)
 

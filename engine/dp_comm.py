@@ -10,7 +10,9 @@ implements it over ``torch.distributed`` with a process group of its own (a
 - a group can be closed and a new one formed with another world size in the same
   processes (pool resizing: drain, ``close()``, build the next one);
 - every collective has a timeout: a dead or hung peer makes ``all_reduce_min`` raise
-  ``CollectiveError`` instead of wedging the rank.
+  ``CollectiveError`` instead of wedging the rank;
+- a rank told from outside that a peer is dead (``abort``) is released from a
+  collective at once, without waiting for the timeout.
 
 ``listen_store`` hosts a ``TCPStore`` that listens on one address only (a plain
 ``TCPStore(host, ...)`` server listens on every interface, whatever ``host`` says).
@@ -24,6 +26,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import threading
 import time
 from typing import Any
 from urllib.parse import urlparse
@@ -120,6 +123,9 @@ class TorchDistCommunicator:
         self.seconds = 0.0
         self._closed = False
         self._broken: str | None = None
+        self._aborted: str | None = None
+        self._done = threading.Event()  # the collective in progress ended (or was aborted)
+        self._stuck: Any = None  # an aborted collective's (work, done), still running in gloo
         self._store: dist.Store | None = None  # held only when this rank created it
         self._pg: Any = None
         if world_size == 1:
@@ -163,6 +169,7 @@ class TorchDistCommunicator:
 
     def all_reduce_min(self, value: int) -> int:
         """The minimum of ``value`` over the group's ranks; every rank must call it."""
+        done = self._done = threading.Event()  # before the check: see abort
         if self._closed:
             raise CollectiveError(f"rank {self.rank}: the group ({self.name}) is closed")
         if self._broken is not None:
@@ -175,6 +182,19 @@ class TorchDistCommunicator:
         t = torch.tensor([int(value)], dtype=torch.int64, device=self.device)
         try:
             work = self._pg.allreduce([t], self._op)
+            # Waited on through its future, so that abort can end the wait at once
+            # (gloo's own wait cannot be interrupted); the group's timeout ends the work.
+            ended = threading.Event()  # the work's own end, whatever abort says
+
+            def on_end(_: Any) -> None:
+                ended.set()
+                done.set()
+
+            work.get_future().add_done_callback(on_end)
+            done.wait(self.timeout + 5.0)
+            if self._aborted is not None:
+                self._stuck = (work, ended)
+                raise CollectiveError(f"aborted: {self._aborted}")
             work.wait(datetime.timedelta(seconds=self.timeout))
             out = int(t.item())
         except Exception as e:  # gloo and NCCL raise RuntimeError subclasses or DistErrors
@@ -187,12 +207,24 @@ class TorchDistCommunicator:
             self.seconds += time.perf_counter() - start
         return out
 
+    def abort(self, why: str) -> None:
+        """A peer is known to be dead (``why``): the collective in progress, if any, and
+        every later one raise ``CollectiveError`` at once. From any thread; the group
+        must then be closed (``close``) and formed again."""
+        self._aborted = why
+        self._broken = self._broken or f"aborted: {why}"
+        pg = self._pg
+        if pg is not None and self.backend == "nccl":  # pragma: no cover - needs GPUs
+            pg.abort()  # releases a kernel waiting on the dead peer
+        self._done.set()
+
     def close(self) -> None:
         """Tear the group down (idempotent). Peers must not be inside a collective."""
         if self._closed:
             return
         self._closed = True
         pg, self._pg = self._pg, None
+        stuck, self._stuck = self._stuck, None
         if pg is not None:
             try:
                 if self._broken is not None and hasattr(pg, "abort"):
@@ -201,6 +233,13 @@ class TorchDistCommunicator:
                     pg.shutdown()
             except Exception:  # a broken group may refuse a clean shutdown; drop it anyway
                 pass
+        if stuck is not None:
+            # Destroying a gloo group waits for its running work (up to the timeout)
+            # holding the GIL: a thread of its own keeps it until the work has ended.
+            threading.Thread(target=_drop_when_done, args=(stuck[1], self.timeout + 5.0, pg,
+                                                           stuck[0]),
+                             name="group-reaper", daemon=True).start()
+        del pg, stuck
         self._store = None
 
     def __enter__(self) -> TorchDistCommunicator:
@@ -213,6 +252,11 @@ class TorchDistCommunicator:
         state = "closed" if self._closed else ("broken" if self._broken else "open")
         return (f"TorchDistCommunicator(rank={self.rank}, world_size={self.world_size}, "
                 f"backend={self.backend!r}, name={self.name!r}, calls={self.calls}, {state})")
+
+
+def _drop_when_done(done: threading.Event, timeout_s: float, *objects: Any) -> None:
+    """Hold ``objects`` until ``done`` (at most ``timeout_s``); Thread.run drops them."""
+    done.wait(timeout_s)
 
 
 def _check_group_shape(rank: int, world_size: int, timeout: float) -> None:

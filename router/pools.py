@@ -18,6 +18,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,6 +98,15 @@ class RankHandle:
         return f"{self.pool} rank {self.rank} (#{self.uid})"
 
 
+@dataclass(frozen=True)
+class Formation:
+    """A group the pool formed: when (time.monotonic()), its generation and size."""
+
+    at: float
+    generation: int
+    size: int
+
+
 class Pool:
     def __init__(self, config: PoolConfig, router_config: RouterConfig,
                  kv_secret: Any = None) -> None:
@@ -112,6 +122,7 @@ class Pool:
         self.scaling: asyncio.Task | None = None  # the resize in progress, if any
         self.on_new_rank = None     # set by the router: starts the rank's poll loop
         self.on_rank_removed = None  # set by the router: recovers requests left on a rank
+        self.formations: deque[Formation] = deque(maxlen=32)  # the latest groups formed
 
     # -- rank choice -----------------------------------------------------------------
 
@@ -309,6 +320,7 @@ class Pool:
                 r.ready_at = time.monotonic()
             if was_new and self.on_new_rank is not None:
                 self.on_new_rank(self, r)
+        self.formations.append(Formation(time.monotonic(), self.generation, len(live)))
         keep = {r.uid for r in live}
         self.ranks = live + [r for r in self.ranks if r.uid not in keep and r.state == DEAD
                              and r.inflight]

@@ -182,7 +182,7 @@ def timings_message(state) -> router_pb2.Timings:
         ttft_ms=1e3 * ttft, kv_handoff_ms=1e3 * t.get("kv_handoff_s", 0.0),
         decode_queue_ms=1e3 * t.get("decode_queue_s", 0.0), kv_bytes=int(t.get("kv_bytes", 0)),
         kv_handoff_span_ms=1e3 * _span(t.get("kv_ready_wall"), t.get("kv_imported_wall")),
-        cached_prompt_tokens=state.cached_tokens)
+        cached_prompt_tokens=state.cached_tokens, moves=state.num_moves)
 
 
 def _span(start: float | None, end: float | None) -> float:

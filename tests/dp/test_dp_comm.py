@@ -209,3 +209,36 @@ def test_nccl_single_rank_on_a_gpu():  # pragma: no cover - GPU only
     comm = TorchDistCommunicator(0, 1, f"tcp://127.0.0.1:{port}", device="cuda")
     assert comm.backend == "nccl" and comm.all_reduce_min(5) == 5
     comm.close()
+
+
+def _abort_while_a_peer_hangs(ctx, timeout):
+    """Rank 2 hangs (alive, out of the vote); rank 0 is told its peer is dead while it
+    waits in the vote; rank 1 is not told and waits for the timeout."""
+    import threading
+
+    comm = ctx.communicator("abort", timeout=timeout)
+    assert comm.all_reduce_min(ctx.rank) == 0
+    if ctx.rank == 2:
+        time.sleep(timeout + 1.0)
+        comm.close()
+        return {}
+    if ctx.rank == 0:
+        threading.Timer(0.5, comm.abort, args=("rank 2 died",)).start()
+    start = time.monotonic()
+    with pytest.raises(CollectiveError) as raised:
+        comm.all_reduce_min(0)
+    waited = time.monotonic() - start
+    start = time.monotonic()
+    comm.close()  # the aborted work is still running in gloo: close must not wait for it
+    return {"waited": waited, "error": str(raised.value), "close": time.monotonic() - start}
+
+
+def test_abort_releases_a_vote_waiting_for_a_hung_peer_at_once():
+    timeout = 4.0
+    out = run_ranks(_abort_while_a_peer_hangs, 3, timeout, timeout=60)
+    told, untold = out[0], out[1]
+    assert 0.4 <= told["waited"] < 1.5, told
+    assert "aborted: rank 2 died" in told["error"]
+    assert told["close"] < 0.5, told
+    assert timeout * 0.8 <= untold["waited"] <= timeout + 3.0, untold
+    assert "timed out" in untold["error"].lower() or "closed" in untold["error"].lower(), untold

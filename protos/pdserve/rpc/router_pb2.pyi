@@ -148,7 +148,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("router_queue_ms", "prefill_queue_ms", "prefill_ms", "kv_export_ms", "ttft_ms", "kv_handoff_ms", "decode_queue_ms", "kv_bytes", "cached_prompt_tokens", "kv_handoff_span_ms")
+    __slots__ = ("router_queue_ms", "prefill_queue_ms", "prefill_ms", "kv_export_ms", "ttft_ms", "kv_handoff_ms", "decode_queue_ms", "kv_bytes", "cached_prompt_tokens", "kv_handoff_span_ms", "moves")
     ROUTER_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,7 @@ class Timings(_message.Message):
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_HANDOFF_SPAN_MS_FIELD_NUMBER: _ClassVar[int]
+    MOVES_FIELD_NUMBER: _ClassVar[int]
     router_queue_ms: float
     prefill_queue_ms: float
     prefill_ms: float
@@ -169,7 +170,8 @@ class Timings(_message.Message):
     kv_bytes: int
     cached_prompt_tokens: int
     kv_handoff_span_ms: float
-    def __init__(self, router_queue_ms: _Optional[float] = ..., prefill_queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., kv_export_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., kv_handoff_ms: _Optional[float] = ..., decode_queue_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., kv_handoff_span_ms: _Optional[float] = ...) -> None: ...
+    moves: int
+    def __init__(self, router_queue_ms: _Optional[float] = ..., prefill_queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., kv_export_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., kv_handoff_ms: _Optional[float] = ..., decode_queue_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., kv_handoff_span_ms: _Optional[float] = ..., moves: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
