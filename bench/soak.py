@@ -65,14 +65,16 @@ class Trace:
 
 @dataclass
 class Kill:
-    """A SIGKILLed rank: when, and when its pool re-formed and a moved request's first
-    token after the kill arrived (None: not seen)."""
+    """A SIGKILLed rank: when, and when its pool re-formed, a moved request's first
+    token after the kill arrived, and the first request sent after the kill got its
+    first token (None: not seen; a prefill rank often holds no request when killed)."""
 
     pool: str
     victim: str
     at: float
     reformed_at: float | None = None
     first_moved_token_at: float | None = None
+    first_new_token_at: float | None = None
 
     def summary(self, start: float) -> dict:
         def ms(t: float | None) -> float | None:
@@ -80,7 +82,8 @@ class Kill:
 
         return {"pool": self.pool, "victim": self.victim, "at_s": round(self.at - start, 1),
                 "reformed_ms": ms(self.reformed_at),
-                "first_moved_token_ms": ms(self.first_moved_token_at)}
+                "first_moved_token_ms": ms(self.first_moved_token_at),
+                "first_new_token_ms": ms(self.first_new_token_at)}
 
 
 def first_moved_token(kill: Kill, traces: list[Trace]) -> float | None:
@@ -89,6 +92,12 @@ def first_moved_token(kill: Kill, traces: list[Trace]) -> float | None:
              and tr.token_times and tr.token_times[-1] > kill.at
              for t in tr.token_times if t > kill.at]
     return min(times, default=None)
+
+
+def first_new_token(kill: Kill, traces: list[Trace]) -> float | None:
+    """The first token of the requests sent after the kill."""
+    return min((tr.token_times[0] for tr in traces if tr.start > kill.at and tr.token_times),
+               default=None)
 
 
 def _p99_ms(values: list[float]) -> float | None:
@@ -276,11 +285,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{'; '.join(r['events'])}")
     for kill in kills:
         kill.first_moved_token_at = first_moved_token(kill, traces)
+        kill.first_new_token_at = first_new_token(kill, traces)
     events = [k.summary(start) for k in kills]
     for e in events:
         print(f"kill {e['victim']} at {e['at_s']:.0f} s: group re-formed after "
-              f"{e['reformed_ms']} ms, first token of a moved request after "
-              f"{e['first_moved_token_ms']} ms")
+              f"{e['reformed_ms']} ms; first token of a moved request after "
+              f"{e['first_moved_token_ms']} ms, of a new one after {e['first_new_token_ms']} ms")
     totals = {k: sum(r[k] for r in rows) for k in ("sent", "finished", "lost", "wrong")}
     print(f"total: {totals}; leaks after the run: {leaks or 'none'}")
     out = Path(args.result_file)

@@ -104,10 +104,11 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling: SamplingParams, arrival_time: float | None = None,
                     forks: list[tuple[str, SamplingParams]] | tuple = (),
-                    stream_kv: bool = False) -> None:
+                    stream_kv: bool = False, moved: bool = False) -> None:
         """``forks``: (request id, sampling) of each further choice of the same prompt
         (n > 1), prefilled once with this one. ``stream_kv`` (PROMPT): stream the
-        prompt's KV ahead in chunks as it computes (not for sliding-window models)."""
+        prompt's KV ahead in chunks as it computes (not for sliding-window models).
+        ``moved``: it was moved here off another rank; it queues ahead of new arrivals."""
         if self.engine_type == EngineType.COMPLETION:
             raise TypeError("a COMPLETION engine takes prefilled requests (import_prefilled)")
         self._check_new_ids([request_id, *(fork_id for fork_id, _ in forks)])
@@ -117,6 +118,7 @@ class LLMEngine:
         seq = Sequence(request_id, prompt_token_ids, sampling, arrival_time=arrival_time,
                        eos_token_id=self.tokenizer.eos_token_id)
         seq.forks = list(forks)
+        seq.moved = moved
         if stream_kv and self.engine_type == EngineType.PROMPT \
                 and not self.runner.kv_cache.ring_layers:
             self._export.streamed[request_id] = 0

@@ -32,7 +32,7 @@ class PlannerHost(Protocol):
     # RouterConfig: the planner_* and slo_* settings, the pools' bounds and the resize
     # timeouts (PolicyConfig.from_router_config, PlannerLoop).
     config: Any
-    # Pool name -> pool: ``target``, ``lock``, ``scaling`` (the resize task or None)
+    # Pool name -> pool: ``target``, ``changing`` (a re-form or resize under way)
     # and ``ranks`` (each: ``uid``, ``state``, ``ready_at``, ``stats``,
     # ``outstanding_tokens``), read by signals.collect_signals.
     pools: Mapping[str, Any]

@@ -82,8 +82,7 @@ def collect_signals(service: PlannerHost, now: float, busy_pools: frozenset[str]
     the pool yet): they count as resizing too."""
     pools = {}
     for name, pool in service.pools.items():
-        resizing = (name in busy_pools or pool.lock.locked()
-                    or (pool.scaling is not None and not pool.scaling.done()))
+        resizing = name in busy_pools or pool.changing
         ranks = tuple(RankSignals(
             uid=r.uid, state=r.state, ready_at=r.ready_at,
             num_waiting=r.stats.num_waiting, num_running=r.stats.num_running,

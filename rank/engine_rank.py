@@ -213,7 +213,7 @@ class EngineRank(GroupMember):
             self._call(lambda eng: eng.add_request(
                 request.attempt, list(request.prompt_token_ids), request.sampling,
                 arrival_time=arrival, forks=[(f.attempt, f.sampling) for f in request.forks],
-                stream_kv=request.stream_kv))
+                stream_kv=request.stream_kv, moved=request.moved))
         except (ValueError, TypeError, RuntimeError) as exc:
             return AdmitResult(False, error_text(exc))
         return AdmitResult(True)

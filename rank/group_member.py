@@ -225,18 +225,23 @@ class GroupMember:
     def _redact(self, text: str) -> str:
         return text.replace(self._nonce, "<nonce>") if self._nonce else text
 
-    def pause(self, timeout_s: float = 30.0) -> bool:
+    def pause(self, timeout_s: float = 30.0, dead_peer: str = "") -> bool:
         """Stop this rank's loop at a step boundary shared with its peers (at most
         `timeout_s`; then the thread is stopped where it is, between two steps).
 
         The pause vote reaches every rank in the same round; the controller calls
         `pause` on every rank (in parallel) so each one also stops its own thread.
+        ``dead_peer`` (why a peer is known dead): no common boundary can be reached, so
+        the group is aborted first; a vote waiting for the dead peer raises at once and
+        the loop stops where it is (the step it was in ends as a failed step does).
         """
         loop, vote = self.loop, self._vote
+        if dead_peer and self._comm is not None and hasattr(self._comm, "abort"):
+            self._comm.abort(dead_peer)
         if loop is None:
             return True
         # A single rank votes with nobody: stopping its thread is a step boundary already.
-        if vote is not None and loop.running and self.world_size > 1:
+        if vote is not None and loop.running and self.world_size > 1 and not dead_peer:
             vote.pause_requested = True
             loop.wake()
             deadline = time.monotonic() + timeout_s

@@ -116,6 +116,8 @@ class AddRequest:
     forks: list[ForkSpec] = field(default_factory=list)
     # PROMPT: stream the prompt's KV ahead in chunks while it computes (KVChunkTicket)
     stream_kv: bool = False
+    # moved off a rank that died, left or failed: it queues ahead of new arrivals
+    moved: bool = False
 
 
 @dataclass

@@ -34,6 +34,9 @@ from pdserve.router.routing import PromptBlocks
 log = logging.getLogger(__name__)
 
 STARTING, READY, DRAINING, DEAD = "starting", "ready", "draining", "dead"
+# How long a liveness check before a re-form waits for a rank's ping: a dead rank's call
+# fails at once; a slow one is left to the join (bounded by group_timeout_s).
+LIVENESS_CHECK_S = 1.0
 
 
 def _actor_class(pool: str):
@@ -123,6 +126,8 @@ class Pool:
         self.on_new_rank = None     # set by the router: starts the rank's poll loop
         self.on_rank_removed = None  # set by the router: recovers requests left on a rank
         self.formations: deque[Formation] = deque(maxlen=32)  # the latest groups formed
+        self.refilling = 0  # replacements starting (refill)
+        self._tasks: set[asyncio.Task] = set()  # the pool's own operations (refill)
 
     # -- rank choice -----------------------------------------------------------------
 
@@ -167,7 +172,7 @@ class Pool:
             if rank is not None or loop.time() >= deadline or self.target == 0 or give_up():
                 return rank
             if not any(r.state != DEAD and r.uid not in exclude for r in self.ranks) \
-                    and not self.lock.locked():
+                    and not self.changing:
                 return None  # nobody left to wait for
             await asyncio.sleep(0.05)
 
@@ -229,14 +234,18 @@ class Pool:
             new = await self._start_actors(self.target)
             await self._reform(new)
 
-    async def _reform(self, members: list[RankHandle], tries: int = 4) -> None:
+    async def _reform(self, members: list[RankHandle], tries: int = 4,
+                      dead_peer: str = "") -> None:
         """Pause every member, then form a new group of exactly the live ones.
 
-        Bounded: pausing and joining each take at most `group_timeout_s`. If the group
-        does not form, members that no longer answer are declared dead (their requests
-        move) and it is formed again, at most `tries` times; survivors are never left
-        without a loop."""
+        ``dead_peer`` (why a member of the current group died): the members abort their
+        group rather than wait for a step boundary the dead one can never reach.
+        Bounded: pausing and joining each take at most `group_timeout_s`. Members Ray
+        reports dead are left out first; if the group does not form, members that no
+        longer answer are declared dead (their requests move) and it is formed again,
+        at most `tries` times; survivors are never left without a loop."""
         for attempt in range(tries):
+            await self._drop_dead(members)
             live = [r for r in members if r.state != DEAD]
             if attempt == tries - 1 and len(live) > 1:
                 # Last resort: a group of one forms without a rendezvous, so the pool
@@ -244,7 +253,7 @@ class Pool:
                 for r in live[1:]:
                     self._declare_dead(r, f"the group did not form in {tries - 1} tries")
                 live = live[:1]
-            await self._pause(live)
+            await self._pause(live, dead_peer)
             self.generation += 1
             if not live:
                 self.ranks = [r for r in self.ranks if r.state == DEAD and r.inflight]
@@ -265,12 +274,26 @@ class Pool:
             return
         raise RuntimeError(f"{self.name} group could not be formed in {tries} tries")
 
-    async def _pause(self, live: list[RankHandle]) -> None:
-        """Stop the loops of the members that run one, at a shared step boundary."""
+    async def _pause(self, live: list[RankHandle], dead_peer: str = "") -> None:
+        """Stop the loops of the members that run one, at a shared step boundary (or,
+        ``dead_peer``, at once: see ``_reform``)."""
         if any(r.state != STARTING for r in live):
             await asyncio.gather(
-                *(asyncio.wait_for(r.actor.pause.remote(), self.rc.group_timeout_s)
+                *(asyncio.wait_for(r.actor.pause.remote(dead_peer=dead_peer),
+                                   self.rc.group_timeout_s)
                   for r in live if r.state != STARTING), return_exceptions=True)
+
+    async def _drop_dead(self, members: list[RankHandle]) -> None:
+        """Declare dead the members whose process Ray reports gone (a dead actor's call
+        fails at once), so that no survivor waits in a rendezvous for them. A member
+        that is only slow to answer stays: joining the group decides for it."""
+        live = [r for r in members if r.state != DEAD]
+        answers = await asyncio.gather(
+            *(asyncio.wait_for(r.actor.ping.remote(), LIVENESS_CHECK_S) for r in live),
+            return_exceptions=True)
+        for r, answer in zip(live, answers, strict=True):
+            if isinstance(answer, ray.exceptions.RayActorError):
+                self._declare_dead(r, f"its process is gone: {answer}".splitlines()[0])
 
     async def _join(self, live: list[RankHandle], address: str | None) -> bool:
         """Every member joins group ``self.generation``; False (members that no longer
@@ -400,22 +423,54 @@ class Pool:
         log.warning("%s: drain timed out; %d requests still on leaving ranks move", self.name,
                     sum(len(r.inflight) for r in leaving))
 
-    async def remove_dead(self, dead: RankHandle) -> None:
-        """Re-form the group without a rank that died, replacing it to keep the target."""
+    async def remove_dead(self, dead: RankHandle, why: str = "") -> None:
+        """Re-form the group of the survivors at once (they abort the votes the dead rank
+        left them in), then replace the dead rank to keep the target: the new rank
+        starts while the survivors serve, and joins them with one more re-form."""
         async with self.lock:
             dead.state = DEAD
             survivors = [r for r in self.ranks if r.state in (READY, DRAINING)]
             try:
-                missing = self.target - len([r for r in survivors if r.state != DRAINING])
-                new = []
-                if missing > 0:
-                    try:
-                        new = await self._start_actors(missing)
-                    except Exception as exc:  # serve on with the survivors
-                        log.error("%s: no replacement for %s: %s", self.name, dead.name, exc)
-                await self._reform(survivors + new)
+                await self._reform(survivors, dead_peer=f"{dead.name} died {why}".strip())
             except Exception as exc:
                 log.error("%s: re-forming after a dead rank failed: %s", self.name, exc)
+        self._spawn(self.refill())
+
+    async def refill(self) -> None:
+        """Start ranks for what the target misses, then re-form with them; a pool
+        operation of its own, so the survivors serve while the new ranks load."""
+        missing = self.target - len(self.ready())
+        if missing <= 0:
+            return
+        self.refilling += 1
+        try:
+            try:
+                new = await self._start_actors(missing)
+            except Exception as exc:  # serve on with the survivors
+                log.error("%s: no replacement rank: %s", self.name, exc)
+                return
+            async with self.lock:  # a resize meanwhile may have met the target already
+                room = max(0, self.target - len(self.ready()))
+                for h in new[room:]:
+                    _kill(h)
+                if room:
+                    members = [r for r in self.ranks if r.state in (READY, DRAINING)]
+                    await self._reform(members + new[:room])
+        except Exception as exc:
+            log.error("%s: adding a replacement rank failed: %s", self.name, exc)
+        finally:
+            self.refilling -= 1
+
+    @property
+    def changing(self) -> bool:
+        """A re-form, resize or replacement is under way (its ranks may come)."""
+        return self.lock.locked() or self.refilling > 0 or \
+            (self.scaling is not None and not self.scaling.done())
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def heal(self, generation: int) -> None:
         """Re-form the current group after a rank's loop failed (e.g. a collective timed out)."""
@@ -429,6 +484,8 @@ class Pool:
                 log.error("%s: healing the group failed: %s", self.name, exc)
 
     async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
         for r in self.ranks:
             if r.poll_task is not None:
                 r.poll_task.cancel()

@@ -118,4 +118,4 @@ class RankMonitor:
             if state.stage == HANDOFF:
                 continue  # the delivery task sees the failure and moves it itself
             self.flow.move(state, cause)
-        await pool.remove_dead(rank)
+        await pool.remove_dead(rank, f"({why.splitlines()[0][:200]})")

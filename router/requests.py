@@ -113,7 +113,7 @@ class RequestState:
         sampling = dataclasses.replace(self.request.sampling, max_tokens=self.tokens_left,
                                        prior_output_tokens=len(self.tokens))
         return AddRequest(self.attempt_key, self.request.prompt_token_ids + self.tokens,
-                          sampling)
+                          sampling, moved=self.num_moves > 0)
 
     def accept(self, token_ids: list[int], num_output_tokens: int) -> bool:
         """Count the current attempt's tokens; False when a report went missing."""

@@ -129,7 +129,20 @@ class Scheduler(PrefillPath, DecodePath, BlockManager):
         if self.engine_type == EngineType.COMPLETION:
             raise RuntimeError("a COMPLETION engine takes prefilled sequences: use add_prefilled")
         self._admit(seq)
-        self.waiting.append(seq)
+        if seq.moved:
+            self._queue_moved(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _queue_moved(self, seq: Sequence) -> None:
+        """A request moved here from another rank has waited there already: it goes
+        ahead of fresh arrivals, behind the prompts already begun (S30's front) and the
+        requests moved before it, so the chapter's order holds among each kind."""
+        front = 0
+        while front < len(self.waiting) and (self.waiting[front].block_table
+                                             or self.waiting[front].moved):
+            front += 1
+        self.waiting.insert(front, seq)
 
     def can_admit_prefilled(self, num_tokens: int, num_forks: int = 0,
                             num_held: int = 0) -> AllocStatus:

@@ -59,7 +59,7 @@ class Sequence:
         "block_hashes",
         "num_registered",
         "num_cached_tokens",
-        "bypassed", "retired",
+        "bypassed", "retired", "moved",
     )
 
     def __init__(
@@ -106,6 +106,9 @@ class Sequence:
         self.num_cached_tokens = 0
         self.bypassed = 0  # how often a smaller request passed it (opt-in bypass policy)
         self.retired = False  # resources freed and finish reported: guards "exactly once"
+        # moved here off a rank that died, left or failed: it has waited already, so it
+        # queues ahead of fresh arrivals (Scheduler.add)
+        self.moved = False
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -23,8 +23,7 @@ DEADLINE_S = 10.0
 class StandInPool:
     def __init__(self, name: str, n: int) -> None:
         self.name, self.target = name, n
-        self.lock = asyncio.Lock()
-        self.scaling = None
+        self.changing = False  # a re-form or resize under way
         self.ranks = [RankHandle(name, None, uid=i + 1, state="ready", ready_at=-1e9)
                       for i in range(n)]
 

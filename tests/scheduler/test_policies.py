@@ -223,3 +223,33 @@ def test_time_budget_chunk_sizer_config_is_checked(kit):
     with pytest.raises(ValueError, match="chunked_prefill"):
         kit.config(chunk_time_budget_s=0.1, chunked_prefill=False)
     assert kit.sched().chunk_sizer is None  # off by default: no extra collective
+
+
+def test_a_moved_request_queues_ahead_of_new_arrivals_behind_begun_prompts(kit):
+    """A request moved here off a dead rank has waited already: it passes the fresh
+    arrivals, not a prompt already begun nor a request moved before it."""
+    s = kit.sched(max_num_batched_tokens=4, max_num_seqs=4, prefill_attempt_interval=1)
+    s.add(kit.seq("begun", 12, max_tokens=2))
+    kit.step(s)  # its first chunk: it waits at the front with blocks
+    s.add(kit.seq("fresh1", 2, max_tokens=2))
+    s.add(kit.seq("fresh2", 2, max_tokens=2))
+    first, second = kit.seq("moved1", 3, max_tokens=2), kit.seq("moved2", 3, max_tokens=2)
+    first.moved = second.moved = True
+    s.add(first)
+    s.add(second)
+    assert kit.names(s.waiting) == ["begun", "moved1", "moved2", "fresh1", "fresh2"]
+    order = []
+    for _ in range(20):
+        out, _ = kit.step(s)
+        if out.kind is StepKind.PROMPT:
+            order += [r.seq.request_id for r in out.scheduled if r.seq.request_id not in order]
+    assert order == ["begun", "moved1", "moved2", "fresh1", "fresh2"]
+
+
+def test_a_moved_request_keeps_fifo_among_fresh_arrivals_when_none_waits(kit):
+    s = kit.sched()
+    moved = kit.seq("moved", 3)
+    moved.moved = True
+    s.add(moved)
+    s.add(kit.seq("fresh", 3))
+    assert kit.names(s.waiting) == ["moved", "fresh"]
