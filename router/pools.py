@@ -251,7 +251,8 @@ class Pool:
                 # Last resort: a group of one forms without a rendezvous, so the pool
                 # keeps a loop; the others' requests move to it.
                 for r in live[1:]:
-                    self._declare_dead(r, f"the group did not form in {tries - 1} tries")
+                    self._declare_dead(r, f"the group did not form in {tries - 1} tries",
+                                       replace=False)
                 live = live[:1]
             await self._pause(live, dead_peer)
             self.generation += 1
@@ -348,7 +349,9 @@ class Pool:
         self.ranks = live + [r for r in self.ranks if r.uid not in keep and r.state == DEAD
                              and r.inflight]
 
-    def _declare_dead(self, r: RankHandle, why: str) -> None:
+    def _declare_dead(self, r: RankHandle, why: str, replace: bool = True) -> None:
+        """``r`` is gone (killed here if it was not); ``replace``: a new rank is started
+        for it once the re-form in progress is done (refill)."""
         log.error("%s: %s", r.name, why)
         was_serving = r.state != STARTING
         r.state = DEAD
@@ -358,6 +361,8 @@ class Pool:
             r.poll_task.cancel()
         if was_serving and self.on_rank_removed is not None:
             self.on_rank_removed(self, r, f"{r.name} died ({why[:200]})")
+        if replace and was_serving:
+            self._spawn(self.refill())
 
     async def scale(self, replicas: int) -> int:
         """Grow or shrink to `replicas` ranks without failing in-flight requests.
@@ -439,11 +444,12 @@ class Pool:
     async def refill(self) -> None:
         """Start ranks for what the target misses, then re-form with them; a pool
         operation of its own, so the survivors serve while the new ranks load."""
-        missing = self.target - len(self.ready())
-        if missing <= 0:
-            return
         self.refilling += 1
         try:
+            async with self.lock:  # counted once a re-form or resize in progress is done
+                missing = self.target - len(self.ready())
+            if missing <= 0:
+                return
             try:
                 new = await self._start_actors(missing)
             except Exception as exc:  # serve on with the survivors

@@ -51,10 +51,12 @@ def _load_with_kill(router, reference, pool_name: str, n: int = 24, choices: int
                     break
                 await asyncio.sleep(0.01)
             assert victim is not None, f"no {pool_name} rank ever held a request"
+            killed_at.append(time.monotonic())
             ray.kill(victim.actor, no_restart=True)
             return victim, await asyncio.gather(*tasks, return_exceptions=True)
 
     started = time.monotonic()
+    killed_at: list[float] = []
     victim, outs = asyncio.run(run())
     elapsed = time.monotonic() - started
     assert elapsed < 90
@@ -72,12 +74,25 @@ def _load_with_kill(router, reference, pool_name: str, n: int = 24, choices: int
     assert not errors, errors
     assert victim.state == "dead"
     assert pool.generation > generation  # the group re-formed without it
-    assert len(pool.ready()) == 2  # ... and a replacement joined
+    _wait_for(lambda: len(pool.ready()) == 2, 60.0)  # ... and a replacement joined
+    after = [f for f in pool.formations if f.at > killed_at[0]]
+    # The survivor formed a group of its own first (it did not wait for the collective
+    # timeout, nor for the replacement to load), then the replacement joined it.
+    assert after[0].size == 1, after
+    assert after[0].at - killed_at[0] < router.service.config.collective_timeout_s, after
+    assert after[-1].size == 2, after
     # the service keeps serving, with the same tokens
     with Client(router.address, timeout=60) as client:
         assert client.generate(prompts[0], max_tokens=max_tokens, temperature=0,
                                ignore_eos=True).token_ids == want[0]
     router.assert_nothing_left()
+
+
+def _wait_for(condition, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
 
 
 def test_kill_a_prefill_rank_mid_load(router, reference):
