@@ -37,7 +37,8 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.kv_stream import KVStream, send_chunks
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.placement import decoding_on
-from pdserve.router.pools import DEAD, READY, Pool, RankHandle
+from pdserve.router.pools import Pool
+from pdserve.router.rank_handle import DEAD, READY, RankHandle
 from pdserve.router.requests import DECODE, RequestState
 
 

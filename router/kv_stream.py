@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.kv_transfer.base import TRANSPORT, DeliveryResult, DirectHandoff, KVTransport
-from pdserve.router.pools import DEAD
+from pdserve.router.rank_handle import DEAD
 
 log = logging.getLogger(__name__)
 

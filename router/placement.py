@@ -13,7 +13,7 @@ import asyncio
 import time
 
 from pdserve.rank.messages import AddRequest
-from pdserve.router.pools import RankHandle
+from pdserve.router.rank_handle import RankHandle
 from pdserve.router.requests import DECODE, PREFILL, RequestState
 
 

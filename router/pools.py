@@ -20,20 +20,19 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from pdserve.planner.host import RankStartError  # raised here; the planner acts on it
-from pdserve.rank.messages import EngineStats, RankInfo
 from pdserve.router import routing
 from pdserve.router.config import PoolConfig, RouterConfig
+from pdserve.router.rank_handle import DEAD, DRAINING, READY, STARTING, RankHandle
 from pdserve.router.routing import PromptBlocks
 
 log = logging.getLogger(__name__)
 
-STARTING, READY, DRAINING, DEAD = "starting", "ready", "draining", "dead"
 # How long a liveness check before a re-form waits for a rank's ping: a dead rank's call
 # fails at once; a slow one is left to the join (bounded by group_timeout_s).
 LIVENESS_CHECK_S = 1.0
@@ -47,58 +46,6 @@ def _actor_class(pool: str):
     from pdserve.decode_worker.actor import DecodeRank, NormalRank
 
     return DecodeRank if pool == "decode" else NormalRank
-
-
-@dataclass
-class RankHandle:
-    pool: str
-    actor: Any
-    uid: int
-    state: str = STARTING
-    rank: int = -1
-    info: RankInfo | None = None
-    stats: EngineStats = field(default_factory=EngineStats)  # from its latest poll
-    inflight: set[str] = field(default_factory=set)  # attempt keys on this rank
-    exports: set[str] = field(default_factory=set)   # its payloads not yet delivered
-    outstanding_tokens: int = 0   # prompt tokens sent here and not yet prefilled
-    pending_imports: int = 0      # payloads on their way here
-    assigned: int = 0             # requests ever sent here (breaks ties round-robin)
-    poll_task: asyncio.Task | None = None
-    error: str | None = None
-    ready_at: float | None = None  # time.monotonic() it first became READY (warm-up)
-    num_loop_failures: int = 0    # engine-loop failures in a row (one per generation)
-    failed_generation: int = -1   # the group generation of the last one
-    # Names of the full blocks its prefix cache holds, from its step reports
-    # (prefix_hash.py): what cache-aware routing matches prompts against. And the
-    # blocks of prompts sent here and not yet computed (name -> how many): the next
-    # request with the same prefix should follow them rather than compute it elsewhere.
-    cached_blocks: set[bytes] = field(default_factory=set)
-    pending_blocks: dict[bytes, int] = field(default_factory=dict)
-
-    def add_pending(self, hashes: list[bytes]) -> None:
-        routing.add_pending(self.pending_blocks, hashes)
-
-    def drop_pending(self, hashes: list[bytes]) -> None:
-        routing.drop_pending(self.pending_blocks, hashes)
-
-    def apply_cache_events(self, events: list[tuple[bool, bytes]]) -> None:
-        routing.apply_cache_events(self.cached_blocks, events,
-                                   self.info.num_total_blocks if self.info else 0)
-
-    def cached_prefix_blocks(self, hashes: list[bytes]) -> int:
-        """How many of ``hashes`` (a prompt's block names, in order) this rank holds
-        from the first on."""
-        return routing.cached_prefix_blocks(self.cached_blocks, self.pending_blocks, hashes)
-
-    @property
-    def free_blocks(self) -> int:
-        if self.stats.num_total_blocks:
-            return int(self.stats.num_free_blocks)
-        return self.info.num_total_blocks if self.info else 0
-
-    @property
-    def name(self) -> str:
-        return f"{self.pool} rank {self.rank} (#{self.uid})"
 
 
 @dataclass(frozen=True)
@@ -121,7 +68,8 @@ class Pool:
         self.generation = 0
         self.target = config.replicas
         self._uids = 0
-        self.lock = asyncio.Lock()  # one resize / re-form at a time
+        self.lock = asyncio.Lock()  # the group: one re-form at a time
+        self.resizing = asyncio.Lock()  # one resize (scale) at a time
         self.scaling: asyncio.Task | None = None  # the resize in progress, if any
         self.on_new_rank = None     # set by the router: starts the rank's poll loop
         self.on_rank_removed = None  # set by the router: recovers requests left on a rank
@@ -209,9 +157,14 @@ class Pool:
         """Start `n` ranks, each within `rank_start_timeout_s` (an actor Ray cannot place
         stays pending: that is a failure too); all of them or none."""
         handles = [self._new_actor() for _ in range(n)]
-        infos = await asyncio.gather(
-            *(asyncio.wait_for(h.actor.info.remote(), self.rc.rank_start_timeout_s)
-              for h in handles), return_exceptions=True)
+        try:
+            infos = await asyncio.gather(
+                *(asyncio.wait_for(h.actor.info.remote(), self.rc.rank_start_timeout_s)
+                  for h in handles), return_exceptions=True)
+        except BaseException:  # cancelled: none of them joins
+            for h in handles:
+                _kill(h)
+            raise
         failed = [(h, info) for h, info in zip(handles, infos, strict=True)
                   if isinstance(info, BaseException)]
         for h, info in zip(handles, infos, strict=True):
@@ -368,29 +321,49 @@ class Pool:
         """Grow or shrink to `replicas` ranks without failing in-flight requests.
 
         Runs as a pool operation (the router spawns it; a caller that leaves does not
-        stop it). Growing: every new rank starts in time or none joins, and the pool
-        stays at its previous size. Shrinking: the leaving ranks take no new work,
-        drain for up to `drain_timeout_s` (payloads they exported included), and what
-        is left on them then moves to the ranks that stay."""
+        stop it), one at a time (``resizing``). Growing: every new rank starts in time
+        or none joins, and the pool stays at its previous size. Shrinking: the leaving
+        ranks take no new work, drain for up to `drain_timeout_s` (payloads they
+        exported included), and what is left on them then moves to the ranks that
+        stay. The group itself is locked only while it re-forms: a rank that dies while
+        new ranks load or leaving ones drain is re-formed away at once."""
         if replicas < 0:
             raise ValueError(f"replicas must be >= 0, got {replicas}")
-        async with self.lock:
-            current = self.ready()
-            previous, previous_target = len(current), self.target
+        async with self.resizing:
+            previous, previous_target = len(self.ready()), self.target
             self.target = replicas
             try:
-                if replicas > len(current):
-                    new = await self._start_actors(replicas - len(current))
-                    await self._reform(current + new)
-                elif replicas < len(current):
-                    await self._shrink(current, replicas)
+                if replicas > previous:
+                    await self._grow()
+                elif replicas < previous:
+                    await self._shrink(replicas)
             except BaseException:
                 self.target = previous_target
                 raise
             return previous
 
-    async def _shrink(self, current: list[RankHandle], replicas: int) -> None:
-        leaving = current[replicas:]
+    async def _grow(self) -> None:
+        """Start ranks for what the target misses (all in time, or RankStartError), then
+        re-form with as many as the target still misses (a refill or a resize may have
+        filled it meanwhile; the rest are stopped)."""
+        async with self.lock:  # counted once a re-form in progress is done
+            missing = self.target - len(self.ready())
+        if missing <= 0:
+            return
+        new = await self._start_actors(missing)
+        async with self.lock:
+            room = max(0, self.target - len(self.ready()))
+            for h in new[room:]:
+                _kill(h)
+            if room:
+                await self._reform(self._members() + new[:room])
+
+    def _members(self) -> list[RankHandle]:
+        """The ranks in the pool's group: ready, or draining before they leave."""
+        return [r for r in self.ranks if r.state in (READY, DRAINING)]
+
+    async def _shrink(self, replicas: int) -> None:
+        leaving = self.ready()[replicas:]
         for r in leaving:
             r.state = DRAINING  # no new admissions from now on
         try:
@@ -398,9 +371,9 @@ class Pool:
         finally:
             # However the drain ended (or was cancelled), the leaving ranks go and what
             # is left on them moves: never a rank left draining.
-            await asyncio.shield(self._retire(current[:replicas], leaving))
+            await asyncio.shield(self._retire(leaving))
 
-    async def _retire(self, staying: list[RankHandle], leaving: list[RankHandle]) -> None:
+    async def _retire(self, leaving: list[RankHandle]) -> None:
         for r in leaving:
             r.state = DEAD
             if r.poll_task is not None:
@@ -411,7 +384,8 @@ class Pool:
                                for r in leaving), return_exceptions=True)
         for r in leaving:
             _kill(r)
-        await self._reform(staying)
+        async with self.lock:
+            await self._reform(self._members())
 
     async def _drain(self, leaving: list[RankHandle], timeout_s: float) -> None:
         loop = asyncio.get_running_loop()
@@ -434,43 +408,27 @@ class Pool:
         starts while the survivors serve, and joins them with one more re-form."""
         async with self.lock:
             dead.state = DEAD
-            survivors = [r for r in self.ranks if r.state in (READY, DRAINING)]
             try:
-                await self._reform(survivors, dead_peer=f"{dead.name} died {why}".strip())
+                await self._reform(self._members(), dead_peer=f"{dead.name} died {why}".strip())
             except Exception as exc:
                 log.error("%s: re-forming after a dead rank failed: %s", self.name, exc)
         self._spawn(self.refill())
 
     async def refill(self) -> None:
-        """Start ranks for what the target misses, then re-form with them; a pool
-        operation of its own, so the survivors serve while the new ranks load."""
+        """Replace ranks the pool lost (``_grow``); a pool operation of its own, so the
+        survivors serve while the new ranks load."""
         self.refilling += 1
         try:
-            async with self.lock:  # counted once a re-form or resize in progress is done
-                missing = self.target - len(self.ready())
-            if missing <= 0:
-                return
-            try:
-                new = await self._start_actors(missing)
-            except Exception as exc:  # serve on with the survivors
-                log.error("%s: no replacement rank: %s", self.name, exc)
-                return
-            async with self.lock:  # a resize meanwhile may have met the target already
-                room = max(0, self.target - len(self.ready()))
-                for h in new[room:]:
-                    _kill(h)
-                if room:
-                    members = [r for r in self.ranks if r.state in (READY, DRAINING)]
-                    await self._reform(members + new[:room])
-        except Exception as exc:
-            log.error("%s: adding a replacement rank failed: %s", self.name, exc)
+            await self._grow()
+        except Exception as exc:  # serve on with the survivors
+            log.error("%s: no replacement rank: %s", self.name, exc)
         finally:
             self.refilling -= 1
 
     @property
     def changing(self) -> bool:
         """A re-form, resize or replacement is under way (its ranks may come)."""
-        return self.lock.locked() or self.refilling > 0 or \
+        return self.lock.locked() or self.resizing.locked() or self.refilling > 0 or \
             (self.scaling is not None and not self.scaling.done())
 
     def _spawn(self, coro) -> None:
@@ -483,9 +441,8 @@ class Pool:
         async with self.lock:
             if generation != self.generation:
                 return  # already re-formed since
-            live = [r for r in self.ranks if r.state in (READY, DRAINING)]
             try:
-                await self._reform(live)
+                await self._reform(self._members())
             except Exception as exc:
                 log.error("%s: healing the group failed: %s", self.name, exc)
 

@@ -21,7 +21,8 @@ import ray
 
 from pdserve.rank.messages import PollReply
 from pdserve.router.config import RouterConfig
-from pdserve.router.pools import DEAD, Pool, RankHandle
+from pdserve.router.pools import Pool
+from pdserve.router.rank_handle import DEAD, RankHandle
 from pdserve.router.report_routing import ReportRouter
 from pdserve.router.request_flow import RequestFlow
 from pdserve.router.requests import HANDOFF, RequestTracker

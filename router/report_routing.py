@@ -23,7 +23,8 @@ from pdserve.rank.messages import HandoffTicket, KVChunkTicket, StepReport
 from pdserve.router.handoff import HandoffDelivery, HandoffGroup, waits_on
 from pdserve.router.kv_stream import KVStreams
 from pdserve.router.placement import leave
-from pdserve.router.pools import Pool, RankHandle
+from pdserve.router.pools import Pool
+from pdserve.router.rank_handle import RankHandle
 from pdserve.router.request_flow import RequestFlow
 from pdserve.router.requests import HANDOFF, PREFILL, RequestTracker
 

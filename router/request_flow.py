@@ -25,8 +25,10 @@ from pdserve.rank.messages import ForkSpec
 from pdserve.router.config import RouterConfig
 from pdserve.router.kv_stream import KVStreams
 from pdserve.router.placement import begin_on, computes_on, leave, ranks_of
-from pdserve.router.pools import DEAD, Pool, PromptBlocks, RankHandle
+from pdserve.router.pools import Pool
+from pdserve.router.rank_handle import DEAD, RankHandle
 from pdserve.router.requests import DECODE, HANDOFF, PREFILL, QUEUED, RequestState, RequestTracker
+from pdserve.router.routing import PromptBlocks
 from pdserve.router.validation import PreparedRequest
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from pdserve.router.auth import Authenticator, AuthError, Principal
 from pdserve.router.config import RouterConfig
 from pdserve.router.embedded_ray import public_binds
-from pdserve.router.pools import RankHandle
+from pdserve.router.rank_handle import RankHandle
 from pdserve.router.request_stream import merged_chunks
 from pdserve.router.service import RouterService
 from pdserve.router.validation import RequestError, check_request_id, prepare

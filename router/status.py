@@ -9,7 +9,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from pdserve.rank.messages import EngineStats
-from pdserve.router.pools import DEAD, Pool, RankHandle
+from pdserve.router.pools import Pool
+from pdserve.router.rank_handle import DEAD, RankHandle
 
 
 def cluster_state(service: Any) -> dict:

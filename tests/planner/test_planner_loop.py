@@ -15,7 +15,7 @@ from pdserve.planner.loop import PlannerLoop
 from pdserve.rank.messages import EngineStats
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pools import RankHandle
+from pdserve.router.rank_handle import RankHandle
 
 DEADLINE_S = 10.0
 

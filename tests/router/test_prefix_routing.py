@@ -88,7 +88,7 @@ def test_a_shared_prefix_crosses_to_the_decode_rank_once(make_router, reference,
 
 
 def _hashes(prompt, router):
-    from pdserve.router.pools import PromptBlocks
+    from pdserve.router.routing import PromptBlocks
 
     return PromptBlocks.of(prompt, router.service.block_size).hashes
 

@@ -1,11 +1,14 @@
 """ScalePool is a pool operation with bounds: it completes (or rolls back) whatever its
 caller does, a second one while one runs is refused, a size the cluster cannot place
 fails in bounded time and leaves the pool as it was, and a scale-down never fails an
-in-flight request (what the leaving ranks still hold moves when their drain ends)."""
+in-flight request (what the leaving ranks still hold moves when their drain ends), nor
+holds up the re-form after a rank dies meanwhile."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import grpc
@@ -25,9 +28,12 @@ def _settled(h, pool: str, n: int, timeout: float = 60.0) -> None:
     raise AssertionError(f"{pool}: {[(r.name, r.state) for r in p.ranks]}")
 
 
+DRAIN_S = 4.0
+
+
 @pytest.fixture(scope="module")
 def router(make_router):
-    h = make_router(prefill=1, decode=2, drain_timeout_s=2.0, max_replicas=8)
+    h = make_router(prefill=1, decode=2, drain_timeout_s=DRAIN_S, max_replicas=8)
     yield h
     h.close()  # its ranks hold the session's pool resources
 
@@ -112,3 +118,39 @@ def test_a_size_the_cluster_cannot_place_fails_in_bounded_time(make_router, refe
         assert client.scale("decode", 1).previous_replicas == 2
     h.assert_nothing_left()
     h.close()
+
+
+def test_a_rank_dying_while_another_drains_is_reformed_away_at_once(router, tiny_model_dir):
+    """3 -> 2 decode ranks while long requests decode; a staying rank is SIGKILLed during
+    the drain: the survivor and the draining rank re-form at once, not when the drain
+    ends; every request still finishes with its tokens, and a replacement joins."""
+    pool = router.service.pools["decode"]
+    with Client(router.address, timeout=120) as client:
+        client.scale("decode", 3)
+    _settled(router, "decode", 3)
+    prompts = [f"die while draining {i}: the quick brown fox" for i in range(9)]
+    want = _greedy_ignore_eos(tiny_model_dir, prompts, 200)
+
+    async def run():
+        async with AsyncClient(router.address, timeout=120) as client:
+            tasks = [asyncio.create_task(client.generate(p, max_tokens=200, temperature=0,
+                                                         ignore_eos=True)) for p in prompts]
+            await asyncio.sleep(0.8)
+            scaling = asyncio.create_task(client.scale("decode", 2, timeout=120))
+            while not any(r.state == "draining" for r in pool.ranks):
+                await asyncio.sleep(0.01)
+            victim = next(r for r in pool.ranks if r.state == "ready")
+            killed_at = time.monotonic()
+            os.kill(victim.info.pid, signal.SIGKILL)
+            outs = await asyncio.gather(*tasks)
+            await scaling
+            return killed_at, outs
+
+    killed_at, outs = asyncio.run(run())
+    for i, out in enumerate(outs):
+        assert out.finish_reason == "length" and out.token_ids == want[i], (i, out.error)
+    first = next(f for f in pool.formations if f.at > killed_at)
+    assert first.size == 2, list(pool.formations)  # the survivor and the draining rank
+    assert first.at - killed_at < DRAIN_S / 2, first.at - killed_at
+    _settled(router, "decode", 2)
+    router.assert_nothing_left()

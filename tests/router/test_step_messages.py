@@ -29,7 +29,7 @@ from pdserve.rank.messages import (
     StepReport,
     TokenReport,
 )
-from pdserve.router.pools import RankHandle
+from pdserve.router.rank_handle import RankHandle
 from pdserve.router.server import rank_message
 from pdserve.rpc import router_pb2
 
