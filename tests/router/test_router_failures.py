@@ -126,3 +126,4 @@ def test_unseeded_sampled_request_moves_on_with_fresh_randomness(router):
     assert len(tokens) == 300  # every token exactly once
     assert last.usage.completion_tokens == 300
     assert router.service.num_moves > moves
+    assert last.timings.moves == 1  # the client is told its request was moved once
