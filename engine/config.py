@@ -9,7 +9,6 @@ rank or ``LLM`` decides itself: the model and the engine type.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -18,6 +17,7 @@ from pdserve.kernels.cbuild import ISAS
 from pdserve.scheduler.config import EngineType, SchedulerConfig, SchedulerPolicy
 
 DEFAULT_KV_COPY_THREADS = 2
+DEFAULT_KV_CACHE_MB = 512
 
 _ENGINE_TYPES = {"normal": EngineType.NORMAL, "prompt": EngineType.PROMPT,
                  "completion": EngineType.COMPLETION}
@@ -25,6 +25,27 @@ _DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "int8", "bf16", "none")  # EngineSettings.quantization
 SPECULATIVE_METHODS = ("off", "ngram", "draft")  # EngineSettings.speculative
 KERNEL_ISAS = ("auto", *ISAS)  # EngineSettings.kernel_isa
+MIN_KV_BLOCKS, MAX_KV_BLOCKS = 16, 8192  # what a memory budget is turned into
+
+
+def state_slots_for(max_num_seqs: int) -> int:
+    """The scheduler's state slots: one for every running or prompted sequence (at most
+    ``max_num_seqs`` of each), slot 0 reserved."""
+    return 2 * max_num_seqs + 1
+
+
+def kv_blocks_in(budget_bytes: int, bytes_per_block: int, ring_bytes: int = 0) -> int:
+    """The KV blocks a memory budget holds once the sliding-window rings (``ring_bytes``)
+    are taken, between MIN_KV_BLOCKS and MAX_KV_BLOCKS; ``bytes_per_block`` 0 (no layer
+    keeps blocks) gives the minimum. ValueError when the minimum does not fit. The one
+    rule the runner sizes its cache by and the simulator sizes its ranks by."""
+    left = budget_bytes - ring_bytes
+    if bytes_per_block and left < MIN_KV_BLOCKS * bytes_per_block:
+        raise ValueError(
+            f"KV cache budget {budget_bytes / 2**20:.0f} MiB is too small: the "
+            f"sliding-window rings take {ring_bytes / 2**20:.0f} MiB and {MIN_KV_BLOCKS} "
+            f"blocks need {MIN_KV_BLOCKS * bytes_per_block / 2**20:.1f} MiB more")
+    return int(max(MIN_KV_BLOCKS, min(MAX_KV_BLOCKS, left // max(bytes_per_block, 1))))
 
 
 @dataclass(kw_only=True)
@@ -32,7 +53,7 @@ class EngineSettings(SchedulerPolicy):
     """The scheduler's policy (inherited, see SchedulerPolicy) plus the engine's own."""
 
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_mb
-    kv_cache_memory_mb: int = 512
+    kv_cache_memory_mb: int = DEFAULT_KV_CACHE_MB
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     dtype: str = "float32"
     # None: "cuda" in a pool whose ranks ask for GPUs (num_gpus > 0), else "cpu".
@@ -157,13 +178,12 @@ class EngineConfig(EngineSettings):
     def type(self) -> EngineType:
         return _ENGINE_TYPES[self.engine_type]
 
-    def resolve_num_kv_blocks(self, bytes_per_block: int, max_model_len: int) -> int:
-        """Enough blocks for every sequence at full length, capped by the memory budget."""
+    def resolve_num_kv_blocks(self, bytes_per_block: int, ring_bytes: int = 0) -> int:
+        """The KV blocks these settings give a rank whose model keeps
+        ``bytes_per_block`` per block (and ``ring_bytes`` of sliding-window rings)."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
-        wanted = self.max_num_seqs * math.ceil(max_model_len / self.block_size) + 1
-        affordable = self.kv_cache_memory_mb * 2**20 // max(bytes_per_block, 1)
-        return max(2, min(wanted, affordable))
+        return kv_blocks_in(self.kv_cache_memory_mb << 20, bytes_per_block, ring_bytes)
 
     def scheduler_config(self, num_blocks: int, max_model_len: int, ring_len: int,
                          has_ring_layers: bool = False) -> SchedulerConfig:
@@ -176,8 +196,7 @@ class EngineConfig(EngineSettings):
         return SchedulerConfig(
             **policy,
             num_blocks=num_blocks,
-            # Every running or prompted sequence holds one slot; slot 0 is reserved.
-            num_state_slots=2 * self.max_num_seqs + 1,
+            num_state_slots=state_slots_for(self.max_num_seqs),
             max_model_len=max_model_len,
             ring_len=ring_len,
         )

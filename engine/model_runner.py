@@ -33,7 +33,13 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.backends import select_backend
-from pdserve.engine.config import DEFAULT_KV_COPY_THREADS
+from pdserve.engine.config import (
+    DEFAULT_KV_CACHE_MB,
+    DEFAULT_KV_COPY_THREADS,
+    EngineConfig,
+    kv_blocks_in,
+    state_slots_for,
+)
 from pdserve.engine.logits_controls import apply_controls
 from pdserve.engine.model import load_model
 from pdserve.engine.outputs import TokenLogprobs
@@ -75,7 +81,7 @@ class ModelRunner:
         num_kv_blocks: int | None = None,
         num_state_slots: int | None = None,
         ring_len: int | None = None,
-        kv_cache_bytes: int = 256 << 20,
+        kv_cache_bytes: int = DEFAULT_KV_CACHE_MB << 20,
         seed: int = 0,
         adaptive_threads: bool = True,
         compile: bool = False,
@@ -112,16 +118,8 @@ class ModelRunner:
                         cfg.layer_windows, max(num_state_slots, 1), ring_len, self.dtype, "meta")
         if num_kv_blocks is None:
             ring_bytes = probe.ring_bytes() // max(probe.num_state_slots, 1) * num_state_slots
-            per_block = max(probe.bytes_per_block(), 1)
-            left = kv_cache_bytes - ring_bytes
-            if probe.full_layers and left < 16 * per_block:
-                raise ValueError(
-                    f"KV cache budget {kv_cache_bytes / 2**20:.0f} MiB is too small: the "
-                    f"sliding-window rings of {num_state_slots} state slots take "
-                    f"{ring_bytes / 2**20:.0f} MiB and 16 blocks need "
-                    f"{16 * per_block / 2**20:.1f} MiB more"
-                )
-            num_kv_blocks = int(max(16, min(8192, left // per_block)))
+            per_block = probe.bytes_per_block() if probe.full_layers else 0
+            num_kv_blocks = kv_blocks_in(kv_cache_bytes, per_block, ring_bytes)
         self.kv_cache = KVCache(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_kv_blocks, block_size,
             cfg.layer_windows, num_state_slots, ring_len, self.dtype, self.device,
@@ -137,33 +135,25 @@ class ModelRunner:
         self._tokenizer = None
 
     @classmethod
-    def from_engine_config(cls, config) -> ModelRunner:
-        """Build from ``pdserve.engine.config.EngineConfig`` (duck-typed): model_dir, dtype,
-        device, block_size, num_kv_blocks, kv_cache_memory_mb, num_threads, max_num_seqs,
-        compile, decode_kernel, kernel_isa, kv_copy_threads, quantization.
-        State slots: ``2 * max_num_seqs + 1`` (the scheduler's pool, slot 0 included)."""
-        threads = getattr(config, "num_threads", None)
-        if threads:
-            torch.set_num_threads(int(threads))
-        max_seqs = int(getattr(config, "max_num_seqs", 64))
-        slots = getattr(config, "num_state_slots", None)
-        if slots is None:
-            slots = 2 * max_seqs + 1
+    def from_engine_config(cls, config: EngineConfig) -> ModelRunner:
+        """Build from an engine's settings; its state slots are the scheduler's
+        (``state_slots_for``), its KV blocks the settings' (``kv_blocks_in``)."""
+        if config.num_threads:
+            torch.set_num_threads(int(config.num_threads))
         return cls(
             config.model_dir,
-            dtype=getattr(config, "dtype", "float32"),
-            device=getattr(config, "device", "cpu"),
+            dtype=config.dtype,
+            device=config.device,
             block_size=config.block_size,
-            num_kv_blocks=getattr(config, "num_kv_blocks", None),
-            num_state_slots=slots,
-            ring_len=getattr(config, "ring_len", None),
-            kv_cache_bytes=int(getattr(config, "kv_cache_memory_mb", 256)) << 20,
-            compile=bool(getattr(config, "compile", False)),
-            decode_kernel=bool(getattr(config, "decode_kernel", True)),
-            kernel_isa=getattr(config, "kernel_isa", "auto"),
-            kv_copy_threads=int(getattr(config, "kv_copy_threads", DEFAULT_KV_COPY_THREADS)),
-            quantization=getattr(config, "quantization", "auto"),
-            max_num_seqs=max_seqs,
+            num_kv_blocks=config.num_kv_blocks,
+            num_state_slots=state_slots_for(config.max_num_seqs),
+            kv_cache_bytes=config.kv_cache_memory_mb << 20,
+            compile=config.compile,
+            decode_kernel=config.decode_kernel,
+            kernel_isa=config.kernel_isa,
+            kv_copy_threads=config.kv_copy_threads,
+            quantization=config.quantization,
+            max_num_seqs=config.max_num_seqs,
         )
 
     # ---- identity ------------------------------------------------------------

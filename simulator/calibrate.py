@@ -25,6 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
+from pdserve.engine.model_config import ModelConfig
 from pdserve.simulator.cost_model import (
     BUILTIN_PATH,
     CostModel,
@@ -137,13 +138,15 @@ def handoff_samples(path: Path) -> list[tuple[int, float]]:
                                    strict=True)]
 
 
-def kv_bytes_per_token(model_dir: str, dtype_bytes: int = 4) -> tuple[int, int]:
-    """(K and V bytes of one position over every layer, max_model_len) of a HF folder."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    return (2 * cfg["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes,
-            int(cfg["max_position_embeddings"]))
+def kv_bytes_per_token(model: str, dtype_bytes: int = 4) -> tuple[int, int]:
+    """(K and V bytes of one position over the layers that keep KV blocks, as the
+    runner's cache counts them (sliding-window layers keep rings instead),
+    max_model_len) of a model folder or GGUF file."""
+    cfg = ModelConfig.from_model(model)
+    full_layers = sum(w is None for w in cfg.layer_windows) if cfg.layer_windows \
+        else cfg.num_layers
+    return (2 * full_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes,
+            int(cfg.max_position_embeddings))
 
 
 def fit_timeline(path: str | Path, base: CostModel) -> CostModel:

@@ -75,8 +75,7 @@ class SimConfig:
         """What ``LLMEngine`` would give its scheduler with these settings."""
         engine = EngineConfig(model_dir="", engine_type=engine_type, **self.engine.settings())
         max_len = engine.max_model_len or costs.max_model_len
-        blocks = engine.resolve_num_kv_blocks(costs.kv_bytes_per_token * engine.block_size,
-                                              max_len)
+        blocks = engine.resolve_num_kv_blocks(costs.kv_bytes_per_token * engine.block_size)
         return engine.scheduler_config(num_blocks=blocks, max_model_len=max_len,
                                        ring_len=RING_LEN)
 
