@@ -1,5 +1,5 @@
 """Decode-pool workers: thin Ray actor bodies around a COMPLETION engine rank."""
 
-from pdserve.decode_worker.actor import DecodeRank, NormalRank
+from pdserve.decode_worker.actor import DecodeRank
 
-__all__ = ["DecodeRank", "NormalRank"]
+__all__ = ["DecodeRank"]

@@ -1,4 +1,4 @@
-"""Decode ranks (COMPLETION engines) and, for `--mode normal`, NORMAL engine ranks.
+"""Decode ranks (COMPLETION engines).
 
 A request's life on a decode rank (after the common steps in rank/engine_rank.py):
 
@@ -79,14 +79,3 @@ class DecodeRank(EngineRank):
     def _add_timings(self, out: StepOutputs, entries: list[TokenReport]) -> None:
         if self._imported_at:
             add_timings(out, entries, self._imported_at)
-
-
-class NormalRank(EngineRank):
-    """Does both phases (the step-kind votes decide each step); the `normal` pool."""
-
-    pool_name = "normal"
-    engine_type = "normal"
-
-    def _add_timings(self, out: StepOutputs, entries: list[TokenReport]) -> None:
-        add_timings(out, entries, {})
-

@@ -42,7 +42,7 @@ from typing import Any
 from pdserve.engine.outputs import EngineStats, HandOff, RequestOutput, StepOutputs
 from pdserve.kv_transfer import EndpointSizing, make_endpoint
 from pdserve.kv_transfer.base import PAYLOAD
-from pdserve.rank.group_member import GroupMember, error_text, node_ip
+from pdserve.rank.group_member import GroupMember, device_name, error_text, node_ip
 from pdserve.rank.messages import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
     DEFAULT_MAX_FAILED_STEPS,
@@ -157,12 +157,7 @@ class EngineRank(GroupMember):
         device = getattr(cache, "device", None)
         if device is not None:
             return str(device)
-        device = self.engine_config.get("device") or "cpu"
-        if device == "cuda":
-            import torch
-
-            device = f"cuda:{torch.cuda.current_device()}"
-        return str(device)
+        return device_name(self.engine_config.get("device"))
 
     # -- identity --------------------------------------------------------------------
 

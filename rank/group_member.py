@@ -82,6 +82,17 @@ def default_communicator_factory(rank: int, world_size: int, address: Any,
 
 
 
+def device_name(configured: str | None) -> str:
+    """The engine's device as torch names it ("cpu", "cuda:0"): a bare "cuda" is the
+    current CUDA device (Ray's CUDA_VISIBLE_DEVICES chose it)."""
+    device = configured or "cpu"
+    if device == "cuda":
+        import torch  # only a GPU rank gets here; the router imports this module
+
+        device = f"cuda:{torch.cuda.current_device()}"
+    return device
+
+
 def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
@@ -171,11 +182,7 @@ class GroupMember:
         self.pause()
         self._close_group()
         self._group_store = None  # the previous group's, if it was still open
-        device = self.engine_config.get("device") or "cpu"
-        if device == "cuda":
-            import torch
-
-            device = f"cuda:{torch.cuda.current_device()}"
+        device = device_name(self.engine_config.get("device"))
         # Rank 0 hosts the store it opened in open_group_store, and joins as one more
         # client of it (like the others), so the server can be closed once the group
         # formed while the group's own store handle stays (see group_formed).

@@ -43,9 +43,13 @@ def _actor_class(pool: str):
         from pdserve.prefill_worker.actor import PrefillRank
 
         return PrefillRank
-    from pdserve.decode_worker.actor import DecodeRank, NormalRank
+    if pool == "decode":
+        from pdserve.decode_worker.actor import DecodeRank
 
-    return DecodeRank if pool == "decode" else NormalRank
+        return DecodeRank
+    from pdserve.rank.normal_rank import NormalRank
+
+    return NormalRank
 
 
 @dataclass(frozen=True)
