@@ -63,8 +63,7 @@ class DecodeRank(EngineRank):
         self.timeline.imported(self.pool_name, self.rank, start, time.time())
         nbytes = len(payload)
         if skip_blocks:  # the prefix it left out was never read
-            cache = self.engine.runner.kv_cache
-            nbytes = max(0, nbytes - skip_blocks * cache.bytes_per_block())
+            nbytes = max(0, nbytes - skip_blocks * self.engine.kv_capacity().bytes_per_block)
         return ImportResult(True, attempt=attempt, nbytes=nbytes)
 
     def prepare_grammar(self, guide: Any) -> None:

@@ -37,9 +37,14 @@ from pdserve.engine.guided_requests import GuidedRequests
 from pdserve.engine.kv_export import KVExport, handoff_groups, new_payload_buffer
 from pdserve.engine.kv_payload import KVPayload, KVPayloadError, dtype_name
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.outputs import EngineStats, HandOff, RequestOutput, StepOutputs
+from pdserve.engine.outputs import EngineStats, HandOff, KVCapacity, RequestOutput, StepOutputs
 from pdserve.engine.partial_imports import PartialImports
-from pdserve.engine.request_outputs import engine_stats, request_outputs, split_fork_draws
+from pdserve.engine.request_outputs import (
+    engine_stats,
+    kv_capacity,
+    request_outputs,
+    split_fork_draws,
+)
 from pdserve.engine.speculation import make_speculator
 from pdserve.engine.step_inputs import runner_rows
 from pdserve.scheduler.block_pool import AllocStatus
@@ -479,6 +484,9 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return engine_stats(self)
+
+    def kv_capacity(self) -> KVCapacity:
+        return kv_capacity(self)
 
 
 def _payload_sampling(settings: dict, where: str) -> SamplingParams:

@@ -99,6 +99,20 @@ class StepOutputs:
     kv_chunks: list[KVChunk] = field(default_factory=list)  # KV streamed ahead this step
 
 
+@dataclass(frozen=True)
+class KVCapacity:
+    """What an engine's KV cache holds (``LLMEngine.kv_capacity``): the bounds its rank's
+    KV endpoint checks payloads against, and where the cache lives."""
+
+    block_size: int
+    num_blocks: int  # the reserved block 0 included
+    bytes_per_block: int  # K and V of one block over the layers that keep blocks
+    total_bytes: int  # every block and every state slot's sliding-window ring
+    max_tokens: int  # the longest sequence it could hold (its blocks, the model's length)
+    max_payload_bytes: int  # that sequence's K and V, its sliding-window ring included
+    device: str  # "cpu", "cuda:0"
+
+
 @dataclass
 class EngineStats:
     """An engine's queues, KV use and counters: the one stats type from the engine to the

@@ -38,10 +38,7 @@ class PrefillRank(EngineRank):
         streamed chunks each carry the ids so far) and segments' rounding (at most an
         eighth); payloads beyond that go through the object store. Only what is used is
         ever allocated."""
-        cache = getattr(getattr(self.engine, "runner", None), "kv_cache", None)
-        if cache is None or not hasattr(cache, "bytes_per_block"):
-            return 0
-        kv = int(cache.num_blocks) * cache.bytes_per_block() + cache.ring_bytes()
+        kv = self.engine.kv_capacity().total_bytes
         return kv + kv // 4 + (16 << 20)
 
     def _export_step(self, out: StepOutputs) -> tuple[list[HandoffTicket], list[KVChunkTicket]]:

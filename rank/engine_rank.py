@@ -42,7 +42,7 @@ from typing import Any
 from pdserve.engine.outputs import EngineStats, HandOff, RequestOutput, StepOutputs
 from pdserve.kv_transfer import EndpointSizing, make_endpoint
 from pdserve.kv_transfer.base import PAYLOAD
-from pdserve.rank.group_member import GroupMember, device_name, error_text, node_ip
+from pdserve.rank.group_member import GroupMember, error_text, node_ip
 from pdserve.rank.messages import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
     DEFAULT_MAX_FAILED_STEPS,
@@ -133,31 +133,17 @@ class EngineRank(GroupMember):
         """What this rank's KV cache allows its endpoint: the longest sequence it could
         import (its KV blocks and the model length) and that sequence's KV bytes; the
         staging memory a sender keeps (``_staging_bytes``); the cache's device."""
-        eng = self.engine
-        cache = getattr(getattr(eng, "runner", None), "kv_cache", None)
-        staging, device = self._staging_bytes(), self.kv_device()
-        if cache is None or not hasattr(cache, "bytes_per_block"):
-            return EndpointSizing(staging_bytes=staging, device=device)
-        block_size = int(cache.block_size)
-        tokens = min(int(eng.max_model_len), int(cache.num_blocks) * block_size)
-        blocks = -(-tokens // block_size)
-        ring = cache.ring_bytes() // max(1, int(cache.num_state_slots))
-        return EndpointSizing(staging_bytes=staging, max_tokens=tokens,
-                              max_tensor_bytes=blocks * cache.bytes_per_block() + ring,
-                              device=device)
+        kv = self.engine.kv_capacity()
+        return EndpointSizing(staging_bytes=self._staging_bytes(), max_tokens=kv.max_tokens,
+                              max_tensor_bytes=kv.max_payload_bytes, device=kv.device)
 
     def _staging_bytes(self) -> int:
         """Memory a sender keeps for payloads on their way (only a prefill rank sends)."""
         return 0
 
     def kv_device(self) -> str:
-        """Where this rank's KV cache lives ("cpu", "cuda:0"; the configured device when
-        the engine does not say)."""
-        cache = getattr(getattr(self.engine, "runner", None), "kv_cache", None)
-        device = getattr(cache, "device", None)
-        if device is not None:
-            return str(device)
-        return device_name(self.engine_config.get("device"))
+        """Where this rank's KV cache lives ("cpu", "cuda:0")."""
+        return self.engine.kv_capacity().device
 
     # -- identity --------------------------------------------------------------------
 
@@ -183,8 +169,7 @@ class EngineRank(GroupMember):
         return RankInfo(
             pool=self.pool_name, engine_type=self.engine_type, pid=os.getpid(), node_id=node_id,
             host=node_ip(), max_model_len=int(eng.max_model_len),
-            vocab_size=int(getattr(getattr(eng, "runner", None), "vocab_size", None)
-                           or tok.vocab_size),
+            vocab_size=int(eng.runner.vocab_size or tok.vocab_size),
             eos_token_id=tok.eos_token_id,
             block_size=int(self.engine_config.get("block_size", DEFAULT_BLOCK_SIZE)),
             num_total_blocks=stats.num_total_blocks, kv_address=self.kv_address,
