@@ -26,7 +26,7 @@ from pathlib import Path
 
 import grpc
 
-from pdserve.router.validation import RequestError
+from pdserve.router.request_error import RequestError
 
 MIN_TOKEN_CHARS = 16
 MAX_TOKEN_CHARS = 4096

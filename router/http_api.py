@@ -27,13 +27,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.responses import StreamingResponse
 
 from pdserve.router.auth import Authenticator, AuthError
+from pdserve.router.openai_errors import HTTPError, body_field, error_body
 from pdserve.router.openai_request import (
     Common,
-    HTTPError,
-    body_field,
     chat_fields,
     completion_fields,
-    error_body,
     generate_request,
     http_error,
 )
@@ -47,7 +45,8 @@ from pdserve.router.openai_response import (
 )
 from pdserve.router.openai_structured import ADVISORY_HEADER, advisories
 from pdserve.router.openai_tools import chat_inputs
-from pdserve.router.validation import RequestError, prepare
+from pdserve.router.request_error import RequestError
+from pdserve.router.validation import prepare
 
 MAX_BODY_BYTES = 16 << 20
 

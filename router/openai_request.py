@@ -2,7 +2,8 @@
 
 OpenAI's field names, and vLLM's extensions where users rely on them; a field pdserve
 does not support yet is refused (a 400 naming it), never ignored. Every problem is an
-``HTTPError`` that the front turns into an OpenAI error object (``error_body``).
+``HTTPError`` that the front turns into an OpenAI error object (``error_body``,
+openai_errors.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from typing import Any
 
 import grpc
 
-from pdserve.router.validation import RequestError
+from pdserve.router.openai_errors import HTTPError, body_field
+from pdserve.router.openai_structured import structured_output
+from pdserve.router.openai_tools import tool_fields
+from pdserve.router.request_error import RequestError
 from pdserve.rpc import router_pb2
 from pdserve.scheduler.sampling_params import MAX_LOGIT_BIAS
 
@@ -28,9 +32,6 @@ HTTP_STATUS = {
     grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.UNAVAILABLE: 503,
 }
-ERROR_TYPE = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-              404: "NotFoundError", 409: "ConflictError", 429: "RateLimitError",
-              503: "ServiceUnavailableError", 500: "InternalServerError"}
 # Fields OpenAI defines that pdserve does not do yet: refused, never ignored.
 UNSUPPORTED = {
     "completions": ("suffix", "echo", "best_of"),
@@ -51,12 +52,6 @@ INT32_FIELDS = ("max_tokens", "top_k", "logprobs", "n", "min_tokens")
 FLOAT_FIELDS = ("temperature", "top_p", *CONTROL_FLOATS)
 
 
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-
 def http_error(exc: RequestError, c: Common | None = None) -> HTTPError:
     """The HTTP form of a refusal by the shared validation or admission. A refusal of
     the structured output names the body's field it came from (``c.structured_field``)."""
@@ -74,32 +69,7 @@ def _param_of(message: str) -> str | None:
     return first if first.isidentifier() else None
 
 
-def error_body(err: HTTPError) -> dict:
-    return {"error": {"message": err.message, "type": ERROR_TYPE.get(err.status, "Error"),
-                      "param": err.param, "code": err.status}}
-
-
 # -- fields --------------------------------------------------------------------------------
-
-def body_field(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
-    """``body[name]`` checked to be one of ``kinds``; ``default`` when absent or null."""
-    if name not in body or body[name] is None:
-        return default
-    value = body[name]
-    if isinstance(value, bool) and bool not in kinds:  # JSON true is not a number here
-        raise HTTPError(400, f"{name} must be {_kind_names(kinds)}, got {json.dumps(value)}",
-                        name)
-    if not isinstance(value, kinds):
-        raise HTTPError(400, f"{name} must be {_kind_names(kinds)}, got {json.dumps(value)[:80]}",
-                        name)
-    return value
-
-
-def _kind_names(kinds: tuple) -> str:
-    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-             list: "a list", dict: "an object"}
-    return " or ".join(dict.fromkeys(names[k] for k in kinds))
-
 
 @dataclass
 class Common:
@@ -162,8 +132,6 @@ def common_fields(body: dict, endpoint: str, logprobs: int | None) -> Common:
 
 def _control_fields(body: dict, ignore_eos: bool) -> dict:
     """Common's logits controls and structured output, as keyword arguments."""
-    from pdserve.router.openai_structured import structured_output
-
     out = {}
     for name in CONTROL_FLOATS:
         value = body_field(body, name, (int, float))
@@ -256,8 +224,6 @@ def chat_fields(body: dict) -> Common:
                         "top_logprobs")
     if top is not None and not want:
         raise HTTPError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    from pdserve.router.openai_tools import tool_fields
-
     c = common_fields(body, "chat", (top or 0) if want else None)
     tool_fields(body, c)  # tools and tool_choice; a forced call's structured output
     return c

@@ -13,7 +13,8 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
-from pdserve.router.openai_request import Common, HTTPError, error_body
+from pdserve.router.openai_errors import HTTPError, error_body
+from pdserve.router.openai_request import Common
 from pdserve.router.openai_tools import ToolStream, call_deltas, tool_message
 from pdserve.router.request_stream import Chunk, merged_chunks, stream_chunks
 

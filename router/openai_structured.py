@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pdserve.router.openai_request import HTTPError, body_field
+from pdserve.router.openai_errors import HTTPError, body_field
 from pdserve.router.schema_audit import unenforced
 from pdserve.rpc import router_pb2
 

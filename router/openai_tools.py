@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.router.openai_request import HTTPError, body_field
+from pdserve.router.openai_errors import HTTPError, body_field
 from pdserve.rpc import router_pb2
 from pdserve.scheduler.sampling_params import MAX_GUIDE_CHARS
 

@@ -22,7 +22,8 @@ from typing import Any
 import grpc
 
 from pdserve.rank.messages import AddRequest, AttemptKey
-from pdserve.router.validation import PreparedRequest, RequestError
+from pdserve.router.request_error import RequestError
+from pdserve.router.validation import PreparedRequest
 
 # Stages a request passes through; "done" once its finish event is queued.
 QUEUED, PREFILL, HANDOFF, DECODE, DONE = "queued", "prefill", "handoff", "decode", "done"

@@ -18,8 +18,8 @@ import grpc
 
 from pdserve.engine.guided_decoding import MAX_CHOICES as MAX_GUIDE_CHOICES
 from pdserve.engine.guided_decoding import check_guide
+from pdserve.router.request_error import RequestError, invalid
 from pdserve.router.schema_audit import unenforced
-from pdserve.router.validation import RequestError, invalid
 from pdserve.scheduler.sampling_params import (
     LOGIT_BIAS_RANGE,
     MAX_BAD_WORD_TOKENS,

@@ -21,9 +21,10 @@ from pdserve.router.auth import Authenticator, AuthError, Principal
 from pdserve.router.config import RouterConfig
 from pdserve.router.embedded_ray import public_binds
 from pdserve.router.rank_handle import RankHandle
+from pdserve.router.request_error import RequestError
 from pdserve.router.request_stream import merged_chunks
 from pdserve.router.service import RouterService
-from pdserve.router.validation import RequestError, check_request_id, prepare
+from pdserve.router.validation import check_request_id, prepare
 from pdserve.rpc import router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -38,9 +38,10 @@ from pdserve.router.placement import abort_on
 from pdserve.router.pools import Pool
 from pdserve.router.rank_monitor import RankMonitor
 from pdserve.router.report_routing import ReportRouter
+from pdserve.router.request_error import RequestError
 from pdserve.router.request_flow import RequestFlow
 from pdserve.router.requests import RequestState, RequestTracker
-from pdserve.router.validation import ModelLimits, PreparedRequest, RequestError
+from pdserve.router.validation import ModelLimits, PreparedRequest
 
 log = logging.getLogger(__name__)
 

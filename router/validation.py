@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-import grpc
-
+from pdserve.router.request_error import invalid
+from pdserve.router.sampling_fields import bad_words_token_ids, control_values
 from pdserve.scheduler.sampling_params import MAX_LOGPROBS, SamplingParams
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs")
@@ -27,19 +27,6 @@ MAX_STOP_TOKEN_IDS = 64
 # Stop strings are matched against the streamed text at every step: bound their work.
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
-
-
-class RequestError(Exception):
-    """A request refused with a gRPC status code and a message naming the field."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-def invalid(message: str) -> RequestError:
-    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
 @dataclass
@@ -204,8 +191,6 @@ def prepare(request, tokenizer, limits: ModelLimits,
     stop = check_stop_strings(request.stop)
     # the logits controls and the structured output (sampling_fields.py): numbers and
     # counts, then the guide's parse; the bad words are tokenized after the prompt
-    from pdserve.router.sampling_fields import bad_words_token_ids, control_values
-
     values.update(control_values(request, limits, values["max_tokens"]))
     ids = _prompt_token_ids(request, tokenizer, limits, chat_template)
     if request.bad_words:

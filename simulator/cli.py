@@ -73,24 +73,12 @@ def cost_model(args: argparse.Namespace):
     return costs
 
 
-def workload(args: argparse.Namespace, request_rate: float | None = None):
-    from pdserve.simulator import workload as wl
-
-    if request_rate is not None:
-        args = argparse.Namespace(**{**vars(args), "request_rate": request_rate})
-    if args.trace:
-        vocab = args.vocab_size or 4096
-        return wl.from_trace(args.trace, vocab, args.seed)
-    if args.vocab_size is None and args.model is None:
-        args = argparse.Namespace(**{**vars(args), "vocab_size": 4096})  # the tiny model's
-    return wl.from_bench_args(args)
-
-
 def run(args: argparse.Namespace) -> int:
     from pdserve.bench.serve import load_kwargs, parse_floats
     from pdserve.bench.serve_report import write_json
     from pdserve.simulator.cluster import Cluster
     from pdserve.simulator.metrics import format_summary, simulated_summary
+    from pdserve.simulator.workload import workload_of
 
     try:
         config = sim_config(args)
@@ -103,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
 
         return run_plan(args, config, costs)
     kw = load_kwargs(args)
-    load = workload(args)
+    load = workload_of(args)
     sim = Cluster(config, costs).run(load, progress=not args.disable_tqdm,
                                      tick_s=args.progress_every)
     r = simulated_summary(sim, label=args.label, request_rate=load.request_rate,

@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass, replace
 
 from pdserve.bench.serve_metrics import meets_slos
+from pdserve.simulator.workload import workload_of
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
@@ -81,7 +82,6 @@ def search_rate(attained, start: float, steps: int, max_doublings: int = 20) -> 
 
 
 def run_plan(args: argparse.Namespace, config, costs) -> int:
-    from pdserve.simulator.cli import workload
     from pdserve.simulator.cluster import Cluster
 
     if not args.gpus or args.gpus < 1 or args.slo_ttft_ms is None or args.slo_itl_ms is None:
@@ -95,7 +95,7 @@ def run_plan(args: argparse.Namespace, config, costs) -> int:
                       decode=place.decode or 1, replicas=place.replicas or 1)
 
         def attained(rate: float, cfg=cfg) -> bool:
-            sim = Cluster(cfg, costs).run(workload(args, rate))
+            sim = Cluster(cfg, costs).run(workload_of(args, rate))
             return attainment(sim.records, slos) >= target
 
         best, tried = search_rate(attained, args.plan_start_rate, args.plan_steps)

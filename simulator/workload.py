@@ -27,6 +27,8 @@ import numpy as np
 
 from pdserve.bench.datasets import FIRST_PROMPT_ID, arrival_offsets
 
+TINY_VOCAB = 4096  # the built-in model's: a workload's token ids when no model is named
+
 BATCH = 10_000
 
 
@@ -106,3 +108,15 @@ def from_trace(path: str | Path, vocab_size: int, seed: int = 0) -> Workload:
     duration = items[-1][0] - items[0][0]
     return Workload(n, [t[0] for t in items], batches,
                     (n - 1) / duration if duration > 0 else math.inf)
+
+
+def workload_of(args: argparse.Namespace, request_rate: float | None = None) -> Workload:
+    """The workload ``pdserve simulate``'s arguments ask for (a trace, or bench serve's
+    dataset and load), at ``request_rate`` when given."""
+    if request_rate is not None:
+        args = argparse.Namespace(**{**vars(args), "request_rate": request_rate})
+    if args.trace:
+        return from_trace(args.trace, args.vocab_size or TINY_VOCAB, args.seed)
+    if args.vocab_size is None and args.model is None:
+        args = argparse.Namespace(**{**vars(args), "vocab_size": TINY_VOCAB})
+    return from_bench_args(args)

@@ -10,14 +10,15 @@ import json
 
 import pytest
 
+from pdserve.router.openai_errors import HTTPError
 from pdserve.router.openai_request import (
-    HTTPError,
     chat_fields,
     completion_fields,
     generate_request,
     http_error,
 )
-from pdserve.router.validation import ModelLimits, RequestError, prepare
+from pdserve.router.request_error import RequestError
+from pdserve.router.validation import ModelLimits, prepare
 from pdserve.scheduler.sampling_params import Guide
 
 LIMITS = ModelLimits(vocab_size=100, max_model_len=64, max_tokens_limit=63)

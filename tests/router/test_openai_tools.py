@@ -10,7 +10,8 @@ import json
 import pytest
 
 from pdserve.router.chat_template import ChatTemplate
-from pdserve.router.openai_request import HTTPError, chat_fields, generate_request, http_error
+from pdserve.router.openai_errors import HTTPError
+from pdserve.router.openai_request import chat_fields, generate_request, http_error
 from pdserve.router.openai_response import Collected, _tool_events, chat_body
 from pdserve.router.openai_tools import (
     MAX_TOOLS,
@@ -21,8 +22,9 @@ from pdserve.router.openai_tools import (
     fallback_system_text,
     parse_tool_calls,
 )
+from pdserve.router.request_error import RequestError
 from pdserve.router.request_stream import Chunk
-from pdserve.router.validation import ModelLimits, RequestError, prepare
+from pdserve.router.validation import ModelLimits, prepare
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER = {"type": "function", "function": {

@@ -14,13 +14,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pdserve.router.request_error import RequestError
 from pdserve.router.validation import (
     MAX_PROMPT_BYTES,
     MAX_REQUEST_ID_CHARS,
     MAX_STOP_TOKEN_IDS,
     ModelLimits,
     PreparedRequest,
-    RequestError,
     prepare,
 )
 from pdserve.rpc import router_pb2

@@ -2,9 +2,10 @@ import argparse
 import json
 
 from pdserve.bench.serve_report import format_summary
-from pdserve.simulator.cli import add_args, sim_config, workload
+from pdserve.simulator.cli import add_args, sim_config
 from pdserve.simulator.cluster import Cluster, SimConfig
 from pdserve.simulator.metrics import simulated_summary
+from pdserve.simulator.workload import workload_of
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -16,7 +17,7 @@ def parse(*argv: str) -> argparse.Namespace:
 def simulate(costs, *argv: str, **config):
     args = parse(*argv)
     cfg = sim_config(args) if not config else SimConfig(**config)
-    return Cluster(cfg, costs).run(workload(args))
+    return Cluster(cfg, costs).run(workload_of(args))
 
 
 def test_same_seed_same_results(costs):
@@ -60,7 +61,7 @@ def test_full_kv_pool_preempts_and_everything_is_freed(costs):
     cluster = Cluster(SimConfig(engine={"num_kv_blocks": 10, "enable_prefix_caching": False}),
                       costs)
     args = parse("--num-prompts", "4", "--random-input-len", "32", "--random-output-len", "40")
-    sim = cluster.run(workload(args))
+    sim = cluster.run(workload_of(args))
     reasons = sorted(r.finish_reason for r in sim.records)
     assert "insufficient_system_resource" in reasons and "length" in reasons
     assert sim.stats["pools"]["decode"]["preemptions"] == reasons.count(
@@ -93,7 +94,7 @@ def test_normal_mode_runs_the_votes(costs):
 
 def test_least_loaded_spreads_prompts(costs):
     cluster = Cluster(SimConfig(prefill=4, routing="least_loaded"), costs)
-    cluster.run(workload(parse("--num-prompts", "8", "--request-rate", "inf")))
+    cluster.run(workload_of(parse("--num-prompts", "8", "--request-rate", "inf")))
     assert [r.assigned for r in cluster.entry.ranks] == [2, 2, 2, 2]
 
 

@@ -8,9 +8,10 @@ import pytest
 
 from pdserve.bench.serve_client import Run
 from pdserve.bench.serve_report import summarize
-from pdserve.simulator.cli import add_args, sim_config, workload
+from pdserve.simulator.cli import add_args, sim_config
 from pdserve.simulator.cluster import Cluster
 from pdserve.simulator.metrics import PER_REQUEST_KEYS, simulated_summary
+from pdserve.simulator.workload import workload_of
 
 SUMMARY_ARGS = dict(label="x", request_rate=300.0, burstiness=1.0, max_concurrency=None,
                     seed=0, percentiles=[50, 90, 99, 99.9])
@@ -20,7 +21,7 @@ def run(costs, *argv: str):
     p = argparse.ArgumentParser()
     add_args(p)
     args = p.parse_args(["--vocab-size", "4096", *argv])
-    return Cluster(sim_config(args), costs).run(workload(args))
+    return Cluster(sim_config(args), costs).run(workload_of(args))
 
 
 def bench_serve_summary(sim, slos) -> dict:

@@ -1,0 +1,40 @@
+"""No import cycle inside a folder beyond the ones still listed here, late (in-function)
+imports included; the checker (scripts/import_cycles.py) finds a loop it is shown."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Loops not untied yet (issue: names and boundaries). Untie one, then delete its line:
+# the test fails while this list and the tree disagree either way.
+REMAINING = {
+    "bench": [["compare_modes", "kv_handoff_share", "kv_transfer", "prefix_compare", "serve"]],
+    "engine": [["compiled_decode", "model", "quantized_weights"]],
+    "router": [["chat_cli", "cli_commands"]],
+}
+
+
+def _checker():
+    spec = importlib.util.spec_from_file_location("import_cycles",
+                                                  ROOT / "scripts" / "import_cycles.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_only_loops_inside_folders_are_the_listed_ones():
+    assert _checker().folder_cycles() == REMAINING
+
+
+def test_the_checker_finds_a_loop_hidden_by_a_late_import(tmp_path):
+    folder = tmp_path / "engine"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "__init__.py").write_text("")
+    (folder / "a.py").write_text("from pdserve.engine.sub.b import g\n\ndef f():\n    return g\n")
+    (folder / "sub" / "b.py").write_text("def g():\n    from pdserve.engine import a\n"
+                                         "    return a\n")
+    (folder / "c.py").write_text("from pdserve.engine.a import f\n")  # on the loop's edge
+    assert _checker().folder_cycles(tmp_path, ("engine",)) == {"engine": [["a", "sub.b"]]}
