@@ -18,6 +18,8 @@ import argparse
 import sys
 from typing import TextIO
 
+from pdserve.router.client_args import add_client_args, connect, rpc_error
+
 HELP = "commands: /reset, /system TEXT, /exit (Ctrl-C stops an answer, Ctrl-D quits)"
 
 
@@ -37,8 +39,6 @@ class Conversation:
 
 
 def add_chat_args(p: argparse.ArgumentParser) -> None:
-    from pdserve.router.cli_commands import add_client_args
-
     add_client_args(p)
     p.add_argument("--system", default=None, help="system message (default: the template's)")
     p.add_argument("--max-tokens", type=int, default=512, help="per answer (default 512)")
@@ -50,8 +50,6 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
 
 def run_chat(args: argparse.Namespace, stdin: TextIO = sys.stdin,
              stdout: TextIO = sys.stdout) -> int:
-    from pdserve.router.cli_commands import connect
-
     conversation = Conversation(args.system)
     interactive = stdin.isatty()
     try:
@@ -85,8 +83,6 @@ def _ask(client, conversation: Conversation, text: str, args: argparse.Namespace
          stdout: TextIO) -> bool:
     """One turn: the answer joins the conversation only when it ended well. False when
     the router cannot be reached (no point in going on)."""
-    from pdserve.router.cli_commands import rpc_error
-
     conversation.turns.append({"role": "user", "content": text})
     try:
         answer, finish = _stream_answer(client, conversation, args, stdout)

@@ -11,50 +11,11 @@ import json
 import sys
 import time
 
-from pdserve.router.serve_command import DEFAULT_ADDRESS, add_serve_args, run_serve
+from pdserve.router.chat_cli import add_chat_args, run_chat
+from pdserve.router.client_args import add_client_args, connect, rpc_error
+from pdserve.router.serve_command import add_serve_args, run_serve
 
 # ---- generate / status / scale -------------------------------------------------------
-
-def add_client_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default=DEFAULT_ADDRESS, help="router (default %(default)s)")
-    p.add_argument("--token-file", default=None,
-                   help="file holding this client's token (default: $PDSERVE_TOKEN, if set)")
-    p.add_argument("--tls-ca-file", default=None,
-                   help="PEM CA certificate of a router serving TLS")
-    p.add_argument("--tls-server-name", default=None,
-                   help="name to expect on the router's certificate (default: the address')")
-
-
-def client_options(args: argparse.Namespace) -> dict:
-    """Client / AsyncClient keyword arguments from the common client flags."""
-    from pdserve.router.auth import read_client_token
-
-    return {"token": read_client_token(args.token_file), "tls_ca_file": args.tls_ca_file,
-            "tls_server_name": args.tls_server_name}
-
-
-def connect(args: argparse.Namespace, timeout: float | None = None):
-    """A blocking Client from the common client flags."""
-    from pdserve.router.client import Client
-
-    return Client(args.address, timeout=timeout, **client_options(args))
-
-
-def rpc_error(exc, address: str) -> int:
-    import grpc
-
-    if isinstance(exc, (ValueError, OSError)):  # a bad token file or CA file
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if isinstance(exc, grpc.RpcError):
-        code = exc.code()
-        if code == grpc.StatusCode.UNAVAILABLE:
-            print(f"error: cannot reach the router at {address} ({exc.details()})", file=sys.stderr)
-            return 2
-        print(f"error: {code.name}: {exc.details()}", file=sys.stderr)
-        return 1
-    raise exc
-
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="prompt text")
@@ -267,8 +228,6 @@ def register_commands(register) -> None:
              add_serve_args, run_serve)
     register("generate", "stream a completion from a running router", _add_generate_args,
              _run_generate)
-    from pdserve.router.chat_cli import add_chat_args, run_chat
-
     register("chat", "chat with the served model in the terminal (streams; /reset, "
              "/system TEXT, /exit)", add_chat_args, run_chat)
     register("status", "show a router's pools, ranks, queues and KV usage", _add_status_args,

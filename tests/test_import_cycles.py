@@ -13,7 +13,6 @@ ROOT = Path(__file__).resolve().parents[1]
 REMAINING = {
     "bench": [["compare_modes", "kv_handoff_share", "kv_transfer", "prefix_compare", "serve"]],
     "engine": [["compiled_decode", "model", "quantized_weights"]],
-    "router": [["chat_cli", "cli_commands"]],
 }
 
 

@@ -111,16 +111,17 @@ def test_a_client_cannot_reach_another_clients_request_by_guessing_its_id(router
         first = next(call)
         generated = first.request_id
         assert len(generated) == 24  # the router's id, echoed (random, not a counter)
+        # using the id it saw as its own label is refused, and harms nothing (asked at
+        # once: the request is surely still in flight)
+        with pytest.raises(grpc.RpcError) as err:
+            b.generate(prompt, request_id=generated, max_tokens=2)
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
         # guesses at "the next id" reach nothing
         for guess in ("req-0", "req-1", generated[:-1] + "0", "0" * 24):
             if guess != generated:
                 assert b.generate(prompt, request_id=guess, max_tokens=2,
                                   temperature=0).finish_reason == "length"
                 assert b.abort(guess) is False  # nothing in flight under that label
-        # using the id it saw as its own label is refused, and harms nothing
-        with pytest.raises(grpc.RpcError) as err:
-            b.generate(prompt, request_id=generated, max_tokens=2)
-        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
         tokens = list(first.token_ids)
         for msg in call:
             tokens += msg.token_ids
