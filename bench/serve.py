@@ -111,7 +111,7 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    from pdserve.router.cli_commands import add_client_args
+    from pdserve.router.client_args import add_client_args
 
     add_client_args(p)  # --address, --token-file, --tls-ca-file, --tls-server-name
     add_dataset_args(p)
@@ -252,7 +252,7 @@ def _rate_schedule(args: argparse.Namespace):
 def _options_error(args: argparse.Namespace, kwargs: dict, sampled: bool) -> str | None:
     """Adds the pools' sampling interval (when `sampled`) and the client's options to
     `kwargs`; what is wrong with the arguments, if anything."""
-    from pdserve.router.cli_commands import client_options
+    from pdserve.router.client_args import client_options
 
     if sampled:
         from pdserve.bench.load_timeline import checked_interval
