@@ -11,8 +11,9 @@ pages), so every machine scores the same tokens without a download.
 
 pdserve's figure comes from its own model runner (the same weights and kernels that
 serve): each chunk in one forward pass (prefill's path: a GGUF file's quantized blocks
-in place, where it has them); for a quantized file also the same on its weights
-dequantized to fp32 (``quantization="none"``, the reference the quantized kernels are
+in place, where it has them, multiplied by int8 activations by default); for a
+quantized file also the same with fp32 activations (``activation_precision="fp32"``,
+what int8 activations are held to) and on its weights dequantized to fp32 (``quantization="none"``, the reference the quantized kernels are
 held to); with ``--decode-steps`` also its scored half one token at a time through the
 decode step, the path a served token takes; ``--transformers`` adds transformers' on
 the same GGUF (fp32, dequantized), and
@@ -92,12 +93,13 @@ def perplexity(logits_of, token_chunks: list[list[int]]) -> float:
     return math.exp(total / count)
 
 
-def pdserve_runner(model: str, token_chunks: list[list[int]], quantization: str = "auto"):
+def pdserve_runner(model: str, token_chunks: list[list[int]], quantization: str = "auto",
+                   activation_precision: str = "auto"):
     from pdserve.engine.model_runner import ModelRunner
 
     ctx = max(len(c) for c in token_chunks)
     return ModelRunner(model, block_size=16, num_kv_blocks=ctx // 16 + 2, num_state_slots=1,
-                       quantization=quantization)
+                       quantization=quantization, activation_precision=activation_precision)
 
 
 def pdserve_perplexity(model: str, token_chunks: list[list[int]],
@@ -177,6 +179,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"pdserve      PPL {result['pdserve']:.4f}  ({result['pdserve_s']} s)", flush=True)
     reference = result["pdserve"]
     if runner.model.matmul_quantized():
+        exact = pdserve_runner(model, token_chunks, activation_precision="fp32")
+        result["pdserve_fp32_activations"] = pdserve_perplexity(model, token_chunks, runner=exact)
+        result["int8_vs_fp32_activations"] = (result["pdserve"]
+                                              / result["pdserve_fp32_activations"] - 1)
+        print(f"pdserve fp32 activations PPL {result['pdserve_fp32_activations']:.4f}  "
+              f"(int8 activations {100 * result['int8_vs_fp32_activations']:+.4f}%)", flush=True)
+        del exact
         fp32 = pdserve_runner(model, token_chunks, quantization="none")
         reference = result["pdserve_fp32"] = pdserve_perplexity(model, token_chunks, runner=fp32)
         result["pdserve_vs_fp32"] = result["pdserve"] / reference - 1

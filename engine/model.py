@@ -396,13 +396,14 @@ class CausalLM(nn.Module):
 
 def load_model(model_dir, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu",
-               quantization: str = "auto", keep_fp32: bool = False
-               ) -> tuple[ModelConfig, CausalLM]:
+               quantization: str = "auto", keep_fp32: bool = False,
+               activations: str = "auto") -> tuple[ModelConfig, CausalLM]:
     """Build the model for ``model_dir``'s config.json and load its checked weights;
     ``quantization``: which matmuls are held quantized ("auto": a GGUF file's quantized
     ones; "int8" or "bf16": the others too, so at load; "none";
     engine/quantized_weights.py); ``keep_fp32``: they keep their fp32 weight too (what
-    a compiled decode graph multiplies)."""
+    a compiled decode graph multiplies); ``activations``: what the quantized ones
+    multiply by (EngineSettings.activation_precision)."""
     cfg = ModelConfig.from_model(model_dir)
     with torch.device("meta"):
         model = CausalLM(cfg)
@@ -427,7 +428,7 @@ def load_model(model_dir, dtype: torch.dtype = torch.float32,
         from pdserve.engine import quantized_weights
 
         quantized_weights.attach(model, model_dir, at_load=quantization,
-                                 keep_fp32=keep_fp32)
+                                 keep_fp32=keep_fp32, activations=activations)
     _return_freed_memory()
     return cfg, model.eval().requires_grad_(False)
 

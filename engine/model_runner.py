@@ -89,6 +89,7 @@ class ModelRunner:
         kernel_isa: str = "auto",
         kv_copy_threads: int = DEFAULT_KV_COPY_THREADS,
         quantization: str = "auto",
+        activation_precision: str = "auto",
         backend: str = "auto",
         max_num_seqs: int = 64,
     ):
@@ -100,7 +101,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, cfg0.torch_dtype)
         # a compiled graph multiplies fp32 weights: quantized matmuls keep theirs then
         self.config, self.model = load_model(model_dir, self.dtype, self.device,
-                                             quantization=quantization, keep_fp32=compile)
+                                             quantization=quantization, keep_fp32=compile,
+                                             activations=activation_precision)
         self.compile = compile
         # ValueError now, naming what the CPU runs, for an ISA it cannot execute.
         self.kernel_isa = cbuild.resolve_isa(kernel_isa) if self.device.type == "cpu" else None
@@ -153,6 +155,7 @@ class ModelRunner:
             kernel_isa=config.kernel_isa,
             kv_copy_threads=config.kv_copy_threads,
             quantization=config.quantization,
+            activation_precision=config.activation_precision,
             max_num_seqs=config.max_num_seqs,
         )
 

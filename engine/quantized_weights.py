@@ -17,6 +17,10 @@
    its fp32 weight dropped (kept as the dequantized one with ``keep_fp32``), so that
    every path (prefill, a moved request's replay, the decode step) computes with the
    same weights.
+3. ``activations`` says what the panels multiply: "int8" rows of x quantized per block
+   (``QuantPanels.pack(dots=True)``, ``kernels/dot_block.h``), "fp32" exact rows,
+   "auto" int8 for the file's blocks and fp32 for weights quantized at load. bf16
+   values always meet fp32 rows.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from pdserve.kernels.quant_panels import QuantPanels, QuantRows
+from pdserve.kernels.quant_panels import QuantPanels, QuantRows, dots_fit
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +45,8 @@ _LAYER_PARTS = {
 }
 
 
-def attach(model, model_dir: str | Path, at_load: str = "auto", keep_fp32: bool = False) -> int:
+def attach(model, model_dir: str | Path, at_load: str = "auto", keep_fp32: bool = False,
+           activations: str = "auto") -> int:
     """Give ``model``'s fused matmuls their quantized panels (a GGUF file's blocks; with
     ``at_load`` "int8" or "bf16" the others quantized so at load); returns how many got
     them. Unless ``keep_fp32``, each drops its fp32 weight (the panels serve every
@@ -68,8 +73,10 @@ def attach(model, model_dir: str | Path, at_load: str = "auto", keep_fp32: bool 
             rows = quantize(matmul.weight.detach())
         if rows is None or rows.shape != (matmul.out_features, matmul.in_features):
             continue
+        dots = dots_fit(rows) and (activations == "int8"
+                                   or (activations == "auto" and quantize is None))
         try:
-            matmul.quant = QuantPanels.pack(rows)
+            matmul.quant = QuantPanels.pack(rows, dots=dots)
         except ValueError as e:  # a weight that is not finite: this one stays fp32
             log.warning("matmul %s stays fp32: %s", names[0], e)
             continue

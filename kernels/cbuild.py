@@ -2,7 +2,8 @@
 ``argmax.c``, ``kv_copy.c``) for the CPU's vector ISA.
 
 Each kernel is one source written in ``simd.h``'s width-generic vectors and built for
-one of ``ISAS``: ``avx512`` (-mavx512f), ``avx2`` (-mavx2 -mfma) or ``generic`` (the
+one of ``ISAS``: ``avx512`` (-mavx512f -mavx512bw -mavx512vl, and -mavx512vnni where the
+CPU has VNNI's integer dot product), ``avx2`` (-mavx2 -mfma) or ``generic`` (the
 compiler's baseline: SSE2 on x86-64, NEON on aarch64). ``load(name)`` builds for the
 best ISA the CPU reports (``host_isa``); ``load(name, isa)`` for another one it can run
 (``runnable_isas``: an AVX-512 CPU runs all three, so tests and benchmarks cover every
@@ -35,9 +36,13 @@ HERE = Path(__file__).parent
 COMMON_FLAGS = ["-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
 # Best first. Each ISA: the /proc/cpuinfo flags it needs and the compiler flags for it.
 ISAS = ("avx512", "avx2", "generic")
-_ISA_CPU_FLAGS = {"avx512": ("avx512f",), "avx2": ("avx2", "fma", "f16c"), "generic": ()}
-_ISA_COMPILER_FLAGS = {"avx512": ["-mavx512f", "-mfma"], "avx2": ["-mavx2", "-mfma", "-mf16c"],
-                       "generic": []}
+_ISA_CPU_FLAGS = {"avx512": ("avx512f", "avx512bw", "avx512vl"), "avx2": ("avx2", "fma", "f16c"),
+                  "generic": ()}
+_ISA_COMPILER_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"],
+                       "avx2": ["-mavx2", "-mfma", "-mf16c"], "generic": []}
+# Added where the CPU has them: int8 activations' dot products in one instruction
+# (dot_block.h) instead of a multiply-add pair and an add.
+_OPTIONAL_COMPILER_FLAGS = {"avx512": (("avx512_vnni", "-mavx512vnni"),)}
 
 
 @functools.cache
@@ -95,7 +100,9 @@ def load(name: str, isa: str | None = None) -> ctypes.CDLL | None:
         log.warning("%s off: no C compiler (cc, gcc or $CC) found", name)
         return None
     try:
-        flags = COMMON_FLAGS + _ISA_COMPILER_FLAGS[isa]
+        flags = COMMON_FLAGS + _ISA_COMPILER_FLAGS[isa] + [
+            flag for cpu_flag, flag in _OPTIONAL_COMPILER_FLAGS.get(isa, ())
+            if cpu_flag in _cpu_flags()]
         lib = ctypes.CDLL(str(build_shared(compiler, source, flags,
                                            headers=tuple(sorted(HERE.glob("*.h"))))))
     except (OSError, subprocess.SubprocessError) as exc:

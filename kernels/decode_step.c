@@ -13,7 +13,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "skinny_block.h"
+#include "dot_block.h"
 
 enum { D_ROWS, D_HIDDEN, D_Q_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_LAYERS, D_BLOCK_SIZE,
        D_NUM_BLOCKS, D_TABLE_WIDTH, D_MAX_LEN, D_RING_LEN, D_STATE_SLOTS, D_COUNT };
@@ -78,8 +78,9 @@ static void rms_norm_row(const float *x, const float *w, int64_t H, float eps, f
 }
 
 /* A matmul's weight (decode_step.py's _descriptor): fp32 column panels, or quantized
- * ones (skinny_block.h's QPanels: records, bk, bits, offsets, scale_bytes). */
-enum { W_FP32 = 0, W_QUANT = 1 };
+ * ones (skinny_block.h's QPanels: records, bk, bits, offsets, scale_bytes), multiplied
+ * by fp32 rows, or in the dots layout by int8 rows (dot_block.h). */
+enum { W_FP32 = 0, W_QUANT = 1, W_DOTS = 2 };
 typedef struct {
     int64_t format;
     const void *values;
@@ -97,10 +98,18 @@ typedef struct {
  * take moved its line between the cores, and each thread's stream jumped.) Each
  * output column is still computed whole by one thread, in the same order: results do
  * not depend on who took which chunk. */
+/* A W_DOTS weight's rows are quantized by each thread into its own `qmem` first (a
+ * few rows: cheaper than a barrier). */
 static void matmul(int64_t *item, int t, int nt, const float *x, int64_t M, int64_t K,
-                   const Weight *w, int64_t N, const float *bias, float *out, int add_to) {
+                   const Weight *w, int64_t N, const float *bias, float *out, int add_to,
+                   void *qmem) {
     const int64_t pairs = (N + PAIR_COLS - 1) / PAIR_COLS;
     const QPanels q = {(const uint8_t *)w->values, w->bk, w->bits, w->offsets, w->scale_bytes};
+    QRows qx = {0};
+    if (w->format == W_DOTS) {
+        qx = qrows_at(qmem, padded_rows(M), K);
+        quantize_rows(x, 0, M, K, &qx);
+    }
     for (int v = 0; v < nt; v++) {
         const int u = (t + v) % nt;
         const int64_t lo = pairs * u / nt, hi = pairs * (u + 1) / nt;
@@ -109,8 +118,12 @@ static void matmul(int64_t *item, int t, int nt, const float *x, int64_t M, int6
             const int64_t p0 = lo + __atomic_fetch_add(item + u * COUNTER_STRIDE, chunk,
                                                        __ATOMIC_RELAXED);
             if (p0 >= hi) break;
-            matmul_pairs(x, M, K, (const float *)w->values, w->format == W_QUANT ? &q : NULL,
-                         N, bias, out, N, add_to, p0, p0 + chunk < hi ? p0 + chunk : hi);
+            const int64_t p1 = p0 + chunk < hi ? p0 + chunk : hi;
+            if (w->format == W_DOTS)
+                matmul_pairs_dots(&qx, M, K, &q, N, bias, out, N, add_to, p0, p1);
+            else
+                matmul_pairs(x, M, K, (const float *)w->values, w->format == W_QUANT ? &q : NULL,
+                             N, bias, out, N, add_to, p0, p1);
         }
     }
 }
@@ -136,13 +149,22 @@ static int64_t row_floats(const int64_t *dims) {
     return (n * (H + (hq + 2 * hk) * D + hq * D + 2 * I + I) + 15) / 16 * 16;
 }
 
+/* Floats of a thread's quantized matmul rows (dot_block.h's QRows) for the widest input. */
+static int64_t qrows_floats(const int64_t *dims) {
+    int64_t k = dims[D_HIDDEN], attn = dims[D_Q_HEADS] * dims[D_HEAD_DIM], I = dims[D_INTER];
+    k = attn > k ? attn : k;
+    k = I > k ? I : k;
+    return qrows_bytes(padded_rows(dims[D_ROWS]), k) / 4;
+}
+
 /* One thread's scratch: its attention runs (Run, 4 floats each: table width + 2), then
- * scores (hq x MAX_LEN) and roped queries (hq x D); a multiple of 16 floats (64 bytes),
- * so every thread's block starts aligned and on its own cache line. */
+ * scores (hq x MAX_LEN) and roped queries (hq x D), then its quantized matmul rows; a
+ * multiple of 16 floats (64 bytes), so every thread's block starts aligned and on its
+ * own cache line. */
 static int64_t thread_floats(const int64_t *dims) {
     int64_t hq = dims[D_Q_HEADS];
     int64_t f = 4 * (dims[D_TABLE_WIDTH] + 2) + hq * (GROUP_ROWS * dims[D_MAX_LEN] + dims[D_HEAD_DIM]);
-    return (f + 15) / 16 * 16;
+    return (f + 15) / 16 * 16 + qrows_floats(dims);
 }
 
 /* Floats of the attention parts of a split step (at most SPLIT_ROWS groups), rounded to 16. */
@@ -241,6 +263,7 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
         float *mine = thread_scratch + t * thread_floats(dims);
         Run *runs = (Run *)mine;
         float *scores = mine + 4 * (tw + 2), *q = scores + GROUP_ROWS * hq * max_len;
+        void *qmem = mine + thread_floats(dims) - qrows_floats(dims);
         double mark = times && t == 0 ? now_ns() : 0.0;
         for (int64_t r = t; r < n; r += nt)
             rms_norm_row(h + r * H, (const float *)layers[P_LN], H, eps, x + r * H);
@@ -248,7 +271,7 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
         for (int64_t l = 0; l < L; l++) {
             const int64_t *p = layers + l * P_COUNT;
             int64_t *next = counters + 6 * l * item;
-            matmul(next, t, nt, x, n, H, (const Weight *)p[P_QKV], W, (const float *)p[P_QKV_B], qkv, 0);
+            matmul(next, t, nt, x, n, H, (const Weight *)p[P_QKV], W, (const float *)p[P_QKV_B], qkv, 0, qmem);
             end_phase(&barrier, t, nt, times, PH_QKV, &mark);
             float *ks = (float *)p[P_K_STORE], *vs = (float *)p[P_V_STORE];
             const int64_t window = p[P_WINDOW];
@@ -325,13 +348,13 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
                 }
             }
             end_phase(&barrier, t, nt, times, PH_ATTENTION, &mark);
-            matmul(next + item, t, nt, attn, n, hq * D, (const Weight *)p[P_O], H, (const float *)p[P_O_B], h, 1);
+            matmul(next + item, t, nt, attn, n, hq * D, (const Weight *)p[P_O], H, (const float *)p[P_O_B], h, 1, qmem);
             end_phase(&barrier, t, nt, times, PH_O, &mark);
             for (int64_t r = t; r < n; r += nt)
                 rms_norm_row(h + r * H, (const float *)p[P_LN2], H, eps, x + r * H);
             end_phase(&barrier, t, nt, times, PH_POST_NORM, &mark);
             matmul(next + 2 * item, t, nt, x, n, H, (const Weight *)p[P_GATE_UP], 2 * I, (const float *)p[P_GATE_UP_B],
-                   gu, 0);
+                   gu, 0, qmem);
             end_phase(&barrier, t, nt, times, PH_GATE_UP, &mark);
             for (int64_t r = t; r < n; r += nt) {
                 const float *gate = gu + r * 2 * I, *up = gate + I;
@@ -342,7 +365,7 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
                 }
             }
             end_phase(&barrier, t, nt, times, PH_SILU_MUL, &mark);
-            matmul(next + 3 * item, t, nt, act, n, I, (const Weight *)p[P_DOWN], H, (const float *)p[P_DOWN_B], h, 1);
+            matmul(next + 3 * item, t, nt, act, n, I, (const Weight *)p[P_DOWN], H, (const float *)p[P_DOWN_B], h, 1, qmem);
             end_phase(&barrier, t, nt, times, PH_DOWN, &mark);
             const float *next_w = l + 1 < L ? (const float *)layers[(l + 1) * P_COUNT + P_LN] : norm_w;
             for (int64_t r = t; r < n; r += nt) {
@@ -352,7 +375,7 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
             end_phase(&barrier, t, nt, times, PH_NORM, &mark);
         }
         if (lm_head) {  /* x holds the final-normed rows (padded to whole blocks) */
-            matmul(counters + 6 * L * item, t, nt, x, n, H, lm_head, vocab, NULL, logits, 0);
+            matmul(counters + 6 * L * item, t, nt, x, n, H, lm_head, vocab, NULL, logits, 0, qmem);
             end_phase(&barrier, t, nt, times, PH_LM_HEAD, &mark);
         }
     }

@@ -57,7 +57,7 @@ _WEIGHT_FIELDS = LAYER_FIELDS[:12]
 _MATMUL_FIELDS = ("qkv", "o", "gate_up", "down")
 # A matmul's weight as decode_step.c's Weight struct: format, values, bk, bits, offsets,
 # scale_bytes.
-W_FP32, W_QUANT = 0, 1
+W_FP32, W_QUANT, W_DOTS = 0, 1, 2  # decode_step.c: fp32 panels; quantized, by fp32 or int8 rows
 _DESCRIPTOR_INTS = 6
 
 
@@ -139,7 +139,8 @@ def _descriptor(w: Weight) -> list[int]:
                 w.bits not in (4, 8, 16):
             raise ValueError("quantized panels must be contiguous uint8 records of int8 "
                              "values, nibble pairs or bf16 values")
-        return [W_QUANT, w.records.data_ptr(), w.block_k, w.bits, int(w.has_offsets),
+        return [W_DOTS if w.dots else W_QUANT, w.records.data_ptr(), w.block_k, w.bits,
+                int(w.has_offsets),
                 w.scale_bytes]
     return [W_FP32, _ptr(w), 0, 0, 0, 0]
 

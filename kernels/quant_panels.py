@@ -122,17 +122,23 @@ class QuantPanels:
     bits: int = 8
     has_offsets: bool = False
     scale_bytes: int = 2  # fp16 scales and offsets, or 4: fp32
+    dots: bool = False  # the int8-activation layout (multiplied by int8 rows of x)
 
     @classmethod
-    def pack(cls, rows: QuantRows, nibbles: bool = True) -> QuantPanels:
-        """``nibbles``: values that all lie in 0..15 are kept 4 bits each. Raises
-        ValueError when a scale or offset is not finite."""
+    def pack(cls, rows: QuantRows, nibbles: bool = True, dots: bool = False) -> QuantPanels:
+        """``nibbles``: values that all lie in 0..15 are kept 4 bits each. ``dots``: laid
+        out for int8 activations (``dots_fit`` says which weights can be). Raises
+        ValueError when a scale or offset is not finite, or ``dots`` for a weight that
+        does not fit it."""
         for t in (rows.scales, rows.offsets):
             if t is not None and not bool(torch.isfinite(t).all()):
                 raise ValueError("scales and offsets must be finite")
         if rows.values.dtype == torch.bfloat16 and (
                 rows.offsets is not None or not bool((rows.scales == 1).all())):
             raise ValueError("bf16 values are the weight itself: unit scales, no offsets")
+        if dots and not dots_fit(rows):
+            raise ValueError(f"int8 activations need integer values with block_k a multiple "
+                             f"of 16, got {rows.values.dtype} block_k {rows.block_k}")
         half = _fits_fp16(rows.scales) and _fits_fp16(rows.offsets)
         dtype = torch.float16 if half else torch.float32
         n, k = rows.shape
@@ -141,15 +147,23 @@ class QuantPanels:
         bits = 16 if rows.values.dtype == torch.bfloat16 else 8
         if bits == 8 and nibbles and rows.values.numel() and int(rows.values.min()) >= 0 \
                 and int(rows.values.max()) <= 15:
-            pairs = values.view(p, -1, 2, PANEL)  # panel rows k (even) and k + 1
-            values, bits = pairs[:, :, 0] | (pairs[:, :, 1] << 4), 4
+            bits = 4
+            if dots:  # tiles of 8 k: k + j low, k + 4 + j high, column by column
+                halves = values.view(p, -1, 2, 4, PANEL)
+                values = (halves[:, :, 0] | (halves[:, :, 1] << 4)).transpose(2, 3)
+            else:
+                pairs = values.view(p, -1, 2, PANEL)  # panel rows k (even) and k + 1
+                values = pairs[:, :, 0] | (pairs[:, :, 1] << 4)
+        elif dots:  # tiles of 4 k, column by column
+            values = values.view(p, -1, 4, PANEL).transpose(2, 3)
         parts = [_panels(rows.scales, p).to(dtype).view(torch.uint8)]
         if rows.offsets is not None:
             parts.append(_panels(rows.offsets, p).to(dtype).view(torch.uint8))
         parts.append(values.view(torch.uint8).reshape(p, nb, -1))
         records = torch.cat(parts, dim=-1)  # [P, blocks, record]
         records = records.view(p // 2, 2, nb, -1).transpose(1, 2).contiguous()
-        return cls(records, rows.block_k, n, bits, rows.offsets is not None, 2 if half else 4)
+        return cls(records, rows.block_k, n, bits, rows.offsets is not None, 2 if half else 4,
+                   dots)
 
     @property
     def in_features(self) -> int:
@@ -165,7 +179,14 @@ class QuantPanels:
             values = raw.contiguous().view(torch.bfloat16).reshape(2 * pairs, -1, PANEL)
         else:
             values = raw.reshape(2 * pairs, -1, PANEL)  # [P, K or K / 2, 16]
-            if self.bits == 4:
+            if self.dots:  # tiles [16 columns, 4] back to [4, 16]
+                values = values.reshape(2 * pairs, -1, PANEL, 4).transpose(2, 3).reshape(
+                    2 * pairs, -1, PANEL)
+            if self.bits == 4 and self.dots:
+                tiles = values.reshape(2 * pairs, -1, 4, PANEL)
+                values = torch.stack([tiles & 15, tiles >> 4], dim=2).reshape(
+                    2 * pairs, -1, PANEL)
+            elif self.bits == 4:
                 values = torch.stack([values & 15, values >> 4], dim=2).reshape(
                     2 * pairs, -1, PANEL)
             values = values.view(torch.int8)
@@ -180,6 +201,12 @@ class QuantPanels:
     def nbytes(self) -> int:
         """Bytes one multiplication reads."""
         return self.records.numel()
+
+
+def dots_fit(rows: QuantRows) -> bool:
+    """Can ``rows`` be packed for int8 activations: integer values (not bf16), blocks
+    of a multiple of 16 (x is quantized per block)."""
+    return rows.values.dtype == torch.int8 and rows.block_k % 16 == 0
 
 
 def available(isa: str | None = None) -> bool:
@@ -199,11 +226,12 @@ def matmul(x: torch.Tensor, w: QuantPanels, bias: torch.Tensor | None = None,
     out = torch.empty(m, w.out_features, dtype=torch.float32)
     if m:
         b = None if bias is None else bias.contiguous()
-        rc = lib.skinny_gemm_q8(x.data_ptr(), m, k, w.records.data_ptr(), w.block_k, w.bits,
+        kernel = lib.skinny_gemm_dots if w.dots else lib.skinny_gemm_q8
+        rc = kernel(x.data_ptr(), m, k, w.records.data_ptr(), w.block_k, w.bits,
                                 int(w.has_offsets), w.scale_bytes, w.out_features,
                                 None if b is None else b.data_ptr(), out.data_ptr())
         if rc != 0:
-            raise MemoryError("skinny_gemm_q8 could not allocate its scratch rows")
+            raise MemoryError("the quantized matmul could not allocate its scratch rows")
     return out
 
 
@@ -218,7 +246,7 @@ def gather_columns(w: QuantPanels, ids: torch.Tensor, isa: str | None = None) ->
     flat = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(flat.numel(), w.in_features, dtype=torch.float32)
     rc = lib.q_gather_columns(w.records.data_ptr(), w.block_k, w.bits, int(w.has_offsets),
-                              w.scale_bytes, w.in_features, w.out_features, flat.data_ptr(),
+                              w.scale_bytes, int(w.dots), w.in_features, w.out_features, flat.data_ptr(),
                               flat.numel(), out.data_ptr())
     if rc != 0:
         raise IndexError(f"token ids must lie in [0, {w.out_features})")

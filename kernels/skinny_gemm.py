@@ -49,13 +49,15 @@ def _built(isa: str) -> ctypes.CDLL | None:
                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                     ctypes.c_void_p]
         lib.skinny_gemm.restype = ctypes.c_int
-        # its quantized twin (kernels/quant_panels.py), in the same library
-        lib.skinny_gemm_q8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                       ctypes.c_void_p, ctypes.c_void_p]
-        lib.skinny_gemm_q8.restype = ctypes.c_int
-        lib.q_gather_columns.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 6 + [
+        # its quantized twins (kernels/quant_panels.py: fp32 or int8 rows), in the same library
+        for quantized in (lib.skinny_gemm_q8, lib.skinny_gemm_dots):
+            quantized.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                  ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                  ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                  ctypes.c_void_p, ctypes.c_void_p]
+            quantized.restype = ctypes.c_int
+        lib.simd_dot.restype = ctypes.c_char_p
+        lib.q_gather_columns.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 7 + [
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
         lib.q_gather_columns.restype = ctypes.c_int
     return lib

@@ -12,7 +12,12 @@ import argparse
 import os
 import sys
 
-from pdserve.engine.config import KERNEL_ISAS, QUANTIZATIONS, SPECULATIVE_METHODS
+from pdserve.engine.config import (
+    ACTIVATION_PRECISIONS,
+    KERNEL_ISAS,
+    QUANTIZATIONS,
+    SPECULATIVE_METHODS,
+)
 from pdserve.engine.model_catalog import DEFAULT_MODEL, resolve_model
 
 DEFAULT_HOST = "127.0.0.1"
@@ -62,6 +67,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "Q4_0/Q4_1/Q4_K/Q6_K blocks in place; int8: every other matmul quantized "
                    "at load; bf16: every other matmul rounded to bf16, exact for a bf16 "
                    "checkpoint; none: fp32; see docs/models.md)")
+    p.add_argument("--activation-precision", choices=ACTIVATION_PRECISIONS, default=None,
+                   help="what the quantized matmuls multiply (default auto: int8 rows "
+                   "against a GGUF file's blocks, as llama.cpp; fp32 for weights "
+                   "quantized at load; fp32: exact rows everywhere; see docs/models.md)")
     p.add_argument("--kernel-isa", choices=KERNEL_ISAS, default=None,
                    help="the C kernels' build (default auto: the widest this CPU runs; "
                    "avx2 or generic to run a narrower one, e.g. to compare builds)")
@@ -177,7 +186,7 @@ def _apply_pool_flags(pool, args: argparse.Namespace) -> None:
         pool.engine.num_kv_blocks = args.num_kv_blocks
     if getattr(args, "no_prefix_caching", False):
         pool.engine.enable_prefix_caching = False
-    for name in ("quantization", "kernel_isa", "speculative", "num_speculative_tokens",
+    for name in ("quantization", "activation_precision", "kernel_isa", "speculative", "num_speculative_tokens",
                  "draft_model"):
         if getattr(args, name, None) is not None:
             setattr(pool.engine, name, getattr(args, name))

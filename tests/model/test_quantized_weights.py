@@ -201,7 +201,8 @@ def test_quantized_decode_steps_match_the_fp32_weights(real_model_path, real_cha
 
     def runner(quantization):
         return ModelRunner(real_model_path, block_size=16, num_kv_blocks=16, num_state_slots=2,
-                           ring_len=16, quantization=quantization)
+                           ring_len=16, quantization=quantization,
+                           activation_precision="fp32")
 
     quantized, fp32 = runner("auto"), runner("none")
     mats = [m for m in quantized.model.modules() if isinstance(m, MatMul)]
@@ -394,7 +395,7 @@ def test_perplexity_through_the_quantized_decode_step_is_the_fp32_figure(real_mo
     ids = Tokenizer.from_model(real_model_path).encode(ppl.reference_text()[:4000],
                                                        add_special_tokens=False)
     chunks = ppl.chunks(ids, 96, 2)
-    runner = ppl.pdserve_runner(real_model_path, chunks)
+    runner = ppl.pdserve_runner(real_model_path, chunks, activation_precision="fp32")
     assert runner.model.matmul_quantized() and runner.decode_kernel
     fp32 = ppl.pdserve_runner(real_model_path, chunks, quantization="none")
     assert not fp32.model.matmul_quantized()

@@ -16,7 +16,7 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def normal_llm(real_model_path):
-    return LLM(real_model_path, max_num_seqs=16)
+    return LLM(real_model_path, max_num_seqs=16, activation_precision="fp32")
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_normal_greedy_equals_transformers(real_greedy_check, real_chat_prompts,
 
 def test_disaggregated_greedy_equals_transformers(real_model_path, real_greedy_check,
                                                   real_chat_prompts, normal_outputs):
-    llm = LLM(real_model_path, mode="disaggregated", max_num_seqs=16,
+    llm = LLM(real_model_path, mode="disaggregated", max_num_seqs=16, activation_precision="fp32",
               max_num_batched_tokens=64)  # chunked prompts, then the KV hand-off
     outs = llm.generate(prompt_token_ids=real_chat_prompts, sampling_params=GREEDY,
                         use_tqdm=False)
@@ -107,7 +107,8 @@ def test_perplexity_within_half_a_percent_of_transformers(real_model_path, hf_re
     ids = Tokenizer.from_model(real_model_path).encode(perplexity.reference_text(),
                                                        add_special_tokens=False)
     token_chunks = perplexity.chunks(ids, 512, 4)
-    ours = perplexity.pdserve_perplexity(real_model_path, token_chunks)
+    exact = perplexity.pdserve_runner(real_model_path, token_chunks, activation_precision="fp32")
+    ours = perplexity.pdserve_perplexity(real_model_path, token_chunks, runner=exact)
     theirs = perplexity.transformers_perplexity(hf_real_model, token_chunks)
     assert 5 < theirs < 30  # an English text, a small model: a sane figure
     assert abs(ours / theirs - 1) < 0.005, (ours, theirs)

@@ -129,7 +129,9 @@ def real_router(ray_session, real_model_path):
     through it too."""
     from pdserve.router.config import PoolConfig, RouterConfig
 
-    engine = dict(num_kv_blocks=256, max_num_seqs=16, block_size=16)
+    # fp32 activations: the service's tokens are held to transformers' (int8 ones are
+    # held to perplexity, tests/model/test_int8_activations.py)
+    engine = dict(num_kv_blocks=256, max_num_seqs=16, block_size=16, activation_precision="fp32")
     decode_engine = dict(engine, speculative="ngram", speculative_adaptive=False)
     config = RouterConfig(
         model_dir=real_model_path, port=0, served_model_name="smollm2-135m-instruct",
