@@ -1,11 +1,11 @@
 /* int8 activations against integer weight panels: integer dot products, as llama.cpp
  * computes on the same GGUF blocks (activation_precision "int8", kernels/quant_panels.py).
  *
- * Each row of x is quantized once per matmul, per X_BLOCK (16) values: a scale
+ * Each row of x is quantized once per matmul, per X_BLOCK (8) values: a scale
  * d = max|x| / 127, q = x / d rounded to nearest (even), and d * sum(q) (for the
  * weights' offsets). Per block of x and column the kernel sums q_x * q_w in 32-bit
  * integers and scales that by d; per block of the weights (bk, 16 or 32) it adds s_w
- * times those + m_w times the sums: one conversion per 16 values, not per value.
+ * times those + m_w times the sums: one conversion per 8 values, not per value.
  *
  * The weights' values are laid out for the dot-product instructions ("dots", packed by
  * QuantPanels.pack(dots=True)): a record's values come in 64-byte tiles of 16 columns
@@ -23,6 +23,8 @@
 #ifndef PDSERVE_DOT_BLOCK_H
 #define PDSERVE_DOT_BLOCK_H
 #include "skinny_block.h"
+
+typedef int32_t v4si __attribute__((vector_size(16)));
 
 #define DOT_TILE 64 /* bytes: 16 columns x 4 k */
 #if VW == 16
@@ -45,9 +47,11 @@
 const char *simd_dot(void) { return PDSERVE_DOT; }
 
 /* Values of x per scale: finer than the weights' 32, since a block's largest value
- * sets every other's step (measured on the real model's perplexity against fp32
- * activations, 16 chunks: +0.41% per 32, +0.17% per 16). */
-#define X_BLOCK 16
+ * sets every other's step. Measured on the real model, perplexity against fp32
+ * activations' at 4 / 8 / 16 chunks of 512: per 32 (llama.cpp's) +0.41% at 16; per 16
+ * +0.15 / +0.05 / +0.16%; per 8 -0.04 / +0.04 / +0.09% (llama.cpp itself, per 32,
+ * +0.44 / +0.53 / -0.002%). Per 8 adds a conversion and an FMA per tile. */
+#define X_BLOCK 8
 
 /* x's rows quantized per X_BLOCK (see the top): q [rows][K], d and sum [rows][K / X_BLOCK]. */
 typedef struct {
@@ -67,36 +71,45 @@ static inline QRows qrows_at(void *mem, int64_t rows, int64_t K) {
     return r;
 }
 
+/* One block of x: 8 floats on every ISA (a ymm register, or two xmm). */
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef float v8f_unaligned __attribute__((vector_size(32), aligned(4)));
+typedef float v4f __attribute__((vector_size(16)));
+
+static inline float v8_fold(v8f v, const int is_max) {
+    v4f lo = __builtin_shufflevector(v, v, 0, 1, 2, 3), hi = __builtin_shufflevector(v, v, 4, 5, 6, 7);
+    v4f a = is_max ? (v4f)((lo > hi) & (v4si)lo) + (v4f)(~(lo > hi) & (v4si)hi) : lo + hi;
+    v4f b = __builtin_shufflevector(a, a, 2, 3, 0, 1);
+    a = is_max ? (v4f)((a > b) & (v4si)a) + (v4f)(~(a > b) & (v4si)b) : a + b;
+    return is_max ? (a[0] > a[1] ? a[0] : a[1]) : a[0] + a[1];
+}
+
 /* Rows [r0, r1) of x (row stride K, a multiple of X_BLOCK) into qx. The sum is the
  * quantized block's (d times its integers' sum), not x's: the offsets' term then
  * multiplies the same x as the values' term, and the rounding errors meet the weights
- * w = s q + m rather than s q alone (Q4_1's m is about -8 s; measured, x's own sum put
- * the perplexity 0.53% off fp32's, this one 0.41%, both per 32). */
+ * w = s q + m rather than s q alone (Q4_1's m is about -8 s; measured per 32, x's own
+ * sum put the perplexity 0.53% off fp32's, this one 0.41%). */
 static inline void quantize_rows(const float *x, int64_t r0, int64_t r1, int64_t K,
                                  const QRows *qx) {
-    const vi abs_mask = (vi)SPLAT(0x7fffffff);
-    const vf magic = vset1(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    const v8i abs_mask = {S4(0x7fffffff), S4(0x7fffffff)};
+    const v8f magic = {S4(12582912.0f), S4(12582912.0f)}; /* 1.5 * 2^23: rounds to an integer */
     const int64_t nb = K / X_BLOCK;
     for (int64_t r = r0; r < r1; r++)
         for (int64_t b = 0; b < nb; b++) {
-            const float *xb = x + r * K + b * X_BLOCK;
-            vf m = vzero(), s = vzero();
-            for (int k = 0; k < X_BLOCK; k += VW) m = vmax(m, (vf)((vi)vload(xb + k) & abs_mask));
-            const float amax = vmax_lanes(m), inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            const float d = amax / 127.0f;
+            const v8f v = *(const v8f_unaligned *)(x + r * K + b * X_BLOCK);
+            const float amax = v8_fold((v8f)((v8i)v & abs_mask), 1);
+            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, d = amax / 127.0f;
+            const v8f rounded = (v * inv + magic) - magic;
+            const v8i n = __builtin_convertvector(rounded, v8i);
             int8_t *q = qx->q + r * K + b * X_BLOCK;
-            for (int k = 0; k < X_BLOCK; k += VW) {
-                const vf rounded = (vload(xb + k) * inv + magic) - magic;
-                const vi n = __builtin_convertvector(rounded, vi);
-                s += rounded;
-#if VW == 16 && defined(__AVX512F__)
-                _mm_storeu_si128((__m128i *)(q + k), _mm512_cvtepi32_epi8((__m512i)n));
+#if defined(__AVX512VL__)
+            _mm_storel_epi64((__m128i *)q, _mm256_cvtepi32_epi8((__m256i)n));
 #else
-                for (int i = 0; i < VW; i++) q[k + i] = (int8_t)n[i];
+            for (int i = 0; i < X_BLOCK; i++) q[i] = (int8_t)n[i];
 #endif
-            }
             qx->d[r * nb + b] = d;
-            qx->sum[r * nb + b] = d * vsum(s);
+            qx->sum[r * nb + b] = d * v8_fold(rounded, 0);
         }
 }
 

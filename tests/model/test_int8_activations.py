@@ -1,0 +1,156 @@
+"""int8 activations against integer weight blocks (kernels/dot_block.h, the "dots" layout of
+kernels/quant_panels.py, EngineSettings.activation_precision): every build this CPU runs
+multiplies exactly the quantized rows a plain torch reference makes (per 16 values, the
+largest to 127, rounded to nearest even) by the weight; every block format packs and
+unpacks; the decode step and the prompt path give a row the same result whatever rides
+with it; the setting picks the layout per weight; and on the real model the perplexity
+stays within a stated bound of fp32 activations' while the greedy answers hold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.kernels import cbuild, quant_panels, skinny_gemm
+from pdserve.kernels.quant_panels import QuantPanels, QuantRows
+
+ISAS = list(cbuild.runnable_isas())
+X_BLOCK = 8  # dot_block.h's values of x per scale
+
+
+def _quantized_x(x: torch.Tensor) -> torch.Tensor:
+    """The reference: x [M, K] as its int8 rows dequantized (per X_BLOCK values a scale
+    amax / 127, q = round(x * (127 / amax)), ties to even)."""
+    m, k = x.shape
+    blocks = x.view(m, k // X_BLOCK, X_BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv)
+    assert q.abs().max() <= 127
+    return (q.double() * (amax / 127.0).double()).view(m, k)
+
+
+# name -> (values' range, block_k, offsets, fp16 scales): each GGUF block type's shape
+FORMATS = {
+    "Q4_1": ((0, 16), 32, "min", True),
+    "Q4_0": ((0, 16), 32, "-8s", True),
+    "Q8_0": ((-128, 128), 32, None, True),
+    "Q4_K": ((0, 16), 32, "min", False),
+    "Q6_K": ((-32, 32), 16, None, False),
+}
+
+
+def _rows(fmt: str, n: int, k: int, seed: int = 0) -> QuantRows:
+    (lo, hi), bk, offsets, half = FORMATS[fmt]
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randint(lo, hi, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, k // bk, generator=g) * 0.02 + 1e-4
+    scales = scales.half().float() if half else scales + 1e-7  # fp32: fp16 cannot hold them
+    offs = None
+    if offsets == "min":
+        offs = -torch.rand(n, k // bk, generator=g) * 0.1
+        offs = offs.half().float() if half else offs
+    elif offsets == "-8s":
+        offs = -8 * scales
+    return QuantRows(values, scales, offs, bk)
+
+
+def _reference(x: torch.Tensor, rows: QuantRows) -> torch.Tensor:
+    """sum over k of x's quantized value times the weight's: fp64."""
+    return _quantized_x(x) @ rows.dequantize().double().T
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_int8_rows_times_each_block_format_are_the_quantized_products(isa, fmt):
+    rows = _rows(fmt, 200, 256)  # 200: a partial last panel pair
+    dots = QuantPanels.pack(rows, dots=True)
+    plain = QuantPanels.pack(rows)
+    assert dots.dots and (dots.bits, dots.scale_bytes) == (plain.bits, plain.scale_bytes)
+    assert dots.nbytes() == plain.nbytes()  # the same bytes, another order
+    g = torch.Generator().manual_seed(1)
+    for m in (1, 2, 3, 5, 9, 33):  # one row, the row groups, their remainders
+        x = torch.randn(m, 256, generator=g)
+        x[0, :8] = 0.0  # an all-zero block of x: scale 0
+        x[-1, 8:16] *= 1e3  # a block whose largest value dwarfs the others
+        got = quant_panels.matmul(x, dots, isa=isa).double()
+        ref = _reference(x, rows)
+        assert (got - ref).abs().max() <= 2e-6 * ref.abs().max(), (isa, fmt, m)
+        # and within int8's rounding of the fp32 activations' product
+        exact = quant_panels.matmul(x, plain, isa=isa).double()
+        assert (got - exact).abs().max() < 0.05 * exact.abs().max()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_each_build_says_which_integer_dot_product_it_uses(isa):
+    dot = skinny_gemm._library(isa).simd_dot().decode()
+    want = {"generic": "plain", "avx2": "maddubs"}.get(isa)
+    if isa == "avx512":
+        want = "vnni" if "avx512_vnni" in cbuild._cpu_flags() else "maddubs"
+    assert dot == want
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_dots_panels_unpack_and_gather_the_rows_they_were_packed_from(fmt):
+    rows = _rows(fmt, 70, 128, seed=3)
+    dots = QuantPanels.pack(rows, dots=True)
+    back = dots.unpack()
+    assert torch.equal(back.values, rows.values) and torch.equal(back.scales, rows.scales)
+    ids = torch.tensor([0, 15, 16, 31, 32, 69])
+    assert torch.equal(quant_panels.gather_columns(dots, ids),
+                       rows.dequantize()[ids])  # an embedding lookup in the dots layout
+
+
+def test_weights_that_cannot_meet_int8_rows_are_refused_by_name():
+    bf16 = QuantRows(torch.randn(32, 64).to(torch.bfloat16), torch.ones(32, 1), None, 64)
+    assert not quant_panels.dots_fit(bf16)
+    with pytest.raises(ValueError, match="int8 activations need integer values"):
+        QuantPanels.pack(bf16, dots=True)
+    coarse = QuantRows(torch.zeros(32, 64, dtype=torch.int8), torch.ones(32, 8), None, 8)
+    with pytest.raises(ValueError, match="block_k a multiple of 16"):
+        QuantPanels.pack(coarse, dots=True)
+
+
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+    """One row alone, in a group, in a remainder, in a prompt of many: bit for bit the
+    same (integer sums, then the same float steps per row), so a prompt's last row and
+    a decode step agree, and speculation's rows equal plain decoding's."""
+    rows = _rows("Q4_1", 96, 576)
+    dots = QuantPanels.pack(rows, dots=True)
+    x = torch.randn(37, 576, generator=torch.Generator().manual_seed(2))
+    together = quant_panels.matmul(x, dots)
+    for i in (0, 3, 36):
+        assert torch.equal(quant_panels.matmul(x[i:i + 1], dots)[0], together[i])
+    assert torch.equal(quant_panels.matmul(x[4:7], dots), together[4:7])
+
+
+def test_activation_precision_is_checked_and_reaches_serve(tiny_model_dir):
+    from pdserve.cli import build_parser
+    from pdserve.engine.config import EngineSettings
+    from pdserve.router.serve_command import serve_config
+
+    with pytest.raises(ValueError, match="^activation_precision must be one of auto, fp32, int8"):
+        EngineSettings(activation_precision="int4")
+    assert EngineSettings().activation_precision == "auto"
+    args = build_parser().parse_args(["serve", "--model", tiny_model_dir,
+                                      "--activation-precision", "fp32"])
+    config = serve_config(args)
+    assert {p.engine.activation_precision for p in (config.prefill, config.decode,
+                                                    config.normal)} == {"fp32"}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--activation-precision", "int4"])
+
+
+@pytest.mark.parametrize("precision,file_dots,at_load_dots", [
+    ("auto", True, False), ("int8", True, True), ("fp32", False, False)])
+def test_the_setting_picks_int8_rows_per_weight(real_model_path, tiny_model_dir, precision,
+                                                file_dots, at_load_dots):
+    """auto: int8 rows for a GGUF file's blocks (the file's author chose quantization),
+    fp32 for a float checkpoint's weights quantized at load; int8: both; fp32: neither."""
+    from pdserve.engine.model import MatMul, load_model
+
+    _, gguf = load_model(real_model_path, activations=precision)
+    _, folder = load_model(tiny_model_dir, quantization="int8", activations=precision)
+    for model, want in ((gguf, file_dots), (folder, at_load_dots)):
+        quant = [m.quant for m in model.modules() if isinstance(m, MatMul) and m.quant is not None]
+        assert quant and {q.dots for q in quant} == {want}
