@@ -8,7 +8,10 @@ this CPU runs, torch.compile'd blocks, and eager torch, side by side in one run.
 
 Paths (``--paths``; default all this CPU runs):
   c-avx512, c-avx2, c-generic  the C decode step (``kernels/decode_step``) of that build,
-              reading a GGUF model's quantized blocks in place (``quantization="auto"``)
+              reading a GGUF model's quantized blocks in place (``quantization="auto"``),
+              multiplied by int8 activations (``activation_precision="auto"``)
+  c-avx512-exact, ...  the same blocks multiplied by fp32 activations
+              (``activation_precision="fp32"``)
   c-avx512-fp32, ...  the same reading fp32 weights (``quantization="none"``)
   c-avx512-bf16, ...  the same with every matmul the file holds no blocks for in bf16
               (``quantization="bf16"``: a folder model's at half of fp32's bytes)
@@ -43,7 +46,7 @@ def _paths_here() -> list[str]:
     from pdserve.kernels import cbuild, decode_step
 
     built = [f"c-{isa}" for isa in cbuild.runnable_isas() if decode_step.available(isa)]
-    return [*built, *(f"{c}-{q}" for q in ("fp32", "bf16") for c in built),
+    return [*built, *(f"{c}-{q}" for q in ("exact", "fp32", "bf16") for c in built),
             "compile", "inductor", "eager", "eager-mkl"]
 
 
@@ -64,7 +67,8 @@ def _engine(model_dir: str, path: str, batch: int):
     if path.startswith("c-"):
         isa, _, held = path[2:].partition("-")
         kw["kernel_isa"] = isa
-        kw["quantization"] = {"fp32": "none", "bf16": "bf16", "": "auto"}[held]
+        kw["quantization"] = {"fp32": "none", "bf16": "bf16", "": "auto", "exact": "auto"}[held]
+        kw["activation_precision"] = "fp32" if held == "exact" else "auto"
     else:
         kw["decode_kernel"] = False
         kw["compile"] = path in ("compile", "inductor")
