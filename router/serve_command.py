@@ -69,8 +69,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "checkpoint; none: fp32; see docs/models.md)")
     p.add_argument("--activation-precision", choices=ACTIVATION_PRECISIONS, default=None,
                    help="what the quantized matmuls multiply (default auto: int8 rows "
-                   "against a GGUF file's blocks, as llama.cpp; fp32 for weights "
-                   "quantized at load; fp32: exact rows everywhere; see docs/models.md)")
+                   "against a GGUF file's blocks but the attention's q|k|v, fp32 for "
+                   "those and weights quantized at load; int8: all; fp32: exact rows "
+                   "everywhere; see docs/models.md)")
     p.add_argument("--kernel-isa", choices=KERNEL_ISAS, default=None,
                    help="the C kernels' build (default auto: the widest this CPU runs; "
                    "avx2 or generic to run a narrower one, e.g. to compare builds)")

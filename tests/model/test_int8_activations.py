@@ -145,12 +145,17 @@ def test_activation_precision_is_checked_and_reaches_serve(tiny_model_dir):
     ("auto", True, False), ("int8", True, True), ("fp32", False, False)])
 def test_the_setting_picks_int8_rows_per_weight(real_model_path, tiny_model_dir, precision,
                                                 file_dots, at_load_dots):
-    """auto: int8 rows for a GGUF file's blocks (the file's author chose quantization),
-    fp32 for a float checkpoint's weights quantized at load; int8: both; fp32: neither."""
-    from pdserve.engine.model import MatMul, load_model
+    """auto: int8 rows for a GGUF file's blocks (the file's author chose quantization)
+    but the attention's q|k|v, fp32 for a float checkpoint's weights quantized at load;
+    int8: all; fp32: none."""
+    from pdserve.engine.model import load_model
 
     _, gguf = load_model(real_model_path, activations=precision)
     _, folder = load_model(tiny_model_dir, quantization="int8", activations=precision)
     for model, want in ((gguf, file_dots), (folder, at_load_dots)):
-        quant = [m.quant for m in model.modules() if isinstance(m, MatMul) and m.quant is not None]
-        assert quant and {q.dots for q in quant} == {want}
+        qkv = {layer.self_attn.qkv.quant.dots for layer in model.model.layers}
+        rest = {m.quant.dots for layer in model.model.layers
+                for m in (layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down)}
+        assert rest == {want}
+        assert qkv == {want and precision == "int8"}
+    assert gguf.logits_proj.quant.dots == file_dots  # the Q8_0 LM head
