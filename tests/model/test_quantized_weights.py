@@ -263,7 +263,7 @@ def test_a_quantized_model_holds_each_weight_once_at_its_quantized_size(real_mod
 
     def runner(quantization):
         return ModelRunner(real_model_path, block_size=16, num_kv_blocks=24, num_state_slots=2,
-                           quantization=quantization)
+                           quantization=quantization, activation_precision="fp32")
 
     quantized, fp32 = runner("auto"), runner("none")
     model = quantized.model
