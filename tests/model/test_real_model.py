@@ -84,7 +84,7 @@ def test_forks_give_the_greedy_tokens(real_model_path, real_chat_prompts, normal
     from pdserve.engine.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model_dir=real_model_path, engine_type="normal",
-                                    max_num_seqs=16))
+                                    max_num_seqs=16, activation_precision="fp32"))
     for i in (0, 5):
         engine.add_request(f"r{i}", real_chat_prompts[i], GREEDY,
                            forks=[(f"r{i}-fork{k}", GREEDY) for k in (1, 2)])
