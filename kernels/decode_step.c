@@ -97,9 +97,8 @@ typedef struct {
  * the rest at the barrier. (One shared counter handed out interleaved pairs: every
  * take moved its line between the cores, and each thread's stream jumped.) Each
  * output column is still computed whole by one thread, in the same order: results do
- * not depend on who took which chunk. */
-/* A W_DOTS weight's rows are quantized by each thread into its own `qmem` first (a
- * few rows: cheaper than a barrier). */
+ * not depend on who took which chunk. A W_DOTS weight's rows are quantized first, by
+ * each thread into its own `qmem` (a few rows: cheaper than a barrier). */
 static void matmul(int64_t *item, int t, int nt, const float *x, int64_t M, int64_t K,
                    const Weight *w, int64_t N, const float *bias, float *out, int add_to,
                    void *qmem) {

@@ -140,8 +140,7 @@ def _descriptor(w: Weight) -> list[int]:
             raise ValueError("quantized panels must be contiguous uint8 records of int8 "
                              "values, nibble pairs or bf16 values")
         return [W_DOTS if w.dots else W_QUANT, w.records.data_ptr(), w.block_k, w.bits,
-                int(w.has_offsets),
-                w.scale_bytes]
+                int(w.has_offsets), w.scale_bytes]
     return [W_FP32, _ptr(w), 0, 0, 0, 0]
 
 

@@ -27,14 +27,13 @@
 typedef int32_t v4si __attribute__((vector_size(16)));
 
 #define DOT_TILE 64 /* bytes: 16 columns x 4 k */
-/* Rows sharing each tile load, and column vectors per pass over a pair's records:
- * their int sums, block totals and results in registers (32 on AVX-512, 16 else). */
+/* Rows sharing each tile load: their int sums, block totals and results in registers
+ * (32 on AVX-512, 16 elsewhere). */
 #if VW == 16
 #define DOT_ROWS 4
 #else
 #define DOT_ROWS 2
 #endif
-#define DOT_VECS PAIR_VECS
 
 #if defined(__AVX512VNNI__) && VW == 16
 #define PDSERVE_DOT "vnni"
@@ -114,6 +113,18 @@ static inline void quantize_rows(const float *x, int64_t r0, int64_t r1, int64_t
         }
 }
 
+/* acc + for each lane, the sum of its four byte products a x s (s signed; a signed or
+ * not): the plain build's loop. */
+static inline vi dot_bytes(vi acc, vi a, vi s, const int a_signed) {
+    for (int i = 0; i < VW; i++)
+        for (int j = 0; j < 4; j++) {
+            const uint8_t byte = (uint8_t)((uint32_t)a[i] >> (8 * j));
+            acc[i] += (a_signed ? (int32_t)(int8_t)byte : (int32_t)byte) *
+                      (int32_t)(int8_t)((uint32_t)s[i] >> (8 * j));
+        }
+    return acc;
+}
+
 /* acc + for each lane, the sum of its four byte products u (unsigned) x s (signed). */
 static inline vi dot_u8s8(vi acc, vi u, vi s) {
 #if VW == 16 && defined(__AVX512VNNI__)
@@ -125,11 +136,7 @@ static inline vi dot_u8s8(vi acc, vi u, vi s) {
     return acc + (vi)_mm256_madd_epi16(_mm256_maddubs_epi16((__m256i)u, (__m256i)s),
                                        _mm256_set1_epi16(1));
 #else
-    for (int i = 0; i < VW; i++)
-        for (int j = 0; j < 4; j++)
-            acc[i] += (int32_t)(uint8_t)((uint32_t)u[i] >> (8 * j)) *
-                      (int32_t)(int8_t)((uint32_t)s[i] >> (8 * j));
-    return acc;
+    return dot_bytes(acc, u, s, 0);
 #endif
 }
 
@@ -161,11 +168,7 @@ static inline vi dot_s8s8(vi acc, vi w, vi s) {
     return dot_u8s8(acc, (vi)_mm256_sign_epi8((__m256i)w, (__m256i)w),
                     (vi)_mm256_sign_epi8((__m256i)s, (__m256i)w));
 #else
-    for (int i = 0; i < VW; i++)
-        for (int j = 0; j < 4; j++)
-            acc[i] += (int32_t)(int8_t)((uint32_t)w[i] >> (8 * j)) *
-                      (int32_t)(int8_t)((uint32_t)s[i] >> (8 * j));
-    return acc;
+    return dot_bytes(acc, w, s, 1);
 #endif
 }
 
@@ -178,35 +181,34 @@ static inline vi vi_splat4(const int8_t *p) {  /* four bytes into every lane */
     return (vi){0} + v;
 }
 
-/* acc[i][j] (row i of R, column vector j0 + j of the pair) += rows [g, g + R) of qx
- * times the pair's weight (dots layout), over all its blocks. */
+/* acc[i][j] (row i of R, column vector j of the pair) += rows [g, g + R) of qx times
+ * the pair's weight (dots layout), over all its blocks. */
 static inline __attribute__((always_inline)) void pair_rows_dots(
-    const QRows *qx, int64_t g, int64_t K, const QPanels *w, const uint8_t *pair, int j0,
-    vf acc[DOT_ROWS][DOT_VECS], const int bits, const int offsets, const int sb, const int R) {
+    const QRows *qx, int64_t g, int64_t K, const QPanels *w, const uint8_t *pair,
+    vf acc[DOT_ROWS][PAIR_VECS], const int bits, const int offsets, const int sb, const int R) {
     const int64_t bk = w->bk, nb = K / bk, hdr = q_header_bytes(offsets, sb);
     const int64_t rec = hdr + bk * PANEL * bits / 8, per_tile = bits == 4 ? 8 : 4;
     const int64_t xn = K / X_BLOCK;
     const vi low = (vi)SPLAT(0x0f0f0f0f);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *r = pair + b * 2 * rec;
-        if (j0 == 0)
-            for (int64_t l = 0; l < 2 * rec; l += 64) PREFETCH_L1(r + Q_PREFETCH_RECORDS * 2 * rec + l);
-        vf scaled[DOT_ROWS][DOT_VECS];  /* sum over x's blocks of d * (q_x . q_w) */
+        for (int64_t l = 0; l < 2 * rec; l += 64) PREFETCH_L1(r + Q_PREFETCH_RECORDS * 2 * rec + l);
+        vf scaled[DOT_ROWS][PAIR_VECS];  /* sum over x's blocks of d * (q_x . q_w) */
         float sum[DOT_ROWS];
         for (int i = 0; i < R; i++) {
             sum[i] = 0.0f;
-            for (int j = 0; j < DOT_VECS; j++) scaled[i][j] = vzero();
+            for (int j = 0; j < PAIR_VECS; j++) scaled[i][j] = vzero();
         }
         for (int64_t xb = 0; xb < bk / X_BLOCK; xb++) {
             const int64_t at = b * bk + xb * X_BLOCK;  /* x's first k in this block */
-            vi isum[DOT_ROWS][DOT_VECS];
+            vi isum[DOT_ROWS][PAIR_VECS];
             for (int i = 0; i < R; i++)
-                for (int j = 0; j < DOT_VECS; j++) isum[i][j] = (vi){0};
+                for (int j = 0; j < PAIR_VECS; j++) isum[i][j] = (vi){0};
 #pragma GCC unroll 4
             for (int64_t t = xb * X_BLOCK / per_tile; t < (xb + 1) * X_BLOCK / per_tile; t++) {
 #pragma GCC unroll 8
-                for (int j = 0; j < DOT_VECS; j++) {
-                    const int64_t col = (j0 + j) * VW, panel = col / PANEL, c0 = col % PANEL;
+                for (int j = 0; j < PAIR_VECS; j++) {
+                    const int64_t col = j * VW, panel = col / PANEL, c0 = col % PANEL;
                     const vi v = vi_load(r + panel * rec + hdr + t * DOT_TILE + c0 * 4);
                     const vi lo = v & low, hi = (v >> 4) & low;
 #pragma GCC unroll 4
@@ -224,16 +226,15 @@ static inline __attribute__((always_inline)) void pair_rows_dots(
                 const vf d = vset1(qx->d[(g + i) * xn + at / X_BLOCK]);
                 sum[i] += qx->sum[(g + i) * xn + at / X_BLOCK];
 #pragma GCC unroll 8
-                for (int j = 0; j < DOT_VECS; j++)
+                for (int j = 0; j < PAIR_VECS; j++)
                     scaled[i][j] = vfma(__builtin_convertvector(isum[i][j], vf), d, scaled[i][j]);
             }
         }
 #pragma GCC unroll 4
         for (int i = 0; i < R; i++)
 #pragma GCC unroll 8
-            for (int j = 0; j < DOT_VECS; j++) {
-                const int64_t col = (j0 + j) * VW;
-                const uint8_t *h = r + (col / PANEL) * rec + (col % PANEL) * sb;
+            for (int j = 0; j < PAIR_VECS; j++) {
+                const uint8_t *h = r + (j * VW / PANEL) * rec + (j * VW % PANEL) * sb;
                 acc[i][j] = vfma(scaled[i][j], vscale_load(h, sb), acc[i][j]);
                 if (offsets) acc[i][j] = vfma(vset1(sum[i]), vscale_load(h + PANEL * sb, sb), acc[i][j]);
             }
@@ -242,28 +243,28 @@ static inline __attribute__((always_inline)) void pair_rows_dots(
 
 /* pair_rows_dots for this weight's format (each a loop of its own). */
 static inline __attribute__((always_inline)) void pair_rows_dots_any(
-    const QRows *qx, int64_t g, int64_t K, const QPanels *w, const uint8_t *pair, int j0,
-    vf acc[DOT_ROWS][DOT_VECS], const int R) {
+    const QRows *qx, int64_t g, int64_t K, const QPanels *w, const uint8_t *pair,
+    vf acc[DOT_ROWS][PAIR_VECS], const int R) {
     if (w->scale_bytes == 4) {
-        if (w->bits == 4 && w->offsets) pair_rows_dots(qx, g, K, w, pair, j0, acc, 4, 1, 4, R);
-        else if (w->bits == 4) pair_rows_dots(qx, g, K, w, pair, j0, acc, 4, 0, 4, R);
-        else if (w->offsets) pair_rows_dots(qx, g, K, w, pair, j0, acc, 8, 1, 4, R);
-        else pair_rows_dots(qx, g, K, w, pair, j0, acc, 8, 0, 4, R);
+        if (w->bits == 4 && w->offsets) pair_rows_dots(qx, g, K, w, pair, acc, 4, 1, 4, R);
+        else if (w->bits == 4) pair_rows_dots(qx, g, K, w, pair, acc, 4, 0, 4, R);
+        else if (w->offsets) pair_rows_dots(qx, g, K, w, pair, acc, 8, 1, 4, R);
+        else pair_rows_dots(qx, g, K, w, pair, acc, 8, 0, 4, R);
     } else if (w->bits == 4 && w->offsets) {
-        pair_rows_dots(qx, g, K, w, pair, j0, acc, 4, 1, 2, R);
+        pair_rows_dots(qx, g, K, w, pair, acc, 4, 1, 2, R);
     } else if (w->bits == 4) {
-        pair_rows_dots(qx, g, K, w, pair, j0, acc, 4, 0, 2, R);
+        pair_rows_dots(qx, g, K, w, pair, acc, 4, 0, 2, R);
     } else if (w->offsets) {
-        pair_rows_dots(qx, g, K, w, pair, j0, acc, 8, 1, 2, R);
+        pair_rows_dots(qx, g, K, w, pair, acc, 8, 1, 2, R);
     } else {
-        pair_rows_dots(qx, g, K, w, pair, j0, acc, 8, 0, 2, R);
+        pair_rows_dots(qx, g, K, w, pair, acc, 8, 0, 2, R);
     }
 }
 
 /* Rows [0, M) of qx times panel pairs [p0, p1) of w (dots layout) -> out (row stride
- * ldo) + bias; add_to: out += that. qx holds rows up to a multiple of DOT_ROWS (the
- * padding all zero); per pair and DOT_VECS column vectors, groups of DOT_ROWS rows (1
- * or 2 when that is all), the pair's records read from memory by the first pass and
+ * ldo) + bias; add_to: out += that. qx holds rows up to a multiple of DOT_ROWS (a
+ * padding row is read, its results dropped); per pair, groups of DOT_ROWS rows (1 or
+ * 2 when that is all), the pair's records read from memory by the first group and
  * from L1 by the others. */
 static inline void matmul_pairs_dots(const QRows *qx, int64_t M, int64_t K, const QPanels *w,
                                      int64_t N, const float *bias, float *out, int64_t ldo,
@@ -271,26 +272,25 @@ static inline void matmul_pairs_dots(const QRows *qx, int64_t M, int64_t K, cons
     const int64_t pair_bytes = (K / w->bk) * 2 * q_record_bytes(w);
     for (int64_t p = p0; p < p1; p++) {
         const uint8_t *pair = w->records + p * pair_bytes;
-        for (int j0 = 0; j0 < PAIR_VECS; j0 += DOT_VECS)
-            for (int64_t g = 0; g < M; g += DOT_ROWS) {
-                const int64_t rows = M - g < DOT_ROWS ? M - g : DOT_ROWS;
-                vf acc[DOT_ROWS][DOT_VECS];
-                for (int i = 0; i < DOT_ROWS; i++)
-                    for (int j = 0; j < DOT_VECS; j++) acc[i][j] = vzero();
-                if (rows == 1) pair_rows_dots_any(qx, g, K, w, pair, j0, acc, 1);
+        for (int64_t g = 0; g < M; g += DOT_ROWS) {
+            const int64_t rows = M - g < DOT_ROWS ? M - g : DOT_ROWS;
+            vf acc[DOT_ROWS][PAIR_VECS];
+            for (int i = 0; i < DOT_ROWS; i++)
+                for (int j = 0; j < PAIR_VECS; j++) acc[i][j] = vzero();
+            if (rows == 1) pair_rows_dots_any(qx, g, K, w, pair, acc, 1);
 #if DOT_ROWS >= 4
-                else if (rows == 2) pair_rows_dots_any(qx, g, K, w, pair, j0, acc, 2);
+            else if (rows == 2) pair_rows_dots_any(qx, g, K, w, pair, acc, 2);
 #endif
-                else pair_rows_dots_any(qx, g, K, w, pair, j0, acc, DOT_ROWS);
-                for (int64_t i = 0; i < rows; i++)
-                    for (int j = 0; j < DOT_VECS; j++) {
-                        const int64_t col = p * PAIR_COLS + (j0 + j) * VW, n = N - col;
-                        float *o = out + (g + i) * ldo + col;
-                        vf y = acc[i][j] + (bias ? vload_n(bias + col, n) : vzero());
-                        if (add_to) y += vload_n(o, n);
-                        vstore_n(o, y, n);
-                    }
-            }
+            else pair_rows_dots_any(qx, g, K, w, pair, acc, DOT_ROWS);
+            for (int64_t i = 0; i < rows; i++)
+                for (int j = 0; j < PAIR_VECS; j++) {
+                    const int64_t col = p * PAIR_COLS + j * VW, n = N - col;
+                    float *o = out + (g + i) * ldo + col;
+                    vf y = acc[i][j] + (bias ? vload_n(bias + col, n) : vzero());
+                    if (add_to) y += vload_n(o, n);
+                    vstore_n(o, y, n);
+                }
+        }
     }
 }
 

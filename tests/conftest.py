@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -9,6 +10,21 @@ import pytest
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def repo_module():
+    """load(path): a script of the repository (``scripts/...``, ``protos/generate.py``),
+    which no package holds, imported from its file."""
+    def load(path: str):
+        spec = importlib.util.spec_from_file_location(Path(path).stem, REPO / path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
 
 
 @pytest.fixture(scope="session")

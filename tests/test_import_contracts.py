@@ -9,33 +9,24 @@ that imports the wrong way, and checks the real contracts catch it by name.
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+
+@pytest.fixture(scope="module")
+def lint(repo_module):
+    return repo_module("scripts/lint_imports.py")
 
 
-def _lint_imports_module():
-    spec = importlib.util.spec_from_file_location("lint_imports",
-                                                  ROOT / "scripts" / "lint_imports.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-lint = _lint_imports_module()
-
-
-def _run(tree: Path) -> tuple[int, str]:
+def _run(lint, tree: Path) -> tuple[int, str]:
     done = lint.run(["--no-cache", "--no-logo"], tree, capture=True)
     return done.returncode, done.stdout + done.stderr
 
 
-def test_contracts_hold(tmp_path):
-    rc, out = _run(lint.link_tree(tmp_path / "tree"))
+def test_contracts_hold(lint, tmp_path):
+    rc, out = _run(lint, lint.link_tree(tmp_path / "tree"))
     assert rc == 0, out
     assert "0 broken" in out, out
     for name in ("layers", "no product module imports pdserve.bench", "import no torch"):
@@ -55,7 +46,7 @@ def test_contracts_hold(tmp_path):
     # the router's process loading torch
     ("router", "import torch\n", "import no torch"),
 ])
-def test_a_wrong_way_import_is_caught(tmp_path, part, source, contract):
+def test_a_wrong_way_import_is_caught(lint, tmp_path, part, source, contract):
     tree = lint.link_tree(tmp_path / "tree")
     link = tree / "pdserve" / part
     real = link.resolve()
@@ -63,7 +54,7 @@ def test_a_wrong_way_import_is_caught(tmp_path, part, source, contract):
     shutil.copytree(real, link, ignore=shutil.ignore_patterns("__pycache__"))
     (link / "_wrong_way.py").write_text(f'"""Imports the wrong way (a test)."""\n\n{source}')
 
-    rc, out = _run(tree)
+    rc, out = _run(lint, tree)
     assert rc == 1, out
     broken = [line for line in out.splitlines() if line.endswith(" BROKEN")]
     assert any(contract in line for line in broken), out
@@ -71,5 +62,5 @@ def test_a_wrong_way_import_is_caught(tmp_path, part, source, contract):
 
     # The same copy without that module keeps every contract.
     (link / "_wrong_way.py").unlink()
-    rc, out = _run(tree)
+    rc, out = _run(lint, tree)
     assert rc == 0, out

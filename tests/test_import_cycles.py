@@ -3,10 +3,7 @@ imports included; the checker (scripts/import_cycles.py) finds a loop it is show
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+import pytest
 
 # Loops not untied yet (issue: names and boundaries). Untie one, then delete its line:
 # the test fails while this list and the tree disagree either way.
@@ -16,19 +13,16 @@ REMAINING = {
 }
 
 
-def _checker():
-    spec = importlib.util.spec_from_file_location("import_cycles",
-                                                  ROOT / "scripts" / "import_cycles.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture(scope="module")
+def checker(repo_module):
+    return repo_module("scripts/import_cycles.py")
 
 
-def test_the_only_loops_inside_folders_are_the_listed_ones():
-    assert _checker().folder_cycles() == REMAINING
+def test_the_only_loops_inside_folders_are_the_listed_ones(checker):
+    assert checker.folder_cycles() == REMAINING
 
 
-def test_the_checker_finds_a_loop_hidden_by_a_late_import(tmp_path):
+def test_the_checker_finds_a_loop_hidden_by_a_late_import(checker, tmp_path):
     folder = tmp_path / "engine"
     (folder / "sub").mkdir(parents=True)
     (folder / "__init__.py").write_text("")
@@ -36,4 +30,4 @@ def test_the_checker_finds_a_loop_hidden_by_a_late_import(tmp_path):
     (folder / "sub" / "b.py").write_text("def g():\n    from pdserve.engine import a\n"
                                          "    return a\n")
     (folder / "c.py").write_text("from pdserve.engine.a import f\n")  # on the loop's edge
-    assert _checker().folder_cycles(tmp_path, ("engine",)) == {"engine": [["a", "sub.b"]]}
+    assert checker.folder_cycles(tmp_path, ("engine",)) == {"engine": [["a", "sub.b"]]}

@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _load_generator():
-    spec = importlib.util.spec_from_file_location("protos_generate", REPO / "protos" / "generate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_regenerating_changes_nothing(tmp_path):
-    gen = _load_generator()
+def test_regenerating_changes_nothing(repo_module, tmp_path):
+    gen = repo_module("protos/generate.py")
     fresh = gen.generate(tmp_path)
     assert {p.name for p in fresh} >= {"router_pb2.py", "router_pb2_grpc.py", "router_pb2.pyi"}
     for path in fresh:
