@@ -378,17 +378,20 @@ class Pool:
             await asyncio.shield(self._retire(leaving))
 
     async def _retire(self, leaving: list[RankHandle]) -> None:
-        for r in leaving:
-            r.state = DEAD
-            if r.poll_task is not None:
-                r.poll_task.cancel()
-            if (r.inflight or r.exports) and self.on_rank_removed is not None:
-                self.on_rank_removed(self, r, f"{r.name} was scaled down")
-        await asyncio.gather(*(asyncio.wait_for(r.actor.shutdown.remote(), 10.0)
-                               for r in leaving), return_exceptions=True)
-        for r in leaving:
-            _kill(r)
+        """The leaving ranks stop and the rest re-form; under the group lock, so that a
+        re-form in progress (a death's heal, which counts draining ranks as members)
+        never waits in its rendezvous for a rank stopped under it (seen: 10 s)."""
         async with self.lock:
+            for r in leaving:
+                r.state = DEAD
+                if r.poll_task is not None:
+                    r.poll_task.cancel()
+                if (r.inflight or r.exports) and self.on_rank_removed is not None:
+                    self.on_rank_removed(self, r, f"{r.name} was scaled down")
+            await asyncio.gather(*(asyncio.wait_for(r.actor.shutdown.remote(), 10.0)
+                                   for r in leaving), return_exceptions=True)
+            for r in leaving:
+                _kill(r)
             await self._reform(self._members())
 
     async def _drain(self, leaving: list[RankHandle], timeout_s: float) -> None:
