@@ -76,7 +76,7 @@ class EngineSettings(SchedulerPolicy):
     # step reads fp32 weights.
     quantization: str = "auto"
     # What the quantized matmuls multiply their weights by (kernels/dot_block.h): "int8"
-    # rows of x quantized per block (a scale per 32, the largest magnitude to 127) and
+    # rows of x quantized per 8 values (the largest magnitude to at most 127 steps) and
     # integer dot products, as llama.cpp computes on the same files (about 3x fewer
     # instructions a weight; perplexity within 0.1%); "fp32" the exact activations;
     # "auto" int8 for a GGUF file's integer blocks (the file's author chose

@@ -1,11 +1,16 @@
 /* int8 activations against integer weight panels: integer dot products, as llama.cpp
  * computes on the same GGUF blocks (activation_precision "int8", kernels/quant_panels.py).
  *
- * Each row of x is quantized once per matmul, per X_BLOCK (8) values: a scale
- * d = max|x| / 127, q = x / d rounded to nearest (even), and d * sum(q) (for the
- * weights' offsets). Per block of x and column the kernel sums q_x * q_w in 32-bit
- * integers and scales that by d; per block of the weights (bk, 16 or 32) it adds s_w
- * times those + m_w times the sums: one conversion per 8 values, not per value.
+ * Each row of x is quantized once per matmul: per X_BLOCK (8) values a step d = u * s
+ * (u a float per X_UNIT (32) values, s an integer sub-scale, at most X_SUBSCALE_MAX, the
+ * block whose largest magnitude is the unit's taking the largest), q = x / d rounded to
+ * nearest (even), |q| <= 127; and d * sum(q) (for the weights' offsets). The sub-scale
+ * is why: vpmaddubsw's int16 pairs are widened by vpmaddwd, which multiplies them by
+ * anything for free, so on AVX2 and AVX-512 without VNNI the products are summed times s
+ * in 32-bit integers over a whole block of the weights and converted once per 32
+ * values, not once per 8 (a conversion and an FMA per tile less); VNNI (vpdpbusd sums
+ * into 32 bits directly) converts per 8 and scales by d. Per block of the weights (bk,
+ * 16 or 32) it adds s_w times those + m_w times the sums.
  *
  * The weights' values are laid out for the dot-product instructions ("dots", packed by
  * QuantPanels.pack(dots=True)): a record's values come in 64-byte tiles of 16 columns
@@ -19,9 +24,12 @@
  * 2 * 128 * 127).
  *
  * Written once for every width: VW lanes of four bytes each (a column vector of the
- * fp32 kernels), with the instruction per ISA in dot_u8s8 and a plain loop elsewhere. */
+ * fp32 kernels), with the instruction per ISA in the dot_* functions and a plain loop
+ * elsewhere. */
 #ifndef PDSERVE_DOT_BLOCK_H
 #define PDSERVE_DOT_BLOCK_H
+#include <math.h>
+
 #include "skinny_block.h"
 
 typedef int32_t v4si __attribute__((vector_size(16)));
@@ -37,37 +45,56 @@ typedef int32_t v4si __attribute__((vector_size(16)));
 
 #if defined(__AVX512VNNI__) && VW == 16
 #define PDSERVE_DOT "vnni"
+#define DOT_SUBSCALED 0 /* products summed per 8 k, converted and scaled by d */
 #elif (VW == 16 && defined(__AVX512BW__)) || (VW == 8 && defined(__AVX2__))
 #define PDSERVE_DOT "maddubs"
+#define DOT_SUBSCALED 1 /* summed times s over a block of the weights, converted once */
 #else
 #define PDSERVE_DOT "plain"
+#define DOT_SUBSCALED 1
 #endif
 
 /* Which integer dot product this build multiplies with. */
 const char *simd_dot(void) { return PDSERVE_DOT; }
 
-/* Values of x per scale: finer than the weights' 32, since a block's largest value
+/* Values of x per step: finer than the weights' 32, since a block's largest value
  * sets every other's step. Measured on the real model, perplexity against fp32
  * activations' at 4 / 8 / 16 chunks of 512: per 32 (llama.cpp's) +0.41% at 16; per 16
  * +0.15 / +0.05 / +0.16%; per 8 -0.04 / +0.04 / +0.09% (llama.cpp itself, per 32,
- * +0.44 / +0.53 / -0.002%). Per 8 adds a conversion and an FMA per tile. */
+ * +0.44 / +0.53 / -0.002%). */
 #define X_BLOCK 8
+/* Values of x per unit u: a block of the weights (16 or 32) lies within one. */
+#define X_UNIT 32
+/* The largest sub-scale: a block of the weights' 32-bit sums then stay below 2^31 (int8
+ * weights: 8 tiles x 2 pairs x 2 * 128 * 127 x 4095; nibbles: a quarter of that). A
+ * block whose largest magnitude is the unit's 1/4095 still has a step within 1 of its
+ * own (one a hundredth of it: within 2.5%). */
+#define X_SUBSCALE_MAX 4095
 
-/* x's rows quantized per X_BLOCK (see the top): q [rows][K], d and sum [rows][K / X_BLOCK]. */
+/* x's rows quantized (see the top): q [rows][K]; per X_BLOCK d, sum and s (the
+ * sub-scale in both int16 halves of a lane) [rows][K / X_BLOCK]; u [rows][K / X_UNIT]. */
 typedef struct {
     int8_t *q;
     float *d, *sum;
+    int32_t *s;
+    float *u;
 } QRows;
 
-/* Bytes QRows needs for `rows` rows of K: values, then scales and sums, rounded to 64. */
+static inline int64_t qrows_units(int64_t K) { return (K + X_UNIT - 1) / X_UNIT; }
+
+/* Bytes QRows needs for `rows` rows of K: values, then the per-block and per-unit
+ * numbers, rounded to 64. */
 static inline int64_t qrows_bytes(int64_t rows, int64_t K) {
-    return ((rows * K + 3) / 4 * 4 + 2 * rows * (K / X_BLOCK) * 4 + 63) / 64 * 64;
+    return ((rows * K + 3) / 4 * 4 + (3 * (K / X_BLOCK) + qrows_units(K)) * rows * 4 + 63) / 64 * 64;
 }
 static inline QRows qrows_at(void *mem, int64_t rows, int64_t K) {
     QRows r;
+    const int64_t nb = rows * (K / X_BLOCK);
     r.q = (int8_t *)mem;
     r.d = (float *)((char *)mem + (rows * K + 3) / 4 * 4);
-    r.sum = r.d + rows * (K / X_BLOCK);
+    r.sum = r.d + nb;
+    r.s = (int32_t *)(r.sum + nb);
+    r.u = (float *)(r.s + nb);
     return r;
 }
 
@@ -94,83 +121,106 @@ static inline void quantize_rows(const float *x, int64_t r0, int64_t r1, int64_t
                                  const QRows *qx) {
     const v8i abs_mask = {S4(0x7fffffff), S4(0x7fffffff)};
     const v8f magic = {S4(12582912.0f), S4(12582912.0f)}; /* 1.5 * 2^23: rounds to an integer */
-    const int64_t nb = K / X_BLOCK;
+    const int64_t nb = K / X_BLOCK, per_unit = X_UNIT / X_BLOCK;
     for (int64_t r = r0; r < r1; r++)
-        for (int64_t b = 0; b < nb; b++) {
-            const v8f v = *(const v8f_unaligned *)(x + r * K + b * X_BLOCK);
-            const float amax = v8_fold((v8f)((v8i)v & abs_mask), 1);
-            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, d = amax / 127.0f;
-            const v8f rounded = (v * inv + magic) - magic;
-            const v8i n = __builtin_convertvector(rounded, v8i);
-            int8_t *q = qx->q + r * K + b * X_BLOCK;
+        for (int64_t b0 = 0; b0 < nb; b0 += per_unit) {
+            const int64_t n = nb - b0 < per_unit ? nb - b0 : per_unit;
+            float amax[X_UNIT / X_BLOCK], top = 0.0f;
+            for (int64_t b = 0; b < n; b++) {
+                const v8f v = *(const v8f_unaligned *)(x + r * K + (b0 + b) * X_BLOCK);
+                amax[b] = v8_fold((v8f)((v8i)v & abs_mask), 1);
+                top = amax[b] > top ? amax[b] : top;
+            }
+            const float u = top / (127.0f * X_SUBSCALE_MAX);
+            const float per = top > 0.0f ? (float)X_SUBSCALE_MAX / top : 0.0f;
+            qx->u[r * qrows_units(K) + b0 / per_unit] = u;
+            for (int64_t b = 0; b < n; b++) {
+                const int64_t at = r * nb + b0 + b;
+                float s = ceilf(amax[b] * per);
+                s = s < (float)X_SUBSCALE_MAX ? s : (float)X_SUBSCALE_MAX;
+                const float d = u * s, inv = d > 0.0f ? 1.0f / d : 0.0f;
+                const v8f v = *(const v8f_unaligned *)(x + r * K + (b0 + b) * X_BLOCK);
+                const v8f rounded = (v * inv + magic) - magic;
+                const v8i q = __builtin_convertvector(rounded, v8i);
+                int8_t *out = qx->q + r * K + (b0 + b) * X_BLOCK;
 #if defined(__AVX512VL__)
-            _mm_storel_epi64((__m128i *)q, _mm256_cvtepi32_epi8((__m256i)n));
+                _mm_storel_epi64((__m128i *)out, _mm256_cvtepi32_epi8((__m256i)q));
 #else
-            for (int i = 0; i < X_BLOCK; i++) q[i] = (int8_t)n[i];
+                for (int i = 0; i < X_BLOCK; i++) out[i] = (int8_t)q[i];
 #endif
-            qx->d[r * nb + b] = d;
-            qx->sum[r * nb + b] = d * v8_fold(rounded, 0);
+                qx->d[at] = d;
+                qx->s[at] = (int32_t)s * 0x10001;
+                qx->sum[at] = d * v8_fold(rounded, 0);
+            }
         }
 }
 
-/* acc + for each lane, the sum of its four byte products a x s (s signed; a signed or
- * not): the plain build's loop. */
-static inline vi dot_bytes(vi acc, vi a, vi s, const int a_signed) {
+/* The sum of each lane's four byte products a x s (s signed; a signed or not): the
+ * plain build's loop. */
+static inline vi dot_bytes(vi a, vi s, const int a_signed) {
+    vi sum = {0};
     for (int i = 0; i < VW; i++)
         for (int j = 0; j < 4; j++) {
             const uint8_t byte = (uint8_t)((uint32_t)a[i] >> (8 * j));
-            acc[i] += (a_signed ? (int32_t)(int8_t)byte : (int32_t)byte) *
+            sum[i] += (a_signed ? (int32_t)(int8_t)byte : (int32_t)byte) *
                       (int32_t)(int8_t)((uint32_t)s[i] >> (8 * j));
         }
-    return acc;
+    return sum;
 }
 
-/* acc + for each lane, the sum of its four byte products u (unsigned) x s (signed). */
-static inline vi dot_u8s8(vi acc, vi u, vi s) {
-#if VW == 16 && defined(__AVX512VNNI__)
-    return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, (__m512i)s);
-#elif VW == 16 && defined(__AVX512BW__)
-    return acc + (vi)_mm512_madd_epi16(_mm512_maddubs_epi16((__m512i)u, (__m512i)s),
-                                       _mm512_set1_epi16(1));
-#elif VW == 8 && defined(__AVX2__)
-    return acc + (vi)_mm256_madd_epi16(_mm256_maddubs_epi16((__m256i)u, (__m256i)s),
-                                       _mm256_set1_epi16(1));
-#else
-    return dot_bytes(acc, u, s, 0);
-#endif
-}
-
-/* dot_u8s8(dot_u8s8(acc, u0, s0), u1, s1) for nibbles u0, u1: where the products come
- * in int16 pairs (vpmaddubsw), the two halves are added there first (each pair at most
+#if DOT_SUBSCALED
+/* acc + for each lane, its four byte products u (unsigned) x s (signed) summed, times
+ * `by` (the same int16 in both halves of each lane): vpmaddwd's widening multiplies
+ * vpmaddubsw's pairs by it. u0, u1 two tiles of nibbles (u1 may be 0): where the
+ * products come in int16 pairs, the two are added there first (each pair at most
  * 2 * 15 * 127, their sum 7620) and widened once. */
-static inline vi dot2_u4s8(vi acc, vi u0, vi s0, vi u1, vi s1) {
-#if VW == 16 && defined(__AVX512BW__) && !defined(__AVX512VNNI__)
-    const __m512i p = _mm512_add_epi16(_mm512_maddubs_epi16((__m512i)u0, (__m512i)s0),
-                                       _mm512_maddubs_epi16((__m512i)u1, (__m512i)s1));
-    return acc + (vi)_mm512_madd_epi16(p, _mm512_set1_epi16(1));
+static inline vi dot2_u8s8(vi acc, vi u0, vi s0, vi u1, vi s1, vi by, const int two) {
+#if VW == 16
+    __m512i p = _mm512_maddubs_epi16((__m512i)u0, (__m512i)s0);
+    if (two) p = _mm512_add_epi16(p, _mm512_maddubs_epi16((__m512i)u1, (__m512i)s1));
+    return acc + (vi)_mm512_madd_epi16(p, (__m512i)by);
 #elif VW == 8 && defined(__AVX2__)
-    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16((__m256i)u0, (__m256i)s0),
-                                       _mm256_maddubs_epi16((__m256i)u1, (__m256i)s1));
-    return acc + (vi)_mm256_madd_epi16(p, _mm256_set1_epi16(1));
+    __m256i p = _mm256_maddubs_epi16((__m256i)u0, (__m256i)s0);
+    if (two) p = _mm256_add_epi16(p, _mm256_maddubs_epi16((__m256i)u1, (__m256i)s1));
+    return acc + (vi)_mm256_madd_epi16(p, (__m256i)by);
 #else
-    return dot_u8s8(dot_u8s8(acc, u0, s0), u1, s1);
+    vi sum = dot_bytes(u0, s0, 0);
+    if (two) sum += dot_bytes(u1, s1, 0);
+    return acc + sum * (by & 0xffff);
 #endif
 }
 
-/* acc + the byte products w (signed) x s (signed), summed by four: |w| times s with
- * w's sign. */
-static inline vi dot_s8s8(vi acc, vi w, vi s) {
-#if VW == 16 && defined(__AVX512BW__)
+/* acc + the byte products w (signed) x s (signed), summed by four, times `by`: |w|
+ * times s with w's sign. */
+static inline vi dot_s8s8(vi acc, vi w, vi s, vi by) {
+#if VW == 16
     const __mmask64 neg = _mm512_movepi8_mask((__m512i)w);
     const __m512i signed_s = _mm512_mask_sub_epi8((__m512i)s, neg, _mm512_setzero_si512(), (__m512i)s);
-    return dot_u8s8(acc, (vi)_mm512_abs_epi8((__m512i)w), (vi)signed_s);
+    return dot2_u8s8(acc, (vi)_mm512_abs_epi8((__m512i)w), (vi)signed_s, acc, acc, by, 0);
 #elif VW == 8 && defined(__AVX2__)
-    return dot_u8s8(acc, (vi)_mm256_sign_epi8((__m256i)w, (__m256i)w),
-                    (vi)_mm256_sign_epi8((__m256i)s, (__m256i)w));
+    return dot2_u8s8(acc, (vi)_mm256_sign_epi8((__m256i)w, (__m256i)w),
+                     (vi)_mm256_sign_epi8((__m256i)s, (__m256i)w), acc, acc, by, 0);
 #else
-    return dot_bytes(acc, w, s, 1);
+    return acc + dot_bytes(w, s, 1) * (by & 0xffff);
 #endif
 }
+#else
+/* VNNI: acc + for each lane, the sum of its four byte products u (unsigned) x s
+ * (signed), of both tiles (u1 may be 0); `by` unused (d scales the sums instead). */
+static inline vi dot2_u8s8(vi acc, vi u0, vi s0, vi u1, vi s1, vi by, const int two) {
+    (void)by;
+    acc = (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u0, (__m512i)s0);
+    return two ? (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u1, (__m512i)s1) : acc;
+}
+
+/* VNNI: acc + the byte products w (signed) x s (signed), summed by four: |w| times s
+ * with w's sign. */
+static inline vi dot_s8s8(vi acc, vi w, vi s, vi by) {
+    const __mmask64 neg = _mm512_movepi8_mask((__m512i)w);
+    const __m512i signed_s = _mm512_mask_sub_epi8((__m512i)s, neg, _mm512_setzero_si512(), (__m512i)s);
+    return dot2_u8s8(acc, (vi)_mm512_abs_epi8((__m512i)w), (vi)signed_s, acc, acc, by, 0);
+}
+#endif
 
 typedef int32_t vi_unaligned __attribute__((vector_size(VW * 4), aligned(1)));
 
@@ -181,8 +231,68 @@ static inline vi vi_splat4(const int8_t *p) {  /* four bytes into every lane */
     return (vi){0} + v;
 }
 
+#if DOT_SUBSCALED
 /* acc[i][j] (row i of R, column vector j of the pair) += rows [g, g + R) of qx times
- * the pair's weight (dots layout), over all its blocks. */
+ * the pair's weight (dots layout), over all its blocks. Two loops, one per way of
+ * scaling (see the top): written as one, either build's code came out 3-15% slower. */
+static inline __attribute__((always_inline)) void pair_rows_dots(
+    const QRows *qx, int64_t g, int64_t K, const QPanels *w, const uint8_t *pair,
+    vf acc[DOT_ROWS][PAIR_VECS], const int bits, const int offsets, const int sb, const int R) {
+    const int64_t bk = w->bk, nb = K / bk, hdr = q_header_bytes(offsets, sb);
+    const int64_t rec = hdr + bk * PANEL * bits / 8, per_tile = bits == 4 ? 8 : 4;
+    const int64_t xn = K / X_BLOCK, un = qrows_units(K);
+    const vi low = (vi)SPLAT(0x0f0f0f0f);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *r = pair + b * 2 * rec;
+        for (int64_t l = 0; l < 2 * rec; l += 64) PREFETCH_L1(r + Q_PREFETCH_RECORDS * 2 * rec + l);
+        vi isum[DOT_ROWS][PAIR_VECS];  /* over the block: each product times its x block's s */
+        float sum[DOT_ROWS];
+        for (int i = 0; i < R; i++) {
+            sum[i] = 0.0f;
+            for (int j = 0; j < PAIR_VECS; j++) isum[i][j] = (vi){0};
+        }
+        for (int64_t xb = 0; xb < bk / X_BLOCK; xb++) {
+            const int64_t at = (b * bk) / X_BLOCK + xb;
+            vi by[DOT_ROWS];
+            for (int i = 0; i < R; i++) by[i] = (vi){0} + qx->s[(g + i) * xn + at];
+#pragma GCC unroll 4
+            for (int64_t t = xb * X_BLOCK / per_tile; t < (xb + 1) * X_BLOCK / per_tile; t++) {
+#pragma GCC unroll 8
+                for (int j = 0; j < PAIR_VECS; j++) {
+                    const int64_t col = j * VW, panel = col / PANEL, c0 = col % PANEL;
+                    const vi v = vi_load(r + panel * rec + hdr + t * DOT_TILE + c0 * 4);
+                    const vi lo = v & low, hi = (v >> 4) & low;
+#pragma GCC unroll 4
+                    for (int i = 0; i < R; i++) {
+                        const int8_t *xq = qx->q + (g + i) * K + b * bk + t * per_tile;
+                        if (bits == 4)
+                            isum[i][j] = dot2_u8s8(isum[i][j], lo, vi_splat4(xq), hi,
+                                                   vi_splat4(xq + 4), by[i], 1);
+                        else
+                            isum[i][j] = dot_s8s8(isum[i][j], v, vi_splat4(xq), by[i]);
+                    }
+                }
+            }
+#pragma GCC unroll 4
+            for (int i = 0; i < R; i++) {
+                sum[i] += qx->sum[(g + i) * xn + at];
+            }
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < R; i++) {
+            const vf u = vset1(qx->u[(g + i) * un + b * bk / X_UNIT]);
+#pragma GCC unroll 8
+            for (int j = 0; j < PAIR_VECS; j++) {
+                const uint8_t *h = r + (j * VW / PANEL) * rec + (j * VW % PANEL) * sb;
+                acc[i][j] = vfma(__builtin_convertvector(isum[i][j], vf), vscale_load(h, sb) * u, acc[i][j]);
+                if (offsets) acc[i][j] = vfma(vset1(sum[i]), vscale_load(h + PANEL * sb, sb), acc[i][j]);
+            }
+        }
+    }
+}
+#else
+/* acc[i][j] (row i of R, column vector j of the pair) += rows [g, g + R) of qx times
+ * the pair's weight (dots layout), over all its blocks (VNNI). */
 static inline __attribute__((always_inline)) void pair_rows_dots(
     const QRows *qx, int64_t g, int64_t K, const QPanels *w, const uint8_t *pair,
     vf acc[DOT_ROWS][PAIR_VECS], const int bits, const int offsets, const int sb, const int R) {
@@ -215,9 +325,9 @@ static inline __attribute__((always_inline)) void pair_rows_dots(
                     for (int i = 0; i < R; i++) {
                         const int8_t *xq = qx->q + (g + i) * K + b * bk + t * per_tile;
                         if (bits == 4)
-                            isum[i][j] = dot2_u4s8(isum[i][j], lo, vi_splat4(xq), hi, vi_splat4(xq + 4));
+                            isum[i][j] = dot2_u8s8(isum[i][j], lo, vi_splat4(xq), hi, vi_splat4(xq + 4), low, 1);
                         else
-                            isum[i][j] = dot_s8s8(isum[i][j], v, vi_splat4(xq));
+                            isum[i][j] = dot_s8s8(isum[i][j], v, vi_splat4(xq), low);
                     }
                 }
             }
@@ -240,6 +350,7 @@ static inline __attribute__((always_inline)) void pair_rows_dots(
             }
     }
 }
+#endif
 
 /* pair_rows_dots for this weight's format (each a loop of its own). */
 static inline __attribute__((always_inline)) void pair_rows_dots_any(

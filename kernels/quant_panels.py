@@ -137,8 +137,8 @@ class QuantPanels:
                 rows.offsets is not None or not bool((rows.scales == 1).all())):
             raise ValueError("bf16 values are the weight itself: unit scales, no offsets")
         if dots and not dots_fit(rows):
-            raise ValueError(f"int8 activations need integer values with block_k a multiple "
-                             f"of 16, got {rows.values.dtype} block_k {rows.block_k}")
+            raise ValueError(f"int8 activations need integer values with block_k 16 or 32, "
+                             f"got {rows.values.dtype} block_k {rows.block_k}")
         half = _fits_fp16(rows.scales) and _fits_fp16(rows.offsets)
         dtype = torch.float16 if half else torch.float32
         n, k = rows.shape
@@ -205,8 +205,9 @@ class QuantPanels:
 
 def dots_fit(rows: QuantRows) -> bool:
     """Can ``rows`` be packed for int8 activations: integer values (not bf16), blocks
-    of a multiple of 16 (x is quantized per block)."""
-    return rows.values.dtype == torch.int8 and rows.block_k % 16 == 0
+    of 16 or 32 (x's steps and units, dot_block.h's X_BLOCK and X_UNIT, meet a block
+    whole, and its 32-bit sums stay in range)."""
+    return rows.values.dtype == torch.int8 and rows.block_k in (16, 32)
 
 
 def available(isa: str | None = None) -> bool:

@@ -1,7 +1,7 @@
 """int8 activations against integer weight blocks (kernels/dot_block.h, the "dots" layout of
 kernels/quant_panels.py, EngineSettings.activation_precision): every build this CPU runs
-multiplies exactly the quantized rows a plain torch reference makes (per 16 values, the
-largest to 127, rounded to nearest even) by the weight; every block format packs and
+multiplies exactly the quantized rows a plain torch reference makes (per 8 values a step,
+a unit per 32 times an integer sub-scale, rounded to nearest even) by the weight; every block format packs and
 unpacks; the decode step and the prompt path give a row the same result whatever rides
 with it; the setting picks the layout per weight; and on the real model the perplexity
 stays within a stated bound of fp32 activations' while the greedy answers hold."""
@@ -15,19 +15,26 @@ from pdserve.kernels import cbuild, quant_panels, skinny_gemm
 from pdserve.kernels.quant_panels import QuantPanels, QuantRows
 
 ISAS = list(cbuild.runnable_isas())
-X_BLOCK = 8  # dot_block.h's values of x per scale
+X_BLOCK, X_UNIT, SUBSCALE_MAX = 8, 32, 4095  # dot_block.h's steps, units and sub-scales
 
 
 def _quantized_x(x: torch.Tensor) -> torch.Tensor:
-    """The reference: x [M, K] as its int8 rows dequantized (per X_BLOCK values a scale
-    amax / 127, q = round(x * (127 / amax)), ties to even)."""
+    """The reference: x [M, K] as its int8 rows dequantized. Per X_UNIT values a unit
+    u = top / (127 * 4095) (top: their largest magnitude); per X_BLOCK a sub-scale
+    s = ceil(amax * (4095 / top)), at most 4095, the step d = u * s and
+    q = round(x * (1 / d)), ties to even; all in fp32 as the kernel computes them."""
     m, k = x.shape
-    blocks = x.view(m, k // X_BLOCK, X_BLOCK)
+    blocks = x.view(m, k // X_UNIT, X_UNIT // X_BLOCK, X_BLOCK)
     amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    top = amax.amax(-2, keepdim=True)
+    u = top / (127.0 * SUBSCALE_MAX)
+    per = torch.where(top > 0, torch.tensor(float(SUBSCALE_MAX)) / top, torch.zeros_like(top))
+    s = torch.ceil(amax * per).clamp(max=SUBSCALE_MAX)
+    d = u * s
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     q = torch.round(blocks * inv)
     assert q.abs().max() <= 127
-    return (q.double() * (amax / 127.0).double()).view(m, k)
+    return (q.double() * d.double()).view(m, k)
 
 
 # name -> (values' range, block_k, offsets, fp16 scales): each GGUF block type's shape
@@ -107,7 +114,7 @@ def test_weights_that_cannot_meet_int8_rows_are_refused_by_name():
     with pytest.raises(ValueError, match="int8 activations need integer values"):
         QuantPanels.pack(bf16, dots=True)
     coarse = QuantRows(torch.zeros(32, 64, dtype=torch.int8), torch.ones(32, 8), None, 8)
-    with pytest.raises(ValueError, match="block_k a multiple of 16"):
+    with pytest.raises(ValueError, match="block_k 16 or 32"):
         QuantPanels.pack(coarse, dots=True)
 
 
