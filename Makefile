@@ -1,4 +1,5 @@
-# One venv for everything; torch is pinned to the CPU build that lies on this machine's disk.
+# One venv for everything; torch is pinned: its CPU build (on this machine's disk), or a CUDA
+# build where an NVIDIA driver is loaded (scripts/torch_setup.py; a CUDA torch installed is kept).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -8,10 +9,10 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile scripts/torch_setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) scripts/torch_setup.py
 	$(PY) -m pip install --quiet -e ".[serve,test]" "ray[default]==2.60.0" "grpcio==1.85.3" \
 		"grpcio-tools==1.85.1" "msgpack==1.2.4" "transformers==5.24.0" "safetensors==0.8.0" \
 		"tokenizers==0.23.3" "prometheus-client==0.26.0" \

@@ -21,12 +21,37 @@ DEFAULT_KV_CACHE_MB = 512
 
 _ENGINE_TYPES = {"normal": EngineType.NORMAL, "prompt": EngineType.PROMPT,
                  "completion": EngineType.COMPLETION}
-_DTYPES = ("float32", "bfloat16", "float16")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "int8", "bf16", "none")  # EngineSettings.quantization
 ACTIVATION_PRECISIONS = ("auto", "fp32", "int8")  # EngineSettings.activation_precision
 SPECULATIVE_METHODS = ("off", "ngram", "draft")  # EngineSettings.speculative
 KERNEL_ISAS = ("auto", *ISAS)  # EngineSettings.kernel_isa
 MIN_KV_BLOCKS, MAX_KV_BLOCKS = 16, 8192  # what a memory budget is turned into
+
+
+def check_device(device: str) -> None:
+    """ValueError naming the field unless ``device`` is auto, cpu, cuda or cuda:N."""
+    index = device[5:] if isinstance(device, str) and device.startswith("cuda:") else None
+    if device not in ("auto", "cpu", "cuda") and not (index and index.isdigit()):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+
+
+def engine_device(device: str, cuda_available: bool) -> str:
+    """The device an engine runs on: ``auto`` the GPU where there is one, else the CPU.
+    A GPU asked for where there is none is a ValueError saying so."""
+    if device == "auto":
+        return "cuda" if cuda_available else "cpu"
+    if device.startswith("cuda") and not cuda_available:
+        raise ValueError(f"device {device}: torch sees no GPU here (torch.cuda.is_available() "
+                         "is False; a CPU build of torch, or no driver)")
+    return device
+
+
+def engine_dtype(dtype: str, device: str) -> str:
+    """``auto``: bfloat16 on a GPU, float32 on the CPU."""
+    if dtype == "auto":
+        return "bfloat16" if device.startswith("cuda") else "float32"
+    return dtype
 
 
 def state_slots_for(max_num_seqs: int) -> int:
@@ -56,9 +81,13 @@ class EngineSettings(SchedulerPolicy):
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_mb
     kv_cache_memory_mb: int = DEFAULT_KV_CACHE_MB
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    dtype: str = "float32"
-    # None: "cuda" in a pool whose ranks ask for GPUs (num_gpus > 0), else "cpu".
-    device: str | None = None
+    # "auto": bfloat16 on a GPU (half the bytes of every weight and KV read; tensor
+    # cores), float32 on the CPU (its C kernels' exact path)
+    dtype: str = "auto"
+    # "auto": the GPU where torch sees one (LLM), or where the rank's pool asked Ray for
+    # GPUs (num_gpus > 0; `pdserve serve` gives the pools GPUs where the cluster has
+    # them); "cpu" or "cuda" ("cuda:N") to force.
+    device: str = "auto"
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's choice
     compile: bool = False  # torch.compile the decode step's dense blocks (ModelRunner)
     # Decode steps as one C call where the CPU and model allow (kernels/decode_step);
@@ -116,7 +145,8 @@ class EngineSettings(SchedulerPolicy):
             raise ValueError(f"activation_precision must be one of "
                              f"{', '.join(ACTIVATION_PRECISIONS)}, got {self.activation_precision!r}")
         if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        check_device(self.device)
         for name in ("kv_cache_memory_mb", "kv_copy_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -182,8 +212,6 @@ class EngineConfig(EngineSettings):
             raise ValueError(
                 f"engine_type must be one of {sorted(_ENGINE_TYPES)}, got {self.engine_type!r}"
             )
-        if self.device is None:  # outside a pool nothing asks for a GPU
-            self.device = "cpu"
         self.check()
 
     @property

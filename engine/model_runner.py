@@ -37,6 +37,8 @@ from pdserve.engine.config import (
     DEFAULT_KV_CACHE_MB,
     DEFAULT_KV_COPY_THREADS,
     EngineConfig,
+    engine_device,
+    engine_dtype,
     kv_blocks_in,
     state_slots_for,
 )
@@ -56,16 +58,17 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    """``auto``: the GPU where torch sees one (engine/config.py: engine_device)."""
+    if isinstance(device, torch.device):
+        return device
+    return torch.device(engine_device(device, torch.cuda.is_available()))
 
 
-def resolve_dtype(dtype: str | torch.dtype, config_dtype: str = "float32") -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device | None = None) -> torch.dtype:
+    """``auto``: bfloat16 on a GPU, float32 on the CPU (engine/config.py: engine_dtype)."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype == "auto":
-        dtype = config_dtype
+    dtype = engine_dtype(dtype, device.type if device is not None else "cpu")
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose from {', '.join(_DTYPES)} or auto")
     return _DTYPES[dtype]
@@ -75,7 +78,7 @@ class ModelRunner:
     def __init__(
         self,
         model_dir: str | Path,
-        dtype: str | torch.dtype = "float32",
+        dtype: str | torch.dtype = "auto",
         device: str | torch.device = "cpu",
         block_size: int = DEFAULT_BLOCK_SIZE,
         num_kv_blocks: int | None = None,
@@ -93,12 +96,9 @@ class ModelRunner:
         backend: str = "auto",
         max_num_seqs: int = 64,
     ):
-        from pdserve.engine.model_config import ModelConfig
-
         self.model_dir = Path(model_dir)
         self.device = resolve_device(device)
-        cfg0 = ModelConfig.from_model(model_dir)
-        self.dtype = resolve_dtype(dtype, cfg0.torch_dtype)
+        self.dtype = resolve_dtype(dtype, self.device)
         # a compiled graph multiplies fp32 weights: quantized matmuls keep theirs then
         self.config, self.model = load_model(model_dir, self.dtype, self.device,
                                              quantization=quantization, keep_fp32=compile,

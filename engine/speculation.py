@@ -327,7 +327,7 @@ def make_speculator(config, runner, max_model_len: int) -> Speculator | None:
 
         proposer: Proposer = DraftModelProposer(
             resolve_model(config.draft_model).path, runner.vocab_size, config.block_size,
-            dtype=config.dtype, device=config.device or "cpu", kernel_isa=config.kernel_isa,
+            dtype=config.dtype, device=config.device, kernel_isa=config.kernel_isa,
             quantization=config.quantization)
     else:
         proposer = NgramProposer(config.ngram_min, config.ngram_max)

@@ -84,13 +84,31 @@ def default_communicator_factory(rank: int, world_size: int, address: Any,
 
 def device_name(configured: str | None) -> str:
     """The engine's device as torch names it ("cpu", "cuda:0"): a bare "cuda" is the
-    current CUDA device (Ray's CUDA_VISIBLE_DEVICES chose it)."""
+    current CUDA device (Ray's CUDA_VISIBLE_DEVICES chose it), "auto" what the engine
+    resolves it to (engine/config.py: engine_device)."""
     device = configured or "cpu"
-    if device == "cuda":
-        import torch  # only a GPU rank gets here; the router imports this module
+    if device in ("cuda", "auto"):
+        import torch  # only a rank gets here; the router imports this module
 
+        if device == "auto" and not torch.cuda.is_available():
+            return "cpu"
         device = f"cuda:{torch.cuda.current_device()}"
     return device
+
+
+def vote_device(device: str, gpu_share: float) -> str:
+    """Where a pool's votes run: on the engine's device (NCCL on a GPU), except for a
+    rank holding a fraction of a GPU, which votes over gloo (host memory): another rank
+    of its group may share that GPU, and NCCL refuses a group with two ranks on one
+    device. A vote is one integer a step, so gloo costs nothing that shows."""
+    return "cpu" if device.startswith("cuda") and 0 < gpu_share < 1 else device
+
+
+def assigned_gpu_share() -> float:
+    """The GPUs Ray gave this actor (a fraction where ranks share one)."""
+    import ray  # a GPU rank is a Ray actor; CPU ranks never ask
+
+    return float(ray.get_runtime_context().get_assigned_resources().get("GPU", 0.0))
 
 
 def error_text(exc: BaseException) -> str:
@@ -183,6 +201,8 @@ class GroupMember:
         self._close_group()
         self._group_store = None  # the previous group's, if it was still open
         device = device_name(self.engine_config.get("device"))
+        if device.startswith("cuda"):
+            device = vote_device(device, assigned_gpu_share())
         # Rank 0 hosts the store it opened in open_group_store, and joins as one more
         # client of it (like the others), so the server can be closed once the group
         # formed while the group's own store handle stays (see group_formed).

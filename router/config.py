@@ -60,7 +60,7 @@ class PoolConfig:
         Ray): every setting, the model, and the device decided (a pool asking for GPUs
         runs its engines on "cuda" unless told otherwise)."""
         settings = dict(self.engine.settings(), model_dir=model_dir)
-        if settings["device"] is None:
+        if settings["device"] == "auto":
             settings["device"] = "cuda" if self.num_gpus else "cpu"
         return settings
 

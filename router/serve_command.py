@@ -110,7 +110,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-cpus", type=float, default=None,
                    help="CPUs Ray reserves per rank (default 0.5)")
     p.add_argument("--num-gpus", type=float, default=None,
-                   help="GPUs per rank (default 0: CPU ranks; > 0 puts the engines on CUDA)")
+                   help="GPUs per rank, whole or a fraction (default: with --device auto, an "
+                   "equal share of the cluster's GPUs, none without any)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None,
+                   help="where the engines run (default auto: the GPUs where the Ray cluster "
+                   "has any, bf16 there; cpu or cuda to force)")
     p.add_argument("--autoscale", action="store_true", default=None,
                    help="the SLO planner sizes the prefill pool for --slo-ttft-ms and the "
                    "decode pool for --slo-itl-ms, within --min/--max-prefill and "
@@ -181,6 +185,8 @@ def _apply_pool_flags(pool, args: argparse.Namespace) -> None:
         pool.num_cpus = args.num_cpus
     if args.num_gpus is not None:
         pool.num_gpus = args.num_gpus
+    if getattr(args, "device", None) is not None:
+        pool.engine.device = args.device
     if args.max_num_seqs is not None:
         pool.engine.max_num_seqs = args.max_num_seqs
     if args.num_kv_blocks is not None:
@@ -206,6 +212,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import ray
 
     from pdserve.router.auth import Authenticator
+    from pdserve.router.gpu_share import give_pools_gpus
     from pdserve.router.server import server_credentials
 
     try:
@@ -217,6 +224,15 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     _start_ray(args, config)
+    try:
+        decided = give_pools_gpus(config, ray.cluster_resources().get("GPU", 0.0))
+        config.validate()
+    except ValueError as exc:
+        ray.shutdown()
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if decided:
+        print(decided, flush=True)
     try:
         return asyncio.run(_serve(args, config))
     finally:
