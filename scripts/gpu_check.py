@@ -10,6 +10,7 @@ memcpy (``device_transport`` in the summary). Without CUDA it says so and exits 
     python scripts/gpu_check.py                 # on a machine with a GPU (~1-2 min)
     python scripts/gpu_check.py --device cpu    # same checks on CPU (to test the script)
     python scripts/gpu_check.py --only-transport  # just the device transport section
+    python scripts/gpu_check.py --service       # 1P+1D `pdserve serve` on this GPU (Ray)
 
 Prints one JSON summary line at the end; exit status 1 if an equivalence fails.
 """
@@ -151,7 +152,29 @@ def _parse_args() -> argparse.Namespace:
                     help="skip the device KV transport's bandwidth check")
     ap.add_argument("--only-transport", action="store_true",
                     help="only the device KV transport's bandwidth check")
+    ap.add_argument("--service", action="store_true",
+                    help="only the service end to end: 1P+1D `pdserve serve` through Ray on "
+                    "this device (bench/gpu_service.py), with the transport's bandwidth")
+    ap.add_argument("--service-shape", default=None,
+                    help="model shape for --service (default llama-1b on a GPU, cpu-smoke on CPU)")
+    ap.add_argument("--streams", default="1,16,64", help="--service concurrencies")
     return ap.parse_args()
+
+
+def _service(args: argparse.Namespace) -> int:
+    """The service end to end, then the device transport between two processes."""
+    from pdserve.bench.gpu_service import service_check
+
+    dev = torch.device(args.device)
+    shape = args.service_shape or ("llama-1b" if dev.type == "cuda" else "cpu-smoke")
+    streams = tuple(int(s) for s in args.streams.split(","))
+    summary = {"torch": torch.__version__,
+               "service": service_check(args.device, shape, streams)}
+    if not args.no_transport:
+        summary["device_transport"] = device_transport_check(dev)
+    summary["ok"] = summary["service"]["greedy_equal_offline"]
+    print(json.dumps(summary))
+    return 0 if summary["ok"] else 1
 
 
 def _only_transport(device: str) -> int:
@@ -269,6 +292,8 @@ def main() -> int:
         return 0
     if args.only_transport:
         return _only_transport(args.device)
+    if args.service:
+        return _service(args)
     dev = torch.device(args.device)
     summary: dict = {"device": str(dev), "torch": torch.__version__}
     if dev.type == "cuda":

@@ -1,0 +1,114 @@
+"""The disaggregated service end to end on one machine's device (`scripts/gpu_check.py
+--service`): a random-weight model of a named shape (bf16; `llama-1b` on a GPU) served
+1 prefill + 1 decode rank by `pdserve serve` through Ray and the router (on one GPU the
+two ranks share it, half each), checked and measured as a user meets it:
+
+1. the offline normal engine's greedy tokens for a few prompts, computed first (its
+   memory freed before the service starts);
+2. the same prompts through the router: tokens equal, and each request's hand-off
+   (`kv_handoff_span_ms`: first token sampled on the prefill rank -> the decode rank's
+   import done);
+3. `pdserve bench serve`'s client at each concurrency: TTFT and ITL medians, output
+   tokens/s.
+
+Runs on the CPU too (``device="cpu"``, the `cpu-smoke` shape), which is how the suite
+tests it; a GPU only changes the shape and the device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import tempfile
+from pathlib import Path
+
+
+def _prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(count)]
+
+
+def _offline_greedy(folder: str, device: str, prompts: list[list[int]], out: int) -> list[list[int]]:
+    import gc
+
+    import torch
+
+    from pdserve import LLM, SamplingParams
+
+    llm = LLM(folder, device=device, max_num_seqs=len(prompts))
+    params = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
+    tokens = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
+                                                use_tqdm=False)]
+    del llm
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return tokens
+
+
+def _served_greedy(address: str, prompts: list[list[int]], out: int) -> list[dict]:
+    """Each prompt through the router, one at a time: its tokens and hand-off span."""
+    from pdserve.router.client import Client
+
+    rows = []
+    with Client(address, timeout=600) as client:
+        for prompt in prompts:
+            tokens, last = [], None
+            for msg in client.stream(prompt, max_tokens=out, temperature=0, ignore_eos=True):
+                tokens += list(msg.token_ids)
+                last = msg
+            timings = last.timings if last is not None and last.HasField("timings") else None
+            rows.append({"tokens": tokens,
+                         "handoff_ms": timings.kv_handoff_span_ms if timings else 0.0,
+                         "kv_bytes": timings.kv_bytes if timings else 0})
+    return rows
+
+
+def _load(address: str, streams: int, per_stream: int, prompt_len: int, out: int,
+          vocab: int) -> dict:
+    from pdserve.bench.datasets import SampleRequest
+    from pdserve.bench.serve import run_benchmark
+
+    requests = [SampleRequest(p, prompt_len, out)
+                for p in _prompts(streams * per_stream, prompt_len, vocab, seed=streams)]
+    result = asyncio.run(run_benchmark(address, requests, max_concurrency=streams,
+                                       ignore_eos=True, progress=False, num_warmups=1))
+    return {"streams": streams, "requests": result["num_prompts"],
+            "ttft_ms_median": round(result["median_ttft_ms"], 2),
+            "itl_ms_median": round(result["median_itl_ms"], 2),
+            "output_tok_s": round(result["output_throughput"], 1)}
+
+
+def service_check(device: str = "cuda", shape: str = "llama-1b", streams=(1, 16, 64),
+                  per_stream: int = 4, prompt_len: int = 128, out: int = 32,
+                  greedy_prompts: int = 4, start_timeout: float = 600.0) -> dict:
+    """The summary (see the module docstring): greedy_equal_offline, per-concurrency
+    TTFT and ITL, handoff_ms (median over the greedy requests)."""
+    import torch
+
+    from pdserve.bench.compare_modes import subprocess_router
+    from pdserve.bench.gpu import SHAPES, make_model
+
+    vocab = SHAPES[shape]["vocab_size"]
+    gpu = device.startswith("cuda")
+    with tempfile.TemporaryDirectory(prefix="pdserve-service-") as tmp:
+        folder = Path(tmp) / shape
+        make_model(folder, shape, torch.device(device))
+        prompts = _prompts(greedy_prompts, prompt_len, vocab)
+        offline = _offline_greedy(str(folder), device, prompts, out)
+        placement = ("--device", "cuda", "--num-gpus", "0.5") if gpu else ("--device", "cpu")
+        with subprocess_router({"mode": "disaggregated", "prefill": 1, "decode": 1},
+                               model=str(folder), kv_transport="auto",
+                               max_num_seqs=max(streams), start_timeout=start_timeout,
+                               extra_args=placement) as address:
+            served = _served_greedy(address, prompts, out)
+            loads = [_load(address, s, per_stream, prompt_len, out, vocab) for s in streams]
+    equal = [row["tokens"] == want for row, want in zip(served, offline, strict=True)]
+    spans = [row["handoff_ms"] for row in served if row["handoff_ms"] > 0]
+    return {"device": device, "shape": shape, "prompt_len": prompt_len, "output_len": out,
+            "greedy_equal_offline": all(equal), "greedy_equal": equal,
+            "handoff_ms": round(statistics.median(spans), 3) if spans else None,
+            "kv_bytes": served[0]["kv_bytes"] if served else 0,
+            "load": loads}
