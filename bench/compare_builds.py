@@ -17,12 +17,8 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pdserve.bench.compare_modes import (
-        DEPLOYMENTS,
-        compare,
-        format_comparison,
-        subprocess_router,
-    )
+    from pdserve.bench.compare_modes import DEPLOYMENTS, compare, format_comparison
+    from pdserve.bench.routers import subprocess_router
     from pdserve.bench.serve import (
         add_dataset_args,
         add_load_args,

@@ -84,7 +84,9 @@ def _engine(model_dir: str, path: str, batch: int):
                 m.panels = None
                 m.use_transposed()
     if path == "inductor":
-        model.enable_compile()  # rebuilt: it reads the operands it finds
+        from pdserve.engine.compiled_decode import CompiledDecode
+
+        model.use_compiled(CompiledDecode(model))  # rebuilt: it reads the operands it finds
     return engine
 
 

@@ -69,7 +69,7 @@ def _served_greedy(address: str, prompts: list[list[int]], out: int) -> list[dic
 def _load(address: str, streams: int, per_stream: int, prompt_len: int, out: int,
           vocab: int) -> dict:
     from pdserve.bench.datasets import SampleRequest
-    from pdserve.bench.serve import run_benchmark
+    from pdserve.bench.serve_report import run_benchmark
 
     requests = [SampleRequest(p, prompt_len, out)
                 for p in _prompts(streams * per_stream, prompt_len, vocab, seed=streams)]
@@ -88,8 +88,8 @@ def service_check(device: str = "cuda", shape: str = "llama-1b", streams=(1, 16,
     TTFT and ITL, handoff_ms (median over the greedy requests)."""
     import torch
 
-    from pdserve.bench.compare_modes import subprocess_router
     from pdserve.bench.gpu import SHAPES, make_model
+    from pdserve.bench.routers import subprocess_router
 
     vocab = SHAPES[shape]["vocab_size"]
     gpu = device.startswith("cuda")

@@ -83,7 +83,7 @@ def measure_handoff_share(prompt_tokens: list[int], repeats: int, chunk_tokens: 
     import random
     import tempfile
 
-    from pdserve.bench.compare_modes import subprocess_router
+    from pdserve.bench.routers import subprocess_router
 
     model = long_context_model(model_size)
     rng = random.Random(0)

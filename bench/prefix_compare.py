@@ -22,10 +22,9 @@ KINDS = ("first", "shared", "cold", "turn")
 
 
 def run(args, requests: list, kwargs: dict) -> dict:
-    from pdserve.bench.compare_modes import subprocess_router
     from pdserve.bench.datasets import random_requests
-    from pdserve.bench.serve import run_benchmark
-    from pdserve.bench.serve_report import write_json
+    from pdserve.bench.routers import subprocess_router
+    from pdserve.bench.serve_report import run_benchmark, write_json
 
     kwargs = {k: v for k, v in kwargs.items() if k != "client_options"}
     warm = random_requests(4, 64, 4, vocab_size=1000, seed=12345)  # nothing shared with them

@@ -12,8 +12,20 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from pdserve.bench.serve_client import Run, fetch_timeline
+from pdserve.bench.serve_client import Run, collect, fetch_timeline
 
+
+async def run_benchmark(address: str, requests: list, **kwargs) -> dict:
+    """`collect` then `summarize` (their keyword arguments): one run's result dict."""
+    if not requests:
+        raise ValueError("no requests to send")
+    collect_kw = {k: v for k, v in kwargs.items()
+                  if k not in ("slos", "percentiles", "rate_schedule")}
+    run = await collect(address, requests, **collect_kw)
+    return summarize([run], address=address, **kwargs)
+
+
+# ---- command line ----------------------------------------------------------------------
 
 def summarize(runs: list[Run], *, address: str = "", label: str = "",
               request_rate: float = math.inf, burstiness: float = 1.0,

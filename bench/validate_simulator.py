@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=900.0, help="per measured run")
     p.add_argument("--result-file", default="results/bench_validate_simulator.json")
     args = p.parse_args(argv)
-    from pdserve.bench.compare_modes import subprocess_router
+    from pdserve.bench.routers import subprocess_router
 
     loads = workloads(args.sweep_rates)
     order = [CALIBRATION, *[w for w in loads if w != CALIBRATION]]

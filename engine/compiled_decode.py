@@ -1,5 +1,5 @@
 """Decode steps of a ``CausalLM`` with each layer's dense work in ``torch.compile``d
-blocks (``compile=True``, ``CausalLM.enable_compile``); ``engine/model.py`` is the
+blocks (``compile=True``, ``CausalLM.use_compiled``); ``engine/model.py`` is the
 reference it is tested against."""
 
 from __future__ import annotations
@@ -82,6 +82,12 @@ class CompiledDecode:
     through its operator, else ``W.T`` for MKL's mm)."""
 
     def __init__(self, model: CausalLM):
+        """Built for ``model`` (then ``model.use_compiled(this)``); its matmuls then read
+        panels or ``W.T``: a packed weight cannot enter the graph."""
+        for layer in model.model.layers:
+            for mm in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down):
+                if mm.packed is not None:
+                    mm.use_transposed()
         self.model = model
         cfg = model.cfg
         self.eps = cfg.rms_norm_eps

@@ -26,8 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine import quantized_weights
 from pdserve.engine.backends.base import ReferenceAttention
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.quantized_weights import QuantEmbedding
 from pdserve.engine.weights import WeightsError, load_checked
 from pdserve.kernels import quant_panels, skinny_gemm
 from pdserve.kernels.attention import AttentionMetadata
@@ -155,20 +157,6 @@ def linear(x: torch.Tensor, operand: torch.Tensor, bias: torch.Tensor | None) ->
     if operand.dim() == 3:
         return torch.ops.pdserve.skinny_matmul(x, operand, operand.shape[0] * 16, bias)
     return F.linear(x, operand, bias)
-
-
-class QuantEmbedding(nn.Module):
-    """A tied model's embedding read from its LM head's quantized panels (rows
-    dequantized on lookup, bit for bit the weight's rows), so that the matrix is held
-    once, quantized (``quantized_weights.attach``)."""
-
-    def __init__(self, head: quant_panels.QuantPanels, kernel_isa: str | None = None):
-        super().__init__()
-        self.quant = head
-        self.kernel_isa = kernel_isa  # skinny_gemm's build; None: the host's
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return quant_panels.gather_columns(self.quant, tokens, self.kernel_isa)
 
 
 class Attention(nn.Module):
@@ -324,16 +312,10 @@ class CausalLM(nn.Module):
         norm = self.model.norm
         return backend.ops.norm(h, norm.weight, norm.eps, residual)[0]
 
-    def enable_compile(self) -> None:
-        """Opt in to the compiled decode path (engine/compiled_decode.py); its matmuls
-        read panels or ``W.T`` (a packed weight cannot enter the graph)."""
-        for layer in self.model.layers:
-            for mm in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down):
-                if mm.packed is not None:
-                    mm.use_transposed()
-        from pdserve.engine.compiled_decode import CompiledDecode
-
-        self._compiled = CompiledDecode(self)
+    def use_compiled(self, compiled) -> None:
+        """Decode steps through compiled dense blocks where they qualify: a
+        ``CompiledDecode`` built for this model (engine/compiled_decode.py)."""
+        self._compiled = compiled
 
     def use_kernel_isa(self, isa: str | None) -> None:
         """Which build of the C kernels (``kernels/cbuild.ISAS``) the eager matmuls and
@@ -361,7 +343,7 @@ class CausalLM(nn.Module):
                        meta: AttentionMetadata) -> torch.Tensor:
         """``forward`` for a decode-only step: through the C decode step when
         ``use_decode_kernel`` turned it on and the step qualifies, else through the
-        compiled dense blocks when ``enable_compile`` ran and the step qualifies, else
+        compiled dense blocks when ``use_compiled`` gave them and the step qualifies, else
         eager."""
         k = getattr(self, "_kernel", None)
         if k is not None and k.supports(cache, meta):
@@ -425,8 +407,6 @@ def load_model(model_dir, dtype: torch.dtype = torch.float32,
     model.init_rope(device)
     model.fuse()
     if quantization != "none":
-        from pdserve.engine import quantized_weights
-
         quantized_weights.attach(model, model_dir, at_load=quantization,
                                  keep_fp32=keep_fp32, activations=activations)
     _return_freed_memory()

@@ -8,7 +8,7 @@
 Decode steps run as one C call (``kernels/decode_step``) where the CPU and model allow
 (``decode_kernel=True``, the default; ``runner.decode_kernel`` says whether it is on).
 ``compile=True``: decode steps the C call does not take run each layer's dense work
-through ``torch.compile`` (``CausalLM.enable_compile``); the first pay the compile.
+through ``torch.compile`` (``CausalLM.use_compiled``); the first pay the compile.
 
 A row's ``token_ids`` are its ``q`` query tokens at positions
 ``start_pos .. start_pos + q - 1`` (``start_pos = seqlen_k - q``, spec S36); its
@@ -111,7 +111,9 @@ class ModelRunner:
         # dense blocks when asked), see CausalLM.forward_decode.
         self.model.use_decode_kernel(decode_kernel)
         if compile:
-            self.model.enable_compile()
+            from pdserve.engine.compiled_decode import CompiledDecode  # torch.compile: opt-in
+
+            self.model.use_compiled(CompiledDecode(self.model))
         cfg = self.config
         self.block_size = block_size
         if num_state_slots is None:

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from pdserve.kernels import quant_panels
 from pdserve.kernels.quant_panels import QuantPanels, QuantRows, dots_fit
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,6 @@ def attach(model, model_dir: str | Path, at_load: str = "auto", keep_fp32: bool 
     them. Unless ``keep_fp32``, each drops its fp32 weight (the panels serve every
     product), and a tied embedding reads the LM head's panels."""
     from pdserve.engine.gguf_file import GGUFModel, find_gguf
-    from pdserve.engine.model import QuantEmbedding
 
     path = find_gguf(model_dir)
     gguf = GGUFModel.open(path) if path is not None else None
@@ -90,6 +90,20 @@ def attach(model, model_dir: str | Path, at_load: str = "auto", keep_fp32: bool 
     if model.cfg.tie_word_embeddings and head.quant is not None and not keep_fp32:
         model.model.embed_tokens = QuantEmbedding(head.quant, head.kernel_isa)
     return done
+
+
+class QuantEmbedding(nn.Module):
+    """A tied model's embedding read from its LM head's quantized panels (rows
+    dequantized on lookup, bit for bit the weight's rows), so that the matrix is held
+    once, quantized (``attach``)."""
+
+    def __init__(self, head: QuantPanels, kernel_isa: str | None = None):
+        super().__init__()
+        self.quant = head
+        self.kernel_isa = kernel_isa  # skinny_gemm's build; None: the host's
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return quant_panels.gather_columns(self.quant, tokens, self.kernel_isa)
 
 
 def int8_rows_for(activations: str, name: str, from_file: bool) -> bool:

@@ -69,7 +69,7 @@ from pdserve.router.cli_commands import register_commands  # noqa: E402
 register_commands(register)
 
 # bench serve | compare-modes | kv-transfer | choices: the benchmarks live in bench/.
-from pdserve.bench.serve import register_commands as _register_bench  # noqa: E402
+from pdserve.bench.commands import register_commands as _register_bench  # noqa: E402
 
 _register_bench(register)
 

@@ -12,7 +12,8 @@ ENGINE = {"num_kv_blocks": 128, "max_num_seqs": 16, "block_size": 16}
 @pytest.fixture(scope="session")
 def router_address(ray_session, tiny_model_dir):
     """Address of a disaggregated router (1 prefill + 1 decode rank) for the session."""
-    from pdserve.bench.compare_modes import DEPLOYMENTS, inprocess_router
+    from pdserve.bench.compare_modes import DEPLOYMENTS
+    from pdserve.bench.routers import inprocess_router
 
     with inprocess_router(DEPLOYMENTS["disaggregated"], model=tiny_model_dir,
                           engine=ENGINE) as address:

@@ -12,11 +12,11 @@ from pdserve.bench.compare_modes import (
     DEPLOYMENTS,
     compare,
     format_interference,
-    inprocess_router,
     side_by_side,
 )
 from pdserve.bench.datasets import mixed_requests
 from pdserve.bench.plots import plot_compare
+from pdserve.bench.routers import inprocess_router
 
 ENGINE = {"num_kv_blocks": 128, "max_num_seqs": 16, "block_size": 16}  # as conftest's
 

@@ -258,8 +258,9 @@ def test_a_quantized_model_holds_each_weight_once_at_its_quantized_size(real_mod
     tied embedding reads the LM head's: no fp32 copy of a quantized matmul is left, and a
     long prompt (past the decode kernels' 128 rows) gives the fp32 weights' logits to
     rounding. A compiled decode graph multiplies fp32 weights, so ``compile`` keeps them."""
-    from pdserve.engine.model import MatMul, QuantEmbedding, load_model
+    from pdserve.engine.model import MatMul, load_model
     from pdserve.engine.model_runner import ModelRunner, RunnerRow
+    from pdserve.engine.quantized_weights import QuantEmbedding
 
     def runner(quantization):
         return ModelRunner(real_model_path, block_size=16, num_kv_blocks=24, num_state_slots=2,
