@@ -97,17 +97,19 @@ typedef struct {
  * the rest at the barrier. (One shared counter handed out interleaved pairs: every
  * take moved its line between the cores, and each thread's stream jumped.) Each
  * output column is still computed whole by one thread, in the same order: results do
- * not depend on who took which chunk. A W_DOTS weight's rows are quantized first, by
- * each thread into its own `qmem` (a few rows: cheaper than a barrier). */
+ * not depend on who took which chunk. A W_DOTS weight multiplies x's rows quantized:
+ * `ready` (quantized by the threads that made the rows, quantize_made), or else
+ * quantized first by each thread into its own `qmem` (a few rows: cheaper than a
+ * barrier). */
 static void matmul(int64_t *item, int t, int nt, const float *x, int64_t M, int64_t K,
                    const Weight *w, int64_t N, const float *bias, float *out, int add_to,
-                   void *qmem) {
+                   void *qmem, void *ready) {
     const int64_t pairs = (N + PAIR_COLS - 1) / PAIR_COLS;
     const QPanels q = {(const uint8_t *)w->values, w->bk, w->bits, w->offsets, w->scale_bytes};
     QRows qx = {0};
     if (w->format == W_DOTS) {
-        qx = qrows_at(qmem, padded_rows(M), K);
-        quantize_rows(x, 0, M, K, &qx);
+        qx = qrows_at(ready ? ready : qmem, padded_rows(M), K);
+        if (!ready) quantize_rows(x, 0, M, K, &qx);
     }
     for (int v = 0; v < nt; v++) {
         const int u = (t + v) % nt;
@@ -140,6 +142,18 @@ static inline void rope(const float *x, const float *cos, const float *sin, int6
 
 #include "decode_attention.h"
 
+/* The rows this thread made (r = t, t + nt, ...) of x (row stride K), quantized into
+ * `shared` for w when it multiplies int8 rows: each row once, by the thread that just
+ * wrote it (while it is in L1), rather than every row by every thread in matmul.
+ * Returns what matmul's `ready` takes: `shared`, or NULL for other weights. */
+static void *quantize_made(const Weight *w, const float *x, int64_t n, int64_t K, int t, int nt,
+                           void *shared) {
+    if (!w || w->format != W_DOTS) return NULL;
+    const QRows q = qrows_at(shared, padded_rows(n), K);
+    for (int64_t r = t; r < n; r += nt) quantize_rows(x, r, r + 1, K, &q);
+    return shared;
+}
+
 /* Floats of the row buffers (x, qkv, attn, gate|up, act) for rows padded to whole
  * matmul blocks, rounded to 16 so the thread scratch after them starts on a line. */
 static int64_t row_floats(const int64_t *dims) {
@@ -148,7 +162,8 @@ static int64_t row_floats(const int64_t *dims) {
     return (n * (H + (hq + 2 * hk) * D + hq * D + 2 * I + I) + 15) / 16 * 16;
 }
 
-/* Floats of a thread's quantized matmul rows (dot_block.h's QRows) for the widest input. */
+/* Floats of quantized matmul rows (dot_block.h's QRows) for the widest input: each
+ * thread's, and the step's shared ones (quantize_made). */
 static int64_t qrows_floats(const int64_t *dims) {
     int64_t k = dims[D_HIDDEN], attn = dims[D_Q_HEADS] * dims[D_HEAD_DIM], I = dims[D_INTER];
     k = attn > k ? attn : k;
@@ -199,7 +214,8 @@ static inline void unit_rows(int64_t u, int64_t window, const int64_t *group_fir
 
 /* Floats of scratch that decode_step needs for these dims and thread count. */
 int64_t decode_step_workspace(const int64_t *dims, int64_t threads) {
-    return row_floats(dims) + split_floats(dims) + threads * thread_floats(dims);
+    return row_floats(dims) + (qrows_floats(dims) + 15) / 16 * 16 + split_floats(dims) +
+           threads * thread_floats(dims);
 }
 
 /* h [n, H]: the embedded tokens in, the last layer's output out (before the final norm);
@@ -227,7 +243,8 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
     const int64_t W = (hq + 2 * hk) * D;
     const float eps = (float)eps_d, scale = (float)scale_d;
     float *x = work, *qkv = x + n8 * H, *attn = qkv + n8 * W, *gu = attn + n8 * hq * D;
-    float *act = gu + n8 * 2 * I, *partials = work + row_floats(dims);
+    float *act = gu + n8 * 2 * I, *shared_q = work + row_floats(dims);
+    float *partials = shared_q + (qrows_floats(dims) + 15) / 16 * 16;
     float *thread_scratch = partials + split_floats(dims);
     const int64_t max_parts = split_parts(max_len, 1), pf = part_floats(dims);
     int paged = 0, ringed = 0;
@@ -266,11 +283,13 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
         double mark = times && t == 0 ? now_ns() : 0.0;
         for (int64_t r = t; r < n; r += nt)
             rms_norm_row(h + r * H, (const float *)layers[P_LN], H, eps, x + r * H);
+        void *ready = quantize_made((const Weight *)layers[P_QKV], x, n, H, t, nt, shared_q);
         end_phase(&barrier, t, nt, times, PH_NORM, &mark);
         for (int64_t l = 0; l < L; l++) {
             const int64_t *p = layers + l * P_COUNT;
             int64_t *next = counters + 6 * l * item;
-            matmul(next, t, nt, x, n, H, (const Weight *)p[P_QKV], W, (const float *)p[P_QKV_B], qkv, 0, qmem);
+            matmul(next, t, nt, x, n, H, (const Weight *)p[P_QKV], W, (const float *)p[P_QKV_B], qkv, 0, qmem,
+                   ready);
             end_phase(&barrier, t, nt, times, PH_QKV, &mark);
             float *ks = (float *)p[P_K_STORE], *vs = (float *)p[P_V_STORE];
             const int64_t window = p[P_WINDOW];
@@ -350,13 +369,14 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
                 }
             }
             end_phase(&barrier, t, nt, times, PH_ATTENTION, &mark);
-            matmul(next + item, t, nt, attn, n, hq * D, (const Weight *)p[P_O], H, (const float *)p[P_O_B], h, 1, qmem);
+            matmul(next + item, t, nt, attn, n, hq * D, (const Weight *)p[P_O], H, (const float *)p[P_O_B], h, 1, qmem, NULL);
             end_phase(&barrier, t, nt, times, PH_O, &mark);
             for (int64_t r = t; r < n; r += nt)
                 rms_norm_row(h + r * H, (const float *)p[P_LN2], H, eps, x + r * H);
+            ready = quantize_made((const Weight *)p[P_GATE_UP], x, n, H, t, nt, shared_q);
             end_phase(&barrier, t, nt, times, PH_POST_NORM, &mark);
             matmul(next + 2 * item, t, nt, x, n, H, (const Weight *)p[P_GATE_UP], 2 * I, (const float *)p[P_GATE_UP_B],
-                   gu, 0, qmem);
+                   gu, 0, qmem, ready);
             end_phase(&barrier, t, nt, times, PH_GATE_UP, &mark);
             for (int64_t r = t; r < n; r += nt) {
                 const float *gate = gu + r * 2 * I, *up = gate + I;
@@ -366,18 +386,22 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
                     vstore_n(a + k, gv / (1.0f + vexp(-gv)) * vload_n(up + k, I - k), I - k);
                 }
             }
+            ready = quantize_made((const Weight *)p[P_DOWN], act, n, I, t, nt, shared_q);
             end_phase(&barrier, t, nt, times, PH_SILU_MUL, &mark);
-            matmul(next + 3 * item, t, nt, act, n, I, (const Weight *)p[P_DOWN], H, (const float *)p[P_DOWN_B], h, 1, qmem);
+            matmul(next + 3 * item, t, nt, act, n, I, (const Weight *)p[P_DOWN], H, (const float *)p[P_DOWN_B], h, 1, qmem,
+                   ready);
             end_phase(&barrier, t, nt, times, PH_DOWN, &mark);
             const float *next_w = l + 1 < L ? (const float *)layers[(l + 1) * P_COUNT + P_LN] : norm_w;
             for (int64_t r = t; r < n; r += nt) {
                 rms_norm_row(h + r * H, next_w, H, eps, x + r * H);
                 if (l + 1 == L) memcpy(out + r * H, x + r * H, H * sizeof(float));
             }
+            ready = quantize_made(l + 1 < L ? (const Weight *)layers[(l + 1) * P_COUNT + P_QKV] : lm_head,
+                                  x, n, H, t, nt, shared_q);
             end_phase(&barrier, t, nt, times, PH_NORM, &mark);
         }
         if (lm_head) {  /* x holds the final-normed rows (padded to whole blocks) */
-            matmul(counters + 6 * L * item, t, nt, x, n, H, lm_head, vocab, NULL, logits, 0, qmem);
+            matmul(counters + 6 * L * item, t, nt, x, n, H, lm_head, vocab, NULL, logits, 0, qmem, ready);
             end_phase(&barrier, t, nt, times, PH_LM_HEAD, &mark);
         }
     }
