@@ -67,8 +67,9 @@ const char *simd_dot(void) { return PDSERVE_DOT; }
 #define X_UNIT 32
 /* The largest sub-scale: a block of the weights' 32-bit sums then stay below 2^31 (int8
  * weights: 8 tiles x 2 pairs x 2 * 128 * 127 x 4095; nibbles: a quarter of that). A
- * block whose largest magnitude is the unit's 1/4095 still has a step within 1 of its
- * own (one a hundredth of it: within 2.5%). */
+ * block's step is its own (largest magnitude / 127) rounded up to a multiple of u, the
+ * largest block's / 4095: a block a hundredth of the largest gets a step within 2.5% of
+ * its own; one below 1/4095 of it, u. */
 #define X_SUBSCALE_MAX 4095
 
 /* x's rows quantized (see the top): q [rows][K]; per X_BLOCK d, sum and s (the
