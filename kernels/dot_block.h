@@ -232,6 +232,31 @@ static inline vi vi_splat4(const int8_t *p) {  /* four bytes into every lane */
     return (vi){0} + v;
 }
 
+/* isum[i][j] += the products of x's block xb (row g + i) and the weights' tiles there
+ * (column vector j of the pair at r), summed by four, times BY (an expression of i)
+ * where the build sums them times a sub-scale. Both pair_rows_dots expand it: a macro,
+ * so that each build's loop compiles exactly as if written out (a helper taking the
+ * sums as arrays kept them in memory, 1.5x slower). */
+#define TILES_TIMES(BY)                                                                   \
+    _Pragma("GCC unroll 4")                                                               \
+    for (int64_t t = xb * X_BLOCK / per_tile; t < (xb + 1) * X_BLOCK / per_tile; t++) {    \
+        _Pragma("GCC unroll 8")                                                           \
+        for (int j = 0; j < PAIR_VECS; j++) {                                             \
+            const int64_t col = j * VW, panel = col / PANEL, c0 = col % PANEL;            \
+            const vi v = vi_load(r + panel * rec + hdr + t * DOT_TILE + c0 * 4);          \
+            const vi lo = v & low, hi = (v >> 4) & low;                                   \
+            _Pragma("GCC unroll 4")                                                       \
+            for (int i = 0; i < R; i++) {                                                 \
+                const int8_t *xq = qx->q + (g + i) * K + b * bk + t * per_tile;           \
+                if (bits == 4)                                                            \
+                    isum[i][j] = dot2_u8s8(isum[i][j], lo, vi_splat4(xq), hi,             \
+                                           vi_splat4(xq + 4), BY, 1);                     \
+                else                                                                      \
+                    isum[i][j] = dot_s8s8(isum[i][j], v, vi_splat4(xq), BY);              \
+            }                                                                             \
+        }                                                                                 \
+    }
+
 #if DOT_SUBSCALED
 /* acc[i][j] (row i of R, column vector j of the pair) += rows [g, g + R) of qx times
  * the pair's weight (dots layout), over all its blocks. Two loops, one per way of
@@ -256,24 +281,7 @@ static inline __attribute__((always_inline)) void pair_rows_dots(
             const int64_t at = (b * bk) / X_BLOCK + xb;
             vi by[DOT_ROWS];
             for (int i = 0; i < R; i++) by[i] = (vi){0} + qx->s[(g + i) * xn + at];
-#pragma GCC unroll 4
-            for (int64_t t = xb * X_BLOCK / per_tile; t < (xb + 1) * X_BLOCK / per_tile; t++) {
-#pragma GCC unroll 8
-                for (int j = 0; j < PAIR_VECS; j++) {
-                    const int64_t col = j * VW, panel = col / PANEL, c0 = col % PANEL;
-                    const vi v = vi_load(r + panel * rec + hdr + t * DOT_TILE + c0 * 4);
-                    const vi lo = v & low, hi = (v >> 4) & low;
-#pragma GCC unroll 4
-                    for (int i = 0; i < R; i++) {
-                        const int8_t *xq = qx->q + (g + i) * K + b * bk + t * per_tile;
-                        if (bits == 4)
-                            isum[i][j] = dot2_u8s8(isum[i][j], lo, vi_splat4(xq), hi,
-                                                   vi_splat4(xq + 4), by[i], 1);
-                        else
-                            isum[i][j] = dot_s8s8(isum[i][j], v, vi_splat4(xq), by[i]);
-                    }
-                }
-            }
+            TILES_TIMES(by[i])
 #pragma GCC unroll 4
             for (int i = 0; i < R; i++) {
                 sum[i] += qx->sum[(g + i) * xn + at];
@@ -315,23 +323,7 @@ static inline __attribute__((always_inline)) void pair_rows_dots(
             vi isum[DOT_ROWS][PAIR_VECS];
             for (int i = 0; i < R; i++)
                 for (int j = 0; j < PAIR_VECS; j++) isum[i][j] = (vi){0};
-#pragma GCC unroll 4
-            for (int64_t t = xb * X_BLOCK / per_tile; t < (xb + 1) * X_BLOCK / per_tile; t++) {
-#pragma GCC unroll 8
-                for (int j = 0; j < PAIR_VECS; j++) {
-                    const int64_t col = j * VW, panel = col / PANEL, c0 = col % PANEL;
-                    const vi v = vi_load(r + panel * rec + hdr + t * DOT_TILE + c0 * 4);
-                    const vi lo = v & low, hi = (v >> 4) & low;
-#pragma GCC unroll 4
-                    for (int i = 0; i < R; i++) {
-                        const int8_t *xq = qx->q + (g + i) * K + b * bk + t * per_tile;
-                        if (bits == 4)
-                            isum[i][j] = dot2_u8s8(isum[i][j], lo, vi_splat4(xq), hi, vi_splat4(xq + 4), low, 1);
-                        else
-                            isum[i][j] = dot_s8s8(isum[i][j], v, vi_splat4(xq), low);
-                    }
-                }
-            }
+            TILES_TIMES(low)  /* VNNI: the dot functions take no multiplier */
 #pragma GCC unroll 4
             for (int i = 0; i < R; i++) {
                 const vf d = vset1(qx->d[(g + i) * xn + at / X_BLOCK]);
@@ -352,6 +344,7 @@ static inline __attribute__((always_inline)) void pair_rows_dots(
     }
 }
 #endif
+#undef TILES_TIMES
 
 /* pair_rows_dots for this weight's format (each a loop of its own). */
 static inline __attribute__((always_inline)) void pair_rows_dots_any(

@@ -32,5 +32,7 @@ def test_this_machine_keeps_its_cpu_build(repo_module, capsys):
 
     if torch.version.cuda:
         assert "kept" in out
-    elif not setup.nvidia_driver():
+    elif setup.nvidia_driver():
+        assert out.startswith("NVIDIA driver found") and "--isolated" in out
+    else:
         assert out.startswith("no NVIDIA driver") and "torch==2.13.0" in out
