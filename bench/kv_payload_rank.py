@@ -96,7 +96,7 @@ class PayloadRank:
             self._table_cache[key] = ids
         return self._table_cache[key]
 
-    def export(self, request_id: str, nbytes: int, kv_transport: str) -> tuple[Any, float, float]:
+    def export(self, attempt: str, nbytes: int, kv_transport: str) -> tuple[Any, float, float]:
         """(ticket, seconds the export took, checksum of what it sent): what the engine's
         hand-off and EngineRank._export do."""
         from pdserve.engine.kv_payload import KVPayload, write_payload
@@ -104,16 +104,16 @@ class PayloadRank:
 
         n = num_blocks_for(nbytes)
         cache = self._cache_for(n, seed=0)
-        table = self._table(n, seed=len(request_id))
+        table = self._table(n, seed=len(attempt))
         tokens = n * BLOCK_SIZE
-        payload = KVPayload(request_id, "bench", "float32", BLOCK_SIZE, LAYERS,
+        payload = KVPayload(attempt, "bench", "float32", BLOCK_SIZE, LAYERS,
                             token_ids=[7] * tokens + [8], num_prompt_tokens=tokens, sampling={})
         start = time.perf_counter()
         buffer = write_payload(payload, cache, table, 0, tokens, self.endpoint.payload_buffer,
-                               request_id)
-        locator = self.endpoint.export(request_id, buffer)
+                               attempt)
+        locator = self.endpoint.export(attempt, buffer)
         took = time.perf_counter() - start
-        return (HandoffTicket(request_id, 0, tokens, len(buffer), locator), took,
+        return (HandoffTicket(attempt, 0, tokens, len(buffer), locator), took,
                 block_checksum(cache, table))
 
     # the engine-rank methods the transports call
@@ -129,10 +129,10 @@ class PayloadRank:
         cache = self._cache_for(n, seed=None)
         table = self._table(n, seed=7)
         cache.import_sequence(table, 0, kv.tensors)
-        self._tables[kv.request_id] = table
+        self._tables[kv.attempt] = table
         self.imported += 1
         self.import_paths["shared memory" if borrowed else "object"] += 1
-        return ImportResult(True, attempt=kv.request_id, nbytes=len(payload))
+        return ImportResult(True, attempt=kv.attempt, nbytes=len(payload))
 
     def paths(self) -> dict[str, int]:
         return dict(self.import_paths)
@@ -145,11 +145,11 @@ class PayloadRank:
         """An import whose bytes the sender reused while they were read: forgotten."""
         return self._tables.pop(attempt, None) is not None
 
-    def checksum(self, request_id: str) -> float:
-        return block_checksum(self._cache, self._tables.pop(request_id))
+    def checksum(self, attempt: str) -> float:
+        return block_checksum(self._cache, self._tables.pop(attempt))
 
-    def release_kv(self, request_id: str) -> None:
-        self.endpoint.release(request_id)
+    def release_kv(self, attempt: str) -> None:
+        self.endpoint.release(attempt)
 
     def shutdown(self) -> None:
         self.endpoint.close()

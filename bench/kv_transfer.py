@@ -98,7 +98,7 @@ async def grpc_ceiling_seconds(sizes_mib: list[float], repeats: int) -> dict[flo
         n = 0
         async for raw in chunks:
             n += len(gb.decode_chunk(raw)[1])  # a view: nothing copied
-        return pb.PushResponse(request_id=str(n))
+        return pb.PushResponse(attempt=str(n))
 
     server = grpc.aio.server(options=gb.CHANNEL_OPTIONS)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(gb.SERVICE, {
@@ -120,8 +120,8 @@ async def grpc_ceiling_seconds(sizes_mib: list[float], repeats: int) -> dict[flo
                 t = time.perf_counter()
                 reply = await call(gb.encoded_chunks(f"ceiling-{i}", data))
                 dt = time.perf_counter() - t
-                if int(reply.request_id) != nbytes:
-                    raise RuntimeError(f"grpc ceiling: {reply.request_id} bytes of {nbytes}")
+                if int(reply.attempt) != nbytes:
+                    raise RuntimeError(f"grpc ceiling: {reply.attempt} bytes of {nbytes}")
                 if i:
                     times.append(dt)
             out[size] = times

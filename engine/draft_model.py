@@ -58,7 +58,7 @@ class DraftModelProposer:
         return drafts[0]
 
     def propose_many(self, requests: list[tuple[str, list[int], int]]) -> list[list[int]]:
-        """Up to k drafted tokens for each (request id, history, k)."""
+        """Up to k drafted tokens for each (attempt, history, k)."""
         live = [(i, rid, hist, k) for i, (rid, hist, k) in enumerate(requests)
                 if k > 0 and self._make_room(rid, hist, len(hist) + k)]
         drafts: list[list[int]] = [[] for _ in requests]
@@ -84,10 +84,10 @@ class DraftModelProposer:
                 drafts[i].append(int(token))
         return drafts
 
-    def _make_room(self, request_id: str, history: list[int], positions: int) -> bool:
+    def _make_room(self, attempt: str, history: list[int], positions: int) -> bool:
         """Keep what the draft's cache holds of ``history`` and give it blocks for
         ``positions``; False (and its state dropped) when the cache is full."""
-        state = self._states.setdefault(request_id, _DraftState())
+        state = self._states.setdefault(attempt, _DraftState())
         held = state.tokens
         same = 0
         limit = min(len(held), len(history) - 1)  # the last token is computed again
@@ -96,12 +96,12 @@ class DraftModelProposer:
         del held[same:]
         need = -(-positions // self.block_size) - len(state.table)
         if need > len(self._free):
-            self.forget(request_id)
+            self.forget(attempt)
             return False
         state.table += [self._free.pop() for _ in range(max(need, 0))]
         return True
 
-    def forget(self, request_id: str) -> None:
-        state = self._states.pop(request_id, None)
+    def forget(self, attempt: str) -> None:
+        state = self._states.pop(attempt, None)
         if state is not None:
             self._free += state.table

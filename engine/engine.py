@@ -87,12 +87,12 @@ class LLMEngine:
         self.num_steps = 0
         self.num_empty_steps = 0
         self.num_failed_steps = 0
-        # request id -> why its step failed: reported once as finish "error".
+        # attempt -> why its step failed: reported once as finish "error".
         self._failed: dict[str, str] = {}
-        # request id -> logprobs of the token it drew this step (only requests that asked).
+        # attempt -> logprobs of the token it drew this step (only requests that asked).
         self._step_logprobs: dict = {}
         self._draw_logprobs: list | None = None  # this step's draws' (rows, then forks)
-        # (request id, nbytes) -> a writable buffer a hand-off's payload is written into:
+        # (attempt, nbytes) -> a writable buffer a hand-off's payload is written into:
         # the rank's KV transport lends its own (shared memory) so that the blocks are
         # gathered straight into the bytes it hands over
         self.payload_buffer: Callable[[str, int], Any] = new_payload_buffer
@@ -106,28 +106,28 @@ class LLMEngine:
 
     # -- admission -------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int],
+    def add_request(self, attempt: str, prompt_token_ids: list[int],
                     sampling: SamplingParams, arrival_time: float | None = None,
                     forks: list[tuple[str, SamplingParams]] | tuple = (),
                     stream_kv: bool = False, moved: bool = False) -> None:
-        """``forks``: (request id, sampling) of each further choice of the same prompt
+        """``forks``: (attempt, sampling) of each further choice of the same prompt
         (n > 1), prefilled once with this one. ``stream_kv`` (PROMPT): stream the
         prompt's KV ahead in chunks as it computes (not for sliding-window models).
         ``moved``: it was moved here off another rank; it queues ahead of new arrivals."""
         if self.engine_type == EngineType.COMPLETION:
             raise TypeError("a COMPLETION engine takes prefilled requests (import_prefilled)")
-        self._check_new_ids([request_id, *(fork_id for fork_id, _ in forks)])
+        self._check_new_ids([attempt, *(fork_id for fork_id, _ in forks)])
         self._check_tokens(prompt_token_ids, sampling)
         for _, fork_sampling in forks:
             fork_sampling.validate()
-        seq = Sequence(request_id, prompt_token_ids, sampling, arrival_time=arrival_time,
+        seq = Sequence(attempt, prompt_token_ids, sampling, arrival_time=arrival_time,
                        eos_token_id=self.tokenizer.eos_token_id)
         seq.forks = list(forks)
         seq.moved = moved
         if stream_kv and self.engine_type == EngineType.PROMPT \
                 and not self.runner.kv_cache.ring_layers:
-            self._export.streamed[request_id] = 0
-        self._requests[request_id] = seq
+            self._export.streamed[attempt] = 0
+        self._requests[attempt] = seq
         for fork_id, _ in forks:
             self._requests[fork_id] = None  # type: ignore[assignment]  # id reserved
             self._unforked[fork_id] = seq
@@ -135,14 +135,14 @@ class LLMEngine:
             self.scheduler.add(seq)
             return
         seq.so_status = 1  # its forks take it too
-        self.guided.admit_or_park(request_id, sampling.guide, lambda: self.scheduler.add(seq),
+        self.guided.admit_or_park(attempt, sampling.guide, lambda: self.scheduler.add(seq),
                                   lambda cause: self._fail_unstarted(seq, cause))
 
     def _fail_unstarted(self, seq: Sequence, cause: str) -> None:
         """End a request that never ran with ``error`` (and its forks with it)."""
         self.scheduler.add(seq)
-        self._failed[seq.request_id] = cause
-        self.scheduler.abort(seq.request_id)
+        self._failed[seq.attempt] = cause
+        self.scheduler.abort(seq.attempt)
 
     def import_prefilled(self, data: Any, *, borrowed: bool = False,
                          skip_blocks: int = 0) -> str:
@@ -165,13 +165,13 @@ class LLMEngine:
             block_size=self.config.block_size, num_layers=self.runner.num_layers)
         if payload.kind == "chunk":
             return self._import_chunk(payload)
-        ids = [payload.request_id, *(fork.request_id for fork in payload.forks)]
+        ids = [payload.attempt, *(fork.attempt for fork in payload.forks)]
         self._check_new_ids(ids)
         skipped = payload.skipped_blocks
         if self.scheduler.can_admit_prefilled(payload.num_prompt_tokens, len(payload.forks),
                                               skipped) == AllocStatus.NEVER:
             raise NoCapacityError(
-                f"request {payload.request_id!r} needs more KV blocks or state slots "
+                f"request {payload.attempt!r} needs more KV blocks or state slots "
                 f"(with its {len(payload.forks)} forks) than this engine has")
         payload.sampling = _payload_sampling(payload.sampling, "sampling")  # type: ignore[assignment]
         for i, fork in enumerate(payload.forks):
@@ -181,13 +181,13 @@ class LLMEngine:
         self.runner.kv_cache.check_import(payload.tensors, payload.num_prompt_tokens, skipped)
         if skipped:  # the prefix it left out must be here (streamed or cached): held from now
             payload.cached_block_ids = self._take_skipped_prefix(payload)
-        for request_id in ids:
-            self._requests[request_id] = None  # type: ignore[assignment]  # id reserved
+        for attempt in ids:
+            self._requests[attempt] = None  # type: ignore[assignment]  # id reserved
         self._pending_imports.append(payload)
         self._admit_imports()
         if borrowed and any(p is payload for p in self._pending_imports):
             payload.tensors = {name: t.clone() for name, t in payload.tensors.items()}
-        return payload.request_id
+        return payload.attempt
 
     def _take_skipped_prefix(self, payload: KVPayload) -> list[int]:
         """The blocks of a payload's left-out prefix: its chunks' (a partial import), or
@@ -198,7 +198,7 @@ class LLMEngine:
             held = self.scheduler.take_cached_prefix(prompt, skipped)
         if held is None:
             raise CacheMissError(
-                f"request {payload.request_id!r} left out {skipped} blocks of KV this engine "
+                f"request {payload.attempt!r} left out {skipped} blocks of KV this engine "
                 "holds neither from streamed chunks nor in its prefix cache: send them")
         return held
 
@@ -207,46 +207,46 @@ class LLMEngine:
         if self.runner.kv_cache.ring_layers:
             raise KVPayloadError("a sliding-window model takes no streamed KV chunks")
         self._partial.add_chunk(chunk, self._requests)
-        return chunk.request_id
+        return chunk.attempt
 
     def _expire_partials(self) -> None:
         for stream_of in self._partial.expired(PARTIAL_IMPORT_MAX_AGE_S):
             log.warning("streamed KV of %s expired: no hand-off followed its chunks", stream_of)
             self._partial.drop(stream_of)
 
-    def abort(self, request_id: str) -> bool:
-        if self._partial.drop(request_id) and request_id not in self._requests:
+    def abort(self, attempt: str) -> bool:
+        if self._partial.drop(attempt) and attempt not in self._requests:
             return True
-        if request_id not in self._requests:
+        if attempt not in self._requests:
             return False
-        if self.guided.unpark(request_id):  # still waiting for its grammar
-            self._abort_unstarted(self._requests[request_id])
+        if self.guided.unpark(attempt):  # still waiting for its grammar
+            self._abort_unstarted(self._requests[attempt])
             return True
-        parent = self._unforked.pop(request_id, None)
+        parent = self._unforked.pop(attempt, None)
         if parent is not None:  # a fork not made yet: it never will be
-            parent.forks = [f for f in parent.forks if f[0] != request_id]
-            self._aborted_unstarted.append(request_id)
+            parent.forks = [f for f in parent.forks if f[0] != attempt]
+            self._aborted_unstarted.append(attempt)
             return True
         for i, payload in enumerate(self._pending_imports):
-            if payload.request_id == request_id:
+            if payload.attempt == attempt:
                 if payload.forks:  # the next choice takes the payload's lead
                     self._pending_imports[i] = payload.without_lead()
                 else:
                     del self._pending_imports[i]
                     self.scheduler.release_blocks(payload.cached_block_ids)
-                self._aborted_unstarted.append(request_id)
+                self._aborted_unstarted.append(attempt)
                 return True
-            if any(fork.request_id == request_id for fork in payload.forks):
-                payload.forks = [f for f in payload.forks if f.request_id != request_id]
-                self._aborted_unstarted.append(request_id)
+            if any(fork.attempt == attempt for fork in payload.forks):
+                payload.forks = [f for f in payload.forks if f.attempt != attempt]
+                self._aborted_unstarted.append(attempt)
                 return True
-        self.scheduler.abort(request_id)
+        self.scheduler.abort(attempt)
         return True
 
     def _abort_unstarted(self, seq: Sequence) -> None:
-        for request_id in (seq.request_id, *(fork_id for fork_id, _ in seq.forks)):
-            self._unforked.pop(request_id, None)
-            self._aborted_unstarted.append(request_id)
+        for attempt in (seq.attempt, *(fork_id for fork_id, _ in seq.forks)):
+            self._unforked.pop(attempt, None)
+            self._aborted_unstarted.append(attempt)
         seq.forks = []
 
     # -- the step --------------------------------------------------------------------
@@ -284,8 +284,8 @@ class LLMEngine:
         for seq in drafted:  # verified, or never scheduled: a draft lives one step
             seq.draft_len, seq.draft_token_ids = 0, []
         for child in result.forked:
-            self._unforked.pop(child.request_id, None)
-            self._requests[child.request_id] = child
+            self._unforked.pop(child.attempt, None)
+            self._requests[child.attempt] = child
         kv_chunks = self._export.stream_ahead(sched_out, self.payload_buffer) \
             if self._export.streamed else []
         handoffs = self._hand_off_all(result)
@@ -309,17 +309,17 @@ class LLMEngine:
         cause = f"step failed on rank {self.rank}: {type(exc).__name__}: {exc}"
         log.error("%s (%d rows)", cause, len(sched_out.scheduled))
         for row in sched_out.scheduled:
-            self._failed[row.seq.request_id] = cause
-            self.scheduler.abort(row.seq.request_id)
+            self._failed[row.seq.attempt] = cause
+            self.scheduler.abort(row.seq.attempt)
         return [0] * len(sched_out.scheduled)  # ignored: every row is finished now
 
     def _fail_handoff(self, group: list[Sequence], exc: BaseException,
                       result: StepResult) -> None:
         cause = f"KV export failed on rank {self.rank}: {type(exc).__name__}: {exc}"
-        log.error("%s (request %s)", cause, group[0].request_id)
+        log.error("%s (request %s)", cause, group[0].attempt)
         for seq in group:
             self.scheduler.release_handed_off(seq)
-            self._failed[seq.request_id] = cause
+            self._failed[seq.attempt] = cause
             result.handed_off.remove(seq)
             result.finished.append(seq)
 
@@ -353,7 +353,7 @@ class LLMEngine:
         else:
             per_row = logprobs and [None if lp is None else [lp] for lp in logprobs]
         if per_row is not None:  # some row asked (sampling.logprobs): keyed for the outputs
-            self._step_logprobs = {row.seq.request_id: lps for row, lps in
+            self._step_logprobs = {row.seq.attempt: lps for row, lps in
                                    zip(sched_out.scheduled, per_row, strict=False) if lps}
             self._draw_logprobs = logprobs  # the forks' draws follow the rows
         return tokens
@@ -362,12 +362,12 @@ class LLMEngine:
         outputs, ended = request_outputs(result, self._step_logprobs, self._failed,
                                          self._aborted_unstarted)
         self._aborted_unstarted.clear()
-        for request_id in ended:
-            self.guided.forget(request_id)
+        for attempt in ended:
+            self.guided.forget(attempt)
             if self.speculator is not None:
-                self.speculator.forget(request_id)
-            self._unforked.pop(request_id, None)  # the forks of a prompt that ended
-            self._requests.pop(request_id, None)
+                self.speculator.forget(attempt)
+            self._unforked.pop(attempt, None)  # the forks of a prompt that ended
+            self._requests.pop(attempt, None)
         return outputs
 
     # -- KV hand-off -----------------------------------------------------------------
@@ -389,8 +389,8 @@ class LLMEngine:
                                         {k: v[0] for k, v in self._step_logprobs.items()})
         for member in group:
             self.scheduler.release_handed_off(member)
-            self._requests.pop(member.request_id, None)
-            self.guided.forget(member.request_id)
+            self._requests.pop(member.attempt, None)
+            self.guided.forget(member.attempt)
         return handoff
 
     def _admit_imports(self) -> None:
@@ -405,7 +405,7 @@ class LLMEngine:
                 return  # FIFO: later imports wait behind the head, as prompts do
             self._pending_imports.popleft()
             prompt = payload.token_ids[:payload.num_prompt_tokens]
-            seq = Sequence(payload.request_id, prompt, payload.sampling,
+            seq = Sequence(payload.attempt, prompt, payload.sampling,
                            arrival_time=payload.arrival_time,
                            eos_token_id=self.tokenizer.eos_token_id)
             seq.processed = payload.num_prompt_tokens
@@ -417,33 +417,33 @@ class LLMEngine:
             # n > 1: the forks share the prompt's blocks (their copies run before the
             # next step's model, after the import below)
             group = [seq, *self.scheduler.fork_siblings(
-                seq, [(f.request_id, f.sampling) for f in payload.forks],
+                seq, [(f.attempt, f.sampling) for f in payload.forks],
                 [f.first_token_id for f in payload.forks], StepResult())]
             seq.token_ids.append(payload.first_token_id)
             for member in group:
                 member.first_token_time = payload.first_token_time
-                self._requests[member.request_id] = member
+                self._requests[member.attempt] = member
             try:
                 self.runner.kv_cache.import_sequence(
                     seq.block_table[payload.skipped_blocks:], seq.state_slot, payload.tensors)
                 self.scheduler.register_prefilled(seq)
             except Exception as exc:  # their blocks go back when the next pass sweeps them
                 cause = f"KV import failed on rank {self.rank}: {type(exc).__name__}: {exc}"
-                log.error("%s (request %s)", cause, seq.request_id)
+                log.error("%s (request %s)", cause, seq.attempt)
                 for member in group:
-                    self._failed[member.request_id] = cause
-                    self.scheduler.abort(member.request_id)
+                    self._failed[member.attempt] = cause
+                    self.scheduler.abort(member.attempt)
 
     # -- checks and state ------------------------------------------------------------
 
-    def _check_new_ids(self, request_ids: list[str]) -> None:
-        if len(set(request_ids)) != len(request_ids):
-            raise ValueError(f"request ids of one prompt's choices repeat: {request_ids}")
-        for request_id in request_ids:
-            if not request_id:
-                raise ValueError("request_id must not be empty")
-            if request_id in self._requests:
-                raise ValueError(f"request_id {request_id!r} is already in flight")
+    def _check_new_ids(self, attempts: list[str]) -> None:
+        if len(set(attempts)) != len(attempts):
+            raise ValueError(f"attempts of one prompt's choices repeat: {attempts}")
+        for attempt in attempts:
+            if not attempt:
+                raise ValueError("attempt must not be empty")
+            if attempt in self._requests:
+                raise ValueError(f"attempt {attempt!r} is already in flight")
 
     def _check_tokens(self, token_ids: list[int], sampling: SamplingParams) -> None:
         if not token_ids:

@@ -36,7 +36,7 @@ RECOMPILE_WAIT_S = 30.0
 
 @dataclass
 class _Parked:
-    request_id: str
+    attempt: str
     future: Future
     admit: Callable[[], None]
     fail: Callable[[str], None]
@@ -51,12 +51,12 @@ class GuidedRequests:
 
     # -- waiting for a grammar ---------------------------------------------------------
 
-    def admit_or_park(self, request_id: str, guide: Guide, admit: Callable[[], None],
+    def admit_or_park(self, attempt: str, guide: Guide, admit: Callable[[], None],
                       fail: Callable[[str], None]) -> None:
         """Call ``admit`` now if the guide is compiled, else when it is (``fail`` with
         the cause if it cannot be)."""
         future = self.book.request(guide)
-        parked = _Parked(request_id, future, admit, fail)
+        parked = _Parked(attempt, future, admit, fail)
         if future.done():
             self._release(parked)
         else:
@@ -78,12 +78,12 @@ class GuidedRequests:
         if exc is None:
             parked.admit()
         else:
-            log.error("grammar of request %s did not compile: %s", parked.request_id, exc)
+            log.error("grammar of request %s did not compile: %s", parked.attempt, exc)
             parked.fail(f"its structured-output grammar did not compile: {exc}")
 
-    def unpark(self, request_id: str) -> bool:
+    def unpark(self, attempt: str) -> bool:
         """Drop a request still waiting for its grammar (aborted); True if it was."""
-        kept = [p for p in self._parked if p.request_id != request_id]
+        kept = [p for p in self._parked if p.attempt != attempt]
         found = len(kept) != len(self._parked)
         self._parked = kept
         return found
@@ -133,13 +133,13 @@ class GuidedRequests:
             return False
         ok = not matcher.is_terminated() and matcher.accept_token(int(token))
         if not ok:
-            log.warning("request %s: token %d does not fit its grammar", seq.request_id, token)
+            log.warning("request %s: token %d does not fit its grammar", seq.attempt, token)
         return ok
 
     def _matcher(self, seq: Sequence, length: int):
         """``seq``'s matcher, made by replaying its answer before ``length`` when new;
         None (and so_status -1) when that answer does not fit the grammar."""
-        matcher = self._matchers.get(seq.request_id)
+        matcher = self._matchers.get(seq.attempt)
         if matcher is not None:
             return matcher
         guide = seq.sampling.guide
@@ -147,19 +147,19 @@ class GuidedRequests:
             self.book.request(guide).result(timeout=RECOMPILE_WAIT_S)
             matcher, fits = self.book.matcher(guide, seq.token_ids[answer_start(seq):length])
         except Exception as exc:  # one request's grammar never fails the step
-            log.error("request %s: no matcher for its grammar: %s", seq.request_id, exc)
+            log.error("request %s: no matcher for its grammar: %s", seq.attempt, exc)
             seq.so_status = -1
             return None
         if not fits:
             log.warning("request %s: its answer so far does not fit its grammar",
-                        seq.request_id)
+                        seq.attempt)
             seq.so_status = -1
             return None
-        self._matchers[seq.request_id] = matcher
+        self._matchers[seq.attempt] = matcher
         return matcher
 
-    def forget(self, request_id: str) -> None:
-        self._matchers.pop(request_id, None)
+    def forget(self, attempt: str) -> None:
+        self._matchers.pop(attempt, None)
 
     @property
     def num_matchers(self) -> int:

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 BufferFor = Callable[[str, int], Any]
 
 
-def new_payload_buffer(request_id: str, nbytes: int) -> bytearray:
+def new_payload_buffer(attempt: str, nbytes: int) -> bytearray:
     return bytearray(nbytes)
 
 
@@ -35,7 +35,7 @@ def handoff_groups(handed_off: list[Sequence]) -> list[list[Sequence]]:
     parent first when it goes on too."""
     groups: dict[str, list[Sequence]] = {}
     for seq in handed_off:
-        groups.setdefault(seq.fork_of or seq.request_id, []).append(seq)
+        groups.setdefault(seq.fork_of or seq.attempt, []).append(seq)
     return [sorted(g, key=lambda seq: seq.fork_of is not None) for g in groups.values()]
 
 
@@ -43,7 +43,7 @@ class KVExport:
     def __init__(self, runner: ModelRunner, block_size: int) -> None:
         self.runner = runner
         self.block_size = block_size
-        self.streamed: dict[str, int] = {}  # request id -> blocks streamed ahead
+        self.streamed: dict[str, int] = {}  # attempt -> blocks streamed ahead
 
     def forget_ended(self, live: Container[str]) -> None:
         """Requests that ended before their hand-off stream no more."""
@@ -57,25 +57,25 @@ class KVExport:
         chunks, block_size = [], self.block_size
         for row in sched_out.scheduled:
             seq = row.seq
-            sent = self.streamed.get(seq.request_id)
+            sent = self.streamed.get(seq.attempt)
             if sent is None or seq.is_finished or seq.processed >= seq.prompt_len:
                 continue
             full = seq.processed // block_size
             if full <= sent:
                 continue
-            key = f"{seq.request_id}/kv{sent}"
+            key = f"{seq.attempt}/kv{sent}"
             chunk = self._payload(
-                request_id=key, token_ids=seq.token_ids[:full * block_size],
+                attempt=key, token_ids=seq.token_ids[:full * block_size],
                 num_prompt_tokens=full * block_size, sampling={}, skipped_blocks=sent,
-                kind="chunk", stream_of=seq.request_id)
+                kind="chunk", stream_of=seq.attempt)
             try:
                 buffer = self._export(chunk, seq, full * block_size, sent, key, buffer_for)
             except Exception as exc:  # what went ahead stays needed; the rest goes at hand-off
-                log.warning("streaming KV of %s stopped: %s: %s", seq.request_id,
+                log.warning("streaming KV of %s stopped: %s: %s", seq.attempt,
                             type(exc).__name__, exc)
                 continue
-            self.streamed[seq.request_id] = full
-            chunks.append(KVChunk(seq.request_id, key, sent, full - sent, buffer))
+            self.streamed[seq.attempt] = full
+            chunks.append(KVChunk(seq.attempt, key, sent, full - sent, buffer))
         return chunks
 
     def hand_off(self, group: list[Sequence], buffer_for: BufferFor,
@@ -83,24 +83,24 @@ class KVExport:
         """One payload for the choices of one prompt that go on, and its record;
         ``logprobs``: this step's, of the choices that asked."""
         seq, others = group[0], group[1:]
-        stream_of = seq.fork_of or seq.request_id  # a fork leads when its parent stopped
+        stream_of = seq.fork_of or seq.attempt  # a fork leads when its parent stopped
         streamed = self.streamed.pop(stream_of, 0)
         payload = self._payload(
-            request_id=seq.request_id, token_ids=list(seq.token_ids),
+            attempt=seq.attempt, token_ids=list(seq.token_ids),
             num_prompt_tokens=seq.prompt_len, sampling=asdict(seq.sampling),
             arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
-            forks=[ForkedChoice(o.request_id, o.token_ids[-1], asdict(o.sampling))
+            forks=[ForkedChoice(o.attempt, o.token_ids[-1], asdict(o.sampling))
                    for o in others],
             skipped_blocks=streamed, stream_of=stream_of if streamed else "")
-        buffer = self._export(payload, seq, seq.prompt_len, streamed, seq.request_id,
+        buffer = self._export(payload, seq, seq.prompt_len, streamed, seq.attempt,
                               buffer_for)
-        return HandOff(seq.request_id, seq.token_ids[-1], buffer, seq.prompt_len,
+        return HandOff(seq.attempt, seq.token_ids[-1], buffer, seq.prompt_len,
                        arrival_time=seq.arrival_time,
                        first_scheduled_time=seq.first_scheduled_time,
                        first_token_time=seq.first_token_time,
-                       first_token_logprobs=logprobs.get(seq.request_id),
-                       forks=[HandedOffFork(o.request_id, o.token_ids[-1],
-                                            logprobs.get(o.request_id))
+                       first_token_logprobs=logprobs.get(seq.attempt),
+                       forks=[HandedOffFork(o.attempt, o.token_ids[-1],
+                                            logprobs.get(o.attempt))
                               for o in others],
                        num_cached_tokens=seq.num_cached_tokens,
                        streamed_blocks=streamed, stream_of=stream_of if streamed else "")

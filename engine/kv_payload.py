@@ -160,12 +160,12 @@ def _check_forks(entries: list, vocab_size: int | None, lead_id: str) -> list[Fo
         where = f"forks[{i}]"
         if not isinstance(entry, list) or len(entry) != 3:
             raise KVPayloadError(f"KV payload header field {where!r} must be "
-                                 f"[request_id, first_token_id, sampling], got {entry!r:.200}")
-        request_id, first_token_id, sampling = entry
-        if not isinstance(request_id, str) or not request_id or request_id in seen:
-            raise KVPayloadError(f"KV payload header field '{where}.request_id' must be a "
-                                 f"new non-empty str, got {request_id!r:.100}")
-        seen.add(request_id)
+                                 f"[attempt, first_token_id, sampling], got {entry!r:.200}")
+        attempt, first_token_id, sampling = entry
+        if not isinstance(attempt, str) or not attempt or attempt in seen:
+            raise KVPayloadError(f"KV payload header field '{where}.attempt' must be a "
+                                 f"new non-empty str, got {attempt!r:.100}")
+        seen.add(attempt)
         upper = vocab_size if vocab_size is not None else 1 << 63
         if not is_int(first_token_id) or not 0 <= first_token_id < upper:
             raise KVPayloadError(f"KV payload header field '{where}.first_token_id' must be a "
@@ -173,7 +173,7 @@ def _check_forks(entries: list, vocab_size: int | None, lead_id: str) -> list[Fo
         if not isinstance(sampling, dict):
             raise KVPayloadError(f"KV payload header field '{where}.sampling' must be a map, "
                                  f"got {type(sampling).__name__}")
-        forks.append(ForkedChoice(request_id, first_token_id,
+        forks.append(ForkedChoice(attempt, first_token_id,
                                   _check_sampling(sampling, f"{where}.sampling")))
     return forks
 
@@ -186,7 +186,7 @@ class ForkedChoice:
     """Another choice of the same prompt (n > 1): it forks from the imported prompt's
     KV with its own first token and settings (``sampling``: a dict until imported)."""
 
-    request_id: str
+    attempt: str
     first_token_id: int
     sampling: Any
 
@@ -195,7 +195,7 @@ class ForkedChoice:
 class KVPayload:
     """Everything a COMPLETION engine needs to continue a prefilled request."""
 
-    request_id: str
+    attempt: str
     model_fingerprint: str
     dtype: str
     block_size: int
@@ -242,7 +242,7 @@ class KVPayload:
         """The same prompt's KV led by its first fork (the lead was aborted)."""
         lead, rest = self.forks[0], self.forks[1:]
         return dataclasses.replace(
-            self, request_id=lead.request_id, sampling=lead.sampling, forks=rest,
+            self, attempt=lead.attempt, sampling=lead.sampling, forks=rest,
             token_ids=[*self.token_ids[:self.num_prompt_tokens], lead.first_token_id])
 
     @property
@@ -262,7 +262,7 @@ class KVPayload:
             specs.append(TensorSpec(name, dtype_name(dtype), tuple(shape), offset, nbytes))
             offset += nbytes
         header = {
-            "request_id": self.request_id,
+            "attempt": self.attempt,
             "model_fingerprint": self.model_fingerprint,
             "dtype": self.dtype,
             "block_size": self.block_size,
@@ -275,7 +275,7 @@ class KVPayload:
             "layout": "token-major [tokens, kv_heads, head_dim] per layer; ring [ring_len, kv_heads, head_dim]",
             "tensors": [[s.name, s.dtype, list(s.shape), s.offset, s.nbytes] for s in specs],
             "tensor_bytes": offset,
-            "forks": [[f.request_id, f.first_token_id, f.sampling] for f in self.forks],
+            "forks": [[f.attempt, f.first_token_id, f.sampling] for f in self.forks],
             "skipped_blocks": self.skipped_blocks,
             "kind": self.kind,
             "stream_of": self.stream_of,
@@ -332,7 +332,7 @@ class KVPayload:
             raise KVPayloadError(
                 f"KV payload truncated: {len(data)} bytes, header promises {expected}"
             )
-        request_id = fields.of_type("request_id", str)
+        attempt = fields.of_type("attempt", str)
         model_fingerprint = fields.of_type("model_fingerprint", str)
         dtype = fields.of_type("dtype", str)
         fields.of_type("layout", str)  # informational, but part of the format
@@ -341,7 +341,7 @@ class KVPayload:
         num_tokens = fields.int_at_least("num_tokens", 0)
         token_ids = _check_token_ids(fields.of_type("token_ids", bytes), vocab_size)
         sampling = _check_sampling(fields.of_type("sampling", dict), "sampling")
-        forks = _check_forks(fields.of_type("forks", list), vocab_size, request_id)
+        forks = _check_forks(fields.of_type("forks", list), vocab_size, attempt)
         skipped_blocks = fields.int_at_least("skipped_blocks", 0)
         kind = fields.of_type("kind", str)
         if kind not in KINDS:
@@ -362,7 +362,7 @@ class KVPayload:
 
         tensors = tensor_views(data, body, specs)
         return cls(
-            request_id=request_id,
+            attempt=attempt,
             model_fingerprint=model_fingerprint,
             dtype=dtype,
             block_size=block_size,

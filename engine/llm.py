@@ -27,7 +27,7 @@ from pdserve.scheduler.sampling_params import SamplingParams
 
 @dataclass
 class CompletionOutput:
-    request_id: str
+    attempt: str
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -82,17 +82,17 @@ class LLM:
         results: dict[str, CompletionOutput] = {}
         first = self.engines[0]
         for ids, sp in zip(token_lists, params, strict=True):
-            request_id = f"llm-{self._next_id}"
+            attempt = f"llm-{self._next_id}"
             self._next_id += 1
-            first.add_request(request_id, ids, sp)
-            results[request_id] = CompletionOutput(
-                request_id, list(ids), logprobs=[] if sp.logprobs is not None else None)
+            first.add_request(attempt, ids, sp)
+            results[attempt] = CompletionOutput(
+                attempt, list(ids), logprobs=[] if sp.logprobs is not None else None)
         with tqdm(total=len(results), desc="generate", unit="req",
                   disable=not use_tqdm or len(results) < 8) as bar:
             pending = len(results)
             while pending:
                 for out in self._step():
-                    done = results[out.request_id]
+                    done = results[out.attempt]
                     done.token_ids.extend(out.new_token_ids)
                     done.num_cached_tokens = max(done.num_cached_tokens, out.num_cached_tokens)
                     if out.new_logprobs:
@@ -115,7 +115,7 @@ class LLM:
             for handoff in step.handoffs:
                 for choice in [handoff, *handoff.forks]:  # n > 1: forks share the payload
                     lp = choice.first_token_logprobs
-                    outputs.append(RequestOutput(choice.request_id, [choice.first_token_id],
+                    outputs.append(RequestOutput(choice.attempt, [choice.first_token_id],
                                                  new_logprobs=None if lp is None else [lp],
                                                  num_cached_tokens=handoff.num_cached_tokens))
                 completion.import_prefilled(handoff.payload)

@@ -23,7 +23,7 @@ class TokenLogprobs:
 class RequestOutput:
     """New tokens of one request from one step; `finish_reason` is set exactly once, last."""
 
-    request_id: str
+    attempt: str
     new_token_ids: list[int]
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
@@ -47,7 +47,7 @@ class RequestOutput:
 class HandedOffFork:
     """Another choice of a handed-off prompt (n > 1): same payload, its own first token."""
 
-    request_id: str
+    attempt: str
     first_token_id: int
     first_token_logprobs: TokenLogprobs | None = None
 
@@ -56,7 +56,7 @@ class HandedOffFork:
 class HandOff:
     """A prefilled request leaving a PROMPT engine: its first token and its KV payload."""
 
-    request_id: str
+    attempt: str
     first_token_id: int
     payload: Any  # its bytes, in the buffer ``LLMEngine.payload_buffer`` lent
     num_prompt_tokens: int
@@ -80,7 +80,7 @@ class KVChunk:
     being prefilled, streamed ahead of its hand-off (a payload of kind "chunk")."""
 
     stream_of: str  # the request whose prompt it is
-    key: str  # the chunk's own id: "<request id>/kv<first block>"
+    key: str  # the chunk's own id: "<attempt>/kv<first block>"
     first_block: int
     num_blocks: int
     payload: Any

@@ -54,12 +54,12 @@ class PartialImports:
         partial = self._by_stream.get(chunk.stream_of)
         have = len(partial.block_ids) if partial is not None else 0
         if chunk.skipped_blocks != have:
-            raise KVPayloadError(f"KV chunk {chunk.request_id!r} starts at block "
+            raise KVPayloadError(f"KV chunk {chunk.attempt!r} starts at block "
                                  f"{chunk.skipped_blocks}, but {have} blocks of "
                                  f"{chunk.stream_of!r} arrived before it")
         if partial is not None and chunk.token_ids[:have * self.block_size] \
                 != partial.token_ids:
-            raise KVPayloadError(f"KV chunk {chunk.request_id!r}: its tokens differ from the "
+            raise KVPayloadError(f"KV chunk {chunk.attempt!r}: its tokens differ from the "
                                  "chunks before it")
         if chunk.stream_of in in_flight:
             raise KVPayloadError(f"request {chunk.stream_of!r} is already here: no more chunks")
@@ -95,7 +95,7 @@ class PartialImports:
         partial = self._by_stream.get(payload.stream_of) if payload.stream_of else None
         if partial is not None and len(partial.block_ids) >= skipped:
             if prompt[:len(partial.token_ids)] != partial.token_ids:
-                raise KVPayloadError(f"request {payload.request_id!r}: its prompt differs from "
+                raise KVPayloadError(f"request {payload.attempt!r}: its prompt differs from "
                                      f"the tokens its streamed KV chunks carried")
             del self._by_stream[payload.stream_of]
             self.scheduler.release_blocks(partial.block_ids[skipped:])

@@ -18,41 +18,41 @@ def request_outputs(result: StepResult, step_logprobs: dict[str, list[TokenLogpr
                     ) -> tuple[list[RequestOutput], list[str]]:
     """The step's outputs, and the ids of the requests that ended (to forget).
 
-    ``failed``: request id -> why its step failed, each reported (and popped) once;
+    ``failed``: attempt -> why its step failed, each reported (and popped) once;
     ``aborted_unstarted``: requests aborted before they had a sequence."""
     by_id: dict[str, RequestOutput] = {}
     ended: list[str] = []
     # A handed-off request's first token travels in its HandOff, not here.
-    handed_off = {seq.request_id for seq in result.handed_off}
+    handed_off = {seq.attempt for seq in result.handed_off}
     # A drafted row may append several tokens in one step (speculative decoding): the
     # sequence is listed once per token, its new tokens the last that many of its history.
-    appended = Counter(seq.request_id for seq in result.updated)
+    appended = Counter(seq.attempt for seq in result.updated)
     seen: Counter = Counter()
     for seq in result.updated:
-        if seq.request_id in handed_off or seq.request_id in failed:
+        if seq.attempt in handed_off or seq.attempt in failed:
             continue
         out = _output_for(by_id, seq)
-        k = seen[seq.request_id]
-        seen[seq.request_id] += 1
-        out.new_token_ids.append(seq.token_ids[k - appended[seq.request_id]])
+        k = seen[seq.attempt]
+        seen[seq.attempt] += 1
+        out.new_token_ids.append(seq.token_ids[k - appended[seq.attempt]])
         if step_logprobs:  # empty unless a request asked for logprobs
             # Every token of a request that asked was drawn by a row that computed
             # its logprobs, so new_logprobs stays aligned with new_token_ids.
-            lps = step_logprobs.get(seq.request_id)
+            lps = step_logprobs.get(seq.attempt)
             if lps is not None:
                 if out.new_logprobs is None:
                     out.new_logprobs = []
                 out.new_logprobs.append(lps[k])
     for seq in result.finished:
         out = _output_for(by_id, seq)
-        cause = failed.pop(seq.request_id, None)
+        cause = failed.pop(seq.attempt, None)
         if cause is None:
             out.finish_reason = seq.finish_reason
         else:
             out.finish_reason, out.error, out.step_failed = "error", cause, True
             out.new_token_ids.clear()
             out.new_logprobs = None
-        ended.append(seq.request_id)
+        ended.append(seq.attempt)
         for fork_id, _ in seq.forks:  # ended before its prompt completed: so do they
             ended.append(fork_id)
             by_id[fork_id] = RequestOutput(
@@ -60,17 +60,17 @@ def request_outputs(result: StepResult, step_logprobs: dict[str, list[TokenLogpr
                 step_failed=out.step_failed, num_prompt_tokens=seq.prompt_len,
                 arrival_time=seq.arrival_time)
         seq.forks = []
-    for request_id in aborted_unstarted:
-        by_id[request_id] = RequestOutput(request_id, [], finish_reason="abort")
-        ended.append(request_id)
+    for attempt in aborted_unstarted:
+        by_id[attempt] = RequestOutput(attempt, [], finish_reason="abort")
+        ended.append(attempt)
     return list(by_id.values()), ended
 
 
 def _output_for(by_id: dict[str, RequestOutput], seq: Sequence) -> RequestOutput:
-    out = by_id.get(seq.request_id)
+    out = by_id.get(seq.attempt)
     if out is None:
-        out = by_id[seq.request_id] = RequestOutput(
-            seq.request_id, [], num_prompt_tokens=seq.prompt_len,
+        out = by_id[seq.attempt] = RequestOutput(
+            seq.attempt, [], num_prompt_tokens=seq.prompt_len,
             arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
             first_scheduled_time=seq.first_scheduled_time,
             num_cached_tokens=seq.num_cached_tokens)
@@ -140,7 +140,7 @@ def split_fork_draws(sched_out: SchedulerOutput, sampled: list, draw_logprobs: l
         seq = row.seq
         if row.sample and seq.forks:
             slots = [next(extra) for _ in seq.forks]
-            fork_tokens[seq.request_id] = [sampled[i] for i in slots]
+            fork_tokens[seq.attempt] = [sampled[i] for i in slots]
             if draw_logprobs is not None:
                 for (fork_id, _), i in zip(seq.forks, slots, strict=True):
                     if draw_logprobs[i] is not None:

@@ -46,9 +46,9 @@ class Proposer(Protocol):
     plans_first: bool
 
     def propose_many(self, requests: list[tuple[str, list[int], int]]) -> list[list[int]]:
-        """Up to k tokens expected to follow each (request id, history, k)."""
+        """Up to k tokens expected to follow each (attempt, history, k)."""
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, attempt: str) -> None:
         """The request ended: drop what the proposer keeps of it."""
 
 
@@ -72,15 +72,15 @@ class NgramProposer:
 
     def propose_many(self, requests: list[tuple[str, list[int], int]]) -> list[list[int]]:
         out = []
-        for request_id, history, k in requests:
-            index = self._indexes.get(request_id)
+        for attempt, history, k in requests:
+            index = self._indexes.get(attempt)
             if index is None:
-                index = self._indexes[request_id] = _NgramIndex(self.min_n, self.max_n)
+                index = self._indexes[attempt] = _NgramIndex(self.min_n, self.max_n)
             out.append(index.propose(history, k))
         return out
 
-    def forget(self, request_id: str) -> None:
-        self._indexes.pop(request_id, None)
+    def forget(self, attempt: str) -> None:
+        self._indexes.pop(attempt, None)
 
 
 class _NgramIndex:
@@ -196,7 +196,7 @@ class Speculator:
             lens = self.plan_draft_lens(len(running), [(self._rate(seq), room)
                                                        for seq, room in eligible])
             eligible = [(seq, k) for (seq, _), k in zip(eligible, lens, strict=True) if k]
-        drafts = self.proposer.propose_many([(seq.request_id, seq.token_ids, room)
+        drafts = self.proposer.propose_many([(seq.attempt, seq.token_ids, room)
                                              for seq, room in eligible])
         self._propose_s = time.perf_counter() - started
         candidates = [(seq, fit(seq, d) if fit is not None and d else d)
@@ -223,7 +223,7 @@ class Speculator:
                    self.max_model_len - len(seq) - 1)
 
     def _rate(self, seq: Sequence) -> float:
-        return self._rates.get(seq.request_id, ACCEPTANCE_PRIOR)
+        return self._rates.get(seq.attempt, ACCEPTANCE_PRIOR)
 
     def plan_draft_lens(self, rows: int, drafts: list[tuple[float, int]]) -> list[int]:
         """Each candidate's draft length, for a step of ``rows`` decode rows: the common
@@ -281,8 +281,8 @@ class Speculator:
         self.metrics.record(len(draft), accepted)
         # per-token acceptance, as a run of accepts ended by a rejection estimates it
         rate = accepted / (accepted + (accepted < len(draft))) if draft else ACCEPTANCE_PRIOR
-        old = self._rates.get(seq.request_id, ACCEPTANCE_PRIOR)
-        self._rates[seq.request_id] = ACCEPTANCE_DECAY * old + (1 - ACCEPTANCE_DECAY) * rate
+        old = self._rates.get(seq.attempt, ACCEPTANCE_PRIOR)
+        self._rates[seq.attempt] = ACCEPTANCE_DECAY * old + (1 - ACCEPTANCE_DECAY) * rate
         return [*draft[:accepted], drawn[accepted]]
 
     def fold(self, scheduled: list, spans: list[tuple[int, int]], tokens: list,
@@ -301,9 +301,9 @@ class Speculator:
                 out_logprobs.append(lps if lps and lps[0] is not None else None)
         return out_tokens, out_logprobs
 
-    def forget(self, request_id: str) -> None:
-        self._rates.pop(request_id, None)
-        self.proposer.forget(request_id)
+    def forget(self, attempt: str) -> None:
+        self._rates.pop(attempt, None)
+        self.proposer.forget(attempt)
 
 
 def make_speculator(config, runner, max_model_len: int) -> Speculator | None:

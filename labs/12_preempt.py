@@ -80,32 +80,32 @@ def _sequence(name: str, prompt_len: int, output_len: int) -> Sequence:
 
 def run_case(scenario: dict, case: dict) -> str:
     sched, seqs = build(scenario, bool(case["stop"]))
-    by_name = {s.request_id: s for s in seqs}
+    by_name = {s.attempt: s for s in seqs}
     for name, so in case.get("so", {}).items():
         by_name[name].so_status = int(so)
     header = ", ".join([f"stop={bool(case['stop'])}"]
                        + [f"{name}.so_status={so}" for name, so in case.get("so", {}).items()])
     order = sorted(seqs, key=decode_priority)
-    history = {s.request_id: len(s) for s in seqs}
-    blocks = ", ".join(f"{s.request_id}={len(s.block_table)}" for s in seqs)
+    history = {s.attempt: len(s) for s in seqs}
+    blocks = ", ".join(f"{s.attempt}={len(s.block_table)}" for s in seqs)
 
     out = sched.schedule()
 
     victim = out.preempted[0] if out.preempted else None
     lines = [
         header,
-        f"  output order: {[(s.request_id, s.output_len) for s in order]}",
-        f"  candidate={order[-1].request_id if order else None}; "
-        f"victim={victim.request_id if victim else None}; blocks {blocks}",
+        f"  output order: {[(s.attempt, s.output_len) for s in order]}",
+        f"  candidate={order[-1].attempt if order else None}; "
+        f"victim={victim.attempt if victim else None}; blocks {blocks}",
     ]
     if victim is not None:
-        lines.append(f"  {victim.request_id}: {victim.status.name}, processed={victim.processed}, "
+        lines.append(f"  {victim.attempt}: {victim.status.name}, processed={victim.processed}, "
                      f"blocks={victim.block_table}, state={victim.state_slot}")
-    lines.append(f"  waiting={[s.request_id for s in sched.waiting]}, "
-                 f"ignored={[s.request_id for s in out.ignored]}, free={sched.blocks.free_ids}")
-    retained = "n/a" if victim is None else len(victim) == history[victim.request_id]
+    lines.append(f"  waiting={[s.attempt for s in sched.waiting]}, "
+                 f"ignored={[s.attempt for s in out.ignored]}, free={sched.blocks.free_ids}")
+    retained = "n/a" if victim is None else len(victim) == history[victim.attempt]
     lines.append(f"  history retained={retained}; "
-                 f"scheduled={[row.seq.request_id for row in out.scheduled]}")
+                 f"scheduled={[row.seq.attempt for row in out.scheduled]}")
     return "\n".join(lines) + "\n"
 
 

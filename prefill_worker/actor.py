@@ -47,7 +47,7 @@ class PrefillRank(EngineRank):
         return [self._export(h) for h in out.handoffs], kv_chunks
 
     def _export(self, handoff: HandOff) -> HandoffTicket:
-        locator = self.endpoint.export(handoff.request_id, handoff.payload)
+        locator = self.endpoint.export(handoff.attempt, handoff.payload)
         timings = prefill_timings(handoff)
         if timings is not None:
             timings.kv_export_s = max(0.0, time.monotonic() - handoff.first_token_time)

@@ -348,7 +348,7 @@ def add_timings(out: StepOutputs, entries: list[TokenReport],
     the first token."""
     step_start = time.monotonic() - out.duration_s
     for o, entry in zip(out.outputs, entries, strict=True):
-        taken = imported_at.pop(o.request_id, None) if imported_at else None
+        taken = imported_at.pop(o.attempt, None) if imported_at else None
         if taken is not None:
             entry.timings = RankTimings(
                 decode_queue_s=max(0.0, step_start - taken),

@@ -13,7 +13,7 @@ a KV payload waits, the rank's timings).
 
 Identity: engines, payloads, transports and reports know a request only by its
 *attempt key* (``AttemptKey``): the router's internal request id, which no client can
-choose or predict, plus the number of this dispatch of it. A client's ``request_id``
+choose or predict, plus the number of this dispatch of it. A client's id
 is a label that never leaves the router.
 """
 
@@ -47,7 +47,7 @@ DEFAULT_POLL_TIMEOUT_S = 0.5  # how long one poll of a rank waits for a step rep
 
 @dataclass(frozen=True)
 class AttemptKey:
-    """One dispatch of one request; ``str(key)`` is the engine's request id."""
+    """One dispatch of one request; ``str(key)`` is the engine's attempt."""
 
     request: str  # the router's internal id (random, never the client's label)
     attempt: int  # 1 for the first dispatch, +1 for each retry or move
@@ -162,7 +162,7 @@ class TokenReport:
     @classmethod
     def of(cls, output: RequestOutput) -> TokenReport:
         """The report of one engine output (the rank adds ``timings`` where it has them)."""
-        return cls(output.request_id, list(output.new_token_ids), output.num_output_tokens,
+        return cls(output.attempt, list(output.new_token_ids), output.num_output_tokens,
                    finish_reason=output.finish_reason, error=output.error,
                    step_failed=output.step_failed, logprobs=output.new_logprobs,
                    num_cached_tokens=output.num_cached_tokens)
@@ -197,7 +197,7 @@ class HandoffTicket:
            direct_import: Any = None) -> HandoffTicket:
         """The ticket of an engine's hand-off whose payload the rank's transport endpoint
         exported to ``locator``."""
-        return cls(handoff.request_id, int(handoff.first_token_id),
+        return cls(handoff.attempt, int(handoff.first_token_id),
                    int(handoff.num_prompt_tokens), len(handoff.payload), locator, timings,
                    first_token_logprobs=handoff.first_token_logprobs,
                    forks=[HandedOffChoice.of(f) for f in handoff.forks],
@@ -220,7 +220,7 @@ class HandedOffChoice:
 
     @classmethod
     def of(cls, fork: HandedOffFork) -> HandedOffChoice:
-        return cls(fork.request_id, int(fork.first_token_id), fork.first_token_logprobs)
+        return cls(fork.attempt, int(fork.first_token_id), fork.first_token_logprobs)
 
 
 @dataclass

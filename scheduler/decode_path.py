@@ -124,7 +124,7 @@ class DecodePath(BlockManager):
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         if seq.status != RUNNING:
-            raise RuntimeError(f"preempting {seq.request_id!r} while {seq.status.name}")
+            raise RuntimeError(f"preempting {seq.attempt!r} while {seq.status.name}")
         self.num_preemptions += 1
         out.num_preempted += 1
         out.preempted.append(seq)
@@ -135,11 +135,11 @@ class DecodePath(BlockManager):
         if stop or guided_stops:
             why = "stop_preempted_request is set" if stop else (
                 f"structured output (so_status {seq.so_status}) cannot be recomputed")
-            logger.warning("request %s is preempted and stops: %s", seq.request_id, why)
+            logger.warning("request %s is preempted and stops: %s", seq.attempt, why)
             seq.status = SequenceStatus.FINISHED_PREEMPTED
             self._retire_into(seq, out.ignored)
             return
-        logger.warning("request %s is preempted and will be recomputed", seq.request_id)
+        logger.warning("request %s is preempted and will be recomputed", seq.attempt)
         seq.reset_for_recompute()
         self._requeue_preempted(seq)
         seq.status = WAITING

@@ -144,7 +144,7 @@ class PrefillPath(BlockManager):
     def _commit_prompt(self, seq: Sequence, q: int, chunked: bool, out: SchedulerOutput,
                        hits: list[int] = ()) -> None:
         if seq.status != WAITING:
-            raise RuntimeError(f"prompt of {seq.request_id!r} selected while {seq.status.name}")
+            raise RuntimeError(f"prompt of {seq.attempt!r} selected while {seq.status.name}")
         if not seq.block_table:
             if self.caching:
                 self._take_cached_prefix(seq, hits)

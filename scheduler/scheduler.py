@@ -159,7 +159,7 @@ class Scheduler(PrefillPath, DecodePath, BlockManager):
         a state slot, then it waits in `prompted` for S27 to admit it."""
         status = self.can_admit_prefilled(seq.processed, num_held=len(cached))
         if status != AllocStatus.OK:
-            raise RuntimeError(f"cannot admit prefilled {seq.request_id!r}: {status.name}")
+            raise RuntimeError(f"cannot admit prefilled {seq.attempt!r}: {status.name}")
         self._admit(seq)
         seq.block_table = list(cached) + self.blocks.allocate(
             self._ceil_blocks(seq.processed) - len(cached))
@@ -171,23 +171,23 @@ class Scheduler(PrefillPath, DecodePath, BlockManager):
         """The engine exported a handed-off sequence's KV: its blocks go back (S35)."""
         self._free_resources(seq)
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, attempt: str) -> bool:
         """Mark it aborted; the next pass sweeps it and frees its blocks (S33)."""
-        seq = self._live.get(request_id)
+        seq = self._live.get(attempt)
         if seq is None or seq.status.is_finished:
             return False
         seq.status = SequenceStatus.FINISHED_ABORTED
         self._maybe_finished_in_queues = True
         return True
 
-    def fork(self, parent: Sequence, child_request_id: str,
+    def fork(self, parent: Sequence, child_attempt: str,
              sampling: SamplingParams | None = None, queue: bool = True) -> Sequence:
         """A child sharing the parent's cached prefix: it pins the parent's blocks and
         state slot and gets its own copies when admitted (S34, S15, S27). ``queue``
         False: the caller places it (a PROMPT engine hands siblings off with it)."""
         if parent.status.is_finished or not parent.block_table or parent.in_flight:
-            raise RuntimeError(f"cannot fork {parent.request_id!r}: needs cached, settled KV")
-        child = Sequence(child_request_id, parent.prompt_token_ids,
+            raise RuntimeError(f"cannot fork {parent.attempt!r}: needs cached, settled KV")
+        child = Sequence(child_attempt, parent.prompt_token_ids,
                          parent.sampling if sampling is None else sampling,
                          arrival_time=parent.arrival_time, eos_token_id=parent.eos_token_id)
         child.token_ids = list(parent.token_ids)
@@ -195,7 +195,7 @@ class Scheduler(PrefillPath, DecodePath, BlockManager):
         child.checkpoints = list(parent.checkpoints)
         child.so_status = parent.so_status
         child.first_scheduled_time = parent.first_scheduled_time
-        child.fork_of = parent.request_id
+        child.fork_of = parent.attempt
         child.block_hashes = list(parent.block_hashes)
         child.num_registered = parent.num_registered
         child.num_cached_tokens = parent.num_cached_tokens
@@ -226,7 +226,7 @@ class Scheduler(PrefillPath, DecodePath, BlockManager):
         (NORMAL, S30; a COMPLETION engine's import checked room for all)."""
         if len(first_tokens) != len(specs):
             raise ValueError(f"{len(first_tokens)} first tokens for {len(specs)} forks "
-                             f"of {parent.request_id!r}")
+                             f"of {parent.attempt!r}")
         children = []
         for (child_id, sampling), token in zip(specs, first_tokens, strict=True):
             child = self.fork(parent, child_id, sampling, queue=False)
@@ -234,7 +234,7 @@ class Scheduler(PrefillPath, DecodePath, BlockManager):
             if not self._append_token(child, token, result):
                 continue  # finished by its first token: retired, its pins released
             if self.engine_type == EngineType.PROMPT:
-                del self._live[child.request_id]
+                del self._live[child.attempt]
                 result.handed_off.append(child)
             elif self._can_allocate_group(self._partial_blocks(child.processed), 1) \
                     == AllocStatus.OK:
@@ -252,8 +252,8 @@ class Scheduler(PrefillPath, DecodePath, BlockManager):
                 self._requeue_preempted(child)
         return children
 
-    def get_sequence(self, request_id: str) -> Sequence | None:
-        return self._live.get(request_id)
+    def get_sequence(self, attempt: str) -> Sequence | None:
+        return self._live.get(attempt)
 
     def has_unfinished(self) -> bool:
         return bool(self._live) or bool(self._unreported)
@@ -320,7 +320,7 @@ class Scheduler(PrefillPath, DecodePath, BlockManager):
     def process_outputs(self, output: SchedulerOutput,
                         sampled_token_ids: list[int | list[int] | None],
                         fork_tokens: dict[str, list[int]] | None = None) -> StepResult:
-        """``fork_tokens``: request id -> the first tokens drawn for its ``forks``, for
+        """``fork_tokens``: attempt -> the first tokens drawn for its ``forks``, for
         each prompt completed this step that has any (n > 1). A decode row with a draft
         gets a list: the drafted tokens accepted and the one drawn after them."""
         rows = output.scheduled
@@ -367,24 +367,24 @@ class Scheduler(PrefillPath, DecodePath, BlockManager):
                 self._register_full_blocks(seq)
             if not row.sample:
                 if seq.status != WAITING:
-                    raise RuntimeError(f"unfinished prompt {seq.request_id!r} is {seq.status.name}")
+                    raise RuntimeError(f"unfinished prompt {seq.attempt!r} is {seq.status.name}")
                 self._requeue_partial(seq)
                 continue
             if seq.forks:  # n > 1: the siblings fork from the prompt's KV before its token
                 specs, seq.forks = seq.forks, []
-                result.forked += self.fork_siblings(seq, specs, fork_tokens[seq.request_id],
+                result.forked += self.fork_siblings(seq, specs, fork_tokens[seq.attempt],
                                                     result)
             if self.engine_type != EngineType.PROMPT:
                 self.running.append(seq)
             if self._append_token(seq, token, result) and self.engine_type == EngineType.PROMPT:
                 # Ownership moves to the engine until it has exported the KV.
-                del self._live[seq.request_id]
+                del self._live[seq.attempt]
                 result.handed_off.append(seq)
 
     def _append_token(self, seq: Sequence, token: int | None, result: StepResult) -> bool:
         """Append the sampled token and apply the stop rules in order; True if it goes on."""
         if token is None:
-            raise ValueError(f"row of {seq.request_id!r} needs a sampled token")
+            raise ValueError(f"row of {seq.attempt!r} needs a sampled token")
         history = seq.token_ids
         history.append(token)
         if seq.so_status == 1 and self.token_check is not None \
@@ -408,11 +408,11 @@ class Scheduler(PrefillPath, DecodePath, BlockManager):
     # ---- admission and retirement ----
 
     def _admit(self, seq: Sequence) -> None:
-        if seq.request_id in self._live:
-            raise ValueError(f"request_id {seq.request_id!r} is already scheduled")
+        if seq.attempt in self._live:
+            raise ValueError(f"attempt {seq.attempt!r} is already scheduled")
         if seq.status != WAITING or seq.retired:
-            raise ValueError(f"request {seq.request_id!r} must be new and WAITING, is {seq.status.name}")
-        self._live[seq.request_id] = seq
+            raise ValueError(f"request {seq.attempt!r} must be new and WAITING, is {seq.status.name}")
+        self._live[seq.attempt] = seq
 
     def _retire(self, seq: Sequence) -> bool:
         """A finished sequence frees everything it held and is reported, exactly once (S35)."""
@@ -421,7 +421,7 @@ class Scheduler(PrefillPath, DecodePath, BlockManager):
         seq.retired = True
         self._maybe_finished_in_queues = True
         self._free_resources(seq)
-        self._live.pop(seq.request_id, None)
+        self._live.pop(seq.attempt, None)
         self._unreported.append(seq)
         return True
 

@@ -49,7 +49,7 @@ class Sequence:
     """
 
     __slots__ = (
-        "request_id", "token_ids", "prompt_len", "sampling", "eos_token_id", "arrival_time",
+        "attempt", "token_ids", "prompt_len", "sampling", "eos_token_id", "arrival_time",
         "order", "processed", "in_flight", "draft_len", "draft_token_ids", "block_table",
         "state_slot", "status",
         "so_status", "schedulable", "checkpoints", "first_scheduled_time", "first_token_time",
@@ -64,15 +64,15 @@ class Sequence:
 
     def __init__(
         self,
-        request_id: str,
+        attempt: str,
         prompt_token_ids: list[int],
         sampling: SamplingParams | None = None,
         arrival_time: float | None = None,
         eos_token_id: int | None = None,
     ) -> None:
         if not prompt_token_ids:
-            raise ValueError(f"prompt_token_ids of request {request_id!r} must not be empty")
-        self.request_id = request_id
+            raise ValueError(f"prompt_token_ids of request {attempt!r} must not be empty")
+        self.attempt = attempt
         self.token_ids: list[int] = list(prompt_token_ids)
         self.prompt_len = len(self.token_ids)
         self.sampling = sampling if sampling is not None else SamplingParams()
@@ -94,10 +94,10 @@ class Sequence:
         self.first_scheduled_time: float | None = None  # first prompt chunk scheduled (engine clock)
         self.first_token_time: float | None = None
         self.fork_pending = False  # holds a parent's pinned blocks until it gets its own copies
-        # n > 1: (request id, sampling) of each sibling that forks from this sequence when
+        # n > 1: (attempt, sampling) of each sibling that forks from this sequence when
         # its prompt completes, sharing the prompt's KV (S34); empty once forked.
         self.forks: list[tuple[str, SamplingParams]] = []
-        self.fork_of: str | None = None  # the request id this one was forked from
+        self.fork_of: str | None = None  # the attempt this one was forked from
         # Prefix caching: hashes of its history's full blocks (as far as computed), how
         # many of its blocks carry theirs in the pool, and the prompt tokens it took
         # from the cache when it was first scheduled.
@@ -115,7 +115,7 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (
-            f"Sequence({self.request_id!r}, len={len(self)}, processed={self.processed}, "
+            f"Sequence({self.attempt!r}, len={len(self)}, processed={self.processed}, "
             f"in_flight={self.in_flight}, status={self.status.name}, blocks={self.block_table})"
         )
 

@@ -106,12 +106,12 @@ class SimResult:
 class _Request:
     """The router's state of one request (what ``RequestState`` keeps that we need)."""
 
-    __slots__ = ("item", "index", "request_id", "outstanding", "pending", "hashes", "rank")
+    __slots__ = ("item", "index", "attempt", "outstanding", "pending", "hashes", "rank")
 
     def __init__(self, item: WorkItem, index: int) -> None:
         self.item = item
         self.index = index  # in the client log
-        self.request_id = str(index)
+        self.attempt = str(index)
         self.outstanding = 0
         self.pending: list[bytes] = []
         self.hashes: list[bytes] = []
@@ -206,7 +206,7 @@ class Cluster:
     def _ended(self, req: _Request, reason: str, now: float) -> None:
         log = self.log
         log.end(req.index, reason, now)
-        self.requests.pop(req.request_id, None)
+        self.requests.pop(req.attempt, None)
         self.num_done += 1
         self._in_flight -= 1
         self._done.add(req.item.index)
@@ -220,7 +220,7 @@ class Cluster:
 
     def _dispatch(self, req: _Request) -> None:
         item = req.item
-        rid = req.request_id
+        rid = req.attempt
         prompt = (PromptBlocks.of(item.prompt, self.block_size)
                   if self.config.routing == "cache_aware"
                   else PromptBlocks(len(item.prompt), self.block_size, []))
@@ -255,9 +255,9 @@ class Cluster:
         ended; in normal mode only its end does (as in the router, its prompt tokens
         count in the rank's queue until then)."""
         rank = req.rank
-        if rank is None or req.request_id not in rank.inflight:
+        if rank is None or req.attempt not in rank.inflight:
             return
-        rank.inflight.discard(req.request_id)
+        rank.inflight.discard(req.attempt)
         rank.outstanding_tokens = max(0, rank.outstanding_tokens - req.outstanding)
         if req.pending:
             routing.drop_pending(rank.pending_blocks, req.pending)
@@ -270,13 +270,13 @@ class Cluster:
         requests = self.requests
         entry = pool is self.entry
         for seq in result.finished:
-            req = requests.get(seq.request_id)
+            req = requests.get(seq.attempt)
             if req is None:
                 continue
             if entry:
                 self._leave_entry(req)
             elif req.rank is not None:
-                req.rank.inflight.discard(seq.request_id)
+                req.rank.inflight.discard(seq.attempt)
             self._ended(req, seq.finish_reason or "error", now)
         if result.handed_off:
             self._hand_off(out, result, now)
@@ -287,7 +287,7 @@ class Cluster:
         bs = self.block_size
         started = {id(row.seq): row.seqlen_k - row.query_len for row in out.scheduled}
         for seq in result.handed_off:
-            req = self.requests[seq.request_id]
+            req = self.requests[seq.attempt]
             self._leave_entry(req)
             streamed = started[id(seq)] // bs if self.config.kv_streaming else 0
             hashes = req.hashes if (self.config.routing == "cache_aware" and not streamed) else []
@@ -299,9 +299,9 @@ class Cluster:
             sent = max(0, seq.prompt_len - max(streamed, skip) * bs)
             # Its key only gets worse here (no touch needed: see IndexedChooser.touch).
             dst.pending_imports += 1
-            dst.inflight.add(seq.request_id)
+            dst.inflight.add(seq.attempt)
             req.rank = dst
-            copy = SimSequence(seq.request_id, seq.token_ids[:seq.prompt_len], seq.sampling,
+            copy = SimSequence(seq.attempt, seq.token_ids[:seq.prompt_len], seq.sampling,
                                arrival_time=seq.arrival_time)
             copy.processed = seq.prompt_len
             # The names of its prompt's full blocks are a function of their tokens: the

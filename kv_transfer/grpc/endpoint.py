@@ -54,7 +54,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
 
     async def Fetch(self, request, context):
         ep = self.endpoint
-        attempt = request.request_id
+        attempt = request.attempt
         await ep.authenticate(context, FETCH, attempt)
         data = ep.get(attempt)
         if data is None:
@@ -84,7 +84,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
                     CACHE_MISS: grpc.StatusCode.FAILED_PRECONDITION}.get(
                         result.kind, grpc.StatusCode.INVALID_ARGUMENT)
             await context.abort(code, result.error)
-        return kv_transfer_pb2.PushResponse(request_id=result.attempt)
+        return kv_transfer_pb2.PushResponse(attempt=result.attempt)
 
     async def _receive(self, context, attempt: str) -> bytearray:
         """The pushed payload whole, checked against the authorization and the limit; each

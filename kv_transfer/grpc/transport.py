@@ -77,7 +77,7 @@ class GrpcBytesTransport(KVTransport):
         async def relay():
             nonlocal moved
             fetch = self._fetch(src_address)(
-                kv_transfer_pb2.FetchRequest(request_id=attempt, skip_blocks=skip_blocks),
+                kv_transfer_pb2.FetchRequest(attempt=attempt, skip_blocks=skip_blocks),
                 timeout=self.stream_timeout_s,
                 metadata=auth_metadata(self._secret, FETCH, attempt, src_address))
             try:
@@ -111,7 +111,7 @@ class GrpcBytesTransport(KVTransport):
         except Exception as exc:  # a failed relay surfaces here too (never escapes)
             return DeliveryResult(False, kind=TRANSPORT, error=f"{type(exc).__name__}: {exc}")
         self._delivered(moved)
-        return DeliveryResult(True, attempt=reply.request_id, nbytes=moved)
+        return DeliveryResult(True, attempt=reply.attempt, nbytes=moved)
 
     def held_key(self, ticket: Any) -> str | None:
         return ticket.locator[1]  # (address, attempt); freed through the base's path

@@ -69,10 +69,10 @@ def chunks(attempt: str, data: bytes, size: int = CHUNK_BYTES):
     the generated stub; the endpoint itself sends ``encoded_chunks``."""
     view = memoryview(data)
     if not view:
-        yield kv_transfer_pb2.KVChunk(request_id=attempt, data=b"")
+        yield kv_transfer_pb2.KVChunk(attempt=attempt, data=b"")
         return
     for start in range(0, len(view), size):
-        yield kv_transfer_pb2.KVChunk(request_id=attempt if start == 0 else "",
+        yield kv_transfer_pb2.KVChunk(attempt=attempt if start == 0 else "",
                                       data=bytes(view[start:start + size]))
 
 
@@ -82,7 +82,7 @@ def chunks(attempt: str, data: bytes, size: int = CHUNK_BYTES):
 # measured as the largest Python-side cost of a hand-off (a bare Push server: ~1.4 ms of
 # CPU per MiB parsing KVChunk messages, ~0.8 reading them serialized; a decode rank: ~0.15
 # -> ~0.11 CPU-s per 64 MiB push, join included). A KVChunk is two length-delimited
-# fields (kv_transfer.proto: 1 ``request_id``, 2 ``data``), so these encode and decode
+# fields (kv_transfer.proto: 1 ``attempt``, 2 ``data``), so these encode and decode
 # exactly those bytes; the wire format (and the .proto) stays what the generated stubs speak.
 
 _REQUEST_ID_TAG, _DATA_TAG = b"\x0a", b"\x12"  # (field << 3) | 2: length-delimited
@@ -111,7 +111,7 @@ def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
 
 
 def encode_chunk(attempt: str, piece) -> bytes:
-    """One serialized ``KVChunk`` (``request_id`` only when ``attempt``, ``data`` only when
+    """One serialized ``KVChunk`` (``attempt`` only when ``attempt``, ``data`` only when
     ``piece``, as proto3 writes them); one copy of ``piece``."""
     parts = []
     if attempt:
@@ -134,14 +134,14 @@ def encoded_chunks(attempt: str, data: bytes, size: int = CHUNK_BYTES):
 
 
 def decode_chunk(raw: bytes) -> tuple[str, memoryview]:
-    """(``request_id``, ``data``) of one serialized ``KVChunk``, read as the protobuf runtime
+    """(``attempt``, ``data``) of one serialized ``KVChunk``, read as the protobuf runtime
     reads it (a field seen twice: the last wins; unknown fields are skipped), except that
-    ``request_id`` or ``data`` in another wire type is refused, not kept as unknown; ``data``
+    ``attempt`` or ``data`` in another wire type is refused, not kept as unknown; ``data``
     is a view of ``raw``, no copy. ``ValueError`` if ``raw`` is no well-formed ``KVChunk``."""
     view = memoryview(raw)
     end = len(view)
     pos = 0
-    request_id, data = "", view[:0]
+    attempt, data = "", view[:0]
     while pos < end:
         key, pos = _read_varint(view, pos)
         field, wire_type = key >> 3, key & 7
@@ -154,14 +154,14 @@ def decode_chunk(raw: bytes) -> tuple[str, memoryview]:
             value = view[pos:pos + n]
             pos += n
             if field == 1:
-                request_id = str(value, "utf-8")  # UnicodeDecodeError is a ValueError
+                attempt = str(value, "utf-8")  # UnicodeDecodeError is a ValueError
             elif field == 2:
                 data = value
             continue
         if field in (1, 2):
             raise ValueError(f"field {field} has wire type {wire_type}")
         pos = _skip_field(view, pos, wire_type)
-    return request_id, data
+    return attempt, data
 
 
 def _skip_field(view: memoryview, pos: int, wire_type: int) -> int:
@@ -216,9 +216,9 @@ def peek_header(head: bytes | bytearray) -> tuple[str, int] | None:
         header = _unpack_header(memoryview(head)[_PREFIX.size:body])
     except ValueError as exc:
         raise PayloadRefused(bad, str(exc)) from None
-    attempt, tensor_bytes = header.get("request_id"), header.get("tensor_bytes")
+    attempt, tensor_bytes = header.get("attempt"), header.get("tensor_bytes")
     if not isinstance(attempt, str):
-        raise PayloadRefused(bad, "KV payload header field 'request_id' is missing")
+        raise PayloadRefused(bad, "KV payload header field 'attempt' is missing")
     if not isinstance(tensor_bytes, int) or isinstance(tensor_bytes, bool) or tensor_bytes < 0:
         raise PayloadRefused(bad, "KV payload header field 'tensor_bytes' must be an int >= 0")
     return attempt, body + tensor_bytes

@@ -44,10 +44,10 @@ def _wants_prefill(sched: Scheduler) -> bool:
 def drive(ctx, config: dict, arrivals: dict, steps: int, world_size: int | None = None,
           drain: bool = False, max_steps: int = 3000) -> dict:
     """Run ``steps`` scheduler steps on this rank (then, with ``drain``, until every rank
-    is idle), adding ``arrivals[rank]`` = [(step, request_id, prompt_len, max_tokens)].
+    is idle), adding ``arrivals[rank]`` = [(step, attempt, prompt_len, max_tokens)].
 
     Returns the per-step trace as tuples (step, decode_step before, wanted prefill,
-    kind, rows as (request_id, q, sample), vote all-reduces made, decode_step after),
+    kind, rows as (attempt, q, sample), vote all-reduces made, decode_step after),
     the finish reason of every request, and the drained-pool check.
     """
     ws = ctx.world_size if world_size is None else world_size
@@ -69,11 +69,11 @@ def drive(ctx, config: dict, arrivals: dict, steps: int, world_size: int | None 
             d, want, calls = sched.decode_step, _wants_prefill(sched), comm.calls
             out = sched.schedule()
             votes = comm.calls - calls
-            rows = [(r.seq.request_id, r.query_len, r.sample) for r in out.scheduled]
+            rows = [(r.seq.attempt, r.query_len, r.sample) for r in out.scheduled]
             res = sched.process_outputs(out, [TOKEN if r.sample else None for r in out.scheduled])
             for seq in res.finished:
-                assert seq.request_id not in reasons, f"{seq.request_id} finished twice"
-                reasons[seq.request_id] = seq.finish_reason
+                assert seq.attempt not in reasons, f"{seq.attempt} finished twice"
+                reasons[seq.attempt] = seq.finish_reason
             trace.append((t, d, want, out.kind.name, rows, votes, sched.decode_step))
             t += 1
             if t < steps:

@@ -47,8 +47,8 @@ def handoffs(model_dirs, mixed_prompts):
 def test_payload_carries_first_token_and_history(handoffs, mixed_prompts):
     for h in handoffs:
         payload = KVPayload.from_bytes(h.payload)
-        assert payload.request_id == h.request_id
-        index = int(h.request_id[1:])
+        assert payload.attempt == h.attempt
+        index = int(h.attempt[1:])
         assert payload.token_ids == mixed_prompts[index] + [h.first_token_id]
         assert payload.num_prompt_tokens == len(mixed_prompts[index])
 
@@ -91,8 +91,8 @@ def test_import_waits_for_blocks_then_completes(model_dirs, handoffs):
     for h in handoffs:
         completion.import_prefilled(h.payload)
     outputs, _ = drain(completion)
-    finished = {o.request_id: o.finish_reason for o in outputs if o.finished}
-    assert set(finished) == {h.request_id for h in handoffs}
+    finished = {o.attempt: o.finish_reason for o in outputs if o.finished}
+    assert set(finished) == {h.attempt for h in handoffs}
     stats = completion.stats()
     assert (stats.num_running, stats.num_waiting, stats.num_prompted) == (0, 0, 0)
     assert stats.num_free_blocks == stats.num_total_blocks
@@ -111,7 +111,7 @@ def test_completion_engine_out_of_blocks_terminates_victim(model_dirs, mixed_pro
     for h in handoffs:
         completion.import_prefilled(h.payload)
     outputs, _ = drain(completion)
-    reasons = {o.request_id: o.finish_reason for o in outputs if o.finished}
+    reasons = {o.attempt: o.finish_reason for o in outputs if o.finished}
     assert sorted(reasons.values()) == ["insufficient_system_resource", "length"]
     assert completion.scheduler.num_preemptions == 1
     completion.assert_drained()
@@ -126,18 +126,18 @@ def test_abort_of_pending_import_reports_abort(model_dirs, handoffs):
     completion = engine(model_dirs["mistral-swa"], "completion", num_kv_blocks=32)
     for h in handoffs:
         completion.import_prefilled(h.payload)
-    assert completion.abort(handoffs[-1].request_id)
+    assert completion.abort(handoffs[-1].attempt)
     assert not completion.abort("unknown-id")
     outputs, _ = drain(completion)
-    reasons = {o.request_id: o.finish_reason for o in outputs if o.finished}
-    assert reasons[handoffs[-1].request_id] == "abort"
+    reasons = {o.attempt: o.finish_reason for o in outputs if o.finished}
+    assert reasons[handoffs[-1].attempt] == "abort"
     completion.assert_drained()
 
 
 def tokens_by_request(outputs):
     tokens = {}
     for o in outputs:
-        tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        tokens.setdefault(o.attempt, []).extend(o.new_token_ids)
     return tokens
 
 
@@ -152,7 +152,7 @@ def test_an_import_with_room_is_written_into_its_blocks_at_once(model_dirs, hand
     reference = engine(model_dirs["mistral-swa"], "completion")
     reference.import_prefilled(handoffs[0].payload)
     got, want = (tokens_by_request(drain(e)[0]) for e in (completion, reference))
-    assert got == want and len(want[handoffs[0].request_id]) == GREEDY.max_tokens - 1
+    assert got == want and len(want[handoffs[0].attempt]) == GREEDY.max_tokens - 1
     completion.assert_drained()
 
 
@@ -168,5 +168,5 @@ def test_a_borrowed_import_that_must_wait_keeps_a_copy_of_its_bytes(model_dirs, 
         reference.import_prefilled(h.payload)
     assert len(completion._pending_imports) >= 1
     got, want = (tokens_by_request(drain(e)[0]) for e in (completion, reference))
-    assert got == want and set(got) == {h.request_id for h in handoffs}
+    assert got == want and set(got) == {h.attempt for h in handoffs}
     completion.assert_drained()

@@ -27,7 +27,7 @@ def lockstep_rank(ctx, model_dir: str, load: dict, engine_type: str):
 
     def record(step):
         kinds.append("prompt" if step.kind in ("prompt", "empty_prompt") else step.kind)
-        finished.update({o.request_id: o.finish_reason for o in step.outputs if o.finished})
+        finished.update({o.attempt: o.finish_reason for o in step.outputs if o.finished})
 
     loop = EngineLoop(engine, on_step=record, communicator=comm)
     for i in range(load.get(ctx.rank, 0)):

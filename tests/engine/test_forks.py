@@ -38,10 +38,10 @@ def run(eng, limit=800):
         step = eng.step()
         prompt_steps += step.kind == "prompt" and step.num_rows > 0
         for out in step.outputs:
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            tokens.setdefault(out.attempt, []).extend(out.new_token_ids)
             if out.finish_reason is not None:
-                assert out.request_id not in finish, f"{out.request_id} finished twice"
-                finish[out.request_id] = out.finish_reason
+                assert out.attempt not in finish, f"{out.attempt} finished twice"
+                finish[out.attempt] = out.finish_reason
         handoffs += step.handoffs
     raise AssertionError("engine did not drain")
 
@@ -91,8 +91,8 @@ def test_one_payload_carries_every_choice_and_the_decode_side_forks_it(model_dir
     assert prompt_steps == 1 and len(handoffs) == 1 and not finish
     handoff = handoffs[0]
     payload = KVPayload.from_bytes(handoff.payload)
-    assert [f.request_id for f in payload.forks] == ["c1", "c2", "c3"]
-    first = {"c0": handoff.first_token_id} | {f.request_id: f.first_token_id
+    assert [f.attempt for f in payload.forks] == ["c1", "c2", "c3"]
+    first = {"c0": handoff.first_token_id} | {f.attempt: f.first_token_id
                                                for f in handoff.forks}
     decode = engine(model_dir, "completion")
     decode.import_prefilled(handoff.payload)
@@ -126,8 +126,8 @@ def test_the_lead_ending_at_its_first_token_leaves_the_forks_to_go_on(model_dirs
     prefill.add_request("c0", PROMPT, lead, forks=[("c1", GREEDY), ("c2", GREEDY)])
     tokens, finish, handoffs, _ = run(prefill)
     assert finish == {"c0": "stop"} and tokens == {"c0": [first]}
-    assert len(handoffs) == 1 and handoffs[0].request_id == "c1"
-    assert [f.request_id for f in handoffs[0].forks] == ["c2"]
+    assert len(handoffs) == 1 and handoffs[0].attempt == "c1"
+    assert [f.attempt for f in handoffs[0].forks] == ["c2"]
     prefill.assert_drained()
     decode = engine(model_dir, "completion")
     decode.import_prefilled(handoffs[0].payload)
@@ -174,7 +174,7 @@ def test_a_failed_prompt_step_fails_every_choice_for_a_move(model_dirs):
 
     eng.runner.execute_with_logprobs = boom
     step = eng.step()
-    ended = {o.request_id: (o.finish_reason, o.step_failed) for o in step.outputs}
+    ended = {o.attempt: (o.finish_reason, o.step_failed) for o in step.outputs}
     assert ended == {rid: ("error", True) for rid in ("c0", "c1", "c2")}
     eng.assert_drained()
 

@@ -9,7 +9,7 @@ from pdserve.engine.kv_payload import KVPayload, KVPayloadError
 def make_payload(dtype=torch.float32) -> KVPayload:
     gen = torch.Generator().manual_seed(0)
     return KVPayload(
-        request_id="r1", model_fingerprint="fp", dtype="float32", block_size=4, num_layers=2,
+        attempt="r1", model_fingerprint="fp", dtype="float32", block_size=4, num_layers=2,
         token_ids=[5, 6, 7, 8], num_prompt_tokens=3,
         sampling={"max_tokens": 4, "temperature": 0.0},
         tensors={
@@ -23,7 +23,7 @@ def make_payload(dtype=torch.float32) -> KVPayload:
 def test_round_trip_is_bit_exact(dtype):
     payload = make_payload(dtype)
     back = KVPayload.from_bytes(payload.to_bytes())
-    assert back.request_id == "r1" and back.token_ids == [5, 6, 7, 8]
+    assert back.attempt == "r1" and back.token_ids == [5, 6, 7, 8]
     assert type(back.token_ids) is list and all(type(t) is int for t in back.token_ids)
     assert back.first_token_id == 8 and back.num_prompt_tokens == 3
     for name, tensor in payload.tensors.items():

@@ -44,7 +44,7 @@ def id_bytes(*ids: int) -> bytes:
 def small_payload(token_ids=(5, 6, 7, 8)) -> KVPayload:
     gen = torch.Generator().manual_seed(0)
     return KVPayload(
-        request_id="r1", model_fingerprint="fp", dtype="float32", block_size=4, num_layers=2,
+        attempt="r1", model_fingerprint="fp", dtype="float32", block_size=4, num_layers=2,
         token_ids=list(token_ids), num_prompt_tokens=len(token_ids) - 1,
         sampling={"max_tokens": 4, "temperature": 0.0, "stop_token_ids": [2]},
         arrival_time=12.5, first_token_time=13.0,
@@ -71,7 +71,7 @@ def with_header(header, tensor_section: bytes = BASE[HEADER_END:]) -> bytes:
 
 def same(a: KVPayload, b: KVPayload) -> bool:
     """Field-by-field equality; tensors and sampling by their bytes (NaN is not == NaN)."""
-    plain = ("request_id", "model_fingerprint", "dtype", "block_size", "num_layers",
+    plain = ("attempt", "model_fingerprint", "dtype", "block_size", "num_layers",
              "token_ids", "num_prompt_tokens", "arrival_time", "first_token_time")
     if any(getattr(a, f) != getattr(b, f) for f in plain):
         return False
@@ -97,7 +97,7 @@ def decode_or_none(data: bytes, **kwargs) -> KVPayload | None:
 
 
 def assert_well_formed(payload: KVPayload, data: bytes) -> None:
-    for name in ("request_id", "model_fingerprint", "dtype"):
+    for name in ("attempt", "model_fingerprint", "dtype"):
         assert isinstance(getattr(payload, name), str)
     for value in (payload.block_size, payload.num_layers, payload.num_prompt_tokens):
         assert type(value) is int and value >= 0
@@ -215,7 +215,7 @@ def valid_payloads(draw) -> KVPayload:
                          else torch.empty(shape, dtype=dtype))
     token_ids = draw(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=40))
     return KVPayload(
-        request_id=draw(st.text(max_size=40)), model_fingerprint=draw(st.text(max_size=20)),
+        attempt=draw(st.text(max_size=40)), model_fingerprint=draw(st.text(max_size=20)),
         dtype=draw(st.sampled_from(["float32", "bfloat16", "float16"])),
         block_size=draw(st.integers(1, 64)), num_layers=draw(st.integers(1, 64)),
         token_ids=token_ids, num_prompt_tokens=len(token_ids) - 1,
@@ -260,7 +260,7 @@ K_SPEC, RING_SPEC, EMPTY_SPEC = header_of(BASE)["tensors"]
     (dict(block_size=0), "block_size"),
     (dict(num_layers="2"), "num_layers"),
     (dict(num_tokens=-1), "num_tokens"),
-    (dict(request_id=7), "request_id"),
+    (dict(attempt=7), "attempt"),
     (dict(model_fingerprint=None), "model_fingerprint"),
     (dict(token_ids=[1, 2]), "'token_ids' must be a bytes, got list"),  # version 3's list
     (dict(token_ids="abc"), "'token_ids' must be a bytes, got str"),
@@ -290,8 +290,8 @@ K_SPEC, RING_SPEC, EMPTY_SPEC = header_of(BASE)["tensors"]
     (dict(tensors=[K_SPEC, EMPTY_SPEC]), "tensor_bytes"),  # 24 bytes nobody claims
     (dict(forks={}), "forks"),
     (dict(forks=[["c1", 5]]), r"forks\[0\]"),
-    (dict(forks=[[7, 5, {}]]), r"forks\[0\]\.request_id"),
-    (dict(forks=[["c1", 5, {}], ["c1", 6, {}]]), r"forks\[1\]\.request_id"),
+    (dict(forks=[[7, 5, {}]]), r"forks\[0\]\.attempt"),
+    (dict(forks=[["c1", 5, {}], ["c1", 6, {}]]), r"forks\[1\]\.attempt"),
     (dict(forks=[["c1", -5, {}]]), r"forks\[0\]\.first_token_id"),
     (dict(forks=[["c1", True, {}]]), r"forks\[0\]\.first_token_id"),
     (dict(forks=[["c1", 5, [1]]]), r"forks\[0\]\.sampling"),

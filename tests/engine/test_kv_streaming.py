@@ -23,10 +23,10 @@ def engine(model_dir, engine_type, **kw):
     return LLMEngine(EngineConfig(model_dir=model_dir, engine_type=engine_type, **kw))
 
 
-def prefill(model_dir, stream_kv=True, prompt=PROMPT, request_id="a", **kw):
+def prefill(model_dir, stream_kv=True, prompt=PROMPT, attempt="a", **kw):
     """Run a prompt to its hand-off: (its chunks in order, the hand-off)."""
     eng = engine(model_dir, "prompt", **kw)
-    eng.add_request(request_id, prompt, GREEDY, stream_kv=stream_kv)
+    eng.add_request(attempt, prompt, GREEDY, stream_kv=stream_kv)
     chunks, handoffs = [], []
     while eng.has_work():
         out = eng.step()

@@ -87,7 +87,7 @@ def _run(engine, limit=300):
             return tokens, handoffs
         step = engine.step()
         for out in step.outputs:
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            tokens.setdefault(out.attempt, []).extend(out.new_token_ids)
         handoffs += step.handoffs
     raise AssertionError("did not drain")
 

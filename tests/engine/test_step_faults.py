@@ -29,7 +29,7 @@ def _run(engine: LLMEngine, limit: int = 200) -> dict:
         if not engine.has_work():
             break
         for o in engine.step().outputs:
-            outs.setdefault(o.request_id, []).append(o)
+            outs.setdefault(o.attempt, []).append(o)
     return outs
 
 
@@ -57,7 +57,7 @@ def test_a_failed_model_run_ends_its_rows_with_error_and_frees_everything(model_
     engine.add_request("b", [3, 4, 5, 6, 7], GREEDY)
     engine.step()  # prefill both (run 1)
     out = engine.step()  # run 2 raises inside
-    ended = {o.request_id: o for o in out.outputs}
+    ended = {o.attempt: o for o in out.outputs}
     assert set(ended) == {"a", "b"}
     for o in ended.values():
         assert o.finish_reason == "error" and o.step_failed and o.new_token_ids == []
@@ -78,7 +78,7 @@ def test_a_failed_prompt_step_on_a_prompt_engine_hands_nothing_off(model_dirs):
     engine.add_request("p", list(range(3, 40)), GREEDY)
     out = engine.step()
     assert out.handoffs == []
-    assert [(o.request_id, o.finish_reason) for o in out.outputs] == [("p", "error")]
+    assert [(o.attempt, o.finish_reason) for o in out.outputs] == [("p", "error")]
     engine.assert_drained()
 
 

@@ -93,7 +93,7 @@ def test_forks_give_the_greedy_tokens(real_model_path, real_chat_prompts, normal
         if not engine.has_work():
             break
         for out in engine.step().outputs:
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            tokens.setdefault(out.attempt, []).extend(out.new_token_ids)
     engine.assert_drained()
     for i in (0, 5):
         for rid in (f"r{i}", f"r{i}-fork1", f"r{i}-fork2"):

@@ -105,9 +105,9 @@ def test_n3_forks_each_validate(llm):
     finished: dict[str, str] = {}
     while len(finished) < 3:
         for out in llm._step():
-            texts[out.request_id] += out.new_token_ids
+            texts[out.attempt] += out.new_token_ids
             if out.finished:
-                finished[out.request_id] = out.finish_reason
+                finished[out.attempt] = out.finish_reason
     assert set(finished.values()) == {"stop"}
     answers = [json.loads(llm.tokenizer.decode(ids)) for ids in texts.values()]
     for answer in answers:

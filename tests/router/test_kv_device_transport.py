@@ -37,7 +37,7 @@ def make_payload(seed: int = 0, num_layers: int = 2, num_blocks: int = 5) -> KVP
     g = torch.Generator().manual_seed(seed)
     shape = (num_layers, num_blocks, 4, 2, 8)  # [layers, blocks, block_size, heads, dim]
     return KVPayload(
-        request_id=f"r{seed}", model_fingerprint="fp", dtype="float32", block_size=4,
+        attempt=f"r{seed}", model_fingerprint="fp", dtype="float32", block_size=4,
         num_layers=num_layers, token_ids=[1 + (i * 7 + seed) % 50 for i in range(18)] + [3],
         num_prompt_tokens=18, sampling={"temperature": 0.0},
         tensors={"k_blocks": torch.randn(shape, generator=g),
@@ -47,7 +47,7 @@ def make_payload(seed: int = 0, num_layers: int = 2, num_blocks: int = 5) -> KVP
 def into_tensor(payload: KVPayload, device: str = "cpu") -> torch.Tensor:
     """As the engine exports: lay out, lend a tensor buffer, fill its tensor views."""
     layout = payload.layout({n: (t.dtype, tuple(t.shape)) for n, t in payload.tensors.items()})
-    buffer = DeviceEndpoint(device).payload_buffer(payload.request_id, layout.nbytes)
+    buffer = DeviceEndpoint(device).payload_buffer(payload.attempt, layout.nbytes)
     for name, view in layout.write(buffer).items():
         assert view.device == buffer.device
         assert view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
@@ -56,8 +56,8 @@ def into_tensor(payload: KVPayload, device: str = "cpu") -> torch.Tensor:
 
 
 def _same(a: KVPayload, b: KVPayload) -> None:
-    assert (a.request_id, a.token_ids, a.num_prompt_tokens, a.sampling, a.skipped_blocks) == \
-        (b.request_id, b.token_ids, b.num_prompt_tokens, b.sampling, b.skipped_blocks)
+    assert (a.attempt, a.token_ids, a.num_prompt_tokens, a.sampling, a.skipped_blocks) == \
+        (b.attempt, b.token_ids, b.num_prompt_tokens, b.sampling, b.skipped_blocks)
     assert set(a.tensors) == set(b.tensors)
     for name in a.tensors:
         assert torch.equal(a.tensors[name].cpu(), b.tensors[name].cpu()), name
@@ -107,7 +107,7 @@ def test_a_tensor_payload_gets_the_same_checks_as_bytes():
         payload.layout({n: (t.dtype, tuple(t.shape)) for n, t in payload.tensors.items()}).write(
             torch.empty(len(data) + 1, dtype=torch.uint8))
     # a bytes-like buffer still works as before
-    assert KVPayload.from_bytes(bytearray(data)).request_id == payload.request_id
+    assert KVPayload.from_bytes(bytearray(data)).attempt == payload.attempt
 
 
 def test_pair_backend_is_nccl_only_between_two_gpus():

@@ -41,7 +41,7 @@ STREAM_TIMEOUT_S = 3.0
 def fake_payload(attempt: str, tensor_bytes: int = 256) -> bytes:
     """A KV payload's framing (engine/kv_payload.py) with just the fields the endpoint
     reads before it hands the bytes on: the attempt and the size."""
-    header = msgpack.packb({"request_id": attempt, "tensor_bytes": tensor_bytes},
+    header = msgpack.packb({"attempt": attempt, "tensor_bytes": tensor_bytes},
                            use_bin_type=True)
     return struct.pack("<4sHI", b"PDKV", VERSION, len(header)) + header + b"\x07" * tensor_bytes
 
@@ -53,7 +53,7 @@ class FakeImporter:
 
     def import_prefilled(self, data: bytes) -> ImportResult:
         header_len = struct.unpack("<4sHI", data[:10])[2]
-        attempt = msgpack.unpackb(data[10:10 + header_len])["request_id"]
+        attempt = msgpack.unpackb(data[10:10 + header_len])["attempt"]
         with self.lock:
             self.imported.append((attempt, len(data)))
         return ImportResult(True, attempt=attempt)
@@ -89,21 +89,21 @@ def fresh(name: str = "a") -> str:
 def push(stub, chunks, metadata, timeout: float = 20.0):
     """The reply's attempt, or (status code, details)."""
     try:
-        return stub.Push(iter(chunks), metadata=metadata, timeout=timeout).request_id
+        return stub.Push(iter(chunks), metadata=metadata, timeout=timeout).attempt
     except grpc.RpcError as exc:
         return exc.code(), exc.details()
 
 
 def fetch(stub, attempt, metadata, timeout: float = 20.0):
     try:
-        return b"".join(c.data for c in stub.Fetch(pb.FetchRequest(request_id=attempt),
+        return b"".join(c.data for c in stub.Fetch(pb.FetchRequest(attempt=attempt),
                                                    metadata=metadata, timeout=timeout))
     except grpc.RpcError as exc:
         return exc.code(), exc.details()
 
 
 def one_chunk(attempt: str, data: bytes | None = None):
-    return [pb.KVChunk(request_id=attempt, data=fake_payload(attempt) if data is None else data)]
+    return [pb.KVChunk(attempt=attempt, data=fake_payload(attempt) if data is None else data)]
 
 
 # -- authentication ------------------------------------------------------------------
@@ -219,7 +219,7 @@ def test_an_oversize_push_is_resource_exhausted(endpoint, stub, secret):
     started = time.monotonic()
 
     def chunks():
-        yield pb.KVChunk(request_id=attempt, data=big[:1024])
+        yield pb.KVChunk(attempt=attempt, data=big[:1024])
         time.sleep(STREAM_TIMEOUT_S + 1)  # never needed: the header is enough
         yield pb.KVChunk(data=big[1024:])
 
@@ -230,7 +230,7 @@ def test_an_oversize_push_is_resource_exhausted(endpoint, stub, secret):
     # by the bytes it sends (its header lies low)
     attempt = fresh()
     lying = fake_payload(attempt) + b"\0" * LIMIT
-    code, details = push(stub, [pb.KVChunk(request_id=attempt, data=lying[i:i + 16384])
+    code, details = push(stub, [pb.KVChunk(attempt=attempt, data=lying[i:i + 16384])
                                 for i in range(0, len(lying), 16384)],
                          auth_metadata(secret, PUSH, attempt, endpoint.address))
     assert code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT), details
@@ -282,13 +282,13 @@ def test_chunks_on_the_wire_are_kvchunk_messages():
     for attempt, data in (("a7.1", b"\x00\x01" * 300), ("", b"x" * 200_000), ("\u00e9.2", b""),
                           ("", b"")):
         raw = encode_chunk(attempt, data)
-        assert raw == pb.KVChunk(request_id=attempt, data=data).SerializeToString()
+        assert raw == pb.KVChunk(attempt=attempt, data=data).SerializeToString()
         assert decode_chunk(raw) == (attempt, data)
     # as the protobuf runtime reads it: unknown fields skipped, the last occurrence wins
     unknown = b"\x18\x05" + b"\x25\x00\x00\x00\x00" + b"\x29" + b"\x00" * 8 + b"\x32\x02hi"
     raw = encode_chunk("old.1", b"first") + unknown + encode_chunk("new.1", b"second")
     parsed = pb.KVChunk.FromString(raw)
-    assert decode_chunk(raw) == (parsed.request_id, parsed.data) == ("new.1", b"second")
+    assert decode_chunk(raw) == (parsed.attempt, parsed.data) == ("new.1", b"second")
     for bad in (b"\x12\x05abc", b"\x12", b"\x0a\x02\xff\xfe", b"\x00\x00", b"\x1b",
                 b"\x12" + b"\xff" * 11, b"\x25\x00"):
         with pytest.raises(ValueError):
@@ -338,7 +338,7 @@ def test_a_payload_of_many_chunks_is_relayed_intact(secret):
     try:
         attempt = fresh("big")
         body = bytes(range(251)) * (size // 251 + 1)
-        header = msgpack.packb({"request_id": attempt, "tensor_bytes": size}, use_bin_type=True)
+        header = msgpack.packb({"attempt": attempt, "tensor_bytes": size}, use_bin_type=True)
         payload = struct.pack("<4sHI", b"PDKV", VERSION, len(header)) + header + body[:size]
         src.export(attempt, payload)
         result = asyncio.run(deliver(dst, attempt))
@@ -385,7 +385,7 @@ def test_a_stalled_push_or_fetch_is_aborted_after_its_deadline(endpoint, stub, s
     gone = threading.Event()
 
     def stall():
-        yield pb.KVChunk(request_id=attempt, data=fake_payload(attempt)[:16])
+        yield pb.KVChunk(attempt=attempt, data=fake_payload(attempt)[:16])
         gone.wait(10)
 
     started = time.monotonic()
@@ -400,7 +400,7 @@ def test_a_stalled_push_or_fetch_is_aborted_after_its_deadline(endpoint, stub, s
 
     def trickle():
         for i in range(0, len(data), 64):
-            yield pb.KVChunk(request_id=attempt if i == 0 else "", data=data[i:i + 64])
+            yield pb.KVChunk(attempt=attempt if i == 0 else "", data=data[i:i + 64])
             time.sleep(CHUNK_TIMEOUT_S / 3)
 
     started = time.monotonic()
@@ -413,7 +413,7 @@ def test_a_stalled_push_or_fetch_is_aborted_after_its_deadline(endpoint, stub, s
     attempt = fresh()
     endpoint.export(attempt, b"\x01" * (48 << 20))
     try:
-        reply = stub.Fetch(pb.FetchRequest(request_id=attempt), timeout=30,
+        reply = stub.Fetch(pb.FetchRequest(attempt=attempt), timeout=30,
                            metadata=auth_metadata(secret, FETCH, attempt, endpoint.address))
         next(reply)
         time.sleep(CHUNK_TIMEOUT_S + 1.5)

@@ -68,11 +68,11 @@ def test_a_step_becomes_one_report_with_every_field_carried():
 
 
 def test_a_missing_field_is_a_bug_not_a_default():
-    partial = SimpleNamespace(request_id="r.1", new_token_ids=[1], num_output_tokens=1)
+    partial = SimpleNamespace(attempt="r.1", new_token_ids=[1], num_output_tokens=1)
     with pytest.raises(AttributeError):
         TokenReport.of(partial)
     with pytest.raises(AttributeError):
-        HandoffTicket.of(SimpleNamespace(request_id="p.1", first_token_id=1,
+        HandoffTicket.of(SimpleNamespace(attempt="p.1", first_token_id=1,
                                          num_prompt_tokens=3, payload=b"x"), "loc")
 
 

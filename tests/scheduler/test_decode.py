@@ -27,7 +27,7 @@ def test_s26_finished_leave_running_and_are_swept_from_waiting(kit):
     s.abort("Y")  # mid-queue, behind an unschedulable head
     a_block = a.block_table[0]
     out = _decode(s)
-    assert {q.request_id for q in out.ignored} == {"A", "Y"}
+    assert {q.attempt for q in out.ignored} == {"A", "Y"}
     assert s.running == [b] and list(s.waiting) == [x]
     assert a.block_table == [] and a.state_slot == -1
     assert a_block in s.blocks.free_ids or a_block in b.block_table  # freed (and maybe reused)
@@ -40,7 +40,7 @@ def test_s27_prompted_admission_respects_max_num_seqs_and_aborts(kit):
     out = s.schedule()
     assert kit.names(out.ignored) == ["A"] and a.status is SequenceStatus.FINISHED_ABORTED
     assert sorted(kit.names(out.scheduled)) == ["B", "C"]  # admitted in order, up to the cap
-    assert [q.request_id for q, _ in s.prompted] == ["D"]
+    assert [q.attempt for q, _ in s.prompted] == ["D"]
     assert b.status is SequenceStatus.RUNNING and d.status is SequenceStatus.WAITING
 
 
@@ -101,7 +101,7 @@ def test_s28_append_slot_grows_by_one_and_trims_surplus(kit):
 def test_s28_output_order_ties_keep_arrival(kit):
     s = kit.sched()
     seqs = [kit.running(s, n, 4, k) for n, k in (("A", 1), ("B", 3), ("C", 1), ("D", 3))]
-    assert [q.request_id for q in sorted(reversed(seqs), key=decode_priority)] == ["B", "D", "A", "C"]
+    assert [q.attempt for q in sorted(reversed(seqs), key=decode_priority)] == ["B", "D", "A", "C"]
 
 
 def test_s29_batch_sorted_by_history_longest_first(kit):

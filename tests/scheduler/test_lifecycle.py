@@ -130,7 +130,7 @@ def test_s33_abort_marks_then_next_pass_sweeps_once(kit):
     assert res.finished == [inflight] and inflight.block_table == []
     s.decode_step = 1
     out, res = kit.step(s)
-    assert {q.request_id for q in res.finished} == {"R", "W"}
+    assert {q.attempt for q in res.finished} == {"R", "W"}
     assert not s.has_unfinished()
     out, res = kit.step(s)
     assert res.finished == [] and out.ignored == []
@@ -152,9 +152,9 @@ def test_s34_fork_pins_and_routes_child(kit):
     assert child.block_table[:2] == parent.block_table[:2]
     assert out.block_copies == [(parent.block_table[2], child.block_table[2])]
     assert out.state_copies == [(parent.state_slot, child.state_slot)]
-    assert {r.seq.request_id for r in out.scheduled} == {"P", "C"}
+    assert {r.seq.attempt for r in out.scheduled} == {"P", "C"}
     tokens = {"P": 11, "C": 12}
-    res = s.process_outputs(out, [tokens[r.seq.request_id] for r in out.scheduled])
+    res = s.process_outputs(out, [tokens[r.seq.attempt] for r in out.scheduled])
     assert set(res.updated) == {parent, child}
     assert (parent.token_ids[-1], child.token_ids[-1]) == (11, 12)  # they diverge freely
     assert parent.token_ids[:-1] == child.token_ids[:-1] and len(child) == 11
@@ -183,7 +183,7 @@ def _random_trace(kit, seed, engine=EngineType.NORMAL, stop=False):
             s.add(q)
             live.append(q)
         if rng.random() < 0.05 and live:
-            s.abort(rng.choice(live).request_id)
+            s.abort(rng.choice(live).attempt)
         if rng.random() < 0.05:
             decoding = [q for q in s.running if not q.is_finished and not q.in_flight]
             if decoding:
@@ -192,15 +192,15 @@ def _random_trace(kit, seed, engine=EngineType.NORMAL, stop=False):
         out = s.schedule()
         res = s.process_outputs(out, [(0 if rng.random() < 0.05 else 3) if r.sample else None
                                       for r in out.scheduled])
-        finished_ids += [q.request_id for q in res.finished]
+        finished_ids += [q.attempt for q in res.finished]
         for q in res.handed_off:
             s.release_handed_off(q)
     for q in live:
-        s.abort(q.request_id)
+        s.abort(q.attempt)
     for _ in range(5):
         out = s.schedule()
         res = s.process_outputs(out, [3 if r.sample else None for r in out.scheduled])
-        finished_ids += [q.request_id for q in res.finished]
+        finished_ids += [q.attempt for q in res.finished]
     return s, live, finished_ids
 
 
@@ -309,7 +309,7 @@ def test_token_check_refusal_ends_the_sequence_structured_output_failed(kit):
     a refused token ends it with structured_output_failed (the token stays reported)."""
     s = kit.sched(max_num_batched_tokens=16, max_num_seqs=8)
     seen = []
-    s.token_check = lambda seq, token: seen.append((seq.request_id, token)) or token != 7
+    s.token_check = lambda seq, token: seen.append((seq.attempt, token)) or token != 7
     a, b = kit.seq("A", 4), kit.seq("B", 4)
     a.so_status = 1
     s.add(a)

@@ -17,7 +17,7 @@ def _first_token_steps(kit, **policy):
         if out.kind is StepKind.PROMPT:
             order.append(kit.rows(out))
         for q in res.updated:
-            first.setdefault(q.request_id, step)
+            first.setdefault(q.attempt, step)
     return first, order
 
 
@@ -49,13 +49,13 @@ def _bypass_trace(kit, limit, steps=40):
         s.add(kit.seq(f"s{step}", 2, max_tokens=3))
         out, res = kit.step(s)
         for q in res.updated:
-            first_token.setdefault(q.request_id, step)
+            first_token.setdefault(q.attempt, step)
         if out.kind is StepKind.PROMPT:
             for row in out.scheduled:
                 if row.seq is head:
                     head_step = step
                 elif head_step is None:
-                    before.append(row.seq.request_id)
+                    before.append(row.seq.attempt)
         assert head.bypassed <= limit
     assert not r.block_table  # R finished
     return head_step, before, first_token, head
@@ -113,7 +113,7 @@ def _drain_steps(kit, max_steps=400, **policy):
             s.assert_drained()
             return step, finished
         _, res = kit.step(s, token=9)
-        finished.update({q.request_id: q.finish_reason for q in res.finished})
+        finished.update({q.attempt: q.finish_reason for q in res.finished})
     return None, finished
 
 
@@ -177,7 +177,7 @@ def _prompt_step_costs(kit, **policy):
             costs.append(cost)
             s.observe_prompt_step(out, cost)
         res = s.process_outputs(out, [7 if r.sample else None for r in out.scheduled])
-        finished.update(q.request_id for q in res.finished)
+        finished.update(q.attempt for q in res.finished)
     s.assert_drained()
     return costs, finished
 
@@ -242,7 +242,7 @@ def test_a_moved_request_queues_ahead_of_new_arrivals_behind_begun_prompts(kit):
     for _ in range(20):
         out, _ = kit.step(s)
         if out.kind is StepKind.PROMPT:
-            order += [r.seq.request_id for r in out.scheduled if r.seq.request_id not in order]
+            order += [r.seq.attempt for r in out.scheduled if r.seq.attempt not in order]
     assert order == ["begun", "moved1", "moved2", "fresh1", "fresh2"]
 
 

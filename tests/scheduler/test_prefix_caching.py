@@ -18,7 +18,7 @@ def finish(kit, sched, seq, token=7, limit=200):
         if seq.status.is_finished:
             return
         kit.step(sched, token)
-    raise AssertionError(f"{seq.request_id} never finished")
+    raise AssertionError(f"{seq.attempt} never finished")
 
 
 def prompt_step(kit, sched, limit=200):
@@ -194,7 +194,7 @@ def test_prompt_engine_caches_across_hand_offs(kit):
         seq = new(name, ids)
         sched.add(seq)
         out, res = kit.step(sched)
-        assert [s.request_id for s in res.handed_off] == [name]
+        assert [s.attempt for s in res.handed_off] == [name]
         sched.release_handed_off(seq)
     assert kit.rows(out) == [("b", 4, 20)]
     sched.assert_drained()

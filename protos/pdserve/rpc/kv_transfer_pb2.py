@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpdserve/rpc/kv_transfer.proto\x12\x0bpdserve.rpc\"7\n\x0c\x46\x65tchRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bskip_blocks\x18\x02 \x01(\r\"+\n\x07KVChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\"\n\x0cPushResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t2\x83\x01\n\nKVTransfer\x12:\n\x05\x46\x65tch\x12\x19.pdserve.rpc.FetchRequest\x1a\x14.pdserve.rpc.KVChunk0\x01\x12\x39\n\x04Push\x12\x14.pdserve.rpc.KVChunk\x1a\x19.pdserve.rpc.PushResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpdserve/rpc/kv_transfer.proto\x12\x0bpdserve.rpc\"4\n\x0c\x46\x65tchRequest\x12\x0f\n\x07\x61ttempt\x18\x01 \x01(\t\x12\x13\n\x0bskip_blocks\x18\x02 \x01(\r\"(\n\x07KVChunk\x12\x0f\n\x07\x61ttempt\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x1f\n\x0cPushResponse\x12\x0f\n\x07\x61ttempt\x18\x01 \x01(\t2\x83\x01\n\nKVTransfer\x12:\n\x05\x46\x65tch\x12\x19.pdserve.rpc.FetchRequest\x1a\x14.pdserve.rpc.KVChunk0\x01\x12\x39\n\x04Push\x12\x14.pdserve.rpc.KVChunk\x1a\x19.pdserve.rpc.PushResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,11 +32,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.rpc.kv_transfer_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_FETCHREQUEST']._serialized_start=46
-  _globals['_FETCHREQUEST']._serialized_end=101
-  _globals['_KVCHUNK']._serialized_start=103
-  _globals['_KVCHUNK']._serialized_end=146
-  _globals['_PUSHRESPONSE']._serialized_start=148
-  _globals['_PUSHRESPONSE']._serialized_end=182
-  _globals['_KVTRANSFER']._serialized_start=185
-  _globals['_KVTRANSFER']._serialized_end=316
+  _globals['_FETCHREQUEST']._serialized_end=98
+  _globals['_KVCHUNK']._serialized_start=100
+  _globals['_KVCHUNK']._serialized_end=140
+  _globals['_PUSHRESPONSE']._serialized_start=142
+  _globals['_PUSHRESPONSE']._serialized_end=173
+  _globals['_KVTRANSFER']._serialized_start=176
+  _globals['_KVTRANSFER']._serialized_end=307
 # @@protoc_insertion_point(module_scope)
