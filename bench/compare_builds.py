@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         load_kwargs,
     )
     from pdserve.bench.serve_report import write_json
-    from pdserve.engine.model_catalog import resolve_model
+    from pdserve.engine.model.catalog import resolve_model
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_dataset_args(p)

@@ -240,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown or not names:
         print(f"error: --modes takes {'/'.join(DEPLOYMENTS)}, got {args.modes!r}", file=sys.stderr)
         return 2
-    from pdserve.engine.model_catalog import resolve_model
+    from pdserve.engine.model.catalog import resolve_model
 
     model = resolve_model(args.model).path
     args.model = model

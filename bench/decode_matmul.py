@@ -63,7 +63,7 @@ QUANT = OURS[1]
 def decode_weights(model) -> tuple[list[torch.Tensor], list | None]:
     """Every matmul's fp32 weight (load with ``keep_fp32``), and its quantized panels
     where every matmul has them, else None."""
-    from pdserve.engine.model import MatMul
+    from pdserve.engine.model.llama import MatMul
 
     mats = [m for m in model.modules() if isinstance(m, MatMul)]
     quant = [m.quant for m in mats]
@@ -106,17 +106,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="results/bench_decode_matmul.json")
     args = ap.parse_args(argv)
     from pdserve.bench.offline import measure_bandwidth
-    from pdserve.engine.model import load_model
+    from pdserve.engine.model.llama import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = args.model_dir
     if model_dir is not None:
-        from pdserve.engine.model_catalog import resolve_model
+        from pdserve.engine.model.catalog import resolve_model
 
         model_dir = resolve_model(model_dir).path
     else:
-        from pdserve.engine.tiny_model import make_tiny_model
+        from pdserve.engine.model.tiny import make_tiny_model
 
         model_dir = str(Path(tempfile.mkdtemp(prefix="pdserve-bench-")) / args.size)
         make_tiny_model(model_dir, variant="llama", size=args.size)

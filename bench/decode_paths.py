@@ -77,14 +77,14 @@ def _engine(model_dir: str, path: str, batch: int):
     if path.startswith("c-"):
         assert engine.runner.decode_kernel and model._kernel.step.isa == kw["kernel_isa"]
     if path in ("inductor", "eager-mkl"):  # no skinny_gemm panels: torch's own matmuls
-        from pdserve.engine.model import MatMul
+        from pdserve.engine.model.llama import MatMul
 
         for m in model.modules():
             if isinstance(m, MatMul) and m.panels is not None:
                 m.panels = None
                 m.use_transposed()
     if path == "inductor":
-        from pdserve.engine.compiled_decode import CompiledDecode
+        from pdserve.engine.model.compiled_decode import CompiledDecode
 
         model.use_compiled(CompiledDecode(model))  # rebuilt: it reads the operands it finds
     return engine
@@ -108,7 +108,7 @@ def _decode_steps(engine, prompts: list[list[int]], max_tokens: int, tag: str) -
 
 def run_case(size: str, model_dir: str, batch: int, paths: list[str], args) -> dict:
     from pdserve.bench.offline import make_prompts, measure_bandwidth, weight_read_bytes
-    from pdserve.engine.model_config import ModelConfig
+    from pdserve.engine.model.config import ModelConfig
 
     vocab = ModelConfig.from_model(model_dir).vocab_size
     prompts = make_prompts(vocab, batch, args.prompt_len, seed=batch)
@@ -173,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         p.error(f"--paths {missing} cannot run here (this CPU runs {available})")
     from pdserve.bench.peer_vllm import cpu_description
-    from pdserve.engine.model_catalog import resolve_model
-    from pdserve.engine.tiny_model import make_tiny_model
+    from pdserve.engine.model.catalog import resolve_model
+    from pdserve.engine.model.tiny import make_tiny_model
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="pdserve-paths-") as root:

@@ -69,7 +69,7 @@ def make_model(folder: Path, shape: str, dev: torch.device) -> int:
     reads of its weights."""
     from safetensors.torch import save_file
 
-    from pdserve.engine.tiny_model import make_tiny_model
+    from pdserve.engine.model.tiny import make_tiny_model
 
     s = SHAPES[shape]
     make_tiny_model(folder)  # tokenizer files; config and weights replaced below

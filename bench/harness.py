@@ -88,7 +88,7 @@ def start_embedded_ray(model: str | None, resources: dict[str, float] | None = N
     default). Call it before anything imports ray."""
     import sys
 
-    from pdserve.engine.model_catalog import resolve_model
+    from pdserve.engine.model.catalog import resolve_model
     from pdserve.router.embedded_ray import RAY_LOCAL_ONLY
     from pdserve.router.embedded_ray import start_embedded_ray as start_ray
 

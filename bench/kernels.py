@@ -189,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoModelForCausalLM
 
+    from pdserve.engine.model.tiny import make_tiny_model
     from pdserve.engine.model_runner import ModelRunner, resolve_device, resolve_dtype
-    from pdserve.engine.tiny_model import make_tiny_model
 
     tmp = None
     model_dir = args.model_dir

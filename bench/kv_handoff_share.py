@@ -16,8 +16,8 @@ LONG_CONTEXT = 32768  # the built-in model, copied with a context that fits 16k 
 def long_context_model(size: str = "tiny") -> str:
     """The built-in model (``size``: tiny, or small: 768 x 12 layers) with a context of
     LONG_CONTEXT (same weights otherwise), made once into the model cache."""
-    from pdserve.engine.model_catalog import tiny_model_dir
-    from pdserve.engine.tiny_model import make_tiny_model
+    from pdserve.engine.model.catalog import tiny_model_dir
+    from pdserve.engine.model.tiny import make_tiny_model
 
     path = tiny_model_dir().with_name(f"{size}-llama-{LONG_CONTEXT}")
     if not (path / "model.safetensors").is_file():

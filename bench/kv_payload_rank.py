@@ -99,7 +99,7 @@ class PayloadRank:
     def export(self, attempt: str, nbytes: int, kv_transport: str) -> tuple[Any, float, float]:
         """(ticket, seconds the export took, checksum of what it sent): what the engine's
         hand-off and EngineRank._export do."""
-        from pdserve.engine.kv_payload import KVPayload, write_payload
+        from pdserve.engine.kv.payload import KVPayload, write_payload
         from pdserve.rank.messages import HandoffTicket
 
         n = num_blocks_for(nbytes)
@@ -118,7 +118,7 @@ class PayloadRank:
 
     # the engine-rank methods the transports call
     def import_prefilled(self, payload, borrowed: bool = False, skip_blocks: int = 0) -> Any:
-        from pdserve.engine.kv_payload import KVPayload, KVPayloadError
+        from pdserve.engine.kv.payload import KVPayload, KVPayloadError
         from pdserve.rank.messages import ImportResult
 
         try:

@@ -52,7 +52,7 @@ ISA_FLAGS = {  # cmake's ISA options per build
 
 
 def build_dir(isa: str = "native") -> Path:
-    from pdserve.engine.model_catalog import model_cache_dir
+    from pdserve.engine.model.catalog import model_cache_dir
 
     tag = hashlib.sha256(_cpu_flags().encode()).hexdigest()[:10]
     suffix = "" if isa == "native" else f"-{isa}"

@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.model:
         models = [(Path(args.model).name, args.model)]
     else:
-        from pdserve.engine.tiny_model import make_tiny_model
+        from pdserve.engine.model.tiny import make_tiny_model
 
         root = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
         models = []

@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipped: {why}")
         return 0
     from pdserve.bench.offline import HFSide, make_prompts
-    from pdserve.engine.tiny_model import make_tiny_model
+    from pdserve.engine.model.tiny import make_tiny_model
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="pdserve-peer-") as root:

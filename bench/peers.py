@@ -240,7 +240,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.engine.model_catalog import model_cache_dir, resolve_model
+    from pdserve.engine.model.catalog import model_cache_dir, resolve_model
 
     model = resolve_model(args.model).path
     if not model.endswith(".gguf"):

@@ -163,8 +163,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.engine.model_catalog import resolve_model
-    from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.engine.model.catalog import resolve_model
+    from pdserve.engine.model.tokenizer import Tokenizer
 
     model = resolve_model(args.model).path
     text = reference_text()

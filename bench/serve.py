@@ -141,7 +141,7 @@ def model_info(args: argparse.Namespace) -> tuple[int, object]:
     tokenizer = None
     vocab = args.vocab_size
     if args.prompt_format == "text" or vocab is None:
-        from pdserve.engine.model_catalog import ModelError, resolve_model
+        from pdserve.engine.model.catalog import ModelError, resolve_model
 
         try:
             model = resolve_model(model).path
@@ -149,11 +149,11 @@ def model_info(args: argparse.Namespace) -> tuple[int, object]:
             raise SystemExit(f"error: {exc} (pass --model PATH, or --vocab-size N with "
                              "--prompt-format ids)") from None
         if vocab is None:
-            from pdserve.engine.model_config import ModelConfig
+            from pdserve.engine.model.config import ModelConfig
 
             vocab = ModelConfig.from_model(model).vocab_size
         if args.prompt_format == "text":
-            from pdserve.engine.tokenizer import Tokenizer
+            from pdserve.engine.model.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.from_model(model)
     return vocab, tokenizer
@@ -172,12 +172,12 @@ def build_requests(args: argparse.Namespace) -> list:
                                **common)
     if args.dataset_name == "chat":
         from pdserve.bench.datasets import chat_requests
-        from pdserve.engine.model_catalog import resolve_model
+        from pdserve.engine.model.catalog import resolve_model
         from pdserve.router.chat_template import ChatTemplate
 
         template = ChatTemplate.from_model_dir(resolve_model(args.model).path)
         if tokenizer is None:
-            from pdserve.engine.tokenizer import Tokenizer
+            from pdserve.engine.model.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.from_model(resolve_model(args.model).path)
         return chat_requests(args.num_prompts, args.random_output_len, chat_template=template,

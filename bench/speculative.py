@@ -425,7 +425,7 @@ def vllm_side(python: str, folder: Path, spec: bool, workloads: dict,
 
 def run_vllm(args: argparse.Namespace, workloads: dict) -> dict:
     """vLLM-CPU ngram off then on (one pair), or why it did not run."""
-    from pdserve.engine.model_catalog import model_cache_dir, resolve_model
+    from pdserve.engine.model.catalog import model_cache_dir, resolve_model
 
     python = (args.vllm_python or os.environ.get("PDSERVE_VLLM_PYTHON")
               or str(model_cache_dir() / "vllm-venv" / "bin" / "python"))

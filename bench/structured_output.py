@@ -69,8 +69,8 @@ def _percentile(values: list[float], q: float) -> float:
 def compile_times(model: str, repeats: int) -> dict:
     """ms to compile each schema for the model's tokenizer, a fresh compiler each time
     (so nothing is cached), as GrammarBook compiles it on a rank."""
-    from pdserve.engine.guided_decoding import GrammarBook
-    from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.engine.guided.grammar import GrammarBook
+    from pdserve.engine.model.tokenizer import Tokenizer
     from pdserve.scheduler.sampling_params import Guide
 
     tokenizer = Tokenizer.from_model(model)

@@ -96,7 +96,7 @@ class EngineSettings(SchedulerPolicy):
     # Which build of the C kernels runs (kernels/cbuild.py): auto (the widest vectors
     # the CPU reports), avx512, avx2 or generic; one the CPU cannot run is refused.
     kernel_isa: str = "auto"
-    # The weights the C decode step reads (engine/quantized_weights.py): "auto" a GGUF
+    # The weights the C decode step reads (engine/model/quantized_weights.py): "auto" a GGUF
     # file's Q8_0 / Q4_0 / Q4_1 matmuls as the file holds them (int8 values or nibbles, a
     # scale and offset per 32), other weights fp32; "int8" also every other matmul,
     # quantized at load (symmetric, per 32 of a row; every path then computes with the
@@ -116,7 +116,7 @@ class EngineSettings(SchedulerPolicy):
     # scatter; kernels/kv_copy.c): one core's copy is bound by the misses it keeps in
     # flight, and two measured ~1.8x one here. A short burst while the engine waits.
     kv_copy_threads: int = DEFAULT_KV_COPY_THREADS
-    # Speculative decoding on the ranks that decode (engine/speculation.py): "ngram"
+    # Speculative decoding on the ranks that decode (engine/speculative/decoding.py): "ngram"
     # drafts by prompt lookup over each request's own history; a draft's size follows
     # the request's acceptance and the measured step costs, up to
     # num_speculative_tokens, and none is used where it would not pay.

@@ -33,19 +33,19 @@ from typing import Any
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.errors import CacheMissError, NoCapacityError
-from pdserve.engine.guided_requests import GuidedRequests
-from pdserve.engine.kv_export import KVExport, handoff_groups, new_payload_buffer
-from pdserve.engine.kv_payload import KVPayload, KVPayloadError, dtype_name
+from pdserve.engine.guided.requests import GuidedRequests
+from pdserve.engine.kv.export import KVExport, handoff_groups, new_payload_buffer
+from pdserve.engine.kv.partial_imports import PartialImports
+from pdserve.engine.kv.payload import KVPayload, KVPayloadError, dtype_name
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import EngineStats, HandOff, KVCapacity, RequestOutput, StepOutputs
-from pdserve.engine.partial_imports import PartialImports
 from pdserve.engine.request_outputs import (
     engine_stats,
     kv_capacity,
     request_outputs,
     split_fork_draws,
 )
-from pdserve.engine.speculation import make_speculator
+from pdserve.engine.speculative.decoding import make_speculator
 from pdserve.engine.step_inputs import runner_rows
 from pdserve.scheduler.block_pool import AllocStatus
 from pdserve.scheduler.config import EngineType
@@ -99,7 +99,7 @@ class LLMEngine:
         self._export = KVExport(self.runner, config.block_size)  # PROMPT
         self._partial = PartialImports(self.scheduler, self.runner.kv_cache,  # COMPLETION
                                        config.block_size)
-        # structured output and the other logits controls (engine/guided_requests.py)
+        # structured output and the other logits controls (engine/guided/requests.py)
         self.guided = GuidedRequests(self.tokenizer, self.runner.vocab_size)
         self.scheduler.token_check = self.guided.accept
         self.speculator = make_speculator(config, self.runner, self.max_model_len)

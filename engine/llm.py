@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.model_catalog import resolve_model
+from pdserve.engine.model.catalog import resolve_model
 from pdserve.engine.outputs import RequestOutput, TokenLogprobs
 from pdserve.scheduler.sampling_params import SamplingParams
 

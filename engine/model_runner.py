@@ -43,10 +43,10 @@ from pdserve.engine.config import (
     state_slots_for,
 )
 from pdserve.engine.logits_controls import apply_controls
-from pdserve.engine.model import load_model
+from pdserve.engine.model.llama import load_model
+from pdserve.engine.model.weights import file_digest, weight_files
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.step_inputs import RunnerRow
-from pdserve.engine.weights import file_digest, weight_files
 from pdserve.kernels import cbuild
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.sampling import greedy
@@ -111,7 +111,7 @@ class ModelRunner:
         # dense blocks when asked), see CausalLM.forward_decode.
         self.model.use_decode_kernel(decode_kernel)
         if compile:
-            from pdserve.engine.compiled_decode import CompiledDecode  # torch.compile: opt-in
+            from pdserve.engine.model.compiled_decode import CompiledDecode  # torch.compile: opt-in
 
             self.model.use_compiled(CompiledDecode(self.model))
         cfg = self.config
@@ -164,9 +164,9 @@ class ModelRunner:
     # ---- identity ------------------------------------------------------------
     @property
     def tokenizer(self):
-        """The folder's tokenizer (``pdserve.engine.tokenizer.Tokenizer``), loaded on first use."""
+        """The folder's tokenizer (``pdserve.engine.model.tokenizer.Tokenizer``), loaded on first use."""
         if self._tokenizer is None:
-            from pdserve.engine.tokenizer import Tokenizer
+            from pdserve.engine.model.tokenizer import Tokenizer
 
             self._tokenizer = Tokenizer.from_model(self.model_dir)
         return self._tokenizer

@@ -57,7 +57,7 @@ def runner_rows(scheduled: list[ScheduledSequence],
 
     A decode row with a draft (speculative decoding) becomes 1 + draft_len rows of one
     position each, sharing its block table: its last token, then each drafted token, at
-    their positions, each sampling the token after it (engine/speculation.py)."""
+    their positions, each sampling the token after it (engine/speculative/decoding.py)."""
     rows: list[RunnerRow] = []
     spans: list[tuple[int, int]] | None = None
     for n, row in enumerate(scheduled):

@@ -7,7 +7,7 @@
 
 A weight is ``w = scale * q + offset`` per row and block of ``block_k`` consecutive k:
 what a GGUF file's Q8_0 (offset 0), Q4_0 (q - 8, offset 0) and Q4_1 (q in 0..15, offset
-its block's min) blocks hold (``engine/gguf_file.py`` reads them without dequantizing).
+its block's min) blocks hold (``engine/model/gguf_file.py`` reads them without dequantizing).
 ``QuantPanels`` lays a weight out as one stream of records (``skinny_block.h`` says why):
 pair of 16-column panels by pair, block by block, panel by panel, each record 16
 scales, 16 offsets (when there are any) and the block's values for the panel's 16

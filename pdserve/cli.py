@@ -52,7 +52,7 @@ def _add_make_tiny_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_make_tiny_model(args: argparse.Namespace) -> int:
-    from pdserve.engine.tiny_model import make_tiny_model
+    from pdserve.engine.model.tiny import make_tiny_model
 
     out = make_tiny_model(args.dir, variant=args.variant, size=args.size)
     print(f"wrote {args.variant}/{args.size} model to {out}")

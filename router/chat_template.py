@@ -67,7 +67,7 @@ class ChatTemplate:
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> ChatTemplate | None:
         """The chat template of a model folder or GGUF file, or None when it has none."""
-        from pdserve.engine.gguf_file import GGUFModel, find_gguf
+        from pdserve.engine.model.gguf_file import GGUFModel, find_gguf
 
         gguf_path = find_gguf(model_dir)
         if gguf_path is not None:

@@ -16,8 +16,8 @@ import math
 
 import grpc
 
-from pdserve.engine.guided_decoding import MAX_CHOICES as MAX_GUIDE_CHOICES
-from pdserve.engine.guided_decoding import check_guide
+from pdserve.engine.guided.grammar import MAX_CHOICES as MAX_GUIDE_CHOICES
+from pdserve.engine.guided.grammar import check_guide
 from pdserve.router.request_error import RequestError, invalid
 from pdserve.router.schema_audit import unenforced
 from pdserve.scheduler.sampling_params import (

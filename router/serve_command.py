@@ -18,7 +18,7 @@ from pdserve.engine.config import (
     QUANTIZATIONS,
     SPECULATIVE_METHODS,
 )
-from pdserve.engine.model_catalog import DEFAULT_MODEL, resolve_model
+from pdserve.engine.model.catalog import DEFAULT_MODEL, resolve_model
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50051

@@ -166,7 +166,7 @@ class RouterService:
     # -- start / stop ----------------------------------------------------------------
 
     async def start(self) -> None:
-        from pdserve.engine.tokenizer import Tokenizer  # tokenizers only; no torch
+        from pdserve.engine.model.tokenizer import Tokenizer  # tokenizers only; no torch
         from pdserve.router.chat_template import ChatTemplate
 
         self.tokenizer = Tokenizer.from_model(self.config.model_dir)

@@ -34,7 +34,7 @@ class TextOutput:
     _detok: object = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        from pdserve.engine.tokenizer import IncrementalDetokenizer  # tokenizers only
+        from pdserve.engine.model.tokenizer import IncrementalDetokenizer  # tokenizers only
 
         self._detok = IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids)
         self._hold = max((len(s) for s in self.stop), default=1) - 1

@@ -22,7 +22,7 @@ class Guide:
     json: a JSON schema (text); json_object: any JSON object (spec empty); regex: a
     regular expression; grammar: an EBNF grammar (xgrammar's / GBNF syntax, rule
     ``root``); choice: a JSON list of the allowed strings. Plain data: the grammar
-    engine (engine/guided_decoding.py) compiles it where tokens are sampled."""
+    engine (engine/guided/grammar.py) compiles it where tokens are sampled."""
 
     kind: str
     spec: str = ""

@@ -221,8 +221,8 @@ def _check_variant(variant: str, folder: str, dev: torch.device, summary: dict) 
     ``summary``); whether both held."""
     from transformers import AutoModelForCausalLM
 
+    from pdserve.engine.model.tiny import make_tiny_model
     from pdserve.engine.model_runner import ModelRunner, RunnerRow
-    from pdserve.engine.tiny_model import make_tiny_model
 
     path = make_tiny_model(Path(folder) / variant, variant)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(dev).eval()

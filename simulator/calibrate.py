@@ -25,7 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
-from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.model.config import ModelConfig
 from pdserve.simulator.cost_model import (
     BUILTIN_PATH,
     CostModel,
@@ -174,7 +174,7 @@ def fit_timeline(path: str | Path, base: CostModel) -> CostModel:
 
 
 def main() -> None:
-    from pdserve.engine.model_catalog import resolve_model
+    from pdserve.engine.model.catalog import resolve_model
 
     model_dir = resolve_model("tiny").path  # the fitted costs are the tiny model's
     t0 = time.time()

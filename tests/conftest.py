@@ -46,7 +46,7 @@ def ray_session():
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from pdserve.engine.tiny_model import make_tiny_model
+    from pdserve.engine.model.tiny import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
 
@@ -76,7 +76,7 @@ CHAT_QUESTIONS = [
 @pytest.fixture(scope="session")
 def real_model_path() -> str:
     """The default model's GGUF file (from its registry package; `make setup` installs it)."""
-    from pdserve.engine.model_catalog import DEFAULT_MODEL, packaged_model_path
+    from pdserve.engine.model.catalog import DEFAULT_MODEL, packaged_model_path
 
     return str(packaged_model_path(DEFAULT_MODEL))
 
@@ -89,7 +89,7 @@ def chat_questions() -> list[str]:
 @pytest.fixture(scope="session")
 def real_chat_prompts(real_model_path) -> list[list[int]]:
     """CHAT_QUESTIONS rendered by the model's chat template, as token ids."""
-    from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.engine.model.tokenizer import Tokenizer
     from pdserve.router.chat_template import ChatTemplate
 
     template = ChatTemplate.from_model_dir(real_model_path)

@@ -29,7 +29,8 @@ def test_contracts_hold(lint, tmp_path):
     rc, out = _run(lint, lint.link_tree(tmp_path / "tree"))
     assert rc == 0, out
     assert "0 broken" in out, out
-    for name in ("layers", "no product module imports pdserve.bench", "import no torch"):
+    for name in ("layers", "no product module imports pdserve.bench", "import no torch",
+                 "engine's areas", "the model"):
         assert name in out, out
 
 
@@ -45,22 +46,28 @@ def test_contracts_hold(lint, tmp_path):
      "no product module imports pdserve.bench"),
     # the router's process loading torch
     ("router", "import torch\n", "import no torch"),
+    # one area of the engine reaching into another (KV hand-off code using speculation)
+    ("engine/kv", "from pdserve.engine.speculative import decoding\n", "engine's areas"),
+    # the model reaching up into the step loop
+    ("engine/model", "from pdserve.engine import model_runner\n", "the model"),
 ])
 def test_a_wrong_way_import_is_caught(lint, tmp_path, part, source, contract):
     tree = lint.link_tree(tmp_path / "tree")
-    link = tree / "pdserve" / part
+    top, _, sub = part.partition("/")
+    link = tree / "pdserve" / top
     real = link.resolve()
     link.unlink()
     shutil.copytree(real, link, ignore=shutil.ignore_patterns("__pycache__"))
-    (link / "_wrong_way.py").write_text(f'"""Imports the wrong way (a test)."""\n\n{source}')
+    wrong = link / sub / "_wrong_way.py"
+    wrong.write_text(f'"""Imports the wrong way (a test)."""\n\n{source}')
 
     rc, out = _run(lint, tree)
     assert rc == 1, out
     broken = [line for line in out.splitlines() if line.endswith(" BROKEN")]
     assert any(contract in line for line in broken), out
-    assert f"pdserve.{part}._wrong_way" in out, out
+    assert f"pdserve.{part.replace('/', '.')}._wrong_way" in out, out
 
     # The same copy without that module keeps every contract.
-    (link / "_wrong_way.py").unlink()
+    wrong.unlink()
     rc, out = _run(lint, tree)
     assert rc == 0, out

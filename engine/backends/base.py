@@ -11,7 +11,7 @@ A backend is a metadata builder plus a per-layer forward (vLLM v1's split):
   as the device runs them best;
 - ``run(model, rows, want)``: the step's logits (a decode step may replay a graph).
 
-The model (``engine/model.py``) calls only these; it holds no device tests. The CPU
+The model (``engine/model/llama.py``) calls only these; it holds no device tests. The CPU
 backend (``cpu/``) keeps the C decode step, the contiguous decode K/V and the thread
 tuner; the GPU backend (``gpu/``) reads pages in place with Triton kernels, fuses the
 small ops and replays decode steps from CUDA graphs.

@@ -2,7 +2,7 @@
 rotary embedding in place, SiLU times the up-projection, and the KV cache write.
 
 Each computes what its torch reference computes (``kernels/norms.py``,
-``kernels/rope.py``, ``engine/model.py``'s MLP, ``kernels/attention.write_blocks_kv``),
+``kernels/rope.py``, ``engine/model/llama.py``'s MLP, ``kernels/attention.write_blocks_kv``),
 in fp32 registers with one rounding to the tensor's dtype where the reference rounds
 each op (bf16: at most a unit in the last place apart; tests hold each to its
 reference). One launch instead of the reference's 4-8: a decode step at batch 1 is

@@ -359,7 +359,7 @@ def tensor_without_prefix(data: Any, num_blocks: int) -> Any:
     sliding-window ring) goes whole: the receiver then finds no blocks skipped."""
     import torch
 
-    from pdserve.engine.kv_payload import KVPayload, KVPayloadError
+    from pdserve.engine.kv.payload import KVPayload, KVPayloadError
 
     try:
         payload = KVPayload.from_tensor(data).without_prefix(num_blocks)

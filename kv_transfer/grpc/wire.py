@@ -194,9 +194,9 @@ class PayloadRefused(Exception):
 def peek_header(head: bytes | bytearray) -> tuple[str, int] | None:
     """(attempt the payload names, its whole size) once ``head`` holds the payload's
     whole header; None while it does not yet. ``PayloadRefused`` if it is no KV payload."""
-    # The payload format's own parser and bounds (engine/kv_payload.py); imported here,
+    # The payload format's own parser and bounds (engine/kv/payload.py); imported here,
     # not at module import: the router process never needs torch.
-    from pdserve.engine.kv_payload import _PREFIX, MAGIC, MAX_HEADER_BYTES, VERSION, _unpack_header
+    from pdserve.engine.kv.payload import _PREFIX, MAGIC, MAX_HEADER_BYTES, VERSION, _unpack_header
 
     if len(head) < _PREFIX.size:
         return None

@@ -9,7 +9,7 @@ def test_decode_matmul_bench_times_every_layout_on_the_models_weights(tiny_model
     import torch
 
     from pdserve.bench.decode_matmul import decode_weights, main
-    from pdserve.engine.model import load_model
+    from pdserve.engine.model.llama import load_model
     from pdserve.kernels import skinny_gemm
 
     out = tmp_path / "dm.json"

@@ -9,7 +9,7 @@ import torch
 
 def test_prefill_flops_count_the_trimmed_last_layer(tiny_model_dir):
     from pdserve.bench.offline import _prefill_matmul_flops
-    from pdserve.engine.model import load_model
+    from pdserve.engine.model.llama import load_model
 
     cfg, model = load_model(tiny_model_dir)
     h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size

@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.bench import llama_cpp, peers
 from pdserve.bench.datasets import chat_requests
-from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.model.tokenizer import Tokenizer
 from pdserve.router.chat_template import ChatTemplate
 
 

@@ -99,7 +99,7 @@ def _alive(pids):
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    from pdserve.engine.tiny_model import make_tiny_model
+    from pdserve.engine.model.tiny import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
 

@@ -7,7 +7,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):
-    from pdserve.engine.tiny_model import make_tiny_model
+    from pdserve.engine.model.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("engine-models")
     return {variant: str(make_tiny_model(root / variant, variant=variant))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.draft_model import DraftModelProposer
+from pdserve.engine.speculative.draft_model import DraftModelProposer
 
 PROMPTS = [f"draft {i}: the cat sat on the mat, and then the" for i in range(4)]
 

@@ -14,7 +14,7 @@ import pytest
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.kv_payload import KVPayload
+from pdserve.engine.kv.payload import KVPayload
 from pdserve.scheduler.sampling_params import SamplingParams
 
 PROMPT = [1, 327, 399, 81, 10, 90, 320, 55, 7, 1234, 77]  # 11 tokens: a partial last block

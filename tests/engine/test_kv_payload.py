@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pdserve.engine.kv_payload import KVPayload, KVPayloadError
+from pdserve.engine.kv.payload import KVPayload, KVPayloadError
 
 
 def make_payload(dtype=torch.float32) -> KVPayload:

@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from pdserve.engine.kv_payload import (
+from pdserve.engine.kv.payload import (
     MAX_HEADER_BYTES,
     MAX_TOKEN_IDS,
     VERSION,
@@ -353,7 +353,7 @@ def random_mutations(count: int, seed: int = 0) -> list[bytes]:
 # the interpreter here (CPython 3.11).
 _MEASURE_PEAKS = """
 import json, pickle, sys, tracemalloc
-from pdserve.engine.kv_payload import KVPayload, KVPayloadError
+from pdserve.engine.kv.payload import KVPayload, KVPayloadError
 with open(sys.argv[1], "rb") as f:
     inputs = pickle.load(f)
 tracemalloc.start()
@@ -406,7 +406,7 @@ class _NoNumpy:
 
 
 def test_token_ids_are_sized_before_anything_is_converted(monkeypatch):
-    from pdserve.engine import kv_payload
+    from pdserve.engine.kv import payload as kv_payload
 
     monkeypatch.setattr(kv_payload, "MAX_TOKEN_IDS", 4)
     assert KVPayload.from_bytes(small_payload([1, 2, 3, 4]).to_bytes()).token_ids == [1, 2, 3, 4]

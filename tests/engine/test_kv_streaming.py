@@ -7,7 +7,7 @@ import pytest
 from pdserve.engine import engine as engine_module
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import CacheMissError, LLMEngine, NoCapacityError
-from pdserve.engine.kv_payload import KVPayload, KVPayloadError
+from pdserve.engine.kv.payload import KVPayload, KVPayloadError
 from pdserve.scheduler.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

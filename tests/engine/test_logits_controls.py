@@ -55,7 +55,7 @@ def test_prior_output_tokens_move_the_answer_start():
     """A moved request's answer so far sits at the end of its prompt: the penalties
     count it as the answer, as they did before the move."""
     sp = SamplingParams(frequency_penalty=1.0, prior_output_tokens=2)
-    from pdserve.engine.guided_requests import answer_start
+    from pdserve.engine.guided.requests import answer_start
     from pdserve.scheduler.sequence import Sequence
 
     seq = Sequence("r", [5, 6, 2, 2], sp)  # original prompt [5, 6], answer [2, 2]

@@ -98,7 +98,7 @@ def test_a_decode_rank_holding_the_prefix_imports_only_the_rest(model_dirs, hf_g
     decodes to transformers' tokens. A prefix the cache lost is refused (CacheMissError)
     with nothing taken."""
     from pdserve.engine.engine import CacheMissError
-    from pdserve.engine.kv_payload import KVPayload
+    from pdserve.engine.kv.payload import KVPayload
 
     model_dir = model_dirs["llama"]
     # 71 shared tokens: 4 full blocks (a seed whose greedy outputs hold no EOS, which

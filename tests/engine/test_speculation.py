@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.speculation import (
+from pdserve.engine.speculative.decoding import (
     PROBE_EVERY,
     NgramProposer,
     Speculator,

@@ -12,9 +12,9 @@ import torch
 
 from pdserve.engine.backends.gpu.graphs import graph_sizes
 from pdserve.engine.backends.gpu.inputs import Layout, fill
+from pdserve.engine.model.tiny import make_tiny_model
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.step_inputs import RunnerRow
-from pdserve.engine.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral-swa"])

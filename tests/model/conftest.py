@@ -13,8 +13,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from pdserve.engine.model.tiny import make_tiny_model  # noqa: E402
 from pdserve.engine.model_runner import RunnerRow  # noqa: E402
-from pdserve.engine.tiny_model import make_tiny_model  # noqa: E402
 from pdserve.scheduler.sampling_params import SamplingParams  # noqa: E402
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.model import MatMul
+from pdserve.engine.model.llama import MatMul
 from pdserve.engine.model_runner import ModelRunner, RunnerRow
 from pdserve.kernels import cbuild
 from pdserve.kernels.sampling import sample
@@ -60,7 +60,7 @@ def test_matmul_decode_layouts_by_rule_all_equal_linear(features, monkeypatch):
     naming what is missing, without it); "no skinny_gemm" turns the kernel off
     (``skinny_gemm.available``, the check MatMul makes, answers False as it does
     without a compiler), so one machine checks both rules."""
-    from pdserve.engine.model import _onednn_packing_available, linear
+    from pdserve.engine.model.llama import _onednn_packing_available, linear
     from pdserve.kernels import skinny_gemm
 
     with_kernel = features == "skinny_gemm built"
@@ -217,7 +217,7 @@ def test_greedy_fast_path_equals_general_sampler(tiny_dirs):
 
 
 def test_thread_tuner_tries_both_then_keeps_the_faster_and_explores():
-    from pdserve.engine.thread_tuner import ThreadTuner
+    from pdserve.engine.backends.cpu.thread_tuner import ThreadTuner
 
     tuner = ThreadTuner(explore=4)
     key = ("decode", 5)
@@ -241,7 +241,7 @@ def test_thread_tuner_restores_the_callers_thread_count(tiny_dirs):
 
 def test_thread_tuner_runs_prefill_steps_on_every_thread(monkeypatch):
     """A prefill step is never an exploratory 1-thread try (one costs seconds)."""
-    from pdserve.engine.thread_tuner import ThreadTuner
+    from pdserve.engine.backends.cpu.thread_tuner import ThreadTuner
 
     seen = []
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
@@ -341,7 +341,7 @@ def test_skinny_gemm_builds_into_the_cache_and_falls_back_without_a_compiler(tmp
     from pdserve.kernels import skinny_gemm
 
     probe = ("import torch; from pdserve.kernels import skinny_gemm as s, decode_step as d; "
-             "from pdserve.engine.model import MatMul; w = torch.randn(64, 32); "
+             "from pdserve.engine.model.llama import MatMul; w = torch.randn(64, 32); "
              "x = torch.randn(3, 32); m = MatMul(w, None); "
              "assert (m(x) - x @ w.T).abs().max() < 1e-4; "
              "print(s.available(), m.panels is not None, d.available())")

@@ -17,10 +17,10 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from pdserve.engine.gguf_file import GGUFModel, find_gguf  # noqa: E402
-from pdserve.engine.model_catalog import ModelError, check_model, resolve_model  # noqa: E402
+from pdserve.engine.model.catalog import ModelError, check_model, resolve_model  # noqa: E402
+from pdserve.engine.model.gguf_file import GGUFModel, find_gguf  # noqa: E402
+from pdserve.engine.model.tokenizer import Tokenizer  # noqa: E402
 from pdserve.engine.model_runner import ModelRunner, RunnerRow  # noqa: E402
-from pdserve.engine.tokenizer import Tokenizer  # noqa: E402
 
 QUANTIZED = "model.layers.1.mlp.up_proj.weight"  # stored as Q8_0
 
@@ -124,7 +124,7 @@ def _logits(model: str | Path, ids: list[int]) -> torch.Tensor:
 
 
 def test_gguf_config_matches_the_folder(tiny_model_dir, tiny_gguf):
-    from pdserve.engine.model_config import ModelConfig
+    from pdserve.engine.model.config import ModelConfig
 
     ours, theirs = ModelConfig.from_model(tiny_gguf), ModelConfig.from_dir(tiny_model_dir)
     for field in ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -190,7 +190,7 @@ def test_tensor_type_it_cannot_dequantize_is_refused_by_name(tiny_model_dir, tmp
 
 
 def test_missing_tensor_is_named(tiny_model_dir, tmp_path):
-    from pdserve.engine.weights import WeightsError
+    from pdserve.engine.model.weights import WeightsError
 
     path = write_gguf(Path(tiny_model_dir), tmp_path / "hole.gguf",
                       drop=("model.layers.0.mlp.up_proj.weight",))

@@ -155,7 +155,7 @@ def test_the_setting_picks_int8_rows_per_weight(real_model_path, tiny_model_dir,
     """auto: int8 rows for a GGUF file's blocks (the file's author chose quantization)
     but the attention's q|k|v, fp32 for a float checkpoint's weights quantized at load;
     int8: all; fp32: none."""
-    from pdserve.engine.model import load_model
+    from pdserve.engine.model.llama import load_model
 
     _, gguf = load_model(real_model_path, activations=precision)
     _, folder = load_model(tiny_model_dir, quantization="int8", activations=precision)
@@ -203,7 +203,7 @@ def test_int8_perplexity_stays_near_fp32_activations(runners, real_model_path):
     stream's path (one decode step a token over one chunk's scored half: a single
     chunk's figure moves more than four's) within 1% of fp32's forward pass."""
     from pdserve.bench import perplexity as ppl
-    from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.engine.model.tokenizer import Tokenizer
 
     ids = Tokenizer.from_model(real_model_path).encode(ppl.reference_text(),
                                                        add_special_tokens=False)

@@ -12,12 +12,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pdserve.cli import main as cli_main
-from pdserve.engine.model import CausalLM
-from pdserve.engine.model_config import ModelConfig, ModelConfigError
+from pdserve.engine.model.config import ModelConfig, ModelConfigError
+from pdserve.engine.model.llama import CausalLM
+from pdserve.engine.model.tiny import model_config
+from pdserve.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.engine.model.weights import WeightsError
 from pdserve.engine.model_runner import ModelRunner, RunnerRow
-from pdserve.engine.tiny_model import model_config
-from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from pdserve.engine.weights import WeightsError
 
 
 def _digests(d):

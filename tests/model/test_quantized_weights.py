@@ -1,4 +1,4 @@
-"""Quantized weights computed in place (kernels/quant_panels.py, engine/quantized_weights.py):
+"""Quantized weights computed in place (kernels/quant_panels.py, engine/model/quantized_weights.py):
 the int8 matmul against the dequantized weight on every ISA build this CPU runs, a GGUF
 file's blocks read without dequantizing equal to its dequantized tensors bit for bit, and
 the real model's decode steps on its Q4_1 / Q8_0 blocks against the same steps on the
@@ -47,7 +47,7 @@ def test_bf16_matmul_equals_the_rounded_weight(isa):
     """bf16 values (``round_bf16``: unit scales per 64 here, K = 576) through the one-row,
     few-rows and 8-row kernels: the products of the bf16 weights, to fp32 rounding; the
     records unpack to the very bf16 values."""
-    from pdserve.engine.quantized_weights import round_bf16
+    from pdserve.engine.model.quantized_weights import round_bf16
 
     w = torch.randn(200, 576, generator=torch.Generator().manual_seed(16))
     rows = round_bf16(w)
@@ -128,7 +128,7 @@ def test_quant_rows_check_their_shapes():
 
 def test_gguf_blocks_read_in_place_equal_the_dequantized_tensor(real_model_path):
     """Q4_1 (with llama.cpp's Q/K row order undone) and Q8_0 (the tied embedding)."""
-    from pdserve.engine.gguf_file import GGUFModel
+    from pdserve.engine.model.gguf_file import GGUFModel
 
     g = GGUFModel.open(real_model_path)
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
@@ -161,7 +161,7 @@ def test_each_block_type_reads_back_bit_for_bit(tmp_path, qtype):
     for bit, and the C matmul on them equals the dequantized weight."""
     import gguf
 
-    from pdserve.engine.gguf_file import GGUFModel
+    from pdserve.engine.model.gguf_file import GGUFModel
 
     n, k = 64, 512 if qtype.endswith("_K") else 96
     x = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)
@@ -196,7 +196,7 @@ def test_quantized_decode_steps_match_the_fp32_weights(real_model_path, real_cha
     on the dequantized fp32 weights (``quantization="none"``): the same weights, so
     logits differ only by rounding, and greedy tokens are equal wherever fp32's top two
     are not a near tie."""
-    from pdserve.engine.model import MatMul
+    from pdserve.engine.model.llama import MatMul
     from pdserve.engine.model_runner import ModelRunner, RunnerRow
 
     def runner(quantization):
@@ -258,9 +258,9 @@ def test_a_quantized_model_holds_each_weight_once_at_its_quantized_size(real_mod
     tied embedding reads the LM head's: no fp32 copy of a quantized matmul is left, and a
     long prompt (past the decode kernels' 128 rows) gives the fp32 weights' logits to
     rounding. A compiled decode graph multiplies fp32 weights, so ``compile`` keeps them."""
-    from pdserve.engine.model import MatMul, load_model
+    from pdserve.engine.model.llama import MatMul, load_model
+    from pdserve.engine.model.quantized_weights import QuantEmbedding
     from pdserve.engine.model_runner import ModelRunner, RunnerRow
-    from pdserve.engine.quantized_weights import QuantEmbedding
 
     def runner(quantization):
         return ModelRunner(real_model_path, block_size=16, num_kv_blocks=24, num_state_slots=2,
@@ -291,7 +291,7 @@ def test_a_quantized_model_holds_each_weight_once_at_its_quantized_size(real_mod
 
 
 def test_int8_quantization_rounds_each_block_to_its_nearest_step():
-    from pdserve.engine.quantized_weights import quantize_int8
+    from pdserve.engine.model.quantized_weights import quantize_int8
 
     w = torch.randn(64, 96, generator=torch.Generator().manual_seed(5))
     w[3, :32] = 0.0  # an all-zero block
@@ -308,7 +308,7 @@ def test_int8_for_a_folder_model_is_one_set_of_weights_on_every_path(tiny_model_
     """--quantization int8 on a Hugging Face folder: every matmul quantized at load, its
     fp32 weight dropped; the decode kernel and the torch path (attention in torch, the
     matmuls on the same int8 panels) agree to rounding; "none" keeps fp32."""
-    from pdserve.engine.model import MatMul
+    from pdserve.engine.model.llama import MatMul
     from pdserve.engine.model_runner import ModelRunner, RunnerRow
 
     def runner(quantization):
@@ -344,7 +344,7 @@ def test_bf16_holds_a_folder_models_matmuls_at_half_their_bytes_exactly_rounded(
 
     from safetensors.torch import load_file, save_file
 
-    from pdserve.engine.model import MatMul
+    from pdserve.engine.model.llama import MatMul
     from pdserve.engine.model_runner import ModelRunner, RunnerRow
 
     rounded = tmp_path / "bf16-values"
@@ -391,7 +391,7 @@ def test_perplexity_through_the_quantized_decode_step_is_the_fp32_figure(real_mo
     fp32: the issue's bound is 0.2%; the same weights differ only by rounding, so the
     figures agree far closer."""
     from pdserve.bench import perplexity as ppl
-    from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.engine.model.tokenizer import Tokenizer
 
     ids = Tokenizer.from_model(real_model_path).encode(ppl.reference_text()[:4000],
                                                        add_special_tokens=False)

@@ -102,7 +102,7 @@ def test_forks_give_the_greedy_tokens(real_model_path, real_chat_prompts, normal
 
 def test_perplexity_within_half_a_percent_of_transformers(real_model_path, hf_real_model):
     from pdserve.bench import perplexity
-    from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.engine.model.tokenizer import Tokenizer
 
     ids = Tokenizer.from_model(real_model_path).encode(perplexity.reference_text(),
                                                        add_special_tokens=False)

@@ -391,7 +391,7 @@ def test_bad_template_kwargs(tiny_model_dir, tmp_path):
 # ---- the built-in model -------------------------------------------------------------------
 
 def test_builtin_model_has_a_template(transformers, tiny_model_dir):
-    from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.engine.model.tokenizer import Tokenizer
 
     ours = ChatTemplate.from_model_dir(tiny_model_dir)
     assert ours is not None
@@ -419,7 +419,7 @@ def _digests(d: Path) -> dict[str, str]:
 
 
 def test_cached_builtin_model_gets_the_template(tiny_model_dir, tmp_path, monkeypatch):
-    from pdserve.engine.model_catalog import ensure_tiny_model
+    from pdserve.engine.model.catalog import ensure_tiny_model
 
     fresh = _digests(Path(tiny_model_dir))
     cached = tmp_path / "cache" / "tiny-llama"
@@ -438,7 +438,7 @@ def test_cached_builtin_model_gets_the_template(tiny_model_dir, tmp_path, monkey
 
 def test_template_without_a_folder_renders_like_the_folder(tiny_model_dir):
     """The GGUF path: a template string and special tokens, no tokenizer files."""
-    from pdserve.engine.tiny_model import CHAT_TEMPLATE
+    from pdserve.engine.model.tiny import CHAT_TEMPLATE
 
     msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
     ours = ChatTemplate(CHAT_TEMPLATE, {"bos_token": "<s>", "eos_token": "</s>"}, "gguf")
@@ -472,7 +472,7 @@ def _python(code: str) -> list[str]:
 
 
 def test_imports_no_torch():
-    assert _python("import sys; import pdserve.router.chat_template, pdserve.engine.tiny_model; "
+    assert _python("import sys; import pdserve.router.chat_template, pdserve.engine.model.tiny; "
                    "print('torch' in sys.modules)") == ["False"]
 
 

@@ -19,7 +19,7 @@ import pytest
 import ray
 import torch
 
-from pdserve.engine.kv_payload import KVPayload, KVPayloadError
+from pdserve.engine.kv.payload import KVPayload, KVPayloadError
 from pdserve.engine.rank_pool import DeadRank, RankPool
 from pdserve.kv_transfer.device.calls import DropPair, JoinPair, OpenPair
 from pdserve.kv_transfer.device.endpoint import DeviceEndpoint, pair_backend, tensor_without_prefix

@@ -181,7 +181,7 @@ def test_failure_kind_is_explicit_and_plain():
 def test_refused_import_kind_comes_from_the_exception_type():
     from pdserve.decode_worker.actor import refused_kind as _refused_kind
     from pdserve.engine.engine import CacheMissError, NoCapacityError
-    from pdserve.engine.kv_payload import KVPayloadError
+    from pdserve.engine.kv.payload import KVPayloadError
 
     class Capacityish(ValueError):  # a name is no longer read
         pass

@@ -15,7 +15,7 @@ import grpc
 import msgpack
 import pytest
 
-from pdserve.engine.kv_payload import VERSION
+from pdserve.engine.kv.payload import VERSION
 from pdserve.kv_transfer import make_transport
 from pdserve.kv_transfer.base import KVSecret
 from pdserve.kv_transfer.grpc.endpoint import GrpcEndpoint
@@ -39,7 +39,7 @@ STREAM_TIMEOUT_S = 3.0
 
 
 def fake_payload(attempt: str, tensor_bytes: int = 256) -> bytes:
-    """A KV payload's framing (engine/kv_payload.py) with just the fields the endpoint
+    """A KV payload's framing (engine/kv/payload.py) with just the fields the endpoint
     reads before it hands the bytes on: the attempt and the size."""
     header = msgpack.packb({"attempt": attempt, "tensor_bytes": tensor_bytes},
                            use_bin_type=True)

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from pdserve.engine.kv_payload import ALIGN, KVPayload
+from pdserve.engine.kv.payload import ALIGN, KVPayload
 from pdserve.kv_transfer.ray.shared_memory import (
     SharedPayload,
     SharedPayloadReader,

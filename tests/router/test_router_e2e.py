@@ -60,7 +60,7 @@ def test_text_is_streamed_incrementally(router, reference):
     assert msgs[-1].finish_reason == "length"
     assert [m.finish_reason for m in msgs[:-1]] == [""] * (len(msgs) - 1)
     text = "".join(m.text for m in msgs)
-    from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.engine.model.tokenizer import Tokenizer
 
     tok = Tokenizer.from_model(router.service.config.model_dir)
     ids = [t for m in msgs for t in m.token_ids]

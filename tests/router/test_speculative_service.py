@@ -15,7 +15,7 @@ ASKS = [f"Repeat this sentence exactly: {PARAGRAPH}",
 
 def test_drafted_answers_are_the_models_greedy_answers(real_router, real_greedy_check,
                                                        real_model_path):
-    from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.engine.model.tokenizer import Tokenizer
     from pdserve.router.chat_template import ChatTemplate
     from pdserve.router.client import Client
 

@@ -16,7 +16,7 @@ N = 24
 
 @pytest.fixture(scope="module")
 def greedy(reference, tiny_model_dir):
-    from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.engine.model.tokenizer import Tokenizer
 
     tok = Tokenizer.from_model(tiny_model_dir)
     ids = reference([PROMPT], N)[0]

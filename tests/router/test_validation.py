@@ -245,7 +245,7 @@ def test_prepare_accepts_exactly_what_the_rules_allow(req):
 
 @pytest.fixture(scope="module")
 def tiny_tokenizer_and_limits(tiny_model_dir):
-    from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.engine.model.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_model(tiny_model_dir)
     config = json.loads((Path(tiny_model_dir) / "config.json").read_text())

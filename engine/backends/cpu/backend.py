@@ -19,8 +19,8 @@ from pdserve.engine.backends.base import (
     ReferenceAttention,
     StepInputs,
 )
+from pdserve.engine.backends.cpu.thread_tuner import ThreadTuner
 from pdserve.engine.step_inputs import check_rows, decode_inputs, general_inputs
-from pdserve.engine.thread_tuner import ThreadTuner
 from pdserve.kernels.decode_kv import DecodeKV
 from pdserve.kernels.kv_cache import KVCache
 

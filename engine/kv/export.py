@@ -15,7 +15,7 @@ from collections.abc import Callable, Container
 from dataclasses import asdict
 from typing import Any
 
-from pdserve.engine.kv_payload import ForkedChoice, KVPayload, dtype_name, write_payload
+from pdserve.engine.kv.payload import ForkedChoice, KVPayload, dtype_name, write_payload
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import HandedOffFork, HandOff, KVChunk, TokenLogprobs
 from pdserve.scheduler.output import SchedulerOutput, StepKind

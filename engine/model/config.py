@@ -79,7 +79,7 @@ class ModelConfig:
     @classmethod
     def from_model(cls, model: str | Path) -> ModelConfig:
         """The config of a model folder (config.json) or GGUF file (its metadata)."""
-        from pdserve.engine.gguf_file import GGUFModel, find_gguf
+        from pdserve.engine.model.gguf_file import GGUFModel, find_gguf
 
         gguf_path = find_gguf(model)
         if gguf_path is None:

@@ -85,7 +85,7 @@ def ensure_tiny_model() -> Path:
     """The generated tiny model's folder, made on first use."""
     path = tiny_model_dir()
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-        from pdserve.engine.tiny_model import make_tiny_model
+        from pdserve.engine.model.tiny import make_tiny_model
 
         print(f"generating the tiny model into {path} (first use) ...", flush=True)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
@@ -97,7 +97,7 @@ def ensure_tiny_model() -> Path:
         except OSError:  # a concurrent first use got there first
             shutil.rmtree(tmp, ignore_errors=True)
     else:  # cached by an older pdserve: give it the current chat template (no torch import)
-        from pdserve.engine.tiny_model import add_chat_template
+        from pdserve.engine.model.tiny import add_chat_template
 
         try:
             add_chat_template(path)
@@ -108,8 +108,8 @@ def ensure_tiny_model() -> Path:
 
 def check_model(path: str | Path):
     """The model's config, after checking what can be checked without reading weights."""
-    from pdserve.engine.gguf_file import GGUFError, GGUFModel, find_gguf
-    from pdserve.engine.model_config import ModelConfig, ModelConfigError
+    from pdserve.engine.model.config import ModelConfig, ModelConfigError
+    from pdserve.engine.model.gguf_file import GGUFError, GGUFModel, find_gguf
 
     p = Path(path)
     if not p.exists():
@@ -128,7 +128,7 @@ def check_model(path: str | Path):
         config = ModelConfig.from_dir(p)
         if not (p / "tokenizer.json").is_file():
             raise ModelError(f"{path}: tokenizer.json is missing")
-        from pdserve.engine.weights import weight_files
+        from pdserve.engine.model.weights import weight_files
 
         for f in weight_files(p):
             _check_safetensors_header(f)

@@ -20,7 +20,7 @@ class WeightsError(ValueError):
 def weight_files(model_dir: str | Path) -> list[Path]:
     """The files holding the weights: a GGUF file, or the safetensors files of a folder
     (sharded via the index, or every *.safetensors)."""
-    from pdserve.engine.gguf_file import find_gguf
+    from pdserve.engine.model.gguf_file import find_gguf
 
     gguf_path = find_gguf(model_dir)
     if gguf_path is not None:
@@ -62,7 +62,7 @@ def load_checked(
     """
     from safetensors import safe_open
 
-    from pdserve.engine.gguf_file import GGUFModel, find_gguf
+    from pdserve.engine.model.gguf_file import GGUFModel, find_gguf
 
     gguf_path = find_gguf(model_dir)
     if gguf_path is not None:

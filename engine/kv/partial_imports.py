@@ -13,7 +13,7 @@ import time
 from collections.abc import Container, Iterator
 
 from pdserve.engine.errors import NoCapacityError
-from pdserve.engine.kv_payload import KVPayload, KVPayloadError
+from pdserve.engine.kv.payload import KVPayload, KVPayloadError
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.scheduler.prefix_hash import chain_hashes
 from pdserve.scheduler.scheduler import Scheduler

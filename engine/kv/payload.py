@@ -16,7 +16,7 @@ No copies of its own: a sender lays the payload out first (``KVPayload.layout``)
 gathers its KV blocks straight into the tensor section of whatever buffer its transport
 hands over (``PayloadLayout.write``); a receiver's tensors are views of the bytes it was
 given (``from_bytes``), which the engine scatters straight into its blocks. The tensor
-section itself (its entries, layout and views) is engine/kv_payload_tensors.py.
+section itself (its entries, layout and views) is engine/kv/payload_tensors.py.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import msgpack
 import numpy as np
 import torch
 
-from pdserve.engine.kv_payload_tensors import (
+from pdserve.engine.kv.payload_tensors import (
     DeviceBytes,
     KVPayloadError,
     PayloadLayout,

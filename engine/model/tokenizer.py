@@ -63,7 +63,7 @@ class Tokenizer:
     @classmethod
     def from_model(cls, model: str | Path) -> Tokenizer:
         """The tokenizer of a model folder or GGUF file."""
-        from pdserve.engine.gguf_file import find_gguf
+        from pdserve.engine.model.gguf_file import find_gguf
 
         gguf_path = find_gguf(model)
         return cls.from_gguf(gguf_path) if gguf_path else cls.from_dir(model)
@@ -74,7 +74,7 @@ class Tokenizer:
             convert_gguf_tokenizer,
         )
 
-        from pdserve.engine.gguf_file import GGUFModel
+        from pdserve.engine.model.gguf_file import GGUFModel
 
         gguf = GGUFModel.open(path)
         tokenizer_dict = gguf.tokenizer_dict()

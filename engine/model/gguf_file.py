@@ -12,7 +12,7 @@ tokenizer and template with it too) and gives:
    checked), with the attention Q/K rows put back in Hugging Face order (llama.cpp's
    converter interleaves them for its rope);
 3. ``tokenizer_dict()``: the vocabulary, merges and special ids in the shape transformers'
-   GGUF tokenizer converter takes (``engine/tokenizer.py`` builds the tokenizer with it);
+   GGUF tokenizer converter takes (``engine/model/tokenizer.py`` builds the tokenizer with it);
 4. ``chat_template`` and ``special_tokens`` for the router's chat template.
 
 ``check()`` validates a file without reading its weights: header, architecture, every

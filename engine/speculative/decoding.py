@@ -322,8 +322,8 @@ def make_speculator(config, runner, max_model_len: int) -> Speculator | None:
         raise ValueError("speculative needs the C decode step (decode_kernel, a CPU "
                          "device and a model it supports)")
     if config.speculative == "draft":
-        from pdserve.engine.draft_model import DraftModelProposer
-        from pdserve.engine.model_catalog import resolve_model
+        from pdserve.engine.model.catalog import resolve_model
+        from pdserve.engine.speculative.draft_model import DraftModelProposer
 
         proposer: Proposer = DraftModelProposer(
             resolve_model(config.draft_model).path, runner.vocab_size, config.block_size,

@@ -52,7 +52,7 @@ def attach(model, model_dir: str | Path, at_load: str = "auto", keep_fp32: bool 
     ``at_load`` "int8" or "bf16" the others quantized so at load); returns how many got
     them. Unless ``keep_fp32``, each drops its fp32 weight (the panels serve every
     product), and a tied embedding reads the LM head's panels."""
-    from pdserve.engine.gguf_file import GGUFModel, find_gguf
+    from pdserve.engine.model.gguf_file import GGUFModel, find_gguf
 
     path = find_gguf(model_dir)
     gguf = GGUFModel.open(path) if path is not None else None

@@ -1,5 +1,5 @@
 """Decode steps of a ``CausalLM`` with each layer's dense work in ``torch.compile``d
-blocks (``compile=True``, ``CausalLM.use_compiled``); ``engine/model.py`` is the
+blocks (``compile=True``, ``CausalLM.use_compiled``); ``engine/model/llama.py`` is the
 reference it is tested against."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.model import CausalLM, MatMul, linear
+from pdserve.engine.model.llama import CausalLM, MatMul, linear
 from pdserve.kernels.attention import attention_step
 
 

@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine import quantized_weights
 from pdserve.engine.backends.base import ReferenceAttention
-from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.quantized_weights import QuantEmbedding
-from pdserve.engine.weights import WeightsError, load_checked
+from pdserve.engine.model.config import ModelConfig
+from pdserve.engine.model import quantized_weights
+from pdserve.engine.model.quantized_weights import QuantEmbedding
+from pdserve.engine.model.weights import WeightsError, load_checked
 from pdserve.kernels import quant_panels, skinny_gemm
 from pdserve.kernels.attention import AttentionMetadata
 from pdserve.kernels.kv_cache import KVCache
@@ -72,7 +72,7 @@ class MatMul(nn.Module):
     greedy request.
     Elsewhere (GPU, bf16/fp16): ``F.linear`` only.
 
-    A matmul given quantized panels (``quant``, engine/quantized_weights.py) multiplies
+    A matmul given quantized panels (``quant``, engine/model/quantized_weights.py) multiplies
     them for every product, whatever its rows, and usually drops the fp32 weight
     (``drop_fp32``).
     """
@@ -88,7 +88,7 @@ class MatMul(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.panels = self.packed = self.transposed = None
         # the weight as a GGUF file's blocks hold it, for the C decode step
-        # (engine/quantized_weights.py); None: it reads the fp32 panels
+        # (engine/model/quantized_weights.py); None: it reads the fp32 panels
         self.quant = None
         self.kernel_isa: str | None = None  # skinny_gemm's build; None: the host's
         if weight.device.type == "cpu" and weight.dtype == torch.float32:
@@ -314,7 +314,7 @@ class CausalLM(nn.Module):
 
     def use_compiled(self, compiled) -> None:
         """Decode steps through compiled dense blocks where they qualify: a
-        ``CompiledDecode`` built for this model (engine/compiled_decode.py)."""
+        ``CompiledDecode`` built for this model (engine/model/compiled_decode.py)."""
         self._compiled = compiled
 
     def use_kernel_isa(self, isa: str | None) -> None:
@@ -329,7 +329,7 @@ class CausalLM(nn.Module):
     def use_decode_kernel(self, on: bool = True) -> bool:
         """Decode steps through ``kernels/decode_step`` (one C call per step) where it
         applies (see ``engine/decode_kernel``); returns whether it is now on."""
-        from pdserve.engine import decode_kernel
+        from pdserve.engine.model import decode_kernel
 
         self._kernel = decode_kernel.build(self, self.kernel_isa) if on else None
         return self._kernel is not None
@@ -383,7 +383,7 @@ def load_model(model_dir, dtype: torch.dtype = torch.float32,
     """Build the model for ``model_dir``'s config.json and load its checked weights;
     ``quantization``: which matmuls are held quantized ("auto": a GGUF file's quantized
     ones; "int8" or "bf16": the others too, so at load; "none";
-    engine/quantized_weights.py); ``keep_fp32``: they keep their fp32 weight too (what
+    engine/model/quantized_weights.py); ``keep_fp32``: they keep their fp32 weight too (what
     a compiled decode graph multiplies); ``activations``: what the quantized ones
     multiply by (EngineSettings.activation_precision)."""
     cfg = ModelConfig.from_model(model_dir)

@@ -50,7 +50,7 @@ def build(model, isa: str | None = None) -> KernelDecode | None:
 
 def _weight(matmul):
     """What the step reads of a matmul: its quantized panels (a GGUF file's blocks,
-    engine/quantized_weights.py) where it has them, else its fp32 panels."""
+    engine/model/quantized_weights.py) where it has them, else its fp32 panels."""
     return matmul.quant if matmul.quant is not None else matmul.panels
 
 

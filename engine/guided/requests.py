@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.engine.guided_decoding import GrammarBook
+from pdserve.engine.guided.grammar import GrammarBook
 from pdserve.engine.logits_controls import RowControls
 from pdserve.scheduler.sampling_params import Guide
 from pdserve.scheduler.sequence import Sequence
