@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.backends.base import ReferenceAttention
-from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model import quantized_weights
+from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.quantized_weights import QuantEmbedding
 from pdserve.engine.model.weights import WeightsError, load_checked
 from pdserve.kernels import quant_panels, skinny_gemm
