@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pdserve.engine.attempts import Attempts, Place
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.errors import CacheMissError, NoCapacityError
 from pdserve.engine.guided.requests import GuidedRequests
@@ -77,13 +78,11 @@ class LLMEngine:
             has_ring_layers=bool(self.runner.kv_cache.ring_layers))
         self.scheduler = Scheduler(sched_config, self.engine_type, communicator)
         self.rank = communicator.rank if communicator is not None else 0
-        self._requests: dict[str, Sequence] = {}
+        self.attempts = Attempts()  # where each attempt here is (engine/attempts.py)
         self._pending_imports: collections.deque[KVPayload] = collections.deque()
         # aborted before they had a sequence (a queued import, a fork not made yet):
         # reported next step
         self._aborted_unstarted: list[str] = []
-        # n > 1: a fork not made yet -> the sequence it will fork from
-        self._unforked: dict[str, Sequence] = {}
         self.num_steps = 0
         self.num_empty_steps = 0
         self.num_failed_steps = 0
@@ -116,7 +115,7 @@ class LLMEngine:
         ``moved``: it was moved here off another rank; it queues ahead of new arrivals."""
         if self.engine_type == EngineType.COMPLETION:
             raise TypeError("a COMPLETION engine takes prefilled requests (import_prefilled)")
-        self._check_new_ids([attempt, *(fork_id for fork_id, _ in forks)])
+        self.attempts.check_new([attempt, *(fork_id for fork_id, _ in forks)])
         self._check_tokens(prompt_token_ids, sampling)
         for _, fork_sampling in forks:
             fork_sampling.validate()
@@ -127,20 +126,23 @@ class LLMEngine:
         if stream_kv and self.engine_type == EngineType.PROMPT \
                 and not self.runner.kv_cache.ring_layers:
             self._export.streamed[attempt] = 0
-        self._requests[attempt] = seq
         for fork_id, _ in forks:
-            self._requests[fork_id] = None  # type: ignore[assignment]  # id reserved
-            self._unforked[fork_id] = seq
+            self.attempts.put(fork_id, Place.FORK, seq)
         if sampling.guide is None:
-            self.scheduler.add(seq)
+            self._schedule(seq)
             return
         seq.so_status = 1  # its forks take it too
-        self.guided.admit_or_park(attempt, sampling.guide, lambda: self.scheduler.add(seq),
+        self.attempts.put(attempt, Place.GRAMMAR, seq)
+        self.guided.admit_or_park(attempt, sampling.guide, lambda: self._schedule(seq),
                                   lambda cause: self._fail_unstarted(seq, cause))
+
+    def _schedule(self, seq: Sequence) -> None:
+        self.attempts.put(seq.attempt, Place.SCHEDULER, seq)
+        self.scheduler.add(seq)
 
     def _fail_unstarted(self, seq: Sequence, cause: str) -> None:
         """End a request that never ran with ``error`` (and its forks with it)."""
-        self.scheduler.add(seq)
+        self._schedule(seq)
         self._failed[seq.attempt] = cause
         self.scheduler.abort(seq.attempt)
 
@@ -166,7 +168,7 @@ class LLMEngine:
         if payload.kind == "chunk":
             return self._import_chunk(payload)
         ids = [payload.attempt, *(fork.attempt for fork in payload.forks)]
-        self._check_new_ids(ids)
+        self.attempts.check_new(ids)
         skipped = payload.skipped_blocks
         if self.scheduler.can_admit_prefilled(payload.num_prompt_tokens, len(payload.forks),
                                               skipped) == AllocStatus.NEVER:
@@ -182,7 +184,7 @@ class LLMEngine:
         if skipped:  # the prefix it left out must be here (streamed or cached): held from now
             payload.cached_block_ids = self._take_skipped_prefix(payload)
         for attempt in ids:
-            self._requests[attempt] = None  # type: ignore[assignment]  # id reserved
+            self.attempts.put(attempt, Place.IMPORT, payload=payload)
         self._pending_imports.append(payload)
         self._admit_imports()
         if borrowed and any(p is payload for p in self._pending_imports):
@@ -206,7 +208,7 @@ class LLMEngine:
         """Write a streamed chunk into blocks reserved for its request, in order."""
         if self.runner.kv_cache.ring_layers:
             raise KVPayloadError("a sliding-window model takes no streamed KV chunks")
-        self._partial.add_chunk(chunk, self._requests)
+        self._partial.add_chunk(chunk, self.attempts)
         return chunk.attempt
 
     def _expire_partials(self) -> None:
@@ -215,39 +217,49 @@ class LLMEngine:
             self._partial.drop(stream_of)
 
     def abort(self, attempt: str) -> bool:
-        if self._partial.drop(attempt) and attempt not in self._requests:
-            return True
-        if attempt not in self._requests:
-            return False
-        if self.guided.unpark(attempt):  # still waiting for its grammar
-            self._abort_unstarted(self._requests[attempt])
-            return True
-        parent = self._unforked.pop(attempt, None)
-        if parent is not None:  # a fork not made yet: it never will be
-            parent.forks = [f for f in parent.forks if f[0] != attempt]
-            self._aborted_unstarted.append(attempt)
-            return True
-        for i, payload in enumerate(self._pending_imports):
-            if payload.attempt == attempt:
-                if payload.forks:  # the next choice takes the payload's lead
-                    self._pending_imports[i] = payload.without_lead()
-                else:
-                    del self._pending_imports[i]
-                    self.scheduler.release_blocks(payload.cached_block_ids)
-                self._aborted_unstarted.append(attempt)
-                return True
-            if any(fork.attempt == attempt for fork in payload.forks):
-                payload.forks = [f for f in payload.forks if f.attempt != attempt]
-                self._aborted_unstarted.append(attempt)
-                return True
-        self.scheduler.abort(attempt)
+        """Abort wherever it is (one lookup; its streamed KV, held apart, goes too).
+        False if this engine holds nothing of it."""
+        dropped = self._partial.drop(attempt)
+        held = self.attempts.get(attempt)
+        if held is None:
+            return dropped
+        if held.place == Place.SCHEDULER:
+            self.scheduler.abort(attempt)
+        elif held.place == Place.GRAMMAR:
+            self.guided.unpark(attempt)
+            self._abort_unstarted(held.seq)
+        elif held.place == Place.FORK:  # it never will be forked
+            held.seq.forks = [f for f in held.seq.forks if f[0] != attempt]
+            self._end_unstarted(attempt)
+        elif held.place == Place.IMPORT:
+            self._abort_import(attempt, held.payload)
         return True
+
+    def _abort_import(self, attempt: str, payload: KVPayload) -> None:
+        if attempt != payload.attempt:  # a fork of a queued payload
+            payload.forks = [f for f in payload.forks if f.attempt != attempt]
+            self._end_unstarted(attempt)
+            return
+        # by identity: payloads hold tensors, which do not compare as plain values
+        i = next(i for i, p in enumerate(self._pending_imports) if p is payload)
+        if payload.forks:  # the next choice takes the payload's lead
+            lead = self._pending_imports[i] = payload.without_lead()
+            for choice in (lead.attempt, *(fork.attempt for fork in lead.forks)):
+                self.attempts.put(choice, Place.IMPORT, payload=lead)
+        else:
+            del self._pending_imports[i]
+            self.scheduler.release_blocks(payload.cached_block_ids)
+        self._end_unstarted(attempt)
 
     def _abort_unstarted(self, seq: Sequence) -> None:
         for attempt in (seq.attempt, *(fork_id for fork_id, _ in seq.forks)):
-            self._unforked.pop(attempt, None)
-            self._aborted_unstarted.append(attempt)
+            self._end_unstarted(attempt)
         seq.forks = []
+
+    def _end_unstarted(self, attempt: str) -> None:
+        """Reported as aborted at the next step."""
+        self.attempts.put(attempt, Place.ENDED)
+        self._aborted_unstarted.append(attempt)
 
     # -- the step --------------------------------------------------------------------
 
@@ -284,14 +296,13 @@ class LLMEngine:
         for seq in drafted:  # verified, or never scheduled: a draft lives one step
             seq.draft_len, seq.draft_token_ids = 0, []
         for child in result.forked:
-            self._unforked.pop(child.attempt, None)
-            self._requests[child.attempt] = child
+            self.attempts.put(child.attempt, Place.SCHEDULER, child)
         kv_chunks = self._export.stream_ahead(sched_out, self.payload_buffer) \
             if self._export.streamed else []
         handoffs = self._hand_off_all(result)
         outputs = self._collect_outputs(result)
         if self._export.streamed:
-            self._export.forget_ended(self._requests)
+            self._export.forget_ended(self.attempts)
         self.num_steps += 1
         if sched_out.is_empty:
             self.num_empty_steps += 1
@@ -366,8 +377,7 @@ class LLMEngine:
             self.guided.forget(attempt)
             if self.speculator is not None:
                 self.speculator.forget(attempt)
-            self._unforked.pop(attempt, None)  # the forks of a prompt that ended
-            self._requests.pop(attempt, None)
+            self.attempts.forget(attempt)  # the forks of a prompt that ended too
         return outputs
 
     # -- KV hand-off -----------------------------------------------------------------
@@ -389,7 +399,7 @@ class LLMEngine:
                                         {k: v[0] for k, v in self._step_logprobs.items()})
         for member in group:
             self.scheduler.release_handed_off(member)
-            self._requests.pop(member.attempt, None)
+            self.attempts.forget(member.attempt)
             self.guided.forget(member.attempt)
         return handoff
 
@@ -422,7 +432,7 @@ class LLMEngine:
             seq.token_ids.append(payload.first_token_id)
             for member in group:
                 member.first_token_time = payload.first_token_time
-                self._requests[member.attempt] = member
+                self.attempts.put(member.attempt, Place.SCHEDULER, member)
             try:
                 self.runner.kv_cache.import_sequence(
                     seq.block_table[payload.skipped_blocks:], seq.state_slot, payload.tensors)
@@ -435,15 +445,6 @@ class LLMEngine:
                     self.scheduler.abort(member.attempt)
 
     # -- checks and state ------------------------------------------------------------
-
-    def _check_new_ids(self, attempts: list[str]) -> None:
-        if len(set(attempts)) != len(attempts):
-            raise ValueError(f"attempts of one prompt's choices repeat: {attempts}")
-        for attempt in attempts:
-            if not attempt:
-                raise ValueError("attempt must not be empty")
-            if attempt in self._requests:
-                raise ValueError(f"attempt {attempt!r} is already in flight")
 
     def _check_tokens(self, token_ids: list[int], sampling: SamplingParams) -> None:
         if not token_ids:
@@ -473,8 +474,7 @@ class LLMEngine:
 
     def assert_drained(self) -> None:
         assert not self.has_work(), "engine still has work"
-        assert not self._requests, f"requests still registered: {sorted(self._requests)}"
-        assert not self._unforked, f"forks never made: {sorted(self._unforked)}"
+        assert not self.attempts, f"attempts still held: {sorted(self.attempts)}"
         assert not self._partial, f"streamed KV never imported: {sorted(self._partial)}"
         assert not self.guided.num_parked and not self.guided.num_matchers, \
             "guided requests still waiting or matched"

@@ -194,3 +194,31 @@ def test_no_room_for_a_forks_copies_recomputes_it(model_dirs):
     assert prompt_steps >= 2  # the second fork recomputed (preemptions may add more)
     assert tokens["c1"] == tokens["c2"] == independent(model_dir, four, 1)["c0"]
     eng.assert_drained()
+
+
+def test_an_attempt_is_in_one_place_and_its_abort_reaches_that_place_once(model_dirs):
+    """An attempt waits in one place (engine/attempts.py) and one abort ends it there: a
+    second abort changes nothing, the id stays taken until its end is reported, and an
+    id this engine never held is not aborted."""
+    model_dir = model_dirs["llama"]
+    eng = engine(model_dir, max_num_batched_tokens=4, max_num_seqs=4, chunked_prefill=True)
+    assert not eng.abort("c0")  # never held here
+    eng.add_request("c0", PROMPT, GREEDY, forks=[("c1", GREEDY)])
+    eng.step()  # a first chunk: c0 in the scheduler, c1 a fork not made yet
+    assert [eng.attempts.get(a).place.name for a in ("c0", "c1")] == ["SCHEDULER", "FORK"]
+    assert eng.abort("c1") and eng.abort("c1")
+    assert eng.attempts.get("c1").place.name == "ENDED"
+    with pytest.raises(ValueError, match="already in flight"):
+        eng.add_request("c1", PROMPT, GREEDY)
+    tokens, finish, _, _ = run(eng)
+    assert finish == {"c0": "length", "c1": "abort"} and tokens["c1"] == []
+    eng.assert_drained()
+    eng.add_request("c1", PROMPT, GREEDY)  # reported: free again
+    assert run(eng)[1] == {"c1": "length"}
+    prefill = engine(model_dir, "prompt")
+    prefill.add_request("q0", PROMPT, GREEDY, forks=[("q1", GREEDY), ("q2", GREEDY)])
+    decode = engine(model_dir, "completion")
+    decode.import_prefilled(run(prefill)[2][0].payload)
+    assert decode.abort("q1") and decode.abort("q1")
+    assert run(decode)[1] == {"q0": "length", "q1": "abort", "q2": "length"}
+    decode.assert_drained()
