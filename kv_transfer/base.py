@@ -201,7 +201,7 @@ class KVTransport(ABC):
     def held_key(self, ticket: Any) -> str | None:
         """The key the source holds ``ticket``'s payload under until it is told to free
         it; None when there is nothing to tell (it goes with the router's reference)."""
-        return ticket.attempt
+        return ticket.key
 
     async def _free_on_source(self, src: Any, keys: list[str], many: bool) -> None:
         """Tell rank ``src`` to free ``keys`` (``many``: one ``release_kv_many`` call,

@@ -45,22 +45,40 @@ DEFAULT_MAX_FAILED_STEPS = 3  # failed steps in a row before a rank reports itse
 DEFAULT_POLL_TIMEOUT_S = 0.5  # how long one poll of a rank waits for a step report
 
 
-@dataclass(frozen=True)
-class AttemptKey:
-    """One dispatch of one request; ``str(key)`` is the engine's attempt."""
+class AttemptKey(str):
+    """One dispatch of one request, as the text ``"<request>.<number>"``: the router's
+    internal id (random, never a client's label) and the number of this dispatch (1,
+    then +1 for each retry or move). A ``str``: the engine, its payloads and the KV
+    transports below the rank take it as the plain key they know, and only the router
+    reads its parts."""
 
-    request: str  # the router's internal id (random, never the client's label)
-    attempt: int  # 1 for the first dispatch, +1 for each retry or move
+    __slots__ = ()
 
-    def __str__(self) -> str:
-        return f"{self.request}.{self.attempt}"
+    def __new__(cls, text: str) -> AttemptKey:
+        request, dot, number = str(text).rpartition(".")
+        if not dot or not request or not number.isdigit():
+            raise ValueError(f"an attempt key is '<request>.<number>', got {text!r:.100}")
+        return super().__new__(cls, text)
+
+    @classmethod
+    def of(cls, request: str, number: int) -> AttemptKey:
+        return cls(f"{request}.{number}")
 
     @classmethod
     def parse(cls, text: str) -> AttemptKey | None:
-        request, dot, attempt = text.rpartition(".")
-        if not dot or not request or not attempt.isdigit():
+        """The key ``text`` spells, or None if it spells none."""
+        try:
+            return cls(text)
+        except ValueError:
             return None
-        return cls(request, int(attempt))
+
+    @property
+    def request(self) -> str:
+        return self.rpartition(".")[0]
+
+    @property
+    def number(self) -> int:
+        return int(self.rpartition(".")[2])
 
 
 @dataclass(frozen=True)
@@ -108,7 +126,7 @@ class AddRequest:
     """Start an attempt on a NORMAL or PROMPT rank: ``prompt_token_ids`` is the whole
     history to compute (a moved request's prompt plus the tokens already streamed)."""
 
-    attempt: str
+    attempt: AttemptKey
     prompt_token_ids: list[int]
     sampling: SamplingParams
     # n > 1: the other choices of this prompt, prefilled once with it (their first
@@ -122,7 +140,7 @@ class AddRequest:
 
 @dataclass
 class ForkSpec:
-    attempt: str
+    attempt: AttemptKey
     sampling: SamplingParams
 
 
@@ -149,7 +167,7 @@ class TokenReport:
     attempt ended by an exception inside a step (the request may move). ``logprobs``:
     one entry per ``token_ids`` entry when the request asked for them, else None."""
 
-    attempt: str
+    attempt: AttemptKey
     token_ids: list[int]
     num_output_tokens: int
     finish_reason: str | None = None
@@ -162,7 +180,8 @@ class TokenReport:
     @classmethod
     def of(cls, output: RequestOutput) -> TokenReport:
         """The report of one engine output (the rank adds ``timings`` where it has them)."""
-        return cls(output.attempt, list(output.new_token_ids), output.num_output_tokens,
+        return cls(AttemptKey(output.attempt), list(output.new_token_ids),
+                   output.num_output_tokens,
                    finish_reason=output.finish_reason, error=output.error,
                    step_failed=output.step_failed, logprobs=output.new_logprobs,
                    num_cached_tokens=output.num_cached_tokens)
@@ -173,7 +192,7 @@ class HandoffTicket:
     """A prefilled attempt leaving a PROMPT rank: its first token and where its KV
     payload waits (``locator`` belongs to the transport that made it)."""
 
-    attempt: str
+    attempt: AttemptKey
     first_token_id: int
     num_prompt_tokens: int
     nbytes: int
@@ -187,7 +206,7 @@ class HandoffTicket:
     # ahead as the chunks of attempt ``stream_of`` (KVChunkTicket); a decode rank needs
     # them all before this payload
     streamed_blocks: int = 0
-    stream_of: str = ""
+    stream_of: AttemptKey | None = None
     # a direct hand-off (router/kv_stream.py): the import this rank already asked of the
     # stream's decode rank (a Ray ObjectRef of its ImportResult), None if it did not
     direct_import: Any = None
@@ -197,13 +216,19 @@ class HandoffTicket:
            direct_import: Any = None) -> HandoffTicket:
         """The ticket of an engine's hand-off whose payload the rank's transport endpoint
         exported to ``locator``."""
-        return cls(handoff.attempt, int(handoff.first_token_id),
+        return cls(AttemptKey(handoff.attempt), int(handoff.first_token_id),
                    int(handoff.num_prompt_tokens), len(handoff.payload), locator, timings,
                    first_token_logprobs=handoff.first_token_logprobs,
                    forks=[HandedOffChoice.of(f) for f in handoff.forks],
                    num_cached_tokens=handoff.num_cached_tokens,
-                   streamed_blocks=handoff.streamed_blocks, stream_of=handoff.stream_of,
+                   streamed_blocks=handoff.streamed_blocks,
+                   stream_of=AttemptKey(handoff.stream_of) if handoff.stream_of else None,
                    direct_import=direct_import)
+
+    @property
+    def key(self) -> str:
+        """What the transport holds its payload under (as a KVChunkTicket's ``key``)."""
+        return self.attempt
 
     @property
     def choices(self) -> list[HandedOffChoice]:
@@ -214,23 +239,24 @@ class HandoffTicket:
 
 @dataclass
 class HandedOffChoice:
-    attempt: str
+    attempt: AttemptKey
     first_token_id: int
     first_token_logprobs: TokenLogprobs | None = None
 
     @classmethod
     def of(cls, fork: HandedOffFork) -> HandedOffChoice:
-        return cls(fork.attempt, int(fork.first_token_id), fork.first_token_logprobs)
+        return cls(AttemptKey(fork.attempt), int(fork.first_token_id),
+                   fork.first_token_logprobs)
 
 
 @dataclass
 class KVChunkTicket:
     """KV streamed ahead of a hand-off: blocks ``first_block ..`` of attempt
-    ``stream_of``'s prompt, exported under its own key ``attempt`` (what the transport
-    moves, releases and discards, as for a HandoffTicket)."""
+    ``stream_of``'s prompt, exported under its own ``key`` (what the transport moves,
+    releases and discards, as it does a HandoffTicket's attempt)."""
 
-    attempt: str
-    stream_of: str
+    key: str
+    stream_of: AttemptKey
     first_block: int
     num_blocks: int
     nbytes: int
@@ -239,7 +265,7 @@ class KVChunkTicket:
     @classmethod
     def of(cls, chunk: KVChunk, locator: Any) -> KVChunkTicket:
         """The ticket of a streamed chunk the rank's transport endpoint exported."""
-        return cls(chunk.key, chunk.stream_of, chunk.first_block, chunk.num_blocks,
+        return cls(chunk.key, AttemptKey(chunk.stream_of), chunk.first_block, chunk.num_blocks,
                    len(chunk.payload), locator)
 
 

@@ -90,8 +90,8 @@ class RequestState:
             self.cached_tokens = min(num_cached_tokens, len(self.request.prompt_token_ids))
 
     @property
-    def attempt_key(self) -> str:
-        return str(AttemptKey(self.rid, self.attempt))
+    def attempt_key(self) -> AttemptKey:
+        return AttemptKey.of(self.rid, self.attempt)
 
     @property
     def finished(self) -> bool:
@@ -202,7 +202,7 @@ class RequestTracker:
         if key is None:
             return None
         state = self._states.get(key.request)
-        if state is None or state.attempt != key.attempt or state.stage == QUEUED:
+        if state is None or state.attempt != key.number or state.stage == QUEUED:
             return None  # a moving request's last attempt is already stale
         return state
 

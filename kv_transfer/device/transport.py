@@ -64,7 +64,7 @@ class DeviceTransport(KVTransport):
                                           error=f"no KV pair group: {type(exc).__name__}: {exc}")
             name = state.name
             send = asyncio.ensure_future(_result(src.actor.kv_call.remote(
-                SendPayload(name, ticket.attempt, skip_blocks, self.timeout_s))))
+                SendPayload(name, ticket.key, skip_blocks, self.timeout_s))))
             recv = asyncio.ensure_future(_result(dst.actor.kv_call.remote(
                 ReceivePayload(name, ticket.nbytes, skip_blocks, self.timeout_s))))
             try:

@@ -33,7 +33,7 @@ class InProcessTransport(KVTransport):
         data = src.endpoint.get(ticket.locator)
         if data is None:
             return DeliveryResult(False, kind=TRANSPORT,
-                                  error=f"no KV payload for attempt {ticket.attempt!r}")
+                                  error=f"no KV payload for {ticket.key!r}")
         if skip_blocks:
             data = payload_without_prefix(data, skip_blocks)
         result = dst.import_prefilled(data)

@@ -163,7 +163,7 @@ class RayObjectStoreTransport(KVTransport, DirectHandoff):
                     if not result.ok and result.kind == UNREACHABLE:
                         result = None
                 if result is None:  # another node, or it could not map the segment
-                    obj = src.actor.kv_call.remote(ObjectFor(ticket.attempt, skip_blocks))
+                    obj = src.actor.kv_call.remote(ObjectFor(ticket.key, skip_blocks))
                     result = await dst.actor.import_prefilled.remote(obj)
             else:
                 if skip_blocks:  # cut on the source, into a new object: the prefix stays there
@@ -187,4 +187,4 @@ class RayObjectStoreTransport(KVTransport, DirectHandoff):
     def held_key(self, ticket: Any) -> str | None:
         # An object goes with the router's last reference; a staged segment is the
         # source's to reuse, so it must be told (through the base's release path).
-        return ticket.attempt if isinstance(ticket.locator, SharedPayload) else None
+        return ticket.key if isinstance(ticket.locator, SharedPayload) else None

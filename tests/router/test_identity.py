@@ -36,7 +36,8 @@ def test_internal_ids_are_random_and_attempts_are_keys():
     assert len({r[:8] for r in rids}) > 16  # no shared counter-like prefix
     s = states[0]
     first = s.begin_attempt().attempt
-    assert AttemptKey.parse(first) == AttemptKey(s.rid, 1)
+    assert isinstance(first, AttemptKey) and (first.request, first.number) == (s.rid, 1)
+    assert AttemptKey.parse(first) == f"{s.rid}.1" and AttemptKey.parse("x.y") is None
     s.stage = "prefill"
     assert tracker.by_attempt(first) is s
     s.stage = "queued"  # moving: its next attempt is not dispatched yet
