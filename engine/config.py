@@ -15,6 +15,7 @@ from typing import Any
 
 from pdserve.kernels.cbuild import ISAS
 from pdserve.scheduler.config import EngineType, SchedulerConfig, SchedulerPolicy
+from pdserve.scheduler.field_checks import Bool, Integer, OneOf, OrNone, checked
 
 DEFAULT_KV_COPY_THREADS = 2
 DEFAULT_KV_CACHE_MB = 512
@@ -76,14 +77,17 @@ def kv_blocks_in(budget_bytes: int, bytes_per_block: int, ring_bytes: int = 0) -
 
 @dataclass(kw_only=True)
 class EngineSettings(SchedulerPolicy):
-    """The scheduler's policy (inherited, see SchedulerPolicy) plus the engine's own."""
+    """The scheduler's policy (inherited, see SchedulerPolicy) plus the engine's own;
+    each field declares what it accepts (scheduler/field_checks.py)."""
 
-    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_mb
-    kv_cache_memory_mb: int = DEFAULT_KV_CACHE_MB
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # None: sized from kv_cache_memory_mb; at least 2 (block 0 is reserved)
+    num_kv_blocks: int | None = checked(None, OrNone(Integer(ge=2)))
+    kv_cache_memory_mb: int = checked(DEFAULT_KV_CACHE_MB, Integer(ge=1))
+    # None: the model's max_position_embeddings
+    max_model_len: int | None = checked(None, OrNone(Integer(ge=1)))
     # "auto": bfloat16 on a GPU (half the bytes of every weight and KV read; tensor
     # cores), float32 on the CPU (its C kernels' exact path)
-    dtype: str = "auto"
+    dtype: str = checked("auto", OneOf(_DTYPES))
     # "auto": the GPU where torch sees one (LLM), or where the rank's pool asked Ray for
     # GPUs (num_gpus > 0; `pdserve serve` gives the pools GPUs where the cluster has
     # them); "cpu" or "cuda" ("cuda:N") to force.
@@ -95,7 +99,7 @@ class EngineSettings(SchedulerPolicy):
     decode_kernel: bool = True
     # Which build of the C kernels runs (kernels/cbuild.py): auto (the widest vectors
     # the CPU reports), avx512, avx2 or generic; one the CPU cannot run is refused.
-    kernel_isa: str = "auto"
+    kernel_isa: str = checked("auto", OneOf(KERNEL_ISAS))
     # The weights the C decode step reads (engine/model/quantized_weights.py): "auto" a GGUF
     # file's Q8_0 / Q4_0 / Q4_1 matmuls as the file holds them (int8 values or nibbles, a
     # scale and offset per 32), other weights fp32; "int8" also every other matmul,
@@ -103,7 +107,7 @@ class EngineSettings(SchedulerPolicy):
     # quantized weights); "bf16" every other matmul rounded to bf16 at load (half of
     # fp32's bytes; exact for a bf16 checkpoint; activations stay fp32); "none": every
     # step reads fp32 weights.
-    quantization: str = "auto"
+    quantization: str = checked("auto", OneOf(QUANTIZATIONS))
     # What the quantized matmuls multiply their weights by (kernels/dot_block.h): "int8"
     # rows of x quantized per 8 values (the largest magnitude to at most 127 steps) and
     # integer dot products, as llama.cpp computes on the same files (about 3x fewer
@@ -111,23 +115,24 @@ class EngineSettings(SchedulerPolicy):
     # "auto" int8 for a GGUF file's integer blocks (the file's author chose
     # quantization) but the attention's q|k|v, fp32 for those and for weights quantized
     # at load (engine/quantized_weights.int8_rows_for says why).
-    activation_precision: str = "auto"
+    activation_precision: str = checked("auto", OneOf(ACTIVATION_PRECISIONS))
     # Threads of a KV hand-off's block copies (the export's gather, the import's
     # scatter; kernels/kv_copy.c): one core's copy is bound by the misses it keeps in
     # flight, and two measured ~1.8x one here. A short burst while the engine waits.
-    kv_copy_threads: int = DEFAULT_KV_COPY_THREADS
+    kv_copy_threads: int = checked(DEFAULT_KV_COPY_THREADS, Integer(ge=1, le=64))
     # Speculative decoding on the ranks that decode (engine/speculative/decoding.py): "ngram"
     # drafts by prompt lookup over each request's own history; a draft's size follows
     # the request's acceptance and the measured step costs, up to
     # num_speculative_tokens, and none is used where it would not pay.
-    speculative: str = "off"
-    num_speculative_tokens: int = 5
-    # the n-gram sizes matched ("ngram"): the longest that ends the history first
-    ngram_min: int = 2
-    ngram_max: int = 4
+    speculative: str = checked("off", OneOf(SPECULATIVE_METHODS))
+    num_speculative_tokens: int = checked(5, Integer(ge=1, le=16))
+    # the n-gram sizes matched ("ngram"): the longest that ends the history first;
+    # ngram_min <= ngram_max
+    ngram_min: int = checked(2, Integer(ge=1))
+    ngram_max: int = checked(4, Integer(ge=1, le=16))
     # False: every draft is checked whatever the measured step costs say (vLLM's way;
     # for measuring, and for tests that must see drafts)
-    speculative_adaptive: bool = True
+    speculative_adaptive: bool = checked(True, Bool())
     # "draft": a smaller model sharing the target's tokenizer (a folder, a GGUF file or a
     # built-in name), with a KV cache of its own on each decoding rank
     draft_model: str | None = None
@@ -136,48 +141,17 @@ class EngineSettings(SchedulerPolicy):
         self.check()
 
     def check(self) -> None:
-        """ValueError, its text starting with the field's name, for a bad setting."""
-        self.check_policy()
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got "
-                             f"{self.quantization!r}")
-        if self.activation_precision not in ACTIVATION_PRECISIONS:
-            raise ValueError(f"activation_precision must be one of "
-                             f"{', '.join(ACTIVATION_PRECISIONS)}, got {self.activation_precision!r}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        """ValueError, its text starting with the field's name, for a bad setting: each
+        field's declared check, then the rules between fields."""
+        self.check_policy()  # every field's declared check, this class's too
         check_device(self.device)
-        for name in ("kv_cache_memory_mb", "kv_copy_threads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.kv_copy_threads > 64:
-            raise ValueError(f"kv_copy_threads must be <= 64, got {self.kv_copy_threads}")
-        if self.kernel_isa not in KERNEL_ISAS:
-            raise ValueError(f"kernel_isa must be one of {', '.join(KERNEL_ISAS)}; got "
-                             f"{self.kernel_isa!r}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
-            raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1 or None, got {self.max_model_len}")
-        self._check_speculative()
-
-    def _check_speculative(self) -> None:
-        if self.speculative not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, "
-                             f"got {self.speculative!r}")
-        if not 1 <= self.num_speculative_tokens <= 16:
-            raise ValueError(f"num_speculative_tokens must be in [1, 16], got "
-                             f"{self.num_speculative_tokens}")
         if (self.speculative == "draft") != (self.draft_model is not None):
             raise ValueError("draft_model must be set exactly when speculative is draft, got "
                              f"speculative {self.speculative!r}, draft_model "
                              f"{self.draft_model!r}")
-        if not isinstance(self.speculative_adaptive, bool):
-            raise ValueError(f"speculative_adaptive must be true or false, got "
-                             f"{self.speculative_adaptive!r}")
-        if not 1 <= self.ngram_min <= self.ngram_max <= 16:
-            raise ValueError(f"ngram_min must be in [1, ngram_max], ngram_max at most 16; got "
-                             f"{self.ngram_min}, {self.ngram_max}")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min must be <= ngram_max, got {self.ngram_min}, "
+                             f"{self.ngram_max}")
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], where: str = "engine") -> EngineSettings:
@@ -205,14 +179,7 @@ class EngineSettings(SchedulerPolicy):
 @dataclass(kw_only=True)
 class EngineConfig(EngineSettings):
     model_dir: str
-    engine_type: str = "normal"  # normal | prompt | completion
-
-    def __post_init__(self) -> None:
-        if self.engine_type not in _ENGINE_TYPES:
-            raise ValueError(
-                f"engine_type must be one of {sorted(_ENGINE_TYPES)}, got {self.engine_type!r}"
-            )
-        self.check()
+    engine_type: str = checked("normal", OneOf(tuple(_ENGINE_TYPES)))  # normal, prompt, completion
 
     @property
     def type(self) -> EngineType:

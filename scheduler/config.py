@@ -21,6 +21,16 @@ import enum
 import warnings
 from dataclasses import dataclass
 
+from pdserve.scheduler.field_checks import (
+    REQUIRED,
+    Bool,
+    Integer,
+    Number,
+    OrNone,
+    check_fields,
+    checked,
+)
+
 # Tokens per KV block: the one default of the engine, the scheduler, the model runner and
 # the router (which learns the ranks' actual size when they start).
 DEFAULT_BLOCK_SIZE = 16
@@ -34,121 +44,76 @@ class EngineType(enum.IntEnum):
 
 @dataclass(kw_only=True)
 class SchedulerPolicy:
-    """The scheduler's settings a user picks; see the module's docstring."""
+    """The scheduler's settings a user picks; see the module's docstring. Each field
+    declares what it accepts (scheduler/field_checks.py); check_policy runs those and
+    the rules between fields."""
 
-    block_size: int = DEFAULT_BLOCK_SIZE
-    max_num_seqs: int = 64
+    block_size: int = checked(DEFAULT_BLOCK_SIZE, Integer(ge=1))
+    max_num_seqs: int = checked(64, Integer(ge=1))
     # None: max(max_model_len, 4096, max_num_seqs), decided by SchedulerConfig.
-    max_num_batched_tokens: int | None = None
-    chunked_prefill: bool = True
+    max_num_batched_tokens: int | None = checked(None, OrNone(Integer()))
+    chunked_prefill: bool = checked(True, Bool())
     # A preempted request ends (insufficient_system_resource) rather than being
     # recomputed; the offline LLM passes False (the spec's table).
-    stop_preempted_request: bool = True
-    prefill_attempt_interval: int = 70  # ALL points
-    prefill_any_attempt_interval: int = 100  # ANY points
-    prefill_watermark: float = 0.9
-    prefill_max_sum_seqlen_k: int | None = None  # None: no limit
-    cp_size: int = 1
-    lookahead_tokens: int = 0
+    stop_preempted_request: bool = checked(True, Bool())
+    prefill_attempt_interval: int = checked(70, Integer(ge=1))  # ALL points
+    prefill_any_attempt_interval: int = checked(100, Integer(ge=1))  # ANY points
+    prefill_watermark: float = checked(0.9, Number(ge=0, le=1))
+    # None: no limit; SchedulerConfig checks it against the prompt limit.
+    prefill_max_sum_seqlen_k: int | None = checked(None, OrNone(Integer()))
+    cp_size: int = checked(1, Integer(ge=1))
+    lookahead_tokens: int = checked(0, Integer(ge=0))
     # Opt-in policies (spec section 9); defaults reproduce the released engine.
-    continuation_at_back: bool = False
-    hol_bypass_limit: int = 0  # K > 0: a smaller request may pass a LATER head K times
-    decode_room_needs_no_block: bool = False
+    continuation_at_back: bool = checked(False, Bool())
+    # K > 0: a smaller request may pass a LATER head K times
+    hol_bypass_limit: int = checked(0, Integer(ge=0))
+    decode_room_needs_no_block: bool = checked(False, Bool())
     # A preempted sequence with an active structured-output matcher is recomputed (its
     # matcher kept, or replayed over its answer) instead of ended (S30's default).
-    recompute_structured_output: bool = False
+    recompute_structured_output: bool = checked(False, Bool())
     # A partly prefilled prompt already owns blocks for its whole prompt: let it finish
     # before a recompute-preempted request retakes the head, and past the watermark,
     # so the pool can never wedge with every free block held by unfinished prompts.
     # The offline LLM turns it on (it recomputes preempted requests).
-    partial_prompts_first: bool = False
+    partial_prompts_first: bool = checked(False, Bool())
     # Time-budget chunk sizer (scheduler/chunk_sizer.py): prompt steps sized to take at
     # most this many seconds by a cost model fitted to measured steps; None: off. Needs
     # chunked_prefill (a prompt longer than the budget must be split).
-    chunk_time_budget_s: float | None = None
+    chunk_time_budget_s: float | None = checked(None, OrNone(Number(gt=0)))
     # Prefix caching (scheduler/PREFIX_CACHING.md): full blocks keep their KV, named by
     # a hash of their history, for later requests with the same prefix. The chapter's
     # rules (S1-S37) are written, and tested, with it off. Models with sliding-window
     # layers run without it (the engine turns it off for them).
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = checked(True, Bool())
 
     def check_policy(self) -> None:
-        """ValueError (starting with the field's name) for a policy out of range; what
-        needs the derived sizes is checked by SchedulerConfig."""
-        self._check_counts()
-        self._check_switches()
+        """ValueError (starting with the field's name) for a policy out of range: every
+        field's declared check (a subclass's fields too), then the rules between the
+        policy's fields; what needs the derived sizes is checked by SchedulerConfig."""
+        check_fields(self)
         self._check_batched_tokens()
-        self._check_chunk_time_budget()
-        self._check_prefill_limits()
-
-    def _check_counts(self) -> None:
-        for name, low in (
-            ("block_size", 1), ("max_num_seqs", 1), ("prefill_attempt_interval", 1),
-            ("prefill_any_attempt_interval", 1), ("cp_size", 1), ("lookahead_tokens", 0),
-            ("hol_bypass_limit", 0),
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-
-    def _check_switches(self) -> None:
-        for name in ("chunked_prefill", "stop_preempted_request", "continuation_at_back",
-                     "decode_room_needs_no_block", "partial_prompts_first",
-                     "recompute_structured_output",
-                     "enable_prefix_caching"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-
-    def _check_batched_tokens(self) -> None:
-        tokens = self.max_num_batched_tokens
-        if tokens is None:
-            return
-        if not isinstance(tokens, int) or isinstance(tokens, bool):
-            raise ValueError(f"max_num_batched_tokens must be an integer or None, got {tokens!r}")
-        if tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
-            )
-        if tokens < self.block_size:
-            raise ValueError(
-                f"max_num_batched_tokens ({tokens}) must be >= block_size ({self.block_size})"
-            )
-
-    def _check_chunk_time_budget(self) -> None:
-        budget = self.chunk_time_budget_s
-        if budget is None:
-            return
-        if isinstance(budget, bool) or not isinstance(budget, int | float) or budget <= 0:
-            raise ValueError(f"chunk_time_budget_s must be a number > 0 or None, got {budget!r}")
-        if not self.chunked_prefill:
+        if self.chunk_time_budget_s is not None and not self.chunked_prefill:
             raise ValueError("chunk_time_budget_s needs chunked_prefill=True: prompts "
                              "longer than a step's budget are split")
 
-    def _check_prefill_limits(self) -> None:
-        watermark = self.prefill_watermark
-        if isinstance(watermark, bool) or not isinstance(watermark, int | float) \
-                or not 0.0 <= watermark <= 1.0:
-            raise ValueError(f"prefill_watermark must be in [0, 1], got {watermark!r}")
-        limit = self.prefill_max_sum_seqlen_k
-        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)):
-            raise ValueError(f"prefill_max_sum_seqlen_k must be an integer or None, got {limit!r}")
+    def _check_batched_tokens(self) -> None:
+        tokens = self.max_num_batched_tokens
+        for name in ("max_num_seqs", "block_size"):
+            if tokens is not None and tokens < getattr(self, name):
+                raise ValueError(f"max_num_batched_tokens ({tokens}) must be >= {name} "
+                                 f"({getattr(self, name)})")
 
 
 @dataclass(kw_only=True)
 class SchedulerConfig(SchedulerPolicy):
     """The policy plus the sizes the engine derives (its model, its KV memory)."""
 
-    num_blocks: int  # includes the reserved id 0
-    num_state_slots: int  # includes the reserved slot 0
-    max_model_len: int
-    ring_len: int = 134
+    num_blocks: int = checked(REQUIRED, Integer(ge=2))  # includes the reserved id 0
+    num_state_slots: int = checked(REQUIRED, Integer(ge=2))  # includes the reserved slot 0
+    max_model_len: int = checked(REQUIRED, Integer(ge=1))
+    ring_len: int = checked(134, Integer(ge=1))
 
     def __post_init__(self) -> None:
-        for name, low in (("num_blocks", 2), ("num_state_slots", 2), ("max_model_len", 1),
-                          ("ring_len", 1)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         self.check_policy()
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(self.max_model_len, 4096, self.max_num_seqs)
