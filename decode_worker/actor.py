@@ -23,7 +23,7 @@ from pdserve.engine.outputs import StepOutputs
 from pdserve.kv_transfer.base import CACHE_MISS, CAPACITY, PAYLOAD, FailureKind
 from pdserve.rank.engine_rank import EngineRank, add_timings
 from pdserve.rank.group_member import error_text
-from pdserve.rank.messages import ImportResult, TokenReport
+from pdserve.rank.messages import AttemptKey, ImportResult, TokenReport
 
 
 def refused_kind(exc: BaseException) -> FailureKind:
@@ -71,7 +71,7 @@ class DecodeRank(EngineRank):
         so that its import finds the grammar ready (the router's hint; no answer)."""
         self.engine.guided.book.request(guide)
 
-    def abort(self, attempt: str) -> bool:
+    def abort(self, attempt: AttemptKey) -> bool:
         self._imported_at.pop(attempt, None)
         return super().abort(attempt)
 

@@ -49,6 +49,7 @@ from pdserve.rank.messages import (
     DEFAULT_POLL_TIMEOUT_S,
     AddRequest,
     AdmitResult,
+    AttemptKey,
     HandoffTicket,
     ImportResult,
     KVChunkTicket,
@@ -209,7 +210,7 @@ class EngineRank(GroupMember):
         this rank's endpoint; ``data``: arguments Ray resolved for it."""
         return self.endpoint.handle(call, *data)
 
-    def abort(self, attempt: str) -> bool:
+    def abort(self, attempt: AttemptKey) -> bool:
         self.endpoint.release(attempt)
         return bool(self._call(lambda eng: eng.abort(attempt)))
 

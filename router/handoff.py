@@ -32,7 +32,7 @@ from pdserve.kv_transfer.base import (
     DirectHandoff,
     KVTransport,
 )
-from pdserve.rank.messages import HandoffTicket
+from pdserve.rank.messages import AttemptKey, HandoffTicket
 from pdserve.router.config import RouterConfig
 from pdserve.router.kv_stream import KVStream, send_chunks
 from pdserve.router.metrics import RouterMetrics
@@ -46,7 +46,7 @@ class HandoffGroup:
     """The choices one KV payload carries (n > 1: several; else one) and which of them
     still wait for it: a choice that ended or moved meanwhile has left the group."""
 
-    def __init__(self, attempts: list[str]) -> None:
+    def __init__(self, attempts: list[AttemptKey]) -> None:
         self.attempts = attempts  # every choice the payload carries, the lead first
         self.members: list[tuple[RequestState, str]] = []  # joined: (state, its attempt)
         self.decoding = False  # the payload reached a decode rank for at least one
@@ -61,7 +61,7 @@ class HandoffGroup:
         return {key for s, key in self.members if waits_on(s, key)}
 
 
-def waits_on(state: RequestState, attempt: str) -> bool:
+def waits_on(state: RequestState, attempt: AttemptKey) -> bool:
     """Whether ``attempt`` is the request's current one and the request goes on."""
     return not (state.finished or state.aborted) and state.attempt_key == attempt
 
@@ -285,7 +285,7 @@ class HandoffDelivery:
         src_node = getattr(src.info, "node_id", "") if src.info else ""
         return bool(src_node) and src_node == (getattr(dst.info, "node_id", "") if dst.info else "")
 
-    async def tell_direct(self, src: RankHandle, attempt: str, dst: RankHandle | None) -> None:
+    async def tell_direct(self, src: RankHandle, attempt: AttemptKey, dst: RankHandle | None) -> None:
         """Tell ``src`` where ``attempt``'s hand-off goes directly (None: nowhere), and,
         on one node, where and under which id ``dst`` answers this router. Lost word
         costs only speed: the router delivers what the prefill rank does not."""

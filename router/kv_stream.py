@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.kv_transfer.base import TRANSPORT, DeliveryResult, DirectHandoff, KVTransport
+from pdserve.rank.messages import AttemptKey
 from pdserve.router.rank_handle import DEAD
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class KVStream:
     """One attempt's chunks, from its prefill rank ``src``, and which of them ``dst``
     holds (the first ``delivered``)."""
 
-    attempt: str
+    attempt: AttemptKey
     src: Any
     chunks: list[Any] = field(default_factory=list)
     dst: Any = None
@@ -152,12 +153,12 @@ class KVStreams:
                 log.info("streaming KV of %s stopped: %s: %s", stream.attempt, result.kind,
                          result.error)
 
-    def drop(self, attempt: str) -> None:
+    def drop(self, attempt: AttemptKey) -> None:
         """The attempt ended or moved before its hand-off: its chunks go."""
         if attempt in self.streams:
             self.spawn(self.close(attempt, imported=False))
 
-    async def close(self, attempt: str, imported: bool) -> None:
+    async def close(self, attempt: AttemptKey, imported: bool) -> None:
         """The chunks go from the prefill rank; unless a hand-off imported them, the
         decode rank's partial import goes too."""
         stream = self.streams.pop(attempt, None)

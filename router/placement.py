@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from pdserve.rank.messages import AddRequest
+from pdserve.rank.messages import AddRequest, AttemptKey
 from pdserve.router.rank_handle import RankHandle
 from pdserve.router.requests import DECODE, PREFILL, RequestState
 
@@ -41,7 +41,7 @@ def computes_on(rank: RankHandle, state: RequestState, tokens: int,
     rank.add_pending(hashes)
 
 
-def decoding_on(dst: RankHandle, state: RequestState, attempt: str) -> None:
+def decoding_on(dst: RankHandle, state: RequestState, attempt: AttemptKey) -> None:
     """A hand-off's choice goes to decode rank ``dst`` (its import is on the way)."""
     state.decode_rank = dst
     dst.inflight.add(attempt)
@@ -68,7 +68,7 @@ def ranks_of(state: RequestState) -> list[RankHandle]:
     return ranks[:1] if len(ranks) == 2 and ranks[0] is ranks[1] else ranks
 
 
-async def abort_on(rank: RankHandle, attempt: str, timeout_s: float) -> None:
+async def abort_on(rank: RankHandle, attempt: AttemptKey, timeout_s: float) -> None:
     """Stop ``attempt`` on ``rank`` (within ``timeout_s``; a dead rank holds nothing, a
     hung one is its poller's business)."""
     try:
