@@ -42,7 +42,6 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import EngineStats, HandOff, KVCapacity, RequestOutput, StepOutputs
 from pdserve.engine.request_outputs import (
     engine_stats,
-    kv_capacity,
     request_outputs,
     split_fork_draws,
 )
@@ -75,7 +74,7 @@ class LLMEngine:
         sched_config = config.scheduler_config(
             num_blocks=self.runner.num_kv_blocks, max_model_len=self.max_model_len,
             ring_len=self.runner.ring_len,
-            has_ring_layers=bool(self.runner.kv_cache.ring_layers))
+            has_ring_layers=self.runner.sliding_window)
         self.scheduler = Scheduler(sched_config, self.engine_type, communicator)
         self.rank = communicator.rank if communicator is not None else 0
         self.attempts = Attempts()  # where each attempt here is (engine/attempts.py)
@@ -96,7 +95,7 @@ class LLMEngine:
         # gathered straight into the bytes it hands over
         self.payload_buffer: Callable[[str, int], Any] = new_payload_buffer
         self._export = KVExport(self.runner, config.block_size)  # PROMPT
-        self._partial = PartialImports(self.scheduler, self.runner.kv_cache,  # COMPLETION
+        self._partial = PartialImports(self.scheduler, self.runner,  # COMPLETION
                                        config.block_size)
         # structured output and the other logits controls (engine/guided/requests.py)
         self.guided = GuidedRequests(self.tokenizer, self.runner.vocab_size)
@@ -124,7 +123,7 @@ class LLMEngine:
         seq.forks = list(forks)
         seq.moved = moved
         if stream_kv and self.engine_type == EngineType.PROMPT \
-                and not self.runner.kv_cache.ring_layers:
+                and not self.runner.sliding_window:
             self._export.streamed[attempt] = 0
         for fork_id, _ in forks:
             self.attempts.put(fork_id, Place.FORK, seq)
@@ -180,7 +179,7 @@ class LLMEngine:
             fork.sampling = _payload_sampling(fork.sampling, f"forks[{i}].sampling")
         if payload.sampling.guide is not None:  # compiled while it waits for its turn
             self.guided.book.request(payload.sampling.guide)
-        self.runner.kv_cache.check_import(payload.tensors, payload.num_prompt_tokens, skipped)
+        self.runner.check_kv_import(payload.tensors, payload.num_prompt_tokens, skipped)
         if skipped:  # the prefix it left out must be here (streamed or cached): held from now
             payload.cached_block_ids = self._take_skipped_prefix(payload)
         for attempt in ids:
@@ -206,7 +205,7 @@ class LLMEngine:
 
     def _import_chunk(self, chunk: KVPayload) -> str:
         """Write a streamed chunk into blocks reserved for its request, in order."""
-        if self.runner.kv_cache.ring_layers:
+        if self.runner.sliding_window:
             raise KVPayloadError("a sliding-window model takes no streamed KV chunks")
         self._partial.add_chunk(chunk, self.attempts)
         return chunk.attempt
@@ -343,13 +342,9 @@ class LLMEngine:
                 row.seq.first_scheduled_time = now
 
     def _execute(self, sched_out: SchedulerOutput) -> list[int | None]:
-        cache = self.runner.kv_cache
         # before the model writes anything; a step with no rows may still carry the
         # copies of forks made by the step before it
-        for src, dst in sched_out.block_copies:
-            cache.copy_block(src, dst)
-        for src, dst in sched_out.state_copies:
-            cache.copy_state(src, dst)
+        self.runner.copy_kv(sched_out.block_copies, sched_out.state_copies)
         if sched_out.is_empty:
             return []
         rows, spans = runner_rows(sched_out.scheduled, self.guided.controls_for)
@@ -434,8 +429,8 @@ class LLMEngine:
                 member.first_token_time = payload.first_token_time
                 self.attempts.put(member.attempt, Place.SCHEDULER, member)
             try:
-                self.runner.kv_cache.import_sequence(
-                    seq.block_table[payload.skipped_blocks:], seq.state_slot, payload.tensors)
+                self.runner.import_kv(seq.block_table[payload.skipped_blocks:], seq.state_slot,
+                                      payload.tensors)
                 self.scheduler.register_prefilled(seq)
             except Exception as exc:  # their blocks go back when the next pass sweeps them
                 cause = f"KV import failed on rank {self.rank}: {type(exc).__name__}: {exc}"
@@ -486,7 +481,7 @@ class LLMEngine:
         return engine_stats(self)
 
     def kv_capacity(self) -> KVCapacity:
-        return kv_capacity(self)
+        return self.runner.kv_capacity(self.max_model_len)
 
 
 def _payload_sampling(settings: dict, where: str) -> SamplingParams:

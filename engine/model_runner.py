@@ -45,7 +45,7 @@ from pdserve.engine.config import (
 from pdserve.engine.logits_controls import apply_controls
 from pdserve.engine.model.llama import load_model
 from pdserve.engine.model.weights import file_digest, weight_files
-from pdserve.engine.outputs import TokenLogprobs
+from pdserve.engine.outputs import KVCapacity, TokenLogprobs
 from pdserve.engine.step_inputs import RunnerRow
 from pdserve.kernels import cbuild
 from pdserve.kernels.kv_cache import KVCache
@@ -205,6 +205,54 @@ class ModelRunner:
     @property
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
+
+    # ---- its KV cache, as the engine and the KV hand-off ask for it -----------
+    @property
+    def sliding_window(self) -> bool:
+        """Some layers keep a ring per state slot instead of blocks (a sliding window):
+        such a model streams no KV chunks ahead and drafts nothing."""
+        return bool(self.kv_cache.ring_layers)
+
+    def kv_capacity(self, max_model_len: int) -> KVCapacity:
+        """What the cache holds, and the bounds a rank's router checks requests against."""
+        cache = self.kv_cache
+        tokens = min(int(max_model_len), cache.num_blocks * cache.block_size)
+        blocks = -(-tokens // cache.block_size)
+        ring = cache.ring_bytes() // max(1, cache.num_state_slots)
+        per_block = cache.bytes_per_block()
+        return KVCapacity(block_size=cache.block_size, num_blocks=cache.num_blocks,
+                          bytes_per_block=per_block,
+                          total_bytes=cache.num_blocks * per_block + cache.ring_bytes(),
+                          max_tokens=tokens, max_payload_bytes=blocks * per_block + ring,
+                          device=str(cache.device))
+
+    def copy_kv(self, blocks: list[tuple[int, int]], slots: list[tuple[int, int]]) -> None:
+        """Forks' copy-on-write before a step writes: (source, copy) blocks, then slots."""
+        for src, dst in blocks:
+            self.kv_cache.copy_block(src, dst)
+        for src, dst in slots:
+            self.kv_cache.copy_state(src, dst)
+
+    def check_kv_import(self, tensors: dict, num_prompt_tokens: int, skipped_blocks: int) -> None:
+        """ValueError unless a payload's tensors fit this cache (names, shapes, dtype)."""
+        self.kv_cache.check_import(tensors, num_prompt_tokens, skipped_blocks)
+
+    def import_kv(self, block_ids: list[int], state_slot: int, tensors: dict) -> None:
+        """A checked payload's KV into ``block_ids`` (and its rings into ``state_slot``)."""
+        self.kv_cache.import_sequence(block_ids, state_slot, tensors)
+
+    def write_kv_blocks(self, block_ids: list[int], k_blocks, v_blocks) -> None:
+        """Streamed chunks' full blocks into ``block_ids``."""
+        self.kv_cache.write_blocks(block_ids, k_blocks, v_blocks)
+
+    def export_shapes(self, num_tokens: int, first_block: int = 0):
+        """The tensors a payload of ``num_tokens`` tokens carries (from ``first_block``)."""
+        return self.kv_cache.export_shapes(num_tokens, first_block)
+
+    def export_into(self, block_table: list[int], state_slot: int, num_tokens: int,
+                    views: dict, first_block: int = 0) -> None:
+        """Gather a sequence's KV straight into a payload's tensor ``views``."""
+        self.kv_cache.export_into(block_table, state_slot, num_tokens, views, first_block)
 
     # ---- one step ------------------------------------------------------------
     def execute(self, rows: list[RunnerRow]) -> list[int | None]:

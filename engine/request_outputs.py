@@ -1,14 +1,14 @@
 """What one step reports for each request it touched (``RequestOutput``): the token it
 drew (with its logprobs where asked) and, once, how it finished. A request whose step
 failed finishes with ``error`` and none of that step's tokens; the forks of a prompt
-that ended before it completed end with it. And an engine's counters (``engine_stats``)
-and KV capacity (``kv_capacity``)."""
+that ended before it completed end with it. And an engine's counters for its router
+(``engine_stats``)."""
 
 from __future__ import annotations
 
 from collections import Counter
 
-from pdserve.engine.outputs import EngineStats, KVCapacity, RequestOutput, TokenLogprobs
+from pdserve.engine.outputs import EngineStats, RequestOutput, TokenLogprobs
 from pdserve.scheduler.output import SchedulerOutput, StepResult
 from pdserve.scheduler.sequence import Sequence
 
@@ -77,20 +77,6 @@ def _output_for(by_id: dict[str, RequestOutput], seq: Sequence) -> RequestOutput
     out.num_output_tokens = seq.output_len
     out.first_token_time = seq.first_token_time
     return out
-
-
-def kv_capacity(engine) -> KVCapacity:
-    """An engine's KV capacity (``LLMEngine.kv_capacity``)."""
-    cache = engine.runner.kv_cache
-    tokens = min(int(engine.max_model_len), cache.num_blocks * cache.block_size)
-    blocks = -(-tokens // cache.block_size)
-    ring = cache.ring_bytes() // max(1, cache.num_state_slots)
-    per_block = cache.bytes_per_block()
-    return KVCapacity(block_size=cache.block_size, num_blocks=cache.num_blocks,
-                      bytes_per_block=per_block,
-                      total_bytes=cache.num_blocks * per_block + cache.ring_bytes(),
-                      max_tokens=tokens, max_payload_bytes=blocks * per_block + ring,
-                      device=str(cache.device))
 
 
 def engine_stats(engine) -> EngineStats:

@@ -117,5 +117,5 @@ class KVExport:
                 key: str, buffer_for: BufferFor) -> Any:
         """Gather ``seq``'s blocks from ``first_block`` on straight into the buffer the
         transport lends for ``payload``."""
-        return write_payload(payload, self.runner.kv_cache, seq.block_table, seq.state_slot,
+        return write_payload(payload, self.runner, seq.block_table, seq.state_slot,
                              num_tokens, buffer_for, key, first_block)

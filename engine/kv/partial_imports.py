@@ -14,7 +14,7 @@ from collections.abc import Container, Iterator
 
 from pdserve.engine.errors import NoCapacityError
 from pdserve.engine.kv.payload import KVPayload, KVPayloadError
-from pdserve.kernels.kv_cache import KVCache
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.scheduler.prefix_hash import chain_hashes
 from pdserve.scheduler.scheduler import Scheduler
 
@@ -36,9 +36,9 @@ class PartialImport:
 class PartialImports:
     """The partial imports of one engine, by the streamed attempt (``stream_of``)."""
 
-    def __init__(self, scheduler: Scheduler, kv_cache: KVCache, block_size: int) -> None:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, block_size: int) -> None:
         self.scheduler = scheduler
-        self.kv_cache = kv_cache
+        self.runner = runner
         self.block_size = block_size
         self._by_stream: dict[str, PartialImport] = {}
 
@@ -63,7 +63,7 @@ class PartialImports:
                                  "chunks before it")
         if chunk.stream_of in in_flight:
             raise KVPayloadError(f"request {chunk.stream_of!r} is already here: no more chunks")
-        self.kv_cache.check_import(chunk.tensors, chunk.num_prompt_tokens, have)
+        self.runner.check_kv_import(chunk.tensors, chunk.num_prompt_tokens, have)
         block_ids = self._write(chunk, chunk.num_prompt_tokens // self.block_size - have)
         if partial is None:
             partial = self._by_stream[chunk.stream_of] = PartialImport()
@@ -80,8 +80,8 @@ class PartialImports:
             raise NoCapacityError(f"no room for {num_blocks} blocks of streamed KV of "
                                   f"{chunk.stream_of!r}")
         try:
-            self.kv_cache.write_blocks(block_ids, chunk.tensors["k_blocks"],
-                                       chunk.tensors["v_blocks"])
+            self.runner.write_kv_blocks(block_ids, chunk.tensors["k_blocks"],
+                                        chunk.tensors["v_blocks"])
         except Exception:
             self.scheduler.release_blocks(block_ids)
             raise

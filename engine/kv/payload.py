@@ -410,13 +410,14 @@ class KVPayload:
             )
 
 
-def write_payload(payload: KVPayload, kv_cache: Any, block_table: list[int], state_slot: int,
+def write_payload(payload: KVPayload, source: Any, block_table: list[int], state_slot: int,
                   num_tokens: int, buffer_for: Any, key: str, first_block: int = 0) -> Any:
     """Lay ``payload`` out and gather its KV (the blocks of ``block_table`` from
     ``first_block`` on, and the slot's rings) straight into the buffer
     ``buffer_for(key, nbytes)`` returns (a transport's own memory): one copy. Returns
-    that buffer, filled."""
-    layout = payload.layout(kv_cache.export_shapes(num_tokens, first_block))
+    that buffer, filled. ``source``: what holds the KV (``export_shapes``,
+    ``export_into``: a ModelRunner, or its KVCache itself)."""
+    layout = payload.layout(source.export_shapes(num_tokens, first_block))
     buffer = buffer_for(key, layout.nbytes)
-    kv_cache.export_into(block_table, state_slot, num_tokens, layout.write(buffer), first_block)
+    source.export_into(block_table, state_slot, num_tokens, layout.write(buffer), first_block)
     return buffer

@@ -315,7 +315,7 @@ def make_speculator(config, runner, max_model_len: int) -> Speculator | None:
 
     if config.speculative == "off" or config.type == EngineType.PROMPT:
         return None
-    if runner.kv_cache.ring_layers:
+    if runner.sliding_window:
         raise ValueError("speculative: a model with sliding-window layers cannot draft "
                          "(a rejected draft would overwrite ring positions still needed)")
     if not runner.decode_kernel:

@@ -41,7 +41,7 @@ class DraftModelProposer:
         self.runner = ModelRunner(model_dir, block_size=block_size,
                                   kv_cache_bytes=kv_cache_mb << 20, num_state_slots=0,
                                   **runner_settings)
-        if self.runner.kv_cache.ring_layers:
+        if self.runner.sliding_window:
             raise ValueError("draft_model: a model with sliding-window layers cannot draft")
         if self.runner.vocab_size != target_vocab_size:
             raise ValueError(f"draft_model: its vocabulary has {self.runner.vocab_size} "
