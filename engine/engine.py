@@ -119,9 +119,7 @@ class LLMEngine:
         for _, fork_sampling in forks:
             fork_sampling.validate()
         seq = Sequence(attempt, prompt_token_ids, sampling, arrival_time=arrival_time,
-                       eos_token_id=self.tokenizer.eos_token_id)
-        seq.forks = list(forks)
-        seq.moved = moved
+                       eos_token_id=self.tokenizer.eos_token_id, forks=forks, moved=moved)
         if stream_kv and self.engine_type == EngineType.PROMPT \
                 and not self.runner.sliding_window:
             self._export.streamed[attempt] = 0
@@ -130,7 +128,6 @@ class LLMEngine:
         if sampling.guide is None:
             self._schedule(seq)
             return
-        seq.so_status = 1  # its forks take it too
         self.attempts.put(attempt, Place.GRAMMAR, seq)
         self.guided.admit_or_park(attempt, sampling.guide, lambda: self._schedule(seq),
                                   lambda cause: self._fail_unstarted(seq, cause))
@@ -228,7 +225,7 @@ class LLMEngine:
             self.guided.unpark(attempt)
             self._abort_unstarted(held.seq)
         elif held.place == Place.FORK:  # it never will be forked
-            held.seq.forks = [f for f in held.seq.forks if f[0] != attempt]
+            held.seq.drop_forks(attempt)
             self._end_unstarted(attempt)
         elif held.place == Place.IMPORT:
             self._abort_import(attempt, held.payload)
@@ -253,7 +250,7 @@ class LLMEngine:
     def _abort_unstarted(self, seq: Sequence) -> None:
         for attempt in (seq.attempt, *(fork_id for fork_id, _ in seq.forks)):
             self._end_unstarted(attempt)
-        seq.forks = []
+        seq.drop_forks()
 
     def _end_unstarted(self, attempt: str) -> None:
         """Reported as aborted at the next step."""
@@ -274,11 +271,10 @@ class LLMEngine:
             self._expire_partials()
         self.guided.admit_ready()
         self._admit_imports()
-        drafted = self.speculator.propose(self.scheduler.running, self.guided.fitting_draft) \
-            if self.speculator is not None else []
+        if self.speculator is not None:
+            self.scheduler.set_drafts(self.speculator.propose(self.scheduler.running,
+                                                              self.guided.fitting_draft))
         sched_out = self.scheduler.schedule()
-        if sched_out.kind == StepKind.PROMPT and sched_out.scheduled:
-            self._note_scheduled(sched_out)
         run_started = time.perf_counter()
         self._step_logprobs = {}
         self._draw_logprobs = None
@@ -292,8 +288,6 @@ class LLMEngine:
         sampled, fork_tokens = split_fork_draws(sched_out, sampled, self._draw_logprobs,
                                                 self._step_logprobs)
         result = self.scheduler.process_outputs(sched_out, sampled, fork_tokens)
-        for seq in drafted:  # verified, or never scheduled: a draft lives one step
-            seq.draft_len, seq.draft_token_ids = 0, []
         for child in result.forked:
             self.attempts.put(child.attempt, Place.SCHEDULER, child)
         kv_chunks = self._export.stream_ahead(sched_out, self.payload_buffer) \
@@ -332,14 +326,6 @@ class LLMEngine:
             self._failed[seq.attempt] = cause
             result.handed_off.remove(seq)
             result.finished.append(seq)
-
-    @staticmethod
-    def _note_scheduled(sched_out: SchedulerOutput) -> None:
-        """Stamp when each prompt first ran, for the router's TTFT breakdown."""
-        now = time.monotonic()
-        for row in sched_out.scheduled:
-            if row.seq.first_scheduled_time is None:
-                row.seq.first_scheduled_time = now
 
     def _execute(self, sched_out: SchedulerOutput) -> list[int | None]:
         # before the model writes anything; a step with no rows may still carry the
@@ -409,24 +395,14 @@ class LLMEngine:
                     len(payload.cached_block_ids)) != AllocStatus.OK:
                 return  # FIFO: later imports wait behind the head, as prompts do
             self._pending_imports.popleft()
-            prompt = payload.token_ids[:payload.num_prompt_tokens]
-            seq = Sequence(payload.attempt, prompt, payload.sampling,
-                           arrival_time=payload.arrival_time,
+            seq = Sequence(payload.attempt, payload.token_ids[:payload.num_prompt_tokens],
+                           payload.sampling, arrival_time=payload.arrival_time,
                            eos_token_id=self.tokenizer.eos_token_id)
-            seq.processed = payload.num_prompt_tokens
-            seq.so_status = 1 if guide is not None else 0  # its forks take it too
-            self.scheduler.add_prefilled(seq, payload.cached_block_ids)
-            if payload.cached_block_hashes:  # streamed blocks: named from here on
-                seq.block_hashes = list(payload.cached_block_hashes)
-                seq.num_registered = 0
-            # n > 1: the forks share the prompt's blocks (their copies run before the
-            # next step's model, after the import below)
-            group = [seq, *self.scheduler.fork_siblings(
-                seq, [(f.attempt, f.sampling) for f in payload.forks],
-                [f.first_token_id for f in payload.forks], StepResult())]
-            seq.token_ids.append(payload.first_token_id)
+            group = self.scheduler.admit_imported(
+                seq, payload.first_token_id, payload.first_token_time, payload.cached_block_ids,
+                payload.cached_block_hashes, [(f.attempt, f.sampling) for f in payload.forks],
+                [f.first_token_id for f in payload.forks])
             for member in group:
-                member.first_token_time = payload.first_token_time
                 self.attempts.put(member.attempt, Place.SCHEDULER, member)
             try:
                 self.runner.import_kv(seq.block_table[payload.skipped_blocks:], seq.state_slot,

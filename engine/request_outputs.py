@@ -59,7 +59,6 @@ def request_outputs(result: StepResult, step_logprobs: dict[str, list[TokenLogpr
                 fork_id, [], finish_reason=out.finish_reason, error=out.error,
                 step_failed=out.step_failed, num_prompt_tokens=seq.prompt_len,
                 arrival_time=seq.arrival_time)
-        seq.forks = []
     for attempt in aborted_unstarted:
         by_id[attempt] = RequestOutput(attempt, [], finish_reason="abort")
         ended.append(attempt)

@@ -53,6 +53,7 @@ class Scheduler(PrefillPath, DecodePath, BlockManager):
         self._maybe_finished_in_queues = False  # set by abort and by every finish
         # Copy-on-write of siblings forked since the last step: the next step runs them.
         self._next_copies = SchedulerOutput(StepKind.DECODE)
+        self._drafted: list[Sequence] = []  # given a draft for the next step (set_drafts)
         self._install_policies(config)
 
     # ---- policies (spec section 9): each a named hook, the default first ----
@@ -167,6 +168,28 @@ class Scheduler(PrefillPath, DecodePath, BlockManager):
         seq.state_slot = self.states.allocate_one()
         self.prompted.append((seq, False))
 
+    def admit_imported(self, seq: Sequence, first_token_id: int, first_token_time: float,
+                       cached: list[int], cached_hashes: list[bytes],
+                       forks: list[tuple[str, SamplingParams]],
+                       fork_tokens: list[int]) -> list[Sequence]:
+        """A COMPLETION engine's import of a new sequence whose prompt was prefilled
+        elsewhere: owned as ``add_prefilled`` does, its streamed blocks' hashes kept
+        (``cached_hashes``), the siblings of n > 1 forked from it with their first
+        tokens (``fork_tokens``), and its own first token appended. Returns the group,
+        the sequence first; its KV is imported next, then ``register_prefilled``."""
+        seq.processed = seq.prompt_len
+        self.add_prefilled(seq, cached)
+        if cached_hashes:  # streamed blocks: named from here on
+            seq.block_hashes = list(cached_hashes)
+            seq.num_registered = 0
+        # n > 1: the forks share the prompt's blocks (their copies run before the next
+        # step's model, after the import)
+        group = [seq, *self.fork_siblings(seq, forks, fork_tokens, StepResult())]
+        seq.token_ids.append(first_token_id)
+        for member in group:  # drawn on the prefill rank: TTFT counts from there
+            member.first_token_time = first_token_time
+        return group
+
     def release_handed_off(self, seq: Sequence) -> None:
         """The engine exported a handed-off sequence's KV: its blocks go back (S35)."""
         self._free_resources(seq)
@@ -268,6 +291,11 @@ class Scheduler(PrefillPath, DecodePath, BlockManager):
 
     def schedule(self) -> SchedulerOutput:
         out = self._schedule()
+        if out.kind == StepKind.PROMPT:  # when each prompt first ran: the TTFT breakdown
+            now = time.monotonic()
+            for row in out.scheduled:
+                if row.seq.first_scheduled_time is None:
+                    row.seq.first_scheduled_time = now
         copies = self._next_copies
         if copies.block_copies or copies.state_copies:
             # forks made since the last step: their copies run first (before any write)
@@ -333,7 +361,18 @@ class Scheduler(PrefillPath, DecodePath, BlockManager):
             self._process_prompt(rows, sampled_token_ids, result, fork_tokens or {})
         result.finished.extend(self._unreported)
         self._unreported.clear()
+        for seq in self._drafted:  # verified, or never scheduled: a draft lives one step
+            seq.draft_len, seq.draft_token_ids = 0, []
+        self._drafted = []
         return result
+
+    def set_drafts(self, drafts: list[tuple[Sequence, list[int]]]) -> None:
+        """Speculative decoding: the tokens proposed to follow each sequence's history,
+        verified by the next step (its row computes 1 + len(draft) positions, S4) and
+        dropped once that step is processed."""
+        for seq, draft in drafts:
+            seq.draft_token_ids, seq.draft_len = list(draft), len(draft)
+            self._drafted.append(seq)
 
     def _process_decode(self, rows, tokens, result: StepResult) -> None:
         append_token = self._append_token

@@ -69,6 +69,8 @@ class Sequence:
         sampling: SamplingParams | None = None,
         arrival_time: float | None = None,
         eos_token_id: int | None = None,
+        forks: list[tuple[str, SamplingParams]] | tuple = (),
+        moved: bool = False,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"prompt_token_ids of request {attempt!r} must not be empty")
@@ -88,7 +90,8 @@ class Sequence:
         self.block_table: list[int] = []
         self.state_slot = -1
         self.status = SequenceStatus.WAITING
-        self.so_status = 0  # 0 none/inactive, 1 active, -1 failed
+        # 0 none/inactive, 1 active (a guided request: its forks take it too), -1 failed
+        self.so_status = 1 if self.sampling.guide is not None else 0
         self.schedulable = True
         self.checkpoints: list[int] = []  # ascending prompt positions a chunk may not cross
         self.first_scheduled_time: float | None = None  # first prompt chunk scheduled (engine clock)
@@ -96,7 +99,7 @@ class Sequence:
         self.fork_pending = False  # holds a parent's pinned blocks until it gets its own copies
         # n > 1: (attempt, sampling) of each sibling that forks from this sequence when
         # its prompt completes, sharing the prompt's KV (S34); empty once forked.
-        self.forks: list[tuple[str, SamplingParams]] = []
+        self.forks: list[tuple[str, SamplingParams]] = list(forks)
         self.fork_of: str | None = None  # the attempt this one was forked from
         # Prefix caching: hashes of its history's full blocks (as far as computed), how
         # many of its blocks carry theirs in the pool, and the prompt tokens it took
@@ -108,7 +111,7 @@ class Sequence:
         self.retired = False  # resources freed and finish reported: guards "exactly once"
         # moved here off a rank that died, left or failed: it has waited already, so it
         # queues ahead of fresh arrivals (Scheduler.add)
-        self.moved = False
+        self.moved = moved
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -138,6 +141,10 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def drop_forks(self, attempt: str | None = None) -> None:
+        """Forks not made yet that never will be: ``attempt``'s, or all of them."""
+        self.forks = [] if attempt is None else [f for f in self.forks if f[0] != attempt]
 
     def reset_for_recompute(self) -> None:
         """Forget cache progress only: history, sampling and structured-output state stay,

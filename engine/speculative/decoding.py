@@ -182,10 +182,10 @@ class Speculator:
 
     def propose(self, running: list[Sequence],
                 fit: Callable[[Sequence, list[int]], list[int]] | None = None
-                ) -> list[Sequence]:
-        """Give the running sequences drafts where they pay (module docstring, 1); the
-        sequences that got one. ``fit(seq, draft)``: the part of a draft the sequence's
-        grammar accepts."""
+                ) -> list[tuple[Sequence, list[int]]]:
+        """Drafts for the running sequences where they pay (module docstring, 1), each
+        with its sequence (the scheduler sets them: ``Scheduler.set_drafts``).
+        ``fit(seq, draft)``: the part of a draft the sequence's grammar accepts."""
         self._steps += 1
         self._propose_s = 0.0
         eligible = [(seq, room) for seq in running if (room := self._room(seq)) > 0]
@@ -207,12 +207,7 @@ class Speculator:
         lens = [len(d) for _, d in candidates] if self.proposer.plans_first else \
             self.plan_draft_lens(len(running), [(self._rate(seq), len(d))
                                                 for seq, d in candidates])
-        drafted = []
-        for (seq, draft), k in zip(candidates, lens, strict=True):
-            if k:
-                seq.draft_token_ids, seq.draft_len = draft[:k], k
-                drafted.append(seq)
-        return drafted
+        return [(seq, draft[:k]) for (seq, draft), k in zip(candidates, lens, strict=True) if k]
 
     def _room(self, seq: Sequence) -> int:
         """How many tokens ``seq`` may draft: 0 unless its next step is a plain decode

@@ -137,5 +137,4 @@ def test_propose_skips_sequences_near_their_limits():
     seq.token_ids.append(2)  # one output token: two more allowed, the last not drafted
     seq.processed = len(seq) - 1
     seq.status = seq.status.__class__.RUNNING
-    assert spec.propose([seq]) == [seq]
-    assert seq.draft_token_ids == [1]  # max_tokens 3 leaves room for one drafted token
+    assert spec.propose([seq]) == [(seq, [1])]  # max_tokens 3 leaves room for one drafted token

@@ -85,3 +85,21 @@ def test_recompute_clears_the_draft(kit):
     _draft(a, [1, 2])
     a.reset_for_recompute()
     assert a.draft_len == 0 and a.draft_token_ids == [] and a.processed == 0
+
+
+def test_a_draft_set_by_the_scheduler_lives_one_step_scheduled_or_not(kit):
+    """set_drafts: the speculator's drafts go through the scheduler, which drops them
+    once the step is processed, for a drafted row and for a sequence its step left out."""
+    s = kit.sched(num_blocks=64)
+    a = kit.running(s, "A", 10, 2)
+    b = kit.running(s, "B", 10, 2)
+    kit.admit_prompted(s)
+    s.set_drafts([(a, [5, 6])])
+    out = s.schedule()
+    assert ("A", 3, 14) in kit.rows(out)
+    s.set_drafts([(b, [7])])  # drafted after the step was built: never scheduled
+    s.process_outputs(out, [[5, 9] if r.seq is a else 4 for r in out.scheduled])
+    assert (a.draft_len, a.draft_token_ids, b.draft_len, b.draft_token_ids) == (0, [], 0, [])
+    assert a.token_ids[-2:] == [5, 9]
+    out = s.schedule()
+    assert all(r.query_len == 1 for r in out.scheduled)  # no draft left
