@@ -47,6 +47,7 @@ class GuidedRequests:
         self.book = GrammarBook(tokenizer, vocab_size)
         self._eos = tuple(tokenizer.eos_token_ids)
         self._matchers: dict[str, Any] = {}
+        self._unmatched: set[str] = set()  # whose answer no matcher could replay
         self._parked: list[_Parked] = []
 
     # -- waiting for a grammar ---------------------------------------------------------
@@ -138,9 +139,10 @@ class GuidedRequests:
 
     def _matcher(self, seq: Sequence, length: int):
         """``seq``'s matcher, made by replaying its answer before ``length`` when new;
-        None (and so_status -1) when that answer does not fit the grammar."""
+        None when that answer does not fit the grammar (then the scheduler's check of
+        its next token, ``accept``, fails it: structured_output_failed)."""
         matcher = self._matchers.get(seq.attempt)
-        if matcher is not None:
+        if matcher is not None or seq.attempt in self._unmatched:
             return matcher
         guide = seq.sampling.guide
         try:
@@ -148,22 +150,23 @@ class GuidedRequests:
             matcher, fits = self.book.matcher(guide, seq.token_ids[answer_start(seq):length])
         except Exception as exc:  # one request's grammar never fails the step
             log.error("request %s: no matcher for its grammar: %s", seq.attempt, exc)
-            seq.so_status = -1
+            self._unmatched.add(seq.attempt)
             return None
         if not fits:
             log.warning("request %s: its answer so far does not fit its grammar",
                         seq.attempt)
-            seq.so_status = -1
+            self._unmatched.add(seq.attempt)
             return None
         self._matchers[seq.attempt] = matcher
         return matcher
 
     def forget(self, attempt: str) -> None:
         self._matchers.pop(attempt, None)
+        self._unmatched.discard(attempt)
 
     @property
     def num_matchers(self) -> int:
-        return len(self._matchers)
+        return len(self._matchers) + len(self._unmatched)
 
     def close(self) -> None:
         self.book.close()

@@ -136,6 +136,19 @@ def test_a_moved_request_continues_token_for_token(llm, temperature):
     llm.assert_drained()
 
 
+def test_a_moved_answer_that_does_not_fit_its_grammar_ends_once(llm):
+    """A history whose answer so far breaks the grammar (no matcher can replay it) ends
+    with structured_output_failed, once, and leaves nothing behind."""
+    prompt = _chat(llm, PROMPTS["nested"])
+    broken = llm.tokenizer.encode("not json at all")
+    sp = replace(_params("nested", temperature=0.0), prior_output_tokens=len(broken))
+    [out] = llm.generate(prompt_token_ids=[prompt + broken], sampling_params=sp,
+                         use_tqdm=False)
+    assert out.finish_reason == "structured_output_failed"
+    assert len(out.token_ids) <= 1
+    llm.assert_drained()
+
+
 def test_regex_choice_and_grammar_guides(llm):
     prompt = _chat(llm, "Answer with a code.")
     guides = [Guide("regex", r"[A-Z]{3}-[0-9]{4}"), Guide("choice", json.dumps(["yes", "no"])),
