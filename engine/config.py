@@ -114,7 +114,7 @@ class EngineSettings(SchedulerPolicy):
     # instructions a weight; perplexity within 0.1%); "fp32" the exact activations;
     # "auto" int8 for a GGUF file's integer blocks (the file's author chose
     # quantization) but the attention's q|k|v, fp32 for those and for weights quantized
-    # at load (engine/quantized_weights.int8_rows_for says why).
+    # at load (engine/model/quantized_weights.int8_rows_for says why).
     activation_precision: str = checked("auto", OneOf(ACTIVATION_PRECISIONS))
     # Threads of a KV hand-off's block copies (the export's gather, the import's
     # scatter; kernels/kv_copy.c): one core's copy is bound by the misses it keeps in

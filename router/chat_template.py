@@ -4,7 +4,7 @@
 ``PreTrainedTokenizerFast`` (local files only): transformers finds the template
 (``chat_template.jinja``, ``additional_chat_templates/``, tokenizer_config.json) and the
 special tokens the template sees; None when the model has none. A GGUF file's template
-and special tokens (``engine.gguf_file.GGUFModel``) go to ``ChatTemplate(templates,
+and special tokens (``engine.model.gguf_file.GGUFModel``) go to ``ChatTemplate(templates,
 special_tokens, source)``, which puts them on a tokenizer with an empty vocabulary.
 Neither imports torch (tested); transformers is imported on first use.
 

@@ -1,7 +1,7 @@
 """The keywords of a JSON schema the grammar engine does not enforce.
 
 pdserve holds a JSON answer to its schema with xgrammar (0.2.9, as
-``engine/guided_decoding`` compiles schemas). xgrammar enforces most of JSON Schema and
+``engine/guided/grammar`` compiles schemas). xgrammar enforces most of JSON Schema and
 ignores some keywords silently; an answer may then break the schema the client asked
 for. ``unenforced`` lists each such keyword with its JSON path, so that a strict request
 is refused naming it and a non-strict one is answered with a warning

@@ -1,4 +1,4 @@
-"""The C decode step (``kernels/decode_step``, via ``engine/decode_kernel``) against the
+"""The C decode step (``kernels/decode_step``, via ``engine/model/decode_kernel``) against the
 torch path: same hidden states to ~1e-5, same cache writes, same greedy tokens, results
 independent of the thread count, and the fallback where it does not apply. The tests
 taking ``isa`` run for every build this CPU can execute (an AVX-512 one runs the

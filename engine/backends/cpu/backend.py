@@ -1,11 +1,11 @@
 """The CPU backend: what only a CPU run needs, behind the seam.
 
-- a decode step runs as one C call (``engine/decode_kernel``, ``kernels/decode_step``)
+- a decode step runs as one C call (``engine/model/decode_kernel``, ``kernels/decode_step``)
   where the model and CPU allow: it reads the paged cache through the block tables;
 - otherwise decode rows attend over contiguous copies of their K/V
   (``kernels/decode_kv``: on a CPU a gather costs more than the attention), and prompt
   rows through the torch reference (``kernels/attention``);
-- the thread tuner picks each step's thread count (``engine/thread_tuner``).
+- the thread tuner picks each step's thread count (``thread_tuner.py`` beside this file).
 
 The matmul layouts (panels, packed, quantized records) stay with the weights
 (``engine/model.MatMul``): they are chosen once at load.
