@@ -122,7 +122,7 @@ class LLMEngine:
                        eos_token_id=self.tokenizer.eos_token_id, forks=forks, moved=moved)
         if stream_kv and self.engine_type == EngineType.PROMPT \
                 and not self.runner.sliding_window:
-            self._export.streamed[attempt] = 0
+            self._export.stream(attempt, prompt_token_ids)
         for fork_id, _ in forks:
             self.attempts.put(fork_id, Place.FORK, seq)
         if sampling.guide is None:
@@ -290,7 +290,8 @@ class LLMEngine:
         result = self.scheduler.process_outputs(sched_out, sampled, fork_tokens)
         for child in result.forked:
             self.attempts.put(child.attempt, Place.SCHEDULER, child)
-        kv_chunks = self._export.stream_ahead(sched_out, self.payload_buffer) \
+        kv_chunks = self._export.stream_ahead(
+            sched_out, {seq.attempt for seq in result.finished}, self.payload_buffer) \
             if self._export.streamed else []
         handoffs = self._hand_off_all(result)
         outputs = self._collect_outputs(result)
@@ -313,8 +314,8 @@ class LLMEngine:
         cause = f"step failed on rank {self.rank}: {type(exc).__name__}: {exc}"
         log.error("%s (%d rows)", cause, len(sched_out.scheduled))
         for row in sched_out.scheduled:
-            self._failed[row.seq.attempt] = cause
-            self.scheduler.abort(row.seq.attempt)
+            self._failed[row.attempt] = cause
+            self.scheduler.abort(row.attempt)
         return [0] * len(sched_out.scheduled)  # ignored: every row is finished now
 
     def _fail_handoff(self, group: list[Sequence], exc: BaseException,
@@ -345,7 +346,7 @@ class LLMEngine:
         else:
             per_row = logprobs and [None if lp is None else [lp] for lp in logprobs]
         if per_row is not None:  # some row asked (sampling.logprobs): keyed for the outputs
-            self._step_logprobs = {row.seq.attempt: lps for row, lps in
+            self._step_logprobs = {row.attempt: lps for row, lps in
                                    zip(sched_out.scheduled, per_row, strict=False) if lps}
             self._draw_logprobs = logprobs  # the forks' draws follow the rows
         return tokens

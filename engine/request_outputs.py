@@ -122,12 +122,11 @@ def split_fork_draws(sched_out: SchedulerOutput, sampled: list, draw_logprobs: l
     fork_tokens: dict[str, list[int]] = {}
     extra = iter(range(len(rows), len(sampled)))
     for row in rows:
-        seq = row.seq
-        if row.sample and seq.forks:
-            slots = [next(extra) for _ in seq.forks]
-            fork_tokens[seq.attempt] = [sampled[i] for i in slots]
+        if row.forks:  # only a row that samples draws for its forks
+            slots = [next(extra) for _ in row.forks]
+            fork_tokens[row.attempt] = [sampled[i] for i in slots]
             if draw_logprobs is not None:
-                for (fork_id, _), i in zip(seq.forks, slots, strict=True):
+                for (fork_id, _), i in zip(row.forks, slots, strict=True):
                     if draw_logprobs[i] is not None:
                         step_logprobs[fork_id] = [draw_logprobs[i]]
     return sampled[:len(rows)], fork_tokens

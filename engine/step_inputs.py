@@ -22,7 +22,7 @@ from pdserve.kernels.attention import AttentionGroup, AttentionMetadata
 from pdserve.kernels.decode_kv import DecodePlan
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.slot_mapping import full_slots, ring_slots
-from pdserve.scheduler.output import ScheduledSequence
+from pdserve.scheduler.output import ScheduledRow
 from pdserve.scheduler.sampling_params import SamplingParams
 
 _GREEDY = SamplingParams(temperature=0.0)
@@ -47,12 +47,12 @@ class RunnerRow:
     controls: RowControls | None = None
 
 
-def runner_rows(scheduled: list[ScheduledSequence],
+def runner_rows(scheduled: list[ScheduledRow],
                 controls_for: Callable[..., RowControls | None]
                 ) -> tuple[list[RunnerRow], list[tuple[int, int]] | None]:
     """The runner's rows of a step's scheduled rows, and where each scheduled row's
     runner rows are ((first, count) each; None when every row is one runner row).
-    ``controls_for(seq, length, draft)``: the controls of a row that draws the token at
+    ``controls_for(row, length, draft)``: the controls of a row that draws the token at
     ``length`` after the history and ``draft``.
 
     A decode row with a draft (speculative decoding) becomes 1 + draft_len rows of one
@@ -61,40 +61,37 @@ def runner_rows(scheduled: list[ScheduledSequence],
     rows: list[RunnerRow] = []
     spans: list[tuple[int, int]] | None = None
     for n, row in enumerate(scheduled):
-        seq = row.seq
-        draft = seq.draft_token_ids
-        if draft and row.query_len == 1 + len(draft):
+        if row.draft and row.query_len == 1 + len(row.draft):
             if spans is None:
                 spans = [(i, 1) for i in range(n)]
-            spans.append((len(rows), 1 + len(draft)))
+            spans.append((len(rows), 1 + len(row.draft)))
             rows += _drafted_rows(row, controls_for)
             continue
         if spans is not None:
             spans.append((len(rows), 1))
         rows.append(RunnerRow(
-            token_ids=seq.token_ids[row.start_pos:row.seqlen_k],
+            token_ids=list(row.token_ids),
             start_pos=row.start_pos,
-            block_table=seq.block_table,
-            state_slot=seq.state_slot,
-            sampling=seq.sampling,
+            block_table=list(row.block_table),
+            state_slot=row.state_slot,
+            sampling=row.sampling,
             sample=row.sample,
-            controls=controls_for(seq, row.seqlen_k) if row.sample else None,
+            controls=controls_for(row, row.seqlen_k) if row.sample else None,
             # The position of the token drawn: seeded draws stay the same when a
             # request is recomputed elsewhere from its history.
-            output_index=len(seq.token_ids),
-            extra_draws=(tuple(sp for _, sp in seq.forks) if seq.forks and row.sample else ()),
+            output_index=row.output_index,
+            extra_draws=tuple(sp for _, sp in row.forks),
         ))
     return rows, spans
 
 
-def _drafted_rows(row: ScheduledSequence, controls_for) -> list[RunnerRow]:
-    seq, length = row.seq, len(row.seq.token_ids)
-    draft = seq.draft_token_ids
-    tokens = [seq.token_ids[-1], *draft]
+def _drafted_rows(row: ScheduledRow, controls_for) -> list[RunnerRow]:
+    length, draft, table = row.output_index, list(row.draft), list(row.block_table)
+    tokens = [row.token_ids[0], *draft]  # its last token, then each drafted one
     return [RunnerRow(token_ids=[token], start_pos=row.start_pos + j,
-                      block_table=seq.block_table, state_slot=seq.state_slot,
-                      sampling=seq.sampling, sample=True,
-                      controls=controls_for(seq, length + j, draft[:j]),
+                      block_table=table, state_slot=row.state_slot,
+                      sampling=row.sampling, sample=True,
+                      controls=controls_for(row, length + j, draft[:j]),
                       output_index=length + j)
             for j, token in enumerate(tokens)]
 

@@ -105,7 +105,7 @@ def run_case(scenario: dict, case: dict) -> str:
                  f"ignored={[s.attempt for s in out.ignored]}, free={sched.blocks.free_ids}")
     retained = "n/a" if victim is None else len(victim) == history[victim.attempt]
     lines.append(f"  history retained={retained}; "
-                 f"scheduled={[row.seq.attempt for row in out.scheduled]}")
+                 f"scheduled={[row.attempt for row in out.scheduled]}")
     return "\n".join(lines) + "\n"
 
 

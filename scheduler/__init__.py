@@ -2,7 +2,7 @@
 
 from pdserve.scheduler.block_pool import AllocStatus, BlockPool
 from pdserve.scheduler.config import EngineType, SchedulerConfig
-from pdserve.scheduler.output import ScheduledSequence, SchedulerOutput, StepKind, StepResult
+from pdserve.scheduler.output import ScheduledRow, SchedulerOutput, StepKind, StepResult
 from pdserve.scheduler.positions import query_positions, ring_destinations
 from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.scheduler.scheduler import Scheduler
@@ -11,7 +11,7 @@ from pdserve.scheduler.votes import Communicator, SingleRankCommunicator
 
 __all__ = [
     "AllocStatus", "BlockPool", "Communicator", "EngineType", "SamplingParams",
-    "ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput", "Sequence",
+    "ScheduledRow", "Scheduler", "SchedulerConfig", "SchedulerOutput", "Sequence",
     "SequenceStatus", "SingleRankCommunicator", "StepKind", "StepResult", "query_positions",
     "ring_destinations",
 ]

@@ -63,7 +63,7 @@ class DecodePath(BlockManager):
         scheduled.sort(key=len, reverse=True)  # S29: batch order, longest history first
         # S36, before the in-flight counts grow; a row with a draft computes its positions
         # too (speculative decoding: its last token and each drafted one)
-        out.scheduled = rows = [
+        out.placed = rows = [
             ScheduledSequence(seq, 1 + seq.draft_len,
                               seq.processed + seq.in_flight + 1 + seq.draft_len, True)
             for seq in scheduled

@@ -56,7 +56,7 @@ class PrefillPath(BlockManager):
             elif self.engine_type == EngineType.NORMAL:  # S24
                 break
         out.num_batched_tokens = budget_used
-        if self.engine_type == EngineType.NORMAL and not out.scheduled and not out.ignored:
+        if self.engine_type == EngineType.NORMAL and not out.placed and not out.ignored:
             return None  # S25: the vote decides
         return out
 
@@ -159,4 +159,4 @@ class PrefillPath(BlockManager):
             seq.status = RUNNING
         seqlen_k = seq.processed + seq.in_flight + q  # S36
         seq.in_flight += q
-        out.scheduled.append(ScheduledSequence(seq, q, seqlen_k, not chunked))
+        out.placed.append(ScheduledSequence(seq, q, seqlen_k, not chunked))

@@ -293,9 +293,10 @@ class Scheduler(PrefillPath, DecodePath, BlockManager):
         out = self._schedule()
         if out.kind == StepKind.PROMPT:  # when each prompt first ran: the TTFT breakdown
             now = time.monotonic()
-            for row in out.scheduled:
+            for row in out.placed:
                 if row.seq.first_scheduled_time is None:
                     row.seq.first_scheduled_time = now
+        out.scheduled = [row.row() for row in out.placed]
         copies = self._next_copies
         if copies.block_copies or copies.state_copies:
             # forks made since the last step: their copies run first (before any write)
@@ -351,7 +352,7 @@ class Scheduler(PrefillPath, DecodePath, BlockManager):
         """``fork_tokens``: attempt -> the first tokens drawn for its ``forks``, for
         each prompt completed this step that has any (n > 1). A decode row with a draft
         gets a list: the drafted tokens accepted and the one drawn after them."""
-        rows = output.scheduled
+        rows = output.placed
         if len(sampled_token_ids) != len(rows):
             raise ValueError(f"{len(sampled_token_ids)} sampled tokens for {len(rows)} scheduled rows")
         result = StepResult()

@@ -27,6 +27,7 @@ from functools import cached_property
 from pdserve.bench.serve_metrics import RequestRecord
 from pdserve.engine.config import EngineConfig, EngineSettings
 from pdserve.router import routing
+from pdserve.router.config import ROUTINGS
 from pdserve.router.routing import PromptBlocks
 from pdserve.scheduler.config import EngineType, SchedulerConfig
 from pdserve.scheduler.output import SchedulerOutput, StepResult
@@ -81,8 +82,6 @@ class SimConfig:
 
 
 def routing_names() -> tuple[str, ...]:
-    from pdserve.router.config import ROUTINGS
-
     return ROUTINGS
 
 
@@ -285,11 +284,11 @@ class Cluster:
 
     def _hand_off(self, out: SchedulerOutput, result: StepResult, now: float) -> None:
         bs = self.block_size
-        started = {id(row.seq): row.seqlen_k - row.query_len for row in out.scheduled}
+        started = {row.attempt: row.start_pos for row in out.scheduled}
         for seq in result.handed_off:
             req = self.requests[seq.attempt]
             self._leave_entry(req)
-            streamed = started[id(seq)] // bs if self.config.kv_streaming else 0
+            streamed = started[seq.attempt] // bs if self.config.kv_streaming else 0
             hashes = req.hashes if (self.config.routing == "cache_aware" and not streamed) else []
             dst = self.decode_router.choose(hashes)
             if not dst.can_import(seq.prompt_len):

@@ -24,6 +24,7 @@ from typing import Any
 
 from pdserve.engine.guided.grammar import GrammarBook
 from pdserve.engine.logits_controls import RowControls
+from pdserve.scheduler.output import ScheduledRow
 from pdserve.scheduler.sampling_params import Guide
 from pdserve.scheduler.sequence import Sequence
 
@@ -95,30 +96,32 @@ class GuidedRequests:
 
     # -- rows and tokens ---------------------------------------------------------------
 
-    def controls_for(self, seq: Sequence, length: int,
+    def controls_for(self, row: ScheduledRow, length: int,
                      draft: list[int] | tuple = ()) -> RowControls | None:
-        """The controls of a row of ``seq`` that draws the token at ``length``, after
+        """The controls of a scheduled row that draws the token at ``length``, after
         its history and ``draft`` (the drafted tokens before that position, when
         speculating); None when its settings have none."""
-        sampling = seq.sampling
-        if not sampling.has_controls:
+        sampling = row.sampling
+        if not sampling.has_controls or row.history is None:
             return None
-        stops = (*((seq.eos_token_id,) if seq.eos_token_id is not None else ()),
+        stops = (*((row.eos_token_id,) if row.eos_token_id is not None else ()),
                  *sampling.stop_token_ids)
+        history = list(row.history)
         matcher = None
-        if seq.so_status == 1:
-            matcher = self._matcher(seq, len(seq.token_ids))
+        if row.guided:
+            matcher = self._matcher(row.attempt, sampling.guide, history, answer_start(row),
+                                    len(history))
             if matcher is not None and draft:
                 matcher = _advanced(matcher, draft)
-        history = [*seq.token_ids, *draft] if draft else seq.token_ids
-        return RowControls(history, length, answer_start(seq), stops, matcher)
+        return RowControls([*history, *draft], length, answer_start(row), stops, matcher)
 
     def fitting_draft(self, seq: Sequence, draft: list[int]) -> list[int]:
         """The longest start of ``draft`` that ``seq``'s grammar accepts (all of it for
         an unguided sequence): drafted tokens pass the matcher before they are verified."""
         if seq.so_status != 1 or not draft:
             return draft
-        matcher = self._matcher(seq, len(seq.token_ids))
+        matcher = self._matcher(seq.attempt, seq.sampling.guide, seq.token_ids,
+                                answer_start(seq), len(seq.token_ids))
         if matcher is None:
             return []
         probe = matcher.fork()
@@ -129,7 +132,8 @@ class GuidedRequests:
 
     def accept(self, seq: Sequence, token: int) -> bool:
         """The scheduler's check of a token just appended to a guided sequence."""
-        matcher = self._matcher(seq, len(seq.token_ids) - 1)
+        matcher = self._matcher(seq.attempt, seq.sampling.guide, seq.token_ids,
+                                answer_start(seq), len(seq.token_ids) - 1)
         if matcher is None:
             return False
         ok = not matcher.is_terminated() and matcher.accept_token(int(token))
@@ -137,27 +141,26 @@ class GuidedRequests:
             log.warning("request %s: token %d does not fit its grammar", seq.attempt, token)
         return ok
 
-    def _matcher(self, seq: Sequence, length: int):
-        """``seq``'s matcher, made by replaying its answer before ``length`` when new;
-        None when that answer does not fit the grammar (then the scheduler's check of
-        its next token, ``accept``, fails it: structured_output_failed)."""
-        matcher = self._matchers.get(seq.attempt)
-        if matcher is not None or seq.attempt in self._unmatched:
+    def _matcher(self, attempt: str, guide: Guide, history: list[int] | tuple[int, ...], start: int,
+                 length: int):
+        """``attempt``'s matcher, made by replaying its answer (``history[start:length]``)
+        when new; None when that answer does not fit the grammar (then the scheduler's
+        check of its next token, ``accept``, fails it: structured_output_failed)."""
+        matcher = self._matchers.get(attempt)
+        if matcher is not None or attempt in self._unmatched:
             return matcher
-        guide = seq.sampling.guide
         try:
             self.book.request(guide).result(timeout=RECOMPILE_WAIT_S)
-            matcher, fits = self.book.matcher(guide, seq.token_ids[answer_start(seq):length])
+            matcher, fits = self.book.matcher(guide, list(history[start:length]))
         except Exception as exc:  # one request's grammar never fails the step
-            log.error("request %s: no matcher for its grammar: %s", seq.attempt, exc)
-            self._unmatched.add(seq.attempt)
+            log.error("request %s: no matcher for its grammar: %s", attempt, exc)
+            self._unmatched.add(attempt)
             return None
         if not fits:
-            log.warning("request %s: its answer so far does not fit its grammar",
-                        seq.attempt)
-            self._unmatched.add(seq.attempt)
+            log.warning("request %s: its answer so far does not fit its grammar", attempt)
+            self._unmatched.add(attempt)
             return None
-        self._matchers[seq.attempt] = matcher
+        self._matchers[attempt] = matcher
         return matcher
 
     def forget(self, attempt: str) -> None:
@@ -181,7 +184,7 @@ def _advanced(matcher, tokens: list[int]):
     return fork
 
 
-def answer_start(seq: Sequence) -> int:
+def answer_start(seq: Sequence | ScheduledRow) -> int:
     """Where ``seq``'s answer starts: after its prompt, less the answer a moved request
     carries at the end of its prompt (``prior_output_tokens``)."""
     return seq.prompt_len - seq.sampling.prior_output_tokens

@@ -44,38 +44,50 @@ class KVExport:
         self.runner = runner
         self.block_size = block_size
         self.streamed: dict[str, int] = {}  # attempt -> blocks streamed ahead
+        self._prompts: dict[str, list[int]] = {}  # attempt -> its prompt, while it streams
+
+    def stream(self, attempt: str, prompt: list[int]) -> None:
+        """Stream ``attempt``'s prompt KV ahead in chunks as it computes."""
+        self.streamed[attempt] = 0
+        self._prompts[attempt] = list(prompt)
 
     def forget_ended(self, live: Container[str]) -> None:
         """Requests that ended before their hand-off stream no more."""
         self.streamed = {k: n for k, n in self.streamed.items() if k in live}
+        self._prompts = {k: p for k, p in self._prompts.items() if k in live}
 
-    def stream_ahead(self, sched_out: SchedulerOutput, buffer_for: BufferFor) -> list[KVChunk]:
+    def stream_ahead(self, sched_out: SchedulerOutput, ended: Container[str],
+                     buffer_for: BufferFor) -> list[KVChunk]:
         """Chunks of the full blocks this prompt step completed, for streaming prompts
-        that are not done yet (a done one hands its remaining blocks off)."""
+        that are not done yet (a done one hands its remaining blocks off; one that
+        ``ended`` this step streams no more)."""
         if sched_out.kind != StepKind.PROMPT:
             return []
         chunks, block_size = [], self.block_size
         for row in sched_out.scheduled:
-            seq = row.seq
-            sent = self.streamed.get(seq.attempt)
-            if sent is None or seq.is_finished or seq.processed >= seq.prompt_len:
+            sent = self.streamed.get(row.attempt)
+            prompt = self._prompts.get(row.attempt)
+            # the step computed its positions up to seqlen_k (one step at a time)
+            if sent is None or row.attempt in ended or row.seqlen_k >= len(prompt):
                 continue
-            full = seq.processed // block_size
+            full = row.seqlen_k // block_size
             if full <= sent:
                 continue
-            key = f"{seq.attempt}/kv{sent}"
+            key = f"{row.attempt}/kv{sent}"
             chunk = self._payload(
-                attempt=key, token_ids=seq.token_ids[:full * block_size],
+                attempt=key, token_ids=prompt[:full * block_size],
                 num_prompt_tokens=full * block_size, sampling={}, skipped_blocks=sent,
-                kind="chunk", stream_of=seq.attempt)
+                kind="chunk", stream_of=row.attempt)
             try:
-                buffer = self._export(chunk, seq, full * block_size, sent, key, buffer_for)
+                buffer = write_payload(chunk, self.runner, list(row.block_table),
+                                       row.state_slot, full * block_size, buffer_for, key,
+                                       sent)
             except Exception as exc:  # what went ahead stays needed; the rest goes at hand-off
-                log.warning("streaming KV of %s stopped: %s: %s", seq.attempt,
+                log.warning("streaming KV of %s stopped: %s: %s", row.attempt,
                             type(exc).__name__, exc)
                 continue
-            self.streamed[seq.attempt] = full
-            chunks.append(KVChunk(seq.attempt, key, sent, full - sent, buffer))
+            self.streamed[row.attempt] = full
+            chunks.append(KVChunk(row.attempt, key, sent, full - sent, buffer))
         return chunks
 
     def hand_off(self, group: list[Sequence], buffer_for: BufferFor,
@@ -85,6 +97,7 @@ class KVExport:
         seq, others = group[0], group[1:]
         stream_of = seq.fork_of or seq.attempt  # a fork leads when its parent stopped
         streamed = self.streamed.pop(stream_of, 0)
+        self._prompts.pop(stream_of, None)
         payload = self._payload(
             attempt=seq.attempt, token_ids=list(seq.token_ids),
             num_prompt_tokens=seq.prompt_len, sampling=asdict(seq.sampling),
@@ -92,8 +105,8 @@ class KVExport:
             forks=[ForkedChoice(o.attempt, o.token_ids[-1], asdict(o.sampling))
                    for o in others],
             skipped_blocks=streamed, stream_of=stream_of if streamed else "")
-        buffer = self._export(payload, seq, seq.prompt_len, streamed, seq.attempt,
-                              buffer_for)
+        buffer = write_payload(payload, self.runner, seq.block_table, seq.state_slot,
+                               seq.prompt_len, buffer_for, seq.attempt, streamed)
         return HandOff(seq.attempt, seq.token_ids[-1], buffer, seq.prompt_len,
                        arrival_time=seq.arrival_time,
                        first_scheduled_time=seq.first_scheduled_time,
@@ -112,10 +125,3 @@ class KVExport:
         return KVPayload(model_fingerprint=runner.model_fingerprint,
                          dtype=dtype_name(runner.dtype), block_size=self.block_size,
                          num_layers=runner.num_layers, **fields)
-
-    def _export(self, payload: KVPayload, seq: Sequence, num_tokens: int, first_block: int,
-                key: str, buffer_for: BufferFor) -> Any:
-        """Gather ``seq``'s blocks from ``first_block`` on straight into the buffer the
-        transport lends for ``payload``."""
-        return write_payload(payload, self.runner, seq.block_table, seq.state_slot,
-                             num_tokens, buffer_for, key, first_block)

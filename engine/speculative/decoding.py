@@ -265,19 +265,19 @@ class Speculator:
         self.costs.observe(rows_computed, self._step_ended - self._step_started
                            + self._propose_s)
 
-    def verify(self, seq: Sequence, drawn: list[int]) -> list[int]:
-        """The tokens ``seq`` emits: its drafted tokens while each equals the token drawn
-        after the ones before it, then the token drawn after the last accepted one.
-        ``drawn``: the token sampled at each of the row's 1 + draft_len positions."""
-        draft = seq.draft_token_ids
+    def verify(self, attempt: str, draft: list[int] | tuple[int, ...],
+               drawn: list[int]) -> list[int]:
+        """The tokens ``attempt`` emits: its drafted tokens while each equals the token
+        drawn after the ones before it, then the token drawn after the last accepted
+        one. ``drawn``: the token sampled at each of the row's 1 + len(draft) positions."""
         accepted = 0
         while accepted < len(draft) and draft[accepted] == drawn[accepted]:
             accepted += 1
         self.metrics.record(len(draft), accepted)
         # per-token acceptance, as a run of accepts ended by a rejection estimates it
         rate = accepted / (accepted + (accepted < len(draft))) if draft else ACCEPTANCE_PRIOR
-        old = self._rates.get(seq.attempt, ACCEPTANCE_PRIOR)
-        self._rates[seq.attempt] = ACCEPTANCE_DECAY * old + (1 - ACCEPTANCE_DECAY) * rate
+        old = self._rates.get(attempt, ACCEPTANCE_PRIOR)
+        self._rates[attempt] = ACCEPTANCE_DECAY * old + (1 - ACCEPTANCE_DECAY) * rate
         return [*draft[:accepted], drawn[accepted]]
 
     def fold(self, scheduled: list, spans: list[tuple[int, int]], tokens: list,
@@ -289,7 +289,7 @@ class Speculator:
         out_logprobs: list | None = [] if logprobs is not None else None
         for row, (first, count) in zip(scheduled, spans, strict=True):
             drawn = tokens[first:first + count]
-            emitted = self.verify(row.seq, drawn) if count > 1 else drawn
+            emitted = self.verify(row.attempt, row.draft, drawn) if count > 1 else drawn
             out_tokens.append(emitted if count > 1 else drawn[0])
             if out_logprobs is not None:
                 lps = logprobs[first:first + len(emitted)]

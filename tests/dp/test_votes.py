@@ -69,7 +69,7 @@ def drive(ctx, config: dict, arrivals: dict, steps: int, world_size: int | None 
             d, want, calls = sched.decode_step, _wants_prefill(sched), comm.calls
             out = sched.schedule()
             votes = comm.calls - calls
-            rows = [(r.seq.attempt, r.query_len, r.sample) for r in out.scheduled]
+            rows = [(r.attempt, r.query_len, r.sample) for r in out.scheduled]
             res = sched.process_outputs(out, [TOKEN if r.sample else None for r in out.scheduled])
             for seq in res.finished:
                 assert seq.attempt not in reasons, f"{seq.attempt} finished twice"

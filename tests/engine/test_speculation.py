@@ -36,11 +36,11 @@ def test_verify_accepts_the_drafted_tokens_that_match_and_adds_the_next():
     spec = Speculator(NgramProposer(), 4, max_model_len=100)
     seq = Sequence("a", [1, 2, 3])
     seq.draft_token_ids = [5, 6, 7]
-    assert spec.verify(seq, [5, 6, 9, 4]) == [5, 6, 9]
+    assert spec.verify(seq.attempt, seq.draft_token_ids, [5, 6, 9, 4]) == [5, 6, 9]
     seq.draft_token_ids = [5, 6, 7]
-    assert spec.verify(seq, [5, 6, 7, 4]) == [5, 6, 7, 4]
+    assert spec.verify(seq.attempt, seq.draft_token_ids, [5, 6, 7, 4]) == [5, 6, 7, 4]
     seq.draft_token_ids = [5, 6, 7]
-    assert spec.verify(seq, [8, 6, 7, 4]) == [8]
+    assert spec.verify(seq.attempt, seq.draft_token_ids, [8, 6, 7, 4]) == [8]
     m = spec.metrics
     assert (m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens) == (3, 9, 5)
     assert m.accepted_per_pos == [2, 2, 1]
@@ -118,7 +118,7 @@ def test_speculative_sampling_keeps_the_target_distribution_on_a_small_vocabular
         seq.draft_token_ids = [2, 2, 2]
         tokens = [0, *seq.draft_token_ids]
         drawn = [int(draw([t], seeds[i:i + 1], 10 + j)[0]) for j, t in enumerate(tokens)]
-        out = spec.verify(seq, drawn)
+        out = spec.verify(seq.attempt, seq.draft_token_ids, drawn)
         while len(out) < 3:  # plain decoding after the first rejection
             out.append(int(draw([out[-1]], seeds[i:i + 1], 10 + len(out))[0]))
         emitted_rows.append(out[:3])

@@ -66,11 +66,11 @@ class Kit:
 
     @staticmethod
     def names(seqs) -> list[str]:
-        return [getattr(s, "attempt", None) or s.seq.attempt for s in seqs]
+        return [s.attempt for s in seqs]
 
     @staticmethod
     def rows(out) -> list[tuple[str, int, int]]:
-        return [(r.seq.attempt, r.query_len, r.seqlen_k) for r in out.scheduled]
+        return [(r.attempt, r.query_len, r.seqlen_k) for r in out.scheduled]
 
 
 class ThreadGroup:

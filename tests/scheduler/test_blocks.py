@@ -57,7 +57,7 @@ def test_s03_no_free_state_slot_turns_ok_into_later(kit):
 
 
 def A_slot(out):
-    return out.scheduled[0].seq.state_slot
+    return out.scheduled[0].state_slot
 
 
 def test_s04_blocks_needed_and_whole_prompt_reserved_when_chunked(kit):

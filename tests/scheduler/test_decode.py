@@ -68,7 +68,7 @@ def test_s28_candidates_from_short_end_victims_from_long_end(kit):
     assert s.blocks.num_free == 0
     out = _decode(s)
     assert out.preempted == [a] and s.num_preemptions == 1
-    assert [r.seq for r in out.scheduled] == [b, c]
+    assert [r.attempt for r in out.scheduled] == [b.attempt, c.attempt]
     assert (len(b.block_table), len(c.block_table)) == (12, 4)
     assert s.blocks.free_ids == [3, 2, 1]  # A's five freed last-first, two taken
 

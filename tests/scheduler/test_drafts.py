@@ -98,7 +98,7 @@ def test_a_draft_set_by_the_scheduler_lives_one_step_scheduled_or_not(kit):
     out = s.schedule()
     assert ("A", 3, 14) in kit.rows(out)
     s.set_drafts([(b, [7])])  # drafted after the step was built: never scheduled
-    s.process_outputs(out, [[5, 9] if r.seq is a else 4 for r in out.scheduled])
+    s.process_outputs(out, [[5, 9] if r.attempt == "A" else 4 for r in out.scheduled])
     assert (a.draft_len, a.draft_token_ids, b.draft_len, b.draft_token_ids) == (0, [], 0, [])
     assert a.token_ids[-2:] == [5, 9]
     out = s.schedule()

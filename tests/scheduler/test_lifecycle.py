@@ -152,9 +152,9 @@ def test_s34_fork_pins_and_routes_child(kit):
     assert child.block_table[:2] == parent.block_table[:2]
     assert out.block_copies == [(parent.block_table[2], child.block_table[2])]
     assert out.state_copies == [(parent.state_slot, child.state_slot)]
-    assert {r.seq.attempt for r in out.scheduled} == {"P", "C"}
+    assert {r.attempt for r in out.scheduled} == {"P", "C"}
     tokens = {"P": 11, "C": 12}
-    res = s.process_outputs(out, [tokens[r.seq.attempt] for r in out.scheduled])
+    res = s.process_outputs(out, [tokens[r.attempt] for r in out.scheduled])
     assert set(res.updated) == {parent, child}
     assert (parent.token_ids[-1], child.token_ids[-1]) == (11, 12)  # they diverge freely
     assert parent.token_ids[:-1] == child.token_ids[:-1] and len(child) == 11

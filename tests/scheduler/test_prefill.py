@@ -80,7 +80,7 @@ def test_s15_fork_with_incomplete_prompt_keeps_full_blocks_copies_partial(kit):
     child = s.fork(parent, "C")
     assert s.waiting[0] is child and child.block_table == [1, 2, 3, 4, 5]
     out = s.schedule()
-    assert out.scheduled[0].seq is child
+    assert out.scheduled[0].attempt == child.attempt
     # Keeps block 1 (positions 0-3, full), copies the partial block 2 (positions 4-5),
     # drops 3-5 and allocates the rest of its 5 blocks; clones the state slot.
     assert child.block_table[0] == 1 and s.blocks.refcount(1) == 2

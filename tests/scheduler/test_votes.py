@@ -153,7 +153,7 @@ def test_s11_counter_after_prompt_and_decode_steps(kit):
     assert out.kind is StepKind.PROMPT and kit.names(out.scheduled) == ["B"]
     out = s.schedule()
     assert out.kind is StepKind.DECODE and s.decode_step == 1
-    assert s.running == [r.seq for r in out.scheduled] and kit.names(s.running) == ["A", "B"]
+    assert kit.names(s.running) == [r.attempt for r in out.scheduled] == ["A", "B"]
 
 
 def test_votes_stay_in_lockstep_under_divergent_load(kit, thread_group):

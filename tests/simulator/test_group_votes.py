@@ -46,7 +46,7 @@ def drive(step_all):
         outs = step_all()
         for sched, out in zip(step_all.schedulers, outs, strict=True):
             sched.process_outputs(out, [5] * len(out.scheduled))
-        trace.append([(o.kind.name, [(row.seq.attempt, row.query_len) for row in o.scheduled])
+        trace.append([(o.kind.name, [(row.attempt, row.query_len) for row in o.scheduled])
                       for o in outs])
     return trace
 
