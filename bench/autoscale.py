@@ -36,6 +36,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from pdserve.bench.datasets import random_requests
+from pdserve.bench.harness import RouterHarness, start_embedded_ray
+from pdserve.bench.load_timeline import RateSchedule
+from pdserve.bench.plots import plot_pool_timeline
+from pdserve.bench.serve_client import collect
+from pdserve.bench.serve_report import summarize, write_json
+from pdserve.router.config import PoolConfig, RouterConfig
+
 # Ray's room for decode ranks (each asks for one unit): what makes `unplaceable` so.
 DECODE_UNITS = 2
 
@@ -84,8 +92,6 @@ class Outcome:
 
 
 def router_config(model: str, s: Scenario, args: argparse.Namespace):
-    from pdserve.router.config import PoolConfig, RouterConfig
-
     engine = {"max_num_seqs": 64}
     planner = {k: getattr(args, k) for k in ("planner_interval_s", "planner_cooldown_s",
                                             "planner_warmup_s", "planner_window_s")
@@ -132,13 +138,6 @@ def judge(s: Scenario, result: dict, bounds: dict[str, tuple[int, int]]) -> Outc
 
 
 def run_scenario(model: str, s: Scenario, args: argparse.Namespace, results: Path) -> Outcome:
-    from pdserve.bench.datasets import random_requests
-    from pdserve.bench.harness import RouterHarness
-    from pdserve.bench.load_timeline import RateSchedule
-    from pdserve.bench.plots import plot_pool_timeline
-    from pdserve.bench.serve_client import collect
-    from pdserve.bench.serve_report import summarize, write_json
-
     schedule = RateSchedule.parse(f"{args.load_s}:{s.rate},{args.quiet_s}:0")
     offsets = schedule.offsets(seed=args.seed)
     requests = random_requests(len(offsets), s.input_len, s.output_len, vocab_size=4096,
@@ -204,9 +203,6 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         p.error(f"unknown scenario {unknown[0]!r}; choose from {', '.join(SCENARIOS)}")
-
-    from pdserve.bench.harness import start_embedded_ray
-    from pdserve.bench.serve_report import write_json
 
     # before ray is imported: it binds loopback then
     model = start_embedded_ray(args.model, resources={"prefill": 8, "decode": DECODE_UNITS})

@@ -35,6 +35,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
+
+from pdserve.bench.harness import RouterHarness, start_embedded_ray
+from pdserve.rank.fault_injection import FaultyEngineFactory
+from pdserve.router.client import AsyncClient, build_request
+from pdserve.router.config import PoolConfig, RouterConfig
+from pdserve.scheduler.sampling_params import SamplingParams
+
 PROMPTS = (
     "the quick brown fox", "def add(x, y):", "once upon a time", "import numpy as np",
     "the river runs", "hello world", "a b c d e f g", "SELECT * FROM users WHERE",
@@ -144,6 +152,7 @@ class Reference:
     """The offline engine's greedy tokens (ignore_eos) for each prompt, computed once."""
 
     def __init__(self, model_dir: str) -> None:
+        # lazy: engine.llm imports torch; only the reference run needs it
         from pdserve.engine.llm import LLM
 
         self.llm = LLM(model_dir, mode="normal")
@@ -151,8 +160,6 @@ class Reference:
 
     def tokens(self, prompt: str) -> list[int]:
         if prompt not in self._tokens:
-            from pdserve.scheduler.sampling_params import SamplingParams
-
             sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
             prompts = [*PROMPTS, *map(long_prompt, PROMPTS)]
             for p, out in zip(prompts, self.llm.generate(prompts, sp, use_tqdm=False),
@@ -163,10 +170,6 @@ class Reference:
 
 async def _run_request(client, plan: RequestPlan, outcome: RequestOutcome,
                        cancelled: dict[int, asyncio.Event]) -> None:
-    import grpc
-
-    from pdserve.router.client import build_request
-
     request = build_request(plan.prompt, max_tokens=plan.max_tokens, temperature=0.0,
                             ignore_eos=True, request_id=plan.label)
     try:
@@ -210,10 +213,6 @@ async def _read(client, call, plan: RequestPlan, outcome: RequestOutcome) -> Non
 
 
 async def _event(harness: Any, plan: ScenarioPlan, log: list[str], victims: list) -> None:
-    import grpc
-
-    from pdserve.router.client import AsyncClient
-
     if plan.event == "none":
         return
     await asyncio.sleep(plan.event_at_s)
@@ -242,8 +241,6 @@ async def _event(harness: Any, plan: ScenarioPlan, log: list[str], victims: list
 async def run_scenario(harness: Any, reference: Reference, plan: ScenarioPlan,
                        transport: str, sizes: dict[str, int], *,
                        drain_timeout_s: float = 60.0) -> ScenarioResult:
-    from pdserve.router.client import AsyncClient
-
     started = time.monotonic()
     svc = harness.service
     moves, failures, chunks = svc.num_moves, svc.num_rank_failures, svc.num_kv_chunks_streamed
@@ -391,9 +388,6 @@ def _check_router_released(svc: Any, result: ScenarioResult) -> None:
 def chaos_router_config(model_dir: str, transport: str, *, fault_rate: float = 0.01,
                         seed: int = 0, prefill: int = 2, decode: int = 2,
                         collective_timeout_s: float = 3.0):
-    from pdserve.rank.fault_injection import FaultyEngineFactory
-    from pdserve.router.config import PoolConfig, RouterConfig
-
     # 64 prefill tokens a step: a long prompt streams its KV ahead in chunks
     engine = dict(num_kv_blocks=256, max_num_seqs=32, block_size=16, max_num_batched_tokens=64)
     return RouterConfig(
@@ -435,9 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--result-file", default="results/bench_chaos.json")
     args = p.parse_args(argv)
 
-    from pdserve.bench.harness import RouterHarness, start_embedded_ray
-
     model = start_embedded_ray(args.model)  # before ray is imported: it binds loopback then
+    # lazy: ray after start_embedded_ray: Ray reads its loopback settings at import
     import ray
     reference = Reference(model)
     results: list[ScenarioResult] = []

@@ -24,7 +24,10 @@ import sys
 import time
 from pathlib import Path
 
+from pdserve.bench.harness import RouterHarness, start_embedded_ray
 from pdserve.bench.standalone import standalone_main
+from pdserve.router.client import AsyncClient
+from pdserve.router.config import PoolConfig, RouterConfig
 
 MODES = ("disaggregated", "normal")
 
@@ -42,8 +45,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def _router_config(model: str, mode: str, n: int):
-    from pdserve.router.config import PoolConfig, RouterConfig
-
     engine = dict(num_kv_blocks=512, max_num_seqs=64, block_size=16)
     pools = dict(
         prefill=PoolConfig("prefill", replicas=1, num_cpus=0.5, resources={"prefill": 1},
@@ -57,8 +58,6 @@ def _router_config(model: str, mode: str, n: int):
 
 async def _serve(address: str, prompts: list[list[int]], n: int, forked: bool,
                  settings: dict) -> list[list[int]]:
-    from pdserve.router.client import AsyncClient
-
     async with AsyncClient(address, timeout=600) as client:
         if forked:
             outs = await asyncio.gather(*(client.generate_choices(p, n, **settings)
@@ -100,8 +99,6 @@ def _median(runs: list[dict]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.bench.harness import RouterHarness, start_embedded_ray
-
     modes = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(modes) - set(MODES))
     if unknown or args.n < 2:
@@ -109,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     model = start_embedded_ray(args.model)  # before ray is imported: it binds loopback then
+    # lazy: ray after start_embedded_ray: Ray reads its loopback settings at import
     import ray
 
     rng = random.Random(args.seed)

@@ -7,7 +7,8 @@ import argparse
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    from pdserve.bench import (  # each benchmark's own imports only when `bench` runs
+    # lazy: `import pdserve.cli` stays light: each benchmark loads when the parser is built
+    from pdserve.bench import (
         choices,
         compare_modes,
         gpu,

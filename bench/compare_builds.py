@@ -15,19 +15,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pdserve.bench.compare_modes import DEPLOYMENTS, compare, format_comparison
+from pdserve.bench.routers import subprocess_router
+from pdserve.bench.serve import add_dataset_args, add_load_args, build_requests, load_kwargs
+from pdserve.bench.serve_report import write_json
+from pdserve.engine.model.catalog import resolve_model
+
 
 def main(argv: list[str] | None = None) -> int:
-    from pdserve.bench.compare_modes import DEPLOYMENTS, compare, format_comparison
-    from pdserve.bench.routers import subprocess_router
-    from pdserve.bench.serve import (
-        add_dataset_args,
-        add_load_args,
-        build_requests,
-        load_kwargs,
-    )
-    from pdserve.bench.serve_report import write_json
-    from pdserve.engine.model.catalog import resolve_model
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_dataset_args(p)
     add_load_args(p)

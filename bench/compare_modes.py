@@ -25,8 +25,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.bench.plots import plot_compare
 from pdserve.bench.routers import inprocess_router, subprocess_router
+from pdserve.bench.serve import add_dataset_args, add_load_args, build_requests, load_kwargs
+from pdserve.bench.serve_client import collect
+from pdserve.bench.serve_report import summarize, write_json
 from pdserve.bench.standalone import standalone_main
+from pdserve.engine.model.catalog import resolve_model
+from pdserve.router.embedded_ray import idle_openmp_passively
 
 DEPLOYMENTS = {
     "disaggregated": {"mode": "disaggregated", "prefill": 1, "decode": 1},
@@ -99,8 +105,6 @@ class _Rounds:
 
     def run(self, name: str, address: str, k: int) -> None:
         """Round `k` of deployment `name`: the workload, then its control."""
-        from pdserve.bench.serve_client import collect
-
         print(f"{name}: round {k + 1}/{self.rounds}, {len(self.requests)} requests ...",
               file=sys.stderr, flush=True)
         kw = dict(self.collect_kw, label=name)
@@ -147,8 +151,6 @@ def compare(launchers: dict[str, contextlib.AbstractContextManager], requests: l
     merged into one result. With `control`, every run of the mixed workload is
     followed by the short chats alone, at their own share of the request rate.
     """
-    from pdserve.bench.serve_report import summarize
-
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     if not requests:
@@ -205,8 +207,6 @@ def format_interference(table: dict) -> str:
 # ---- command line ----------------------------------------------------------------------
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from pdserve.bench.serve import add_dataset_args, add_load_args
-
     add_dataset_args(p)
     add_load_args(p)
     p.set_defaults(dataset_name="mixed", num_prompts=40, request_rate=4.0,
@@ -229,18 +229,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.router.embedded_ray import idle_openmp_passively
-
     idle_openmp_passively()
-    from pdserve.bench.serve import build_requests, load_kwargs
-    from pdserve.bench.serve_report import write_json
 
     names = [m for m in args.modes.replace(",", " ").split()]
     unknown = [m for m in names if m not in DEPLOYMENTS]
     if unknown or not names:
         print(f"error: --modes takes {'/'.join(DEPLOYMENTS)}, got {args.modes!r}", file=sys.stderr)
         return 2
-    from pdserve.engine.model.catalog import resolve_model
 
     model = resolve_model(args.model).path
     args.model = model
@@ -268,6 +263,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         if args.launch == "inprocess":
+            # lazy: ray is heavy; only --launch inprocess started it here
             import ray
 
             ray.shutdown()
@@ -286,8 +282,6 @@ def run(args: argparse.Namespace) -> int:
         print(format_interference(out["interference"]), flush=True)
     write_json(args.result_file, out)
     if not args.no_plot:
-        from pdserve.bench.plots import plot_compare
-
         plot = args.plot or str(Path(args.result_file).with_suffix(".png"))
         kind = "short" if args.dataset_name == "mixed" else None
         plot_compare(out["deployments"], plot, kind=kind, interference=out.get("interference"),

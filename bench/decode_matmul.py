@@ -31,12 +31,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pdserve.bench.offline import measure_bandwidth
+from pdserve.engine.model.catalog import resolve_model
+from pdserve.engine.model.llama import MatMul, load_model
+from pdserve.engine.model.tiny import make_tiny_model
+from pdserve.kernels import quant_panels, skinny_gemm
+
 
 def _layouts(weights: list[torch.Tensor], quant: list | None = None) -> dict:
     """name -> function(x by in_features) running every matmul once; ``quant``: each
     one's quantized panels, where every matmul has them (a quantized GGUF file)."""
-    from pdserve.kernels import quant_panels, skinny_gemm
-
     def over(prepared, call):
         return lambda xs: [call(xs[w.shape[1]], w, p) for w, p in zip(weights, prepared,
                                                                           strict=True)]
@@ -63,8 +67,6 @@ QUANT = OURS[1]
 def decode_weights(model) -> tuple[list[torch.Tensor], list | None]:
     """Every matmul's fp32 weight (load with ``keep_fp32``), and its quantized panels
     where every matmul has them, else None."""
-    from pdserve.engine.model.llama import MatMul
-
     mats = [m for m in model.modules() if isinstance(m, MatMul)]
     quant = [m.quant for m in mats]
     return [m.weight.detach() for m in mats], quant if all(q is not None for q in quant) else None
@@ -105,19 +107,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--out", default="results/bench_decode_matmul.json")
     args = ap.parse_args(argv)
-    from pdserve.bench.offline import measure_bandwidth
-    from pdserve.engine.model.llama import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = args.model_dir
     if model_dir is not None:
-        from pdserve.engine.model.catalog import resolve_model
-
         model_dir = resolve_model(model_dir).path
     else:
-        from pdserve.engine.model.tiny import make_tiny_model
-
         model_dir = str(Path(tempfile.mkdtemp(prefix="pdserve-bench-")) / args.size)
         make_tiny_model(model_dir, variant="llama", size=args.size)
     _, model = load_model(model_dir, keep_fp32=True)  # torch's layouts need the fp32 weights

@@ -41,9 +41,19 @@ import tempfile
 import time
 from pathlib import Path
 
+from pdserve import SamplingParams
+from pdserve.bench.peer_vllm import cpu_description
+from pdserve.bench.serve_report import write_json
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.model.catalog import resolve_model
+from pdserve.engine.model.config import ModelConfig
+from pdserve.engine.model.tiny import make_tiny_model
+from pdserve.kernels import cbuild
+
 
 def _paths_here() -> list[str]:
-    from pdserve.kernels import cbuild, decode_step
+    # lazy: kernels.decode_step imports torch
+    from pdserve.kernels import decode_step
 
     built = [f"c-{isa}" for isa in cbuild.runnable_isas() if decode_step.available(isa)]
     return [*built, *(f"{c}-{q}" for q in ("exact", "fp32", "bf16") for c in built),
@@ -51,9 +61,9 @@ def _paths_here() -> list[str]:
 
 
 def _engine(model_dir: str, path: str, batch: int):
+    # lazy: torch and the engine, only when a case runs (not for --help)
     import torch
 
-    from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine import LLMEngine
 
     # Two compiled engines in one process (compile, inductor), each at 1 and 2 threads
@@ -77,6 +87,7 @@ def _engine(model_dir: str, path: str, batch: int):
     if path.startswith("c-"):
         assert engine.runner.decode_kernel and model._kernel.step.isa == kw["kernel_isa"]
     if path in ("inductor", "eager-mkl"):  # no skinny_gemm panels: torch's own matmuls
+        # lazy: engine.model.llama imports torch
         from pdserve.engine.model.llama import MatMul
 
         for m in model.modules():
@@ -84,6 +95,7 @@ def _engine(model_dir: str, path: str, batch: int):
                 m.panels = None
                 m.use_transposed()
     if path == "inductor":
+        # lazy: compiled_decode imports torch
         from pdserve.engine.model.compiled_decode import CompiledDecode
 
         model.use_compiled(CompiledDecode(model))  # rebuilt: it reads the operands it finds
@@ -91,8 +103,6 @@ def _engine(model_dir: str, path: str, batch: int):
 
 
 def _decode_steps(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> list[float]:
-    from pdserve import SamplingParams
-
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", p, params)
@@ -107,8 +117,8 @@ def _decode_steps(engine, prompts: list[list[int]], max_tokens: int, tag: str) -
 
 
 def run_case(size: str, model_dir: str, batch: int, paths: list[str], args) -> dict:
+    # lazy: bench.offline imports torch
     from pdserve.bench.offline import make_prompts, measure_bandwidth, weight_read_bytes
-    from pdserve.engine.model.config import ModelConfig
 
     vocab = ModelConfig.from_model(model_dir).vocab_size
     prompts = make_prompts(vocab, batch, args.prompt_len, seed=batch)
@@ -172,9 +182,6 @@ def main(argv: list[str] | None = None) -> int:
     missing = [x for x in paths if x not in available]
     if missing:
         p.error(f"--paths {missing} cannot run here (this CPU runs {available})")
-    from pdserve.bench.peer_vllm import cpu_description
-    from pdserve.engine.model.catalog import resolve_model
-    from pdserve.engine.model.tiny import make_tiny_model
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="pdserve-paths-") as root:
@@ -184,7 +191,6 @@ def main(argv: list[str] | None = None) -> int:
             for batch in args.batch:
                 rows.append(run_case(size, model_dir, batch, paths, args))
                 print(format_rows(rows[-1:]), flush=True)
-    from pdserve.bench.serve_report import write_json
 
     out = write_json(args.result_file, {"benchmark": "decode_paths", "cpu": cpu_description(),
                                         "results": rows})

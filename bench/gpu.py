@@ -26,6 +26,10 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
+
+from pdserve.engine.model.tiny import make_tiny_model
+from pdserve.scheduler.sampling_params import SamplingParams
 
 SHAPES = {
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -67,9 +71,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def make_model(folder: Path, shape: str, dev: torch.device) -> int:
     """A random-weight bf16 Llama folder of ``shape``; returns the bytes a decode step
     reads of its weights."""
+    # lazy: safetensors, only to write a model (`pdserve --help` imports this module)
     from safetensors.torch import save_file
-
-    from pdserve.engine.model.tiny import make_tiny_model
 
     s = SHAPES[shape]
     make_tiny_model(folder)  # tokenizer files; config and weights replaced below
@@ -131,8 +134,6 @@ def _prompts(batch: int, n: int, seed: int = 0) -> list[list[int]]:
 
 def timed_generate(llm, dev, batch: int, prompt: int, out: int) -> tuple[float, float]:
     """(output tok/s, seconds) of one offline generate."""
-    from pdserve.scheduler.sampling_params import SamplingParams
-
     sp = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
     ps = _prompts(batch, prompt)
     _sync(dev)
@@ -146,8 +147,6 @@ def timed_generate(llm, dev, batch: int, prompt: int, out: int) -> tuple[float, 
 def step_profile(llm, dev, batch: int, out: int = 32) -> dict:
     """Launches and host syncs per decoded token, and the GPU-busy fraction, over a
     generate of ``out`` tokens at ``batch`` (its prefill step included)."""
-    from torch.profiler import ProfilerActivity, profile
-
     if dev.type != "cuda":
         return {}
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -163,6 +162,7 @@ def step_profile(llm, dev, batch: int, out: int = 32) -> dict:
 
 
 def hf_tok_s(folder: Path, dev, batch: int, prompt: int, out: int) -> float:
+    # lazy: transformers is heavy; only the HF comparison needs it
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
@@ -189,6 +189,7 @@ def _free(dev) -> None:
 
 def bench_shape(args, shape: str, dev: torch.device, bandwidth: float, deadline: float,
                 emit) -> None:
+    # lazy: engine.llm, only when a shape runs (`pdserve --help` imports this module)
     from pdserve import LLM
 
     folder = Path(args.models) / shape

@@ -18,21 +18,25 @@ tests it; a GPU only changes the shape and the device.
 from __future__ import annotations
 
 import asyncio
+import gc
+import random
 import statistics
 import tempfile
 from pathlib import Path
 
+from pdserve.bench.datasets import SampleRequest
+from pdserve.bench.routers import subprocess_router
+from pdserve.bench.serve_report import run_benchmark
+from pdserve.router.client import Client
+
 
 def _prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    import random
-
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(count)]
 
 
 def _offline_greedy(folder: str, device: str, prompts: list[list[int]], out: int) -> list[list[int]]:
-    import gc
-
+    # lazy: torch and the offline engine, only for the equality check
     import torch
 
     from pdserve import LLM, SamplingParams
@@ -50,8 +54,6 @@ def _offline_greedy(folder: str, device: str, prompts: list[list[int]], out: int
 
 def _served_greedy(address: str, prompts: list[list[int]], out: int) -> list[dict]:
     """Each prompt through the router, one at a time: its tokens and hand-off span."""
-    from pdserve.router.client import Client
-
     rows = []
     with Client(address, timeout=600) as client:
         for prompt in prompts:
@@ -68,9 +70,6 @@ def _served_greedy(address: str, prompts: list[list[int]], out: int) -> list[dic
 
 def _load(address: str, streams: int, per_stream: int, prompt_len: int, out: int,
           vocab: int) -> dict:
-    from pdserve.bench.datasets import SampleRequest
-    from pdserve.bench.serve_report import run_benchmark
-
     requests = [SampleRequest(p, prompt_len, out)
                 for p in _prompts(streams * per_stream, prompt_len, vocab, seed=streams)]
     result = asyncio.run(run_benchmark(address, requests, max_concurrency=streams,
@@ -86,10 +85,10 @@ def service_check(device: str = "cuda", shape: str = "llama-1b", streams=(1, 16,
                   greedy_prompts: int = 4, start_timeout: float = 600.0) -> dict:
     """The summary (see the module docstring): greedy_equal_offline, per-concurrency
     TTFT and ITL, handoff_ms (median over the greedy requests)."""
+    # lazy: torch and bench.gpu (which imports torch), only when the check runs
     import torch
 
     from pdserve.bench.gpu import SHAPES, make_model
-    from pdserve.bench.routers import subprocess_router
 
     vocab = SHAPES[shape]["vocab_size"]
     gpu = device.startswith("cuda")

@@ -9,15 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import threading
 import time
 from dataclasses import asdict
+
+from pdserve.engine.model.catalog import resolve_model
+from pdserve.router.embedded_ray import RAY_LOCAL_ONLY
+from pdserve.router.embedded_ray import start_embedded_ray as start_ray
 
 
 class RouterHarness:
     """A router (pools + gRPC server) running on an event loop of its own thread."""
 
     def __init__(self, config) -> None:
+        # lazy: router.server imports ray, which must wait for start_embedded_ray
         from pdserve.router.server import start_router
 
         self.loop = asyncio.new_event_loop()
@@ -86,12 +92,6 @@ def start_embedded_ray(model: str | None, resources: dict[str, float] | None = N
     `pdserve serve`'s; no dashboard; pool resources for ranks, 8 of each unless
     `resources` says otherwise) and return the model folder (the built-in one by
     default). Call it before anything imports ray."""
-    import sys
-
-    from pdserve.engine.model.catalog import resolve_model
-    from pdserve.router.embedded_ray import RAY_LOCAL_ONLY
-    from pdserve.router.embedded_ray import start_embedded_ray as start_ray
-
     if "ray" not in sys.modules:  # read at import: later, Ray picks the machine's address
         os.environ.update(RAY_LOCAL_ONLY)
     model = resolve_model(model).path

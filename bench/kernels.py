@@ -29,6 +29,9 @@ from pathlib import Path
 
 import torch
 
+from pdserve.engine.model.tiny import make_tiny_model
+from pdserve.engine.model_runner import ModelRunner, RunnerRow, resolve_device, resolve_dtype
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -58,8 +61,6 @@ def _paired(ours, theirs, repeats: int) -> tuple[float, float]:
 
 
 def bench_prefill(runner, hf, batch: int, length: int, repeats: int) -> dict:
-    from pdserve.engine.model_runner import RunnerRow
-
     dev, bs = runner.device, runner.block_size
     g = torch.Generator().manual_seed(batch * 1000 + length)
     ids = torch.randint(3, runner.vocab_size, (batch, length), generator=g)
@@ -85,9 +86,8 @@ DECODE_STEPS_MAX = 64  # positions a decode benchmark may advance past its conte
 
 
 def bench_decode(runner, hf, batch: int, context: int, repeats: int) -> dict:
+    # lazy: transformers is heavy; only the comparison runs need it
     from transformers import DynamicCache
-
-    from pdserve.engine.model_runner import RunnerRow
 
     cfg, dev, bs = runner.config, runner.device, runner.block_size
     nb = math.ceil((context + DECODE_STEPS_MAX) / bs)
@@ -187,10 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    # lazy: transformers is heavy; only the comparison runs need it
     from transformers import AutoModelForCausalLM
-
-    from pdserve.engine.model.tiny import make_tiny_model
-    from pdserve.engine.model_runner import ModelRunner, resolve_device, resolve_dtype
 
     tmp = None
     model_dir = args.model_dir

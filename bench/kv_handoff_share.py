@@ -6,8 +6,18 @@ kv-transfer --prompt-tokens ...`).
 
 from __future__ import annotations
 
+import contextlib
+import json
+import random
 import statistics
+import tempfile
 import time
+from pathlib import Path
+
+from pdserve.bench.routers import subprocess_router
+from pdserve.engine.model.catalog import tiny_model_dir
+from pdserve.engine.model.tiny import make_tiny_model
+from pdserve.router.client import Client
 
 MIB = 1 << 20
 LONG_CONTEXT = 32768  # the built-in model, copied with a context that fits 16k prompts
@@ -16,9 +26,6 @@ LONG_CONTEXT = 32768  # the built-in model, copied with a context that fits 16k 
 def long_context_model(size: str = "tiny") -> str:
     """The built-in model (``size``: tiny, or small: 768 x 12 layers) with a context of
     LONG_CONTEXT (same weights otherwise), made once into the model cache."""
-    from pdserve.engine.model.catalog import tiny_model_dir
-    from pdserve.engine.model.tiny import make_tiny_model
-
     path = tiny_model_dir().with_name(f"{size}-llama-{LONG_CONTEXT}")
     if not (path / "model.safetensors").is_file():
         make_tiny_model(path, size=size, max_position_embeddings=LONG_CONTEXT)
@@ -28,9 +35,6 @@ def long_context_model(size: str = "tiny") -> str:
 def _share_config(model_dir: str, max_tokens: int, chunk_tokens: int, folder: str) -> str:
     """A `pdserve serve --config` file: 1 prefill + 1 decode rank that hold one such
     prompt, prefilling ``chunk_tokens`` a step."""
-    import json
-    from pathlib import Path
-
     engine = dict(num_kv_blocks=max_tokens // 16 + 64, max_num_seqs=4, block_size=16,
                   max_num_batched_tokens=chunk_tokens, max_model_len=max_tokens + 64)
     config = {"model_dir": model_dir, "engine": engine,
@@ -42,8 +46,6 @@ def _share_config(model_dir: str, max_tokens: int, chunk_tokens: int, folder: st
 
 
 def _time_to_second_token(address: str, prompt: list[int]) -> dict:
-    from pdserve.router.client import Client
-
     # More tokens than the two timed: with a direct hand-off the decode rank starts at
     # once, and a request that ended before the router had booked its delivery would
     # carry no delivery time in its timings.
@@ -79,12 +81,6 @@ def measure_handoff_share(prompt_tokens: list[int], repeats: int, chunk_tokens: 
     1 prefill + 1 decode rank, ray transport, side by side, alternating; fresh random
     prompts: no cache hits): the time to the first and second token at a client, the
     router's hand-off time, and the hand-off's share of the time to the second token."""
-    import contextlib
-    import random
-    import tempfile
-
-    from pdserve.bench.routers import subprocess_router
-
     model = long_context_model(model_size)
     rng = random.Random(0)
     modes = {"streamed": (), "whole": ("--no-kv-streaming",)}

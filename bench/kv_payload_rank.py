@@ -7,9 +7,13 @@ the scheduler are left out.
 from __future__ import annotations
 
 import os
+import random
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from pdserve.kv_transfer import EndpointSizing, make_endpoint
+from pdserve.rank.messages import HandoffTicket, ImportResult
 
 # The stand-in ranks' KV cache: the built-in tiny model's shape (4 layers, 2 KV heads of
 # 64 dims, fp32, 16-token blocks): 64 KiB a block, 4 KiB a token.
@@ -24,6 +28,7 @@ def num_blocks_for(nbytes: int) -> int:
 def kv_cache(num_blocks: int, seed: int | None, copy_threads: int = 1):
     """A KV cache of ``num_blocks`` usable blocks (random contents with ``seed``),
     copying blocks in and out with ``copy_threads`` threads."""
+    # lazy: torch and the KV cache, only when a rank is built (`pdserve --help` imports this module)
     import torch
 
     from pdserve.kernels.kv_cache import KVCache
@@ -52,8 +57,6 @@ class PayloadRank:
 
     def __init__(self, kv_transport: str, secret: Any = None, staging_bytes: int = 0,
                  copy_threads: int = 1) -> None:
-        from pdserve.kv_transfer import EndpointSizing, make_endpoint
-
         self.copy_threads = copy_threads
         self.endpoint = make_endpoint(kv_transport, self, "127.0.0.1", secret=secret,
                                       sizing=EndpointSizing(staging_bytes=staging_bytes))
@@ -71,6 +74,7 @@ class PayloadRank:
     def info(self) -> Any:
         node_id = ""
         try:
+            # lazy: ray is heavy; only a rank inside a Ray worker has a node
             import ray
 
             node_id = ray.get_runtime_context().get_node_id()
@@ -87,8 +91,6 @@ class PayloadRank:
         """A block table of ``num_blocks`` shuffled ids (the same for the same seed).
         Made once per size: it stands in for the scheduler's allocation, which is left
         out, and shuffling 4096 ids costs ~2 ms, inside the destination's timed import."""
-        import random
-
         key = (num_blocks, seed)
         if key not in self._table_cache:
             ids = list(range(1, num_blocks + 1))
@@ -99,8 +101,8 @@ class PayloadRank:
     def export(self, attempt: str, nbytes: int, kv_transport: str) -> tuple[Any, float, float]:
         """(ticket, seconds the export took, checksum of what it sent): what the engine's
         hand-off and EngineRank._export do."""
+        # lazy: engine.kv.payload imports torch
         from pdserve.engine.kv.payload import KVPayload, write_payload
-        from pdserve.rank.messages import HandoffTicket
 
         n = num_blocks_for(nbytes)
         cache = self._cache_for(n, seed=0)
@@ -118,8 +120,8 @@ class PayloadRank:
 
     # the engine-rank methods the transports call
     def import_prefilled(self, payload, borrowed: bool = False, skip_blocks: int = 0) -> Any:
+        # lazy: engine.kv.payload imports torch
         from pdserve.engine.kv.payload import KVPayload, KVPayloadError
-        from pdserve.rank.messages import ImportResult
 
         try:
             kv = KVPayload.from_bytes(payload)

@@ -42,12 +42,23 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import grpc
+import numpy as np
 
 from pdserve.bench.kv_handoff_share import LONG_CONTEXT, format_share, measure_handoff_share
 from pdserve.bench.kv_payload_rank import BLOCK_BYTES, PayloadRank
+from pdserve.bench.plots import plot_kv_transfer
+from pdserve.bench.serve_report import write_json
 from pdserve.bench.standalone import standalone_main
 from pdserve.engine.config import DEFAULT_KV_COPY_THREADS
+from pdserve.kv_transfer import KVSecret, make_transport
+from pdserve.kv_transfer.grpc import wire as grpc_wire
+from pdserve.kv_transfer.ray import transport as ray_transport
+from pdserve.router.embedded_ray import idle_openmp_passively
+from pdserve.rpc import kv_transfer_pb2 as pb
 
 MIB = 1 << 20
 DEFAULT_SIZES = (1, 16, 64)
@@ -66,8 +77,6 @@ class _Rank:
 
 def memcpy_seconds(nbytes: int, repeats: int) -> tuple[list[float], list[float]]:
     """(copy into a preallocated buffer, allocate + copy) times for `nbytes`."""
-    import numpy as np
-
     src = np.frombuffer(np.random.default_rng(1).bytes(nbytes), dtype=np.uint8)
     dst = np.empty_like(src)
     np.copyto(dst, src)  # fault the pages in once
@@ -88,27 +97,21 @@ async def grpc_ceiling_seconds(sizes_mib: list[float], repeats: int) -> dict[flo
     grpc transport's chunks (`encoded_chunks`: CHUNK_BYTES each) pushed over loopback
     through CHANNEL_OPTIONS to a minimal in-process `grpc.aio` server of the KV service's
     `Push`, which counts the chunks' data and answers (no MAC, relay, checks or join)."""
-    import grpc
-    import numpy as np
-
-    from pdserve.kv_transfer.grpc import wire as gb
-    from pdserve.rpc import kv_transfer_pb2 as pb
-
     async def push(chunks, context):
         n = 0
         async for raw in chunks:
-            n += len(gb.decode_chunk(raw)[1])  # a view: nothing copied
+            n += len(grpc_wire.decode_chunk(raw)[1])  # a view: nothing copied
         return pb.PushResponse(attempt=str(n))
 
-    server = grpc.aio.server(options=gb.CHANNEL_OPTIONS)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(gb.SERVICE, {
+    server = grpc.aio.server(options=grpc_wire.CHANNEL_OPTIONS)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(grpc_wire.SERVICE, {
         "Push": grpc.stream_unary_rpc_method_handler(
             push, request_deserializer=None,
             response_serializer=pb.PushResponse.SerializeToString)}),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=gb.CHANNEL_OPTIONS)
-    call = channel.stream_unary(f"/{gb.SERVICE}/Push", request_serializer=None,
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=grpc_wire.CHANNEL_OPTIONS)
+    call = channel.stream_unary(f"/{grpc_wire.SERVICE}/Push", request_serializer=None,
                                 response_deserializer=pb.PushResponse.FromString)
     out: dict[float, list[float]] = {}
     try:
@@ -118,7 +121,7 @@ async def grpc_ceiling_seconds(sizes_mib: list[float], repeats: int) -> dict[flo
             times = []
             for i in range(repeats + 1):  # the first is a warm-up
                 t = time.perf_counter()
-                reply = await call(gb.encoded_chunks(f"ceiling-{i}", data))
+                reply = await call(grpc_wire.encoded_chunks(f"ceiling-{i}", data))
                 dt = time.perf_counter() - t
                 if int(reply.attempt) != nbytes:
                     raise RuntimeError(f"grpc ceiling: {reply.attempt} bytes of {nbytes}")
@@ -134,6 +137,7 @@ async def grpc_ceiling_seconds(sizes_mib: list[float], repeats: int) -> dict[flo
 def two_nodes() -> tuple[str, str]:
     """Two alive nodes of the cluster this process joined (the first is its own when it
     has one); ValueError on a single-node cluster."""
+    # lazy: ray is heavy; only a run needs it (`pdserve --help` imports this module)
     import ray
 
     own = ray.get_runtime_context().get_node_id()
@@ -148,6 +152,7 @@ def two_nodes() -> tuple[str, str]:
 def _stand_in_classes(across_nodes: bool) -> tuple[Any, Any]:
     """The source's and the destination's actor classes (on two nodes with
     ``across_nodes``)."""
+    # lazy: ray is heavy; only a run needs it
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -197,6 +202,7 @@ async def _timed_handoffs(name: str, size: float, repeats: int, transport: Any, 
 
 
 async def _shut_down(actors: tuple[Any, ...]) -> None:
+    # lazy: ray is heavy; only a run needs it
     import ray
 
     for a in actors:
@@ -209,8 +215,6 @@ async def _shut_down(actors: tuple[Any, ...]) -> None:
 
 async def _measure_transport(name: str, sizes_mib: list[float], repeats: int,
                              copy_threads: int, across_nodes: bool = False) -> dict:
-    from pdserve.kv_transfer import KVSecret, make_transport
-
     src_cls, dst_cls = _stand_in_classes(across_nodes)
     secret = KVSecret.generate() if name == "grpc" else None
     transport = make_transport(name, secret=secret)
@@ -287,9 +291,6 @@ def measure(sizes_mib: list[float], transports: list[str] | tuple[str, ...] = TR
 
 def copies_per_path() -> dict[str, dict[str, int]]:
     """Copies of the KV bytes per transport path, as each transport's docstring counts."""
-    from pdserve.kv_transfer.grpc import wire as grpc_wire
-    from pdserve.kv_transfer.ray import transport as ray_transport
-
     return {"ray": dict(ray_transport.COPIES), "grpc": dict(grpc_wire.COPIES)}
 
 
@@ -350,6 +351,7 @@ def _argument_error(args: argparse.Namespace, sizes: list[float],
 def _start_ray(ray_address: str | None) -> bool:
     """Joins ``ray_address``'s cluster, or starts a local Ray, unless this process has
     one already; whether it did (and so shuts it down)."""
+    # lazy: ray is heavy; only a run needs it
     import ray
 
     if ray.is_initialized():
@@ -364,14 +366,8 @@ def _start_ray(ray_address: str | None) -> bool:
 
 
 def _write_results(args: argparse.Namespace, result: dict) -> None:
-    from pathlib import Path
-
-    from pdserve.bench.serve_report import write_json
-
     write_json(args.result_file, result)
     if not args.no_plot:
-        from pdserve.bench.plots import plot_kv_transfer
-
         plot = args.plot or str(Path(args.result_file).with_suffix(".png"))
         plot_kv_transfer(result, plot)
         print(f"wrote {args.result_file} and {plot}")
@@ -380,9 +376,8 @@ def _write_results(args: argparse.Namespace, result: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.router.embedded_ray import idle_openmp_passively
-
     idle_openmp_passively()  # the stand-in ranks idle their copy threads as ranks do
+    # lazy: ray is heavy; only a run needs it
     import ray
 
     sizes = [float(s) for s in args.sizes.replace(",", " ").split()]

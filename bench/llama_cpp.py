@@ -22,6 +22,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from pdserve.engine.model.catalog import model_cache_dir
+
 LLAMA_CPP_PYTHON = "0.3.36"
 TARGETS = ("llama-server", "llama-perplexity", "llama-bench")
 
@@ -52,8 +54,6 @@ ISA_FLAGS = {  # cmake's ISA options per build
 
 
 def build_dir(isa: str = "native") -> Path:
-    from pdserve.engine.model.catalog import model_cache_dir
-
     tag = hashlib.sha256(_cpu_flags().encode()).hexdigest()[:10]
     suffix = "" if isa == "native" else f"-{isa}"
     return model_cache_dir() / f"llama.cpp-{LLAMA_CPP_PYTHON}-{tag}{suffix}"

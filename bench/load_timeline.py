@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from pdserve.bench.serve_metrics import meets_slos
+
 # A schedule draws at most this many requests: a typo (60:6000) must not build a
 # million prompts before the first is sent.
 MAX_SCHEDULED_REQUESTS = 200_000
@@ -223,8 +225,6 @@ def objectives(slos: dict[str, float] | None, planner: dict | None) -> dict[str,
 def attainment_bins(records, start: float, bin_s: float, slos: dict[str, float]) -> list[dict]:
     """Per `bin_s` seconds of send time: requests sent, the rate they make, how many
     failed, and the share that met every SLO (None without SLOs or requests)."""
-    from pdserve.bench.serve_metrics import meets_slos
-
     if not records:
         return []
     last = max(r.send_time - start for r in records)

@@ -32,6 +32,10 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.model.tiny import make_tiny_model
 
 # Wall time by default; ``--clock cpu`` (with ``--threads 1``) times CPU seconds of this
 # process instead, which other users' load inflates far less: a measure of work done.
@@ -49,6 +53,7 @@ class HFSide:
     same thread count (torch's global setting), inference mode."""
 
     def __init__(self, model_dir: str):
+        # lazy: transformers is heavy; only the HF side needs it
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(
@@ -83,14 +88,10 @@ class HFSide:
 class PdserveSide:
     def __init__(self, model_dir: str, batch: int, compile: bool = False,
                  kernel_isa: str = "auto"):
-        from pdserve import LLM
-
         self.llm = LLM(model_dir, max_num_seqs=max(batch, 1), max_num_batched_tokens=4096,
                        compile=compile, kernel_isa=kernel_isa)
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
-        from pdserve import SamplingParams
-
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         start = CLOCK()
         outs = self.llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
@@ -264,8 +265,6 @@ def weight_read_bytes(model) -> int:
 def _run_steps(eng, prompts: list[list[int]], params, profiled: bool) -> tuple[dict, dict]:
     """Every prompt through the engine to the end: the steps' wall times per kind and,
     when `profiled`, each step's (wall, categories, ops) from torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
     for i, p in enumerate(prompts):
         eng.add_request(f"a{profiled}-{i}", p, params)
     walls: dict[str, list[float]] = {"prompt": [], "decode": []}
@@ -308,8 +307,6 @@ def _mean_breakdown(profs: dict, kind: str) -> dict:
 def analyse(model_dir: str, prompts: list[list[int]], max_tokens: int) -> dict:
     """Profile a pdserve run step by step (the prefill step; the decode steps) and
     compare the decode step with reading the weights once at measured bandwidth."""
-    from pdserve import LLM, SamplingParams
-
     llm = LLM(model_dir, max_num_seqs=len(prompts), max_num_batched_tokens=4096)
     eng = llm.engines[0]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -392,8 +389,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.model:
         models = [(Path(args.model).name, args.model)]
     else:
-        from pdserve.engine.model.tiny import make_tiny_model
-
         root = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
         models = []
         for size in args.sizes:

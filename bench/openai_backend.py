@@ -39,6 +39,7 @@ class OpenAIBackend:
 
     def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
                  timeout: float = 600.0) -> None:
+        # lazy: openai is heavy; only --backend openai needs it
         import openai
 
         self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key or "none",

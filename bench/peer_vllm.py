@@ -38,6 +38,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.serve_report import write_json
+from pdserve.engine.model.tiny import make_tiny_model
+
 # Runs under the vLLM interpreter: only the standard library and vllm.
 WORKER = r"""
 import json, sys, time
@@ -163,6 +166,7 @@ def run_model(name: str, model_dir: str, vllm: Any, prompts: list[list[int]], ma
               kernel_isa: str = "auto") -> dict:
     """`repeats` alternating pairs of vLLM and pdserve (`vllm`: anything with `run`),
     pdserve's C kernels built for `kernel_isa`."""
+    # lazy: bench.offline imports torch (`pdserve --help` imports this module)
     from pdserve.bench.offline import PdserveSide
 
     pd = PdserveSide(model_dir, len(prompts), kernel_isa=kernel_isa)
@@ -228,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"skipped: {why}")
         return 0
+    # lazy: bench.offline imports torch (`pdserve --help` imports this module)
     from pdserve.bench.offline import HFSide, make_prompts
-    from pdserve.engine.model.tiny import make_tiny_model
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="pdserve-peer-") as root:
@@ -248,7 +252,6 @@ def main(argv: list[str] | None = None) -> int:
                     print(format_rows(rows[-1:]), flush=True)
             finally:
                 worker.close()
-    from pdserve.bench.serve_report import write_json
 
     out = write_json(args.result_file, {"benchmark": "peer_vllm", "cpu": cpu_description(),
                                         "results": rows})

@@ -35,6 +35,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+from pdserve.bench.llama_cpp import ensure_built
+from pdserve.bench.peer_vllm import vllm_env
+from pdserve.bench.perplexity import load_transformers
+from pdserve.engine.model.catalog import model_cache_dir, resolve_model
+
 PDSERVE_LAYOUTS = {
     "pdserve 1P+1D": ["--mode", "disaggregated", "--prefill", "1", "--decode", "1"],
     "pdserve normal x1": ["--mode", "normal", "--normal", "1"],
@@ -114,8 +119,6 @@ def pdserve_server(name: str, model: str, flags: list[str], log_dir: Path,
 
 
 def llama_cpp_server(model: str, log_dir: Path, parallel: int, isa: str = "native") -> Server:
-    from pdserve.bench.llama_cpp import ensure_built
-
     binary = ensure_built(isa=isa)["llama-server"]
     port = free_port()
     cmd = [str(binary), "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", "2",
@@ -127,10 +130,9 @@ def hf_folder(model: str, out: Path) -> Path:
     """The GGUF as a Hugging Face folder (transformers dequantizes it; fp32), made once."""
     if (out / "config.json").is_file():
         return _plain_config(_with_embedding(out))
+    # lazy: safetensors and transformers, only to convert a GGUF model for the peers
     from safetensors.torch import save_model
     from transformers import AutoTokenizer
-
-    from pdserve.bench.perplexity import load_transformers
 
     path = Path(model)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
@@ -148,6 +150,7 @@ def hf_folder(model: str, out: Path) -> Path:
 def _with_embedding(folder: Path) -> Path:
     """Both names of a tied embedding: save_model writes the shared tensor once, as
     lm_head.weight, and vLLM then leaves embed_tokens unloaded (it answers token 0)."""
+    # lazy: safetensors, only to convert a model for vLLM
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
@@ -174,8 +177,6 @@ def _plain_config(folder: Path) -> Path:
 
 
 def vllm_server(python: str, folder: Path, log_dir: Path, parallel: int) -> Server:
-    from pdserve.bench.peer_vllm import vllm_env
-
     port = free_port()
     scratch = tempfile.mkdtemp(prefix="pdvllm")
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
@@ -240,8 +241,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.engine.model.catalog import model_cache_dir, resolve_model
-
     model = resolve_model(args.model).path
     if not model.endswith(".gguf"):
         raise SystemExit("error: bench peers runs a GGUF model (llama.cpp reads only those)")

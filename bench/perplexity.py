@@ -28,14 +28,17 @@ import json
 import math
 import re
 import subprocess
+import tempfile
 import time
 from pathlib import Path
+from pydoc_data.topics import topics
+
+from pdserve.engine.model.catalog import resolve_model
+from pdserve.engine.model.tokenizer import Tokenizer
 
 
 def reference_text() -> str:
     """A fixed English text from the standard library: pydoc's topic pages, in key order."""
-    from pydoc_data.topics import topics
-
     return "\n\n".join(topics[key] for key in sorted(topics))
 
 
@@ -48,6 +51,7 @@ def score(logits, chunk: list[int]) -> tuple[float, int]:
     """(sum of negative log-likelihoods, tokens scored) over the chunk's second half;
     ``logits`` [len(chunk), vocab] predict each next token (or only the rows that
     predict the scored half: [len(chunk) - len(chunk) // 2, vocab])."""
+    # lazy: torch, only for pdserve's and transformers' runs (not llama.cpp's)
     import torch
 
     first = len(chunk) // 2
@@ -61,6 +65,7 @@ def score(logits, chunk: list[int]) -> tuple[float, int]:
 
 def pdserve_logits(runner, chunk: list[int]):
     """Every position's logits for one chunk run from its start on pdserve's runner."""
+    # lazy: engine.model_runner imports torch
     from pdserve.engine.model_runner import RunnerRow
 
     bs = runner.block_size
@@ -73,6 +78,7 @@ def pdserve_logits(runner, chunk: list[int]):
 def pdserve_decode_logits(runner, chunk: list[int]):
     """The rows predicting the chunk's scored half: its first half in one prefill, then
     each next token as a single-row decode step (a served stream's path)."""
+    # lazy: torch and the runner, only for pdserve's runs
     import torch
 
     from pdserve.engine.model_runner import RunnerRow
@@ -95,6 +101,7 @@ def perplexity(logits_of, token_chunks: list[list[int]]) -> float:
 
 def pdserve_runner(model: str, token_chunks: list[list[int]], quantization: str = "auto",
                    activation_precision: str = "auto"):
+    # lazy: engine.model_runner imports torch
     from pdserve.engine.model_runner import ModelRunner
 
     ctx = max(len(c) for c in token_chunks)
@@ -112,6 +119,7 @@ def pdserve_perplexity(model: str, token_chunks: list[list[int]],
 
 
 def transformers_perplexity(hf_model, token_chunks: list[list[int]]) -> float:
+    # lazy: torch, only for transformers' run
     import torch
 
     def logits_of(chunk):
@@ -122,6 +130,7 @@ def transformers_perplexity(hf_model, token_chunks: list[list[int]]) -> float:
 
 
 def load_transformers(model: str):
+    # lazy: torch and transformers, only for transformers' run
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -134,8 +143,6 @@ def load_transformers(model: str):
 
 def llama_cpp_perplexity(binary: str, model: str, text: str, ctx: int, count: int) -> float:
     """llama.cpp's `llama-perplexity` on the same text (its own tokenizer and chunks)."""
-    import tempfile
-
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
         f.write(text)
         f.flush()
@@ -163,9 +170,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.engine.model.catalog import resolve_model
-    from pdserve.engine.model.tokenizer import Tokenizer
-
     model = resolve_model(args.model).path
     text = reference_text()
     ids = Tokenizer.from_model(model).encode(text, add_special_tokens=False)

@@ -14,19 +14,21 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
+
 
 def _plt():
+    # lazy: matplotlib is heavy; only drawing needs it
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: matplotlib is heavy; only drawing needs it (after use("Agg"))
     import matplotlib.pyplot as plt
 
     return plt
 
 
 def _cdf(ax, values_ms, label: str) -> None:
-    import numpy as np
-
     v = np.sort(np.asarray([x for x in values_ms if x is not None], dtype=float))
     if v.size == 0:
         return
@@ -137,8 +139,6 @@ def plot_compare(results: dict[str, dict], path: str | Path, title: str = "",
     if axes[3].has_data():
         axes[3].legend(fontsize=8, loc="lower right")
     if interference:
-        import numpy as np
-
         ax = axes[4]
         x = np.arange(len(names))
         row = [interference.get(n, {}).get("p99_itl_ms", {}) for n in names]

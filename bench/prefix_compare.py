@@ -12,6 +12,10 @@ from __future__ import annotations
 import asyncio
 import sys
 
+from pdserve.bench.datasets import random_requests
+from pdserve.bench.routers import subprocess_router
+from pdserve.bench.serve_report import run_benchmark, write_json
+
 DEPLOYMENT = {"mode": "disaggregated", "prefill": 2, "decode": 1}
 CONFIGS = (
     ("caching off", ("--no-prefix-caching", "--routing", "least_loaded")),
@@ -22,10 +26,6 @@ KINDS = ("first", "shared", "cold", "turn")
 
 
 def run(args, requests: list, kwargs: dict) -> dict:
-    from pdserve.bench.datasets import random_requests
-    from pdserve.bench.routers import subprocess_router
-    from pdserve.bench.serve_report import run_benchmark, write_json
-
     kwargs = {k: v for k, v in kwargs.items() if k != "client_options"}
     warm = random_requests(4, 64, 4, vocab_size=1000, seed=12345)  # nothing shared with them
     results = {}

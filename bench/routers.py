@@ -18,6 +18,8 @@ import sys
 import tempfile
 import threading
 
+from pdserve.router.config import PoolConfig, RouterConfig
+
 LISTENING = re.compile(r"pdserve router listening on (\S+)")
 
 
@@ -97,9 +99,9 @@ def inprocess_router(spec: dict, *, model: str, engine: dict | None = None,
                      kv_transport: str = "ray", start_timeout: float = 300.0):
     """A router on an event loop of its own thread, in this process's Ray (started if
     needed); yields its address."""
+    # lazy: ray and router.server (which imports ray), only for an in-process router
     import ray
 
-    from pdserve.router.config import PoolConfig, RouterConfig
     from pdserve.router.server import start_router
 
     if not ray.is_initialized():

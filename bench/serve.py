@@ -25,6 +25,12 @@ import math
 import sys
 from pathlib import Path
 
+from pdserve.bench import prefix_compare
+from pdserve.bench.datasets import chat_requests, mixed_requests, prefix_requests, random_requests
+from pdserve.bench.load_timeline import RateSchedule, checked_interval
+from pdserve.bench.openai_backend import OpenAIBackend
+from pdserve.bench.plots import plot_cdfs, plot_sweep
+from pdserve.bench.serve_metrics import parse_goodput
 from pdserve.bench.serve_report import (  # run_benchmark: the library entry point
     format_summary,
     run_benchmark,
@@ -32,6 +38,11 @@ from pdserve.bench.serve_report import (  # run_benchmark: the library entry poi
     write_pool_timeline,
     write_timeline,
 )
+from pdserve.engine.model.catalog import ModelError, resolve_model
+from pdserve.engine.model.config import ModelConfig
+from pdserve.engine.model.tokenizer import Tokenizer
+from pdserve.router.chat_template import ChatTemplate
+from pdserve.router.client_args import add_client_args, client_options
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_RESULT = "results/bench_serve.json"
@@ -98,8 +109,6 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    from pdserve.router.client_args import add_client_args
-
     add_client_args(p)  # --address, --token-file, --tls-ca-file, --tls-server-name
     add_dataset_args(p)
     add_load_args(p)
@@ -141,27 +150,19 @@ def model_info(args: argparse.Namespace) -> tuple[int, object]:
     tokenizer = None
     vocab = args.vocab_size
     if args.prompt_format == "text" or vocab is None:
-        from pdserve.engine.model.catalog import ModelError, resolve_model
-
         try:
             model = resolve_model(model).path
         except ModelError as exc:
             raise SystemExit(f"error: {exc} (pass --model PATH, or --vocab-size N with "
                              "--prompt-format ids)") from None
         if vocab is None:
-            from pdserve.engine.model.config import ModelConfig
-
             vocab = ModelConfig.from_model(model).vocab_size
         if args.prompt_format == "text":
-            from pdserve.engine.model.tokenizer import Tokenizer
-
             tokenizer = Tokenizer.from_model(model)
     return vocab, tokenizer
 
 
 def build_requests(args: argparse.Namespace) -> list:
-    from pdserve.bench.datasets import mixed_requests, random_requests
-
     if args.num_prompts < 1:
         raise SystemExit("error: --num-prompts must be >= 1")
     vocab, tokenizer = model_info(args)
@@ -171,21 +172,13 @@ def build_requests(args: argparse.Namespace) -> list:
         return random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
                                **common)
     if args.dataset_name == "chat":
-        from pdserve.bench.datasets import chat_requests
-        from pdserve.engine.model.catalog import resolve_model
-        from pdserve.router.chat_template import ChatTemplate
-
         template = ChatTemplate.from_model_dir(resolve_model(args.model).path)
         if tokenizer is None:
-            from pdserve.engine.model.tokenizer import Tokenizer
-
             tokenizer = Tokenizer.from_model(resolve_model(args.model).path)
         return chat_requests(args.num_prompts, args.random_output_len, chat_template=template,
                              tokenizer=tokenizer, seed=args.seed,
                              prompt_format=args.prompt_format)
     if args.dataset_name == "prefix":
-        from pdserve.bench.datasets import prefix_requests
-
         return prefix_requests(args.num_prompts, vocab_size=vocab, seed=args.seed,
                                system_len=args.prefix_system_len,
                                question_len=args.prefix_question_len,
@@ -200,8 +193,6 @@ def build_requests(args: argparse.Namespace) -> list:
 
 
 def load_kwargs(args: argparse.Namespace) -> dict:
-    from pdserve.bench.serve_metrics import parse_goodput
-
     try:
         slos = parse_goodput(args.goodput)
     except ValueError as exc:
@@ -216,7 +207,6 @@ def _rate_schedule(args: argparse.Namespace):
     """The parsed --rate-schedule (None without one); sets --num-prompts to its count."""
     if not args.rate_schedule:
         return None, None
-    from pdserve.bench.load_timeline import RateSchedule
 
     for flag, clash in (("--sweep-rates", args.sweep_rates),
                         ("--request-rate", math.isfinite(args.request_rate)),
@@ -239,11 +229,7 @@ def _rate_schedule(args: argparse.Namespace):
 def _options_error(args: argparse.Namespace, kwargs: dict, sampled: bool) -> str | None:
     """Adds the pools' sampling interval (when `sampled`) and the client's options to
     `kwargs`; what is wrong with the arguments, if anything."""
-    from pdserve.router.client_args import client_options
-
     if sampled:
-        from pdserve.bench.load_timeline import checked_interval
-
         try:
             kwargs["sample_interval_s"] = checked_interval(args.sample_interval)
         except ValueError as exc:
@@ -264,7 +250,6 @@ async def _bench_once(args: argparse.Namespace, requests: list, **kw) -> dict:
     """One run, with a client of its own (the router's, or an OpenAI server's)."""
     if args.backend != "openai":
         return await run_benchmark(args.address, requests, **kw)
-    from pdserve.bench.openai_backend import OpenAIBackend
 
     backend = OpenAIBackend(args.base_url, args.served_model_name,
                             kw.pop("client_options")["token"])
@@ -288,8 +273,6 @@ def _run_sweep(args: argparse.Namespace, requests: list, kwargs: dict, dataset: 
     out = {"sweep_rates": [r["request_rate"] for r in runs], "runs": runs, **dataset}
     write_json(args.result_file, out)
     if plot:
-        from pdserve.bench.plots import plot_cdfs, plot_sweep
-
         plot_sweep(runs, plot)
         plot_cdfs({f"rate {r['request_rate']}": r for r in runs},
                   str(Path(plot).with_name(Path(plot).stem + "_cdf.png")))
@@ -305,8 +288,6 @@ def _run_once(args: argparse.Namespace, requests: list, kwargs: dict, dataset: d
     print(format_summary(r), flush=True)
     write_json(args.result_file, r)
     if plot:
-        from pdserve.bench.plots import plot_cdfs
-
         plot_cdfs({args.label or "pdserve": r}, plot)
     return r
 
@@ -322,8 +303,6 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.compare_caching:
-        from pdserve.bench import prefix_compare
-
         prefix_compare.run(args, requests, kwargs)
         return 0
     dataset = {"dataset_name": args.dataset_name, "prompt_format": args.prompt_format}

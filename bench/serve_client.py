@@ -14,12 +14,18 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
+from tqdm import tqdm
+
+from pdserve.bench.datasets import arrival_offsets
+from pdserve.bench.load_timeline import PoolSampler
+from pdserve.bench.serve_metrics import RequestRecord
+from pdserve.router.client import AsyncClient
+
 
 async def _stream_one(client, req, rec, *, temperature: float, ignore_eos: bool,
                       timeout: float | None) -> None:
     """Send one request and record, as messages arrive, what the client sees."""
-    import grpc
-
     rec.send_time = time.perf_counter()
     try:
         async for msg in client.stream(req.prompt, max_tokens=req.output_len,
@@ -63,8 +69,6 @@ def _breakdown(msg) -> dict | None:
 async def fetch_timeline(address: str, since: float,
                          client_options: dict | None = None) -> list[dict]:
     """The router's step records of every live rank since unix time `since`."""
-    from pdserve.router.client import AsyncClient
-
     async with AsyncClient(address, timeout=60, **(client_options or {})) as client:
         return await client.timeline(since)
 
@@ -119,8 +123,6 @@ class _StreamOptions:
 async def _warm_up(client, address: str, requests: list, num_warmups: int,
                    options: _StreamOptions) -> None:
     """Short untimed requests first: they connect and warm the ranks."""
-    from pdserve.bench.serve_metrics import RequestRecord
-
     for i in range(num_warmups):
         req = requests[i % len(requests)]
         warm = RequestRecord(prompt_len=req.prompt_len)
@@ -134,8 +136,6 @@ async def _warm_up(client, address: str, requests: list, num_warmups: int,
 def _send_offsets(requests: list, offsets: list[float] | None, request_rate: float,
                   burstiness: float, seed: int) -> list[float]:
     """The given send times, checked, or the rate's arrival process."""
-    from pdserve.bench.datasets import arrival_offsets
-
     if offsets is None:
         return arrival_offsets(len(requests), request_rate, burstiness, seed)
     if len(offsets) != len(requests):
@@ -147,7 +147,6 @@ def _pool_sampler(client, interval_s: float | None):
     """A PoolSampler of the client's cluster every `interval_s`, or None."""
     if interval_s is None or not hasattr(client, "cluster_state"):
         return None
-    from pdserve.bench.load_timeline import PoolSampler
 
     return PoolSampler(client, interval_s)
 
@@ -214,10 +213,6 @@ class _Sender:
 
 def _sender(client, requests: list, offsets: list[float], options: _StreamOptions,
             max_concurrency: int | None, progress: bool, label: str) -> _Sender:
-    from tqdm import tqdm
-
-    from pdserve.bench.serve_metrics import RequestRecord
-
     records = [RequestRecord(prompt_len=r.prompt_len, expected_output_len=r.output_len,
                              kind=r.kind) for r in requests]
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -246,8 +241,6 @@ async def collect(address: str, requests: list, *, request_rate: float = math.in
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
     own_client = client is None
     if own_client:
-        from pdserve.router.client import AsyncClient
-
         client = AsyncClient(address, **(client_options or {}))
     options = _StreamOptions(temperature, ignore_eos, request_timeout)
     try:

@@ -12,7 +12,18 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+import grpc
+
+from pdserve.bench.load_timeline import pool_timeline
+from pdserve.bench.plots import plot_pool_timeline, plot_timeline
 from pdserve.bench.serve_client import Run, collect, fetch_timeline
+from pdserve.bench.serve_metrics import (
+    DEFAULT_PERCENTILES,
+    breakdown_summary,
+    calculate_metrics,
+    metrics_by_kind,
+    per_request_lists,
+)
 
 
 async def run_benchmark(address: str, requests: list, **kwargs) -> dict:
@@ -36,14 +47,6 @@ def summarize(runs: list[Run], *, address: str = "", label: str = "",
     """The result dict of one or more runs of the same workload: metrics over all their
     requests, duration the sum of theirs; per-request lists in run order; with a sampled
     run, its `pool_timeline` (load_timeline.py; `rate_schedule`: the load it followed)."""
-    from pdserve.bench.serve_metrics import (
-        DEFAULT_PERCENTILES,
-        breakdown_summary,
-        calculate_metrics,
-        metrics_by_kind,
-        per_request_lists,
-    )
-
     percentiles = tuple(percentiles or DEFAULT_PERCENTILES)
     records = [r for run in runs for r in run.records]
     duration = sum(run.duration for run in runs)
@@ -88,8 +91,6 @@ def summarize(runs: list[Run], *, address: str = "", label: str = "",
                 acc[k] = acc.get(k, 0) + v
     result["rank_step_deltas"] = deltas or None
     if runs and runs[-1].sampler is not None:
-        from pdserve.bench.load_timeline import pool_timeline
-
         result["rate_schedule"] = rate_schedule.describe() if rate_schedule else None
         result["pool_timeline"] = pool_timeline(runs[-1], slos=slos, schedule=rate_schedule)
     return result
@@ -168,10 +169,6 @@ def write_timeline(address: str, since: float, png: str,
                    client_options: dict | None = None) -> None:
     """The run's step records (JSON beside the PNG) and their picture; a router that
     cannot give them costs the picture, not the run's results."""
-    import grpc
-
-    from pdserve.bench.plots import plot_timeline
-
     try:
         steps = asyncio.run(fetch_timeline(address, since, client_options))
     except grpc.RpcError as exc:
@@ -194,8 +191,6 @@ def pool_timeline_png(png: str | Path) -> Path:
 
 def write_pool_timeline(results: list[dict], png: str) -> None:
     """Replicas per pool, load and SLO attainment of the (first sampled) run."""
-    from pdserve.bench.plots import plot_pool_timeline
-
     sampled = [r for r in results if (r.get("pool_timeline") or {}).get("samples")]
     if not sampled:
         print("no pool timeline: no cluster state could be sampled", file=sys.stderr)

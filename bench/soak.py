@@ -32,7 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.bench.chaos import MAX_TOKENS, PROMPTS, Reference, chaos_router_config
+from pdserve.bench.harness import RouterHarness, start_embedded_ray
 from pdserve.rank.messages import DEFAULT_COLLECTIVE_TIMEOUT_S
+from pdserve.router.client import AsyncClient
 
 
 @dataclass
@@ -160,8 +162,6 @@ async def _one(client, prompt: str, max_tokens: int, want: list[int], minute: Mi
 
 async def _load(harness, reference: Reference, minutes: list[Minute], traces: list[Trace],
                 rate: float, seconds: float, seed: int, stop: threading.Event) -> None:
-    from pdserve.router.client import AsyncClient
-
     rng = random.Random(seed)
     tasks: set[asyncio.Task] = set()  # the unfinished ones only: RSS is the router's
     async with AsyncClient(harness.address, timeout=120) as client:
@@ -245,9 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--result-file", default="results/bench_soak.json")
     args = p.parse_args(argv)
 
-    from pdserve.bench.harness import RouterHarness, start_embedded_ray
-
     model = start_embedded_ray(args.model)  # before ray is imported: it binds loopback then
+    # lazy: ray after start_embedded_ray: Ray reads its loopback settings at import
     import ray
     reference = Reference(model)
     harness = RouterHarness(chaos_router_config(model, args.transport,

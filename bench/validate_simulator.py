@@ -28,6 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from pdserve.bench.routers import subprocess_router
+from pdserve.bench.serve_report import write_json
+
 DEPLOYMENTS = {"1p1d": {"mode": "disaggregated", "prefill": 1, "decode": 1},
                "2p1d": {"mode": "disaggregated", "prefill": 2, "decode": 1}}
 SHORT = ["--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "32"]
@@ -101,7 +104,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=900.0, help="per measured run")
     p.add_argument("--result-file", default="results/bench_validate_simulator.json")
     args = p.parse_args(argv)
-    from pdserve.bench.routers import subprocess_router
 
     loads = workloads(args.sweep_rates)
     order = [CALIBRATION, *[w for w in loads if w != CALIBRATION]]
@@ -138,7 +140,6 @@ def main(argv: list[str] | None = None) -> int:
         for w in runs[name]:
             for kind, r in runs[name][w].items():
                 runs[name][w][kind] = {k: v for k, v in r.items() if not isinstance(v, list)}
-    from pdserve.bench.serve_report import write_json
 
     out = write_json(args.result_file, {"benchmark": "validate_simulator",
                                         "num_prompts": args.num_prompts,

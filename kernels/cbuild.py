@@ -91,7 +91,8 @@ def resolve_isa(isa: str | None) -> str:
 def load(name: str, isa: str | None = None) -> ctypes.CDLL | None:
     """The compiled ``<name>.c`` from this folder for ``isa`` (default: ``host_isa``),
     or None (reason logged once)."""
-    import torch  # noqa: F401  (loaded first: its OpenMP runtime serves the kernels)
+    # lazy: torch first, its OpenMP runtime serves the kernels; the CLI imports cbuild torch-free
+    import torch  # noqa: F401
 
     isa = resolve_isa(isa)
     source = HERE / f"{name}.c"

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from pdserve.kernels import cbuild
 from pdserve.kernels.slot_mapping import DEFAULT_RING_LEN
 
 
@@ -302,8 +303,6 @@ class KVCache:
 def _copy_kernels(isa: str | None = None) -> ctypes.CDLL | None:
     """kv_copy.c (streaming-store block copies) built for ``isa`` (default: the CPU's
     widest, whose stores move a whole cache line at once); None: torch's."""
-    from pdserve.kernels import cbuild
-
     lib = cbuild.load("kv_copy", isa)
     if lib is not None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64

@@ -30,18 +30,22 @@ def make_transport(name: str, secret: KVSecret | None = None, *,
     ``device`` bounds each rank's send and receive by ``timeout_s``, the router's
     hand-off timeout)."""
     if name == "ray":
+        # lazy: only the backend asked for loads: the CLI and the router import this package
         from pdserve.kv_transfer.ray.transport import RayObjectStoreTransport
 
         return RayObjectStoreTransport()
     if name == "grpc":
+        # lazy: grpc is heavy; only the grpc backend needs it
         from pdserve.kv_transfer.grpc.transport import GrpcBytesTransport
 
         return GrpcBytesTransport(secret)
     if name == "device":
+        # lazy: only the backend asked for loads: the CLI and the router import this package
         from pdserve.kv_transfer.device.transport import DeviceTransport
 
         return DeviceTransport() if timeout_s is None else DeviceTransport(timeout_s)
     if name == "in_process":
+        # lazy: only the backend asked for loads: the CLI and the router import this package
         from pdserve.kv_transfer.in_process.transport import InProcessTransport
 
         return InProcessTransport()
@@ -61,10 +65,12 @@ def make_endpoint(name: str, importer: RankHost, host: str, *, secret: KVSecret 
     pair stores bind ``host``."""
     sizing = sizing or EndpointSizing()
     if name == "ray":
+        # lazy: only the backend asked for loads: the CLI and the router import this package
         from pdserve.kv_transfer.ray.endpoint import RayEndpoint
 
         return RayEndpoint(sizing.staging_bytes, importer=importer)
     if name == "grpc":
+        # lazy: grpc is heavy; only the grpc backend needs it
         from pdserve.kv_transfer.grpc.endpoint import GrpcEndpoint
         from pdserve.kv_transfer.grpc.wire import max_payload_bytes
 
@@ -72,6 +78,7 @@ def make_endpoint(name: str, importer: RankHost, host: str, *, secret: KVSecret 
                  if sizing.max_tokens else None)
         return GrpcEndpoint(importer, host, secret, max_push_bytes=limit)
     if name == "device":
+        # lazy: only the backend asked for loads: the CLI and the router import this package
         from pdserve.kv_transfer.device.endpoint import DeviceEndpoint
 
         return DeviceEndpoint(sizing.device, host, importer=importer)

@@ -145,6 +145,7 @@ def payload_without_prefix(data: Any, num_blocks: int) -> bytes:
     """A KV payload's bytes without its first ``num_blocks`` full blocks (the rank side
     of ``deliver(..., skip_blocks)``; imports torch). One that cannot leave a prefix out
     (a sliding-window ring) goes whole: the receiver then finds no blocks skipped."""
+    # lazy: engine.kv.payload imports torch; the router imports this module
     from pdserve.engine.kv.payload import KVPayload, KVPayloadError
 
     try:

@@ -158,9 +158,11 @@ def format_runs(runs: list[Run]) -> str:
 
 def plot_runs(runs: list[Run], path: Path) -> None:
     """Draw each run as a timeline row; a bar per step, its width the assigned time."""
+    # lazy: matplotlib is heavy; only --plot needs it
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: matplotlib is heavy; only --plot needs it (after use("Agg"))
     import matplotlib.pyplot as plt
 
     names = list(dict.fromkeys(s.name for r in runs for s in r.steps))

@@ -20,14 +20,17 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     if name in ("LLM", "CompletionOutput"):
+        # lazy: the offline API (engine.llm) imports torch; a client never needs it
         from pdserve.engine import llm
 
         return getattr(llm, name)
     if name in ("Client", "AsyncClient"):
+        # lazy: the router's client imports gRPC; the offline API never needs it
         from pdserve.router import client
 
         return getattr(client, name)
     if name == "SamplingParams":
+        # lazy: `import pdserve` (the parent of every module) loads nothing itself
         from pdserve.scheduler.sampling_params import SamplingParams
 
         return SamplingParams

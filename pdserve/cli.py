@@ -52,6 +52,7 @@ def _add_make_tiny_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_make_tiny_model(args: argparse.Namespace) -> int:
+    # lazy: `import pdserve.cli` loads no subcommand's own modules: only make-tiny-model needs it
     from pdserve.engine.model.tiny import make_tiny_model
 
     out = make_tiny_model(args.dir, variant=args.variant, size=args.size)

@@ -29,14 +29,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from pdserve.bench import gpu  # noqa: E402
+from pdserve.bench.gpu_service import service_check  # noqa: E402
+from pdserve.bench.kernels import main as bench_main  # noqa: E402
+from pdserve.engine.model.tiny import make_tiny_model  # noqa: E402
+from pdserve.engine.model_runner import ModelRunner, RunnerRow  # noqa: E402
+from pdserve.kv_transfer.device.endpoint import DeviceEndpoint  # noqa: E402
+
 TRANSPORT_SIZES_MIB = (16, 64, 256)
 
 
 def _transport_rank(rank: int, device: str, backend: str, sizes: tuple, reps: int,
                     address_q, result_q) -> None:
     """One side of the measured pair (rank 0 sends, rank 1 receives), in its own process."""
-    from pdserve.kv_transfer.device.endpoint import DeviceEndpoint
-
     try:
         if device == "cuda":
             device = f"cuda:{rank % torch.cuda.device_count()}"
@@ -77,9 +82,7 @@ def _transport_rank(rank: int, device: str, backend: str, sizes: tuple, reps: in
 def _run_pair(dev: torch.device, backend: str, reps: int) -> tuple[dict, str | None]:
     """Both ranks of the measured pair, each in a process of its own: {rank: (ok,
     MiB/s per size or the error)}, and why a rank gave no result, if one did not."""
-    import torch.multiprocessing as tmp
-
-    ctx = tmp.get_context("spawn")
+    ctx = torch.multiprocessing.get_context("spawn")
     address_q, result_q = ctx.Queue(), ctx.Queue()
     procs = [ctx.Process(target=_transport_rank, daemon=True,
                          args=(r, dev.type, backend, TRANSPORT_SIZES_MIB, reps, address_q,
@@ -163,8 +166,6 @@ def _parse_args() -> argparse.Namespace:
 
 def _service(args: argparse.Namespace) -> int:
     """The service end to end, then the device transport between two processes."""
-    from pdserve.bench.gpu_service import service_check
-
     dev = torch.device(args.device)
     shape = args.service_shape or ("llama-1b" if dev.type == "cuda" else "cpu-smoke")
     streams = tuple(int(s) for s in args.streams.split(","))
@@ -190,8 +191,6 @@ def _greedy_against_hf(hf, runner, dev: torch.device, prompts: list[list[int]]
                        ) -> tuple[float, bool]:
     """(largest logit difference over the chunked prefills, whether every greedy
     continuation equals transformers' generate)."""
-    from pdserve.engine.model_runner import RunnerRow
-
     worst, same = 0.0, True
     for i, p in enumerate(prompts):
         with torch.no_grad():
@@ -219,10 +218,8 @@ def _greedy_against_hf(hf, runner, dev: torch.device, prompts: list[list[int]]
 def _check_variant(variant: str, folder: str, dev: torch.device, summary: dict) -> bool:
     """One built-in model variant: fp32 equal to transformers, bf16 finite (into
     ``summary``); whether both held."""
+    # lazy: transformers is heavy; only the equivalence checks need it
     from transformers import AutoModelForCausalLM
-
-    from pdserve.engine.model.tiny import make_tiny_model
-    from pdserve.engine.model_runner import ModelRunner, RunnerRow
 
     path = make_tiny_model(Path(folder) / variant, variant)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(dev).eval()
@@ -251,8 +248,6 @@ def _bf16_margins(hf, runner, dev: torch.device, prompts: list[list[int]], n: in
     each position, does transformers' argmax equal pdserve's token, and where not, how
     close were transformers' top two? Passes when every disagreement has a top-2 margin
     under ``BF16_MARGIN``."""
-    from pdserve.engine.model_runner import RunnerRow
-
     positions, differ = 0, []
     for i, p in enumerate(prompts):
         table = list(range(1 + 12 * i, 13 + 12 * i))
@@ -273,8 +268,6 @@ def _bf16_margins(hf, runner, dev: torch.device, prompts: list[list[int]], n: in
 
 def _gpu_bench(args: argparse.Namespace, dev: torch.device) -> list[dict]:
     """``pdserve bench gpu`` within ``--gpu-bench-s``; its rows (results/bench_gpu.json)."""
-    from pdserve.bench import gpu
-
     p = argparse.ArgumentParser()
     gpu.add_args(p)
     shapes = args.shapes if dev.type == "cuda" else "cpu-smoke"
@@ -305,8 +298,6 @@ def main() -> int:
             ok &= _check_variant(variant, tmp, dev, summary)
     summary["equivalence_seconds"] = round(time.time() - t0, 1)
     if not args.no_bench:
-        from pdserve.bench.kernels import main as bench_main
-
         out = Path("results") / f"bench_kernels_{dev.type}.json"
         bench_main(["--device", str(dev), "--out", str(out)])
         summary["bench"] = json.loads(out.read_text())["summary"]

@@ -29,6 +29,7 @@ def nvidia_driver(proc: Path = Path("/proc/driver/nvidia/version")) -> bool:
 def installed_torch() -> tuple[str, str | None] | None:
     """(version, CUDA version or None) of the torch this interpreter imports, if any."""
     try:
+        # lazy: torch may be missing: this script installs it
         import torch
     except ImportError:
         return None

@@ -25,7 +25,13 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.model.catalog import resolve_model
 from pdserve.engine.model.config import ModelConfig
+from pdserve.scheduler.output import StepKind
+from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.simulator.cost_model import (
     BUILTIN_PATH,
     CostModel,
@@ -66,23 +72,17 @@ class _Samples:
     """The timed steps kept for the fits, and the requests that make them (seeded)."""
 
     def __init__(self, seed: int = 0) -> None:
-        import numpy as np
-
         self.rng = np.random.default_rng(seed)
         self.ids = iter(range(10**9))
         self.prompt: list = []  # (rows as (q, c), seconds)
         self.decode: list = []  # (rows, context, seconds)
 
     def add(self, engine, n_tokens: int, max_tokens: int) -> None:
-        from pdserve.scheduler.sampling_params import SamplingParams
-
         engine.add_request(f"r{next(self.ids)}", self.rng.integers(8, 4000, n_tokens).tolist(),
                            SamplingParams(max_tokens=max_tokens, ignore_eos=True,
                                           temperature=0.0))
 
     def keep(self, steps) -> None:
-        from pdserve.scheduler.output import StepKind
-
         for out, s in steps:
             rows = out.scheduled
             if not rows:
@@ -113,7 +113,7 @@ def _sample_decode_steps(samples: _Samples, engine) -> None:
 
 def measure_engine(model_dir: str, repeats: int = 3) -> tuple[list, list]:
     """Prompt samples (rows as (q, c), s) and decode samples (rows, context, s)."""
-    from pdserve.engine.config import EngineConfig
+    # lazy: engine.engine imports torch; only measuring a real engine needs it
     from pdserve.engine.engine import LLMEngine
 
     samples = _Samples(seed=0)
@@ -174,8 +174,6 @@ def fit_timeline(path: str | Path, base: CostModel) -> CostModel:
 
 
 def main() -> None:
-    from pdserve.engine.model.catalog import resolve_model
-
     model_dir = resolve_model("tiny").path  # the fitted costs are the tiny model's
     t0 = time.time()
     prompt, decode = measure_engine(model_dir, repeats=2)

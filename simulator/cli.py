@@ -11,6 +11,7 @@ DEFAULT_RESULT = "results/simulate.json"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    # lazy: `import pdserve.cli` stays light: bench serve's arguments load with the parser
     from pdserve.bench.serve import add_dataset_args, add_load_args
 
     g = p.add_argument_group("cluster")
@@ -43,12 +44,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_load_args(p)
     p.add_argument("--result-file", default=DEFAULT_RESULT)
     p.add_argument("--label", default="")
+    # lazy: `import pdserve.cli` stays light: the planner's arguments load with the parser
     from pdserve.simulator.plan import add_plan_args
 
     add_plan_args(p)
 
 
 def sim_config(args: argparse.Namespace):
+    # lazy: simulator.cluster (numpy, the router's routing) loads only when simulate runs
     from pdserve.simulator.cluster import SimConfig
 
     engine = {"enable_prefix_caching": not args.no_prefix_caching}
@@ -62,6 +65,7 @@ def sim_config(args: argparse.Namespace):
 
 
 def cost_model(args: argparse.Namespace):
+    # lazy: `import pdserve.cli` stays light: the cost model loads only when simulate runs
     from pdserve.simulator.calibrate import fit_timeline
     from pdserve.simulator.cost_model import CostModel
 
@@ -74,6 +78,7 @@ def cost_model(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    # lazy: `import pdserve.cli` stays light: the simulator loads only when simulate runs
     from pdserve.bench.serve import load_kwargs, parse_floats
     from pdserve.bench.serve_report import write_json
     from pdserve.simulator.cluster import Cluster
@@ -87,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.plan:
+        # lazy: `import pdserve.cli` stays light: the simulator loads only when simulate runs
         from pdserve.simulator.plan import run_plan
 
         return run_plan(args, config, costs)

@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass, replace
 
 from pdserve.bench.serve_metrics import meets_slos
+from pdserve.bench.serve_report import write_json
 from pdserve.simulator.workload import workload_of
 
 
@@ -82,6 +83,7 @@ def search_rate(attained, start: float, steps: int, max_doublings: int = 20) -> 
 
 
 def run_plan(args: argparse.Namespace, config, costs) -> int:
+    # lazy: simulator.cluster is the whole simulator: only --plan runs need it, not the parser
     from pdserve.simulator.cluster import Cluster
 
     if not args.gpus or args.gpus < 1 or args.slo_ttft_ms is None or args.slo_itl_ms is None:
@@ -111,7 +113,6 @@ def run_plan(args: argparse.Namespace, config, costs) -> int:
         print(f"{r['placement']:<14} {r['max_rate']:>18.3f} {r['goodput_per_rank']:>14.3f}")
     out = {"slo_ttft_ms": args.slo_ttft_ms, "slo_itl_ms": args.slo_itl_ms,
            "slo_percentile": args.slo_percentile, "gpus": args.gpus, "table": rows}
-    from pdserve.bench.serve_report import write_json
 
     out["serve_command"] = serve_command(rows[0], args)
     write_json(args.result_file, out)

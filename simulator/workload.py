@@ -26,6 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from pdserve.bench.datasets import FIRST_PROMPT_ID, arrival_offsets
+from pdserve.bench.serve import build_requests
 
 TINY_VOCAB = 4096  # the built-in model's: a workload's token ids when no model is named
 
@@ -62,8 +63,6 @@ class Workload:
 
 def from_bench_args(args: argparse.Namespace, batch: int = BATCH) -> Workload:
     """The workload ``bench serve`` would send with these dataset and load arguments."""
-    from pdserve.bench.serve import build_requests
-
     if args.dataset_name == "random" and args.prompt_format != "ids":
         raise SystemExit("error: simulate takes token-id prompts (--prompt-format ids)")
     n = args.num_prompts

@@ -77,6 +77,7 @@ class DeviceEndpoint(RankEndpoint):
     def __init__(self, device: str = "cpu", host: str = "127.0.0.1",
                  max_age_s: float = PAYLOAD_MAX_AGE_S, max_pairs: int = MAX_PAIRS, *,
                  importer: RankHost | None = None) -> None:
+        # lazy: torch: the router's device transport imports this module
         import torch
 
         super().__init__(max_age_s)
@@ -128,6 +129,7 @@ class DeviceEndpoint(RankEndpoint):
     # -- export ------------------------------------------------------------------------
 
     def payload_buffer(self, attempt: str, nbytes: int) -> Any:
+        # lazy: torch: the router's device transport imports this module
         import torch
 
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -136,6 +138,7 @@ class DeviceEndpoint(RankEndpoint):
 
     def open_pair(self, pair: str, timeout_s: float) -> str:
         """Host pair ``pair``'s store on this node's address; its tcp:// address."""
+        # lazy: engine.dp_comm imports torch
         from pdserve.engine.dp_comm import listen_store
 
         store = listen_store(self.host, 0, timeout=timeout_s)
@@ -150,6 +153,7 @@ class DeviceEndpoint(RankEndpoint):
                   timeout_s: float) -> None:
         """Join pair ``pair``'s group as ``rank`` (0: source, 1: destination); returns
         once the group formed (gloo: both ranks connected), at most ``timeout_s``."""
+        # lazy: torch: the router's device transport imports this module
         import torch.distributed as dist
 
         from pdserve.engine.dp_comm import _parse_tcp
@@ -210,6 +214,7 @@ class DeviceEndpoint(RankEndpoint):
     def send(self, pair: str, attempt: str, skip_blocks: int, timeout_s: float) -> int:
         """Send ``attempt``'s payload (less its first ``skip_blocks`` blocks) to the
         pair's other rank: its size first, then its bytes. Returns the bytes sent."""
+        # lazy: torch: the router's device transport imports this module
         import torch
 
         entry = self._take(pair)
@@ -245,6 +250,7 @@ class DeviceEndpoint(RankEndpoint):
     def receive(self, pair: str, nbytes: int, skip_blocks: int, timeout_s: float) -> Any:
         """Receive one payload from the pair's source: a uint8 tensor on this rank's device
         (``nbytes``: the ticket's size; a cut payload is announced smaller)."""
+        # lazy: torch: the router's device transport imports this module
         import torch
 
         entry = self._take(pair)
@@ -340,6 +346,7 @@ class _on_device:
     def __init__(self, device: Any) -> None:
         self.ctx = None
         if device.type == "cuda":
+            # lazy: torch: the router's device transport imports this module
             import torch
 
             self.ctx = torch.cuda.device(device)
@@ -357,6 +364,7 @@ def tensor_without_prefix(data: Any, num_blocks: int) -> Any:
     """A payload tensor without its first ``num_blocks`` full blocks, as a new tensor on
     the same device (one device copy of the rest). One that cannot leave a prefix out (a
     sliding-window ring) goes whole: the receiver then finds no blocks skipped."""
+    # lazy: torch and engine.kv.payload: the router's device transport imports this module
     import torch
 
     from pdserve.engine.kv.payload import KVPayload, KVPayloadError

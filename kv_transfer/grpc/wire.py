@@ -194,8 +194,8 @@ class PayloadRefused(Exception):
 def peek_header(head: bytes | bytearray) -> tuple[str, int] | None:
     """(attempt the payload names, its whole size) once ``head`` holds the payload's
     whole header; None while it does not yet. ``PayloadRefused`` if it is no KV payload."""
-    # The payload format's own parser and bounds (engine/kv/payload.py); imported here,
-    # not at module import: the router process never needs torch.
+    # The payload format's own parser and bounds (engine/kv/payload.py).
+    # lazy: engine.kv.payload imports torch; the router process (which relays) never needs it
     from pdserve.engine.kv.payload import _PREFIX, MAGIC, MAX_HEADER_BYTES, VERSION, _unpack_header
 
     if len(head) < _PREFIX.size:

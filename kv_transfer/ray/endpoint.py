@@ -57,6 +57,7 @@ WOKEN_IMPORT_WAIT_S = 30.0
 def node_id() -> str:
     """This process's Ray node ("" outside a Ray worker: no node to share with)."""
     try:
+        # lazy: ray is heavy; a process outside Ray has no node to ask for
         import ray
 
         return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
@@ -109,6 +110,7 @@ class RayEndpoint(RankEndpoint):
         shared = self.staging.export(attempt)
         if shared is not None:
             return shared
+        # lazy: numpy and ray, only when a payload goes through the object store
         import numpy as np
         import ray
 
@@ -119,6 +121,7 @@ class RayEndpoint(RankEndpoint):
     def object_for(self, attempt: str, skip_blocks: int = 0) -> Any:
         """A staged payload's bytes as an array, for a receiver that cannot map them
         (Ray copies the array into the object store as this returns)."""
+        # lazy: numpy, only when a payload goes through the object store
         import numpy as np
 
         view = self.staging.view(attempt)
