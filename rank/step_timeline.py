@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import collections
 import itertools
-from typing import Any
+
+from pdserve.engine.outputs import StepOutputs
 
 FIELDS = ("seq", "pool", "rank", "kind", "start", "end", "num_tokens", "num_rows",
           "num_handoffs", "handoff_start", "handoff_end")
@@ -17,11 +18,11 @@ KINDS = ("prompt", "decode", "empty_prompt", "empty", "import")
 DEFAULT_MAXLEN = 16384
 
 
-def step_kind(out: Any) -> str:
+def step_kind(out: StepOutputs) -> str:
     """The engine's kind, with steps that computed nothing named `empty` (a rank idle
     while a peer decodes) or `empty_prompt` (idle while a peer prefills)."""
-    kind = getattr(out, "kind", "decode")
-    if getattr(out, "num_scheduled_tokens", 1):
+    kind = out.kind
+    if out.num_scheduled_tokens:
         return kind
     return "empty_prompt" if kind == "empty_prompt" else "empty"
 
@@ -31,12 +32,11 @@ class StepTimeline:
         self._ring: collections.deque[tuple] = collections.deque(maxlen=maxlen)
         self._seq = itertools.count(1)  # next() is atomic: imports append from other threads
 
-    def step(self, pool: str, rank: int, out: Any, end: float,
+    def step(self, pool: str, rank: int, out: StepOutputs, end: float,
              handoff_start: float = 0.0, handoff_end: float = 0.0) -> None:
-        self._ring.append((next(self._seq), pool, rank, step_kind(out),
-                           end - getattr(out, "duration_s", 0.0), end,
-                           getattr(out, "num_scheduled_tokens", 0), getattr(out, "num_rows", 0),
-                           len(getattr(out, "handoffs", ())), handoff_start, handoff_end))
+        self._ring.append((next(self._seq), pool, rank, step_kind(out), end - out.duration_s,
+                           end, out.num_scheduled_tokens, out.num_rows, len(out.handoffs),
+                           handoff_start, handoff_end))
 
     def imported(self, pool: str, rank: int, start: float, end: float) -> None:
         self._ring.append((next(self._seq), pool, rank, "import", start, end, 0, 1, 1, start, end))
