@@ -304,8 +304,7 @@ class LLMEngine:
                            num_scheduled_tokens=sched_out.num_tokens,
                            duration_s=time.perf_counter() - started,
                            num_rows=len(sched_out.scheduled),
-                           cache_events=self.scheduler.blocks.drain_events()
-                           if self.scheduler.caching else [], kv_chunks=kv_chunks)
+                           cache_events=self.scheduler.cache_events(), kv_chunks=kv_chunks)
 
     def _abandon(self, sched_out: SchedulerOutput, exc: BaseException) -> list[int]:
         """The model run failed: abort every scheduled sequence so that processing the

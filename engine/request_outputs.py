@@ -80,25 +80,21 @@ def _output_for(by_id: dict[str, RequestOutput], seq: Sequence) -> RequestOutput
 
 def engine_stats(engine) -> EngineStats:
     """An engine's counters for the router (``LLMEngine.stats``)."""
-    sched = engine.scheduler
-    outstanding = sum(len(s) - s.processed for s in sched.waiting)
+    counts = engine.scheduler.counts()
     return EngineStats(
         engine_type=engine.config.engine_type, rank=engine.rank,
-        num_waiting=(len(sched.waiting) + engine.num_pending_imports
+        num_waiting=(counts.num_waiting + engine.num_pending_imports
                      + engine.guided.num_parked),
-        # Finished sequences may sit in `running` until the next decode pass (S26).
-        num_running=sum(not s.is_finished for s in sched.running),
-        num_prompted=len(sched.prompted),
-        num_free_blocks=sched.num_free_blocks,
+        num_running=counts.num_running, num_prompted=counts.num_prompted,
+        num_free_blocks=counts.num_free_blocks,
         num_total_blocks=engine.runner.num_kv_blocks - 1,
-        outstanding_prompt_tokens=outstanding, num_preemptions=sched.num_preemptions,
+        outstanding_prompt_tokens=counts.outstanding_prompt_tokens,
+        num_preemptions=counts.num_preemptions,
         num_empty_steps=engine.num_empty_steps, num_steps=engine.num_steps,
         num_failed_steps=engine.num_failed_steps,
-        cache_queried_tokens=sched.num_cache_queried_tokens,
-        cache_hit_tokens=sched.num_cache_hit_tokens,
-        cache_evictions=getattr(sched.blocks, "num_evictions", 0),
-        num_cached_blocks=getattr(sched.blocks, "num_cached", 0),
-        **_spec_counters(engine.speculator))
+        cache_queried_tokens=counts.cache_queried_tokens,
+        cache_hit_tokens=counts.cache_hit_tokens, cache_evictions=counts.cache_evictions,
+        num_cached_blocks=counts.num_cached_blocks, **_spec_counters(engine.speculator))
 
 
 def _spec_counters(speculator) -> dict:

@@ -40,6 +40,11 @@ class BlockManager:
     def cache_usage(self) -> float:
         return self.blocks.num_used / self.config.num_blocks  # S5
 
+    def cache_events(self) -> list[tuple[bool, bytes]]:
+        """Prefix caching: (stored?, block hash) as blocks gained or lost their names
+        since the last call, in order (the router's index of who holds which prefix)."""
+        return self.blocks.drain_events() if self.caching else []
+
     def blocks_needed(self, seq: Sequence) -> int:
         return self._ceil_blocks(len(seq) + seq.in_flight + seq.draft_len)  # S4
 

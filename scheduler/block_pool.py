@@ -17,6 +17,11 @@ class BlockPool:
     harmless target. Freed ids go to the back, so recently freed ids are reused last."""
 
     __slots__ = ("num_blocks", "free_queue", "_refs")
+    num_evictions = 0  # no names, no evictions (a CachingBlockPool counts its own)
+
+    @property
+    def num_cached(self) -> int:
+        return 0  # blocks kept for their names (CachingBlockPool)
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:

@@ -101,6 +101,22 @@ class SchedulerOutput:
         return sum(row.query_len for row in self.placed)
 
 
+@dataclass(frozen=True)
+class QueueCounts:
+    """A scheduler's queues and pools at a moment, as numbers (the engine's stats)."""
+
+    num_waiting: int
+    outstanding_prompt_tokens: int  # prompt positions the waiting still have to compute
+    num_running: int  # finished ones the next decode pass sweeps are not counted
+    num_prompted: int
+    num_free_blocks: int
+    num_preemptions: int
+    cache_queried_tokens: int  # prefix caching: prompt tokens looked up ...
+    cache_hit_tokens: int  # ... and found
+    cache_evictions: int
+    num_cached_blocks: int
+
+
 @dataclass
 class StepResult:
     updated: list[Sequence] = field(default_factory=list)  # got a new token this step

@@ -18,7 +18,7 @@ from pdserve.scheduler.block_pool import AllocStatus
 from pdserve.scheduler.chunk_sizer import ChunkSizer
 from pdserve.scheduler.config import EngineType, SchedulerConfig
 from pdserve.scheduler.decode_path import DecodePath
-from pdserve.scheduler.output import SchedulerOutput, StepKind, StepResult
+from pdserve.scheduler.output import QueueCounts, SchedulerOutput, StepKind, StepResult
 from pdserve.scheduler.prefill_path import PrefillPath
 from pdserve.scheduler.sampling_params import SamplingParams
 from pdserve.scheduler.sequence import Sequence, SequenceStatus
@@ -274,6 +274,19 @@ class Scheduler(PrefillPath, DecodePath, BlockManager):
                 child.fork_pending = False
                 self._requeue_preempted(child)
         return children
+
+    def counts(self) -> QueueCounts:
+        blocks = self.blocks
+        return QueueCounts(
+            num_waiting=len(self.waiting),
+            outstanding_prompt_tokens=sum(len(s) - s.processed for s in self.waiting),
+            # finished sequences may sit in `running` until the next decode pass (S26)
+            num_running=sum(not s.is_finished for s in self.running),
+            num_prompted=len(self.prompted), num_free_blocks=blocks.num_free,
+            num_preemptions=self.num_preemptions,
+            cache_queried_tokens=self.num_cache_queried_tokens,
+            cache_hit_tokens=self.num_cache_hit_tokens,
+            cache_evictions=blocks.num_evictions, num_cached_blocks=blocks.num_cached)
 
     def get_sequence(self, attempt: str) -> Sequence | None:
         return self._live.get(attempt)
