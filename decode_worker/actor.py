@@ -29,7 +29,8 @@ from pdserve.rank.messages import AttemptKey, ImportResult, TokenReport
 def refused_kind(exc: BaseException) -> FailureKind:
     """Why the engine refused an import, by the type it raised: no room (CAPACITY), a
     left-out prefix its cache lost (CACHE_MISS), else the payload itself (PAYLOAD)."""
-    from pdserve.engine.engine import CacheMissError, NoCapacityError  # loaded with the engine
+    # lazy: engine.engine imports torch (the router imports this module); a rank has it
+    from pdserve.engine.engine import CacheMissError, NoCapacityError
 
     if isinstance(exc, NoCapacityError):
         return CAPACITY

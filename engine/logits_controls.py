@@ -59,6 +59,7 @@ def apply_controls(logits: torch.Tensor, sampling: list[SamplingParams],
 
 def _grammar_masks(out: torch.Tensor, controls: list[RowControls | None],
                    guided: list[int]) -> torch.Tensor:
+    # lazy: xgrammar is optional (the grammar extra) and heavy; only guided rows need it
     import xgrammar as xgr
 
     bitmask = xgr.allocate_token_bitmask(out.shape[0], out.shape[1])
@@ -70,6 +71,7 @@ def _grammar_masks(out: torch.Tensor, controls: list[RowControls | None],
 
 def _apply_bitmask(raw: torch.Tensor, out: torch.Tensor, bitmask: torch.Tensor,
                    rows: list[int]) -> None:
+    # lazy: xgrammar is optional (the grammar extra) and heavy; only guided rows need it
     import xgrammar as xgr
 
     out[rows] = raw[rows]

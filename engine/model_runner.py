@@ -43,7 +43,9 @@ from pdserve.engine.config import (
     state_slots_for,
 )
 from pdserve.engine.logits_controls import apply_controls
+from pdserve.engine.model.compiled_decode import CompiledDecode
 from pdserve.engine.model.llama import load_model
+from pdserve.engine.model.tokenizer import Tokenizer
 from pdserve.engine.model.weights import file_digest, weight_files
 from pdserve.engine.outputs import KVCapacity, TokenLogprobs
 from pdserve.engine.step_inputs import RunnerRow
@@ -111,8 +113,6 @@ class ModelRunner:
         # dense blocks when asked), see CausalLM.forward_decode.
         self.model.use_decode_kernel(decode_kernel)
         if compile:
-            from pdserve.engine.model.compiled_decode import CompiledDecode  # torch.compile: opt-in
-
             self.model.use_compiled(CompiledDecode(self.model))
         cfg = self.config
         self.block_size = block_size
@@ -166,8 +166,6 @@ class ModelRunner:
     def tokenizer(self):
         """The folder's tokenizer (``pdserve.engine.model.tokenizer.Tokenizer``), loaded on first use."""
         if self._tokenizer is None:
-            from pdserve.engine.model.tokenizer import Tokenizer
-
             self._tokenizer = Tokenizer.from_model(self.model_dir)
         return self._tokenizer
 

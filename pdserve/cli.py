@@ -22,6 +22,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdserve.engine.model.tiny import make_tiny_model  # light: its torch is lazy
+
 
 @dataclass(frozen=True)
 class Command:
@@ -52,9 +54,6 @@ def _add_make_tiny_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_make_tiny_model(args: argparse.Namespace) -> int:
-    # lazy: `import pdserve.cli` loads no subcommand's own modules: only make-tiny-model needs it
-    from pdserve.engine.model.tiny import make_tiny_model
-
     out = make_tiny_model(args.dir, variant=args.variant, size=args.size)
     print(f"wrote {args.variant}/{args.size} model to {out}")
     return 0

@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.outputs import EngineStats, HandOff, RequestOutput, StepOutputs
 from pdserve.kv_transfer import EndpointSizing, make_endpoint
 from pdserve.kv_transfer.base import PAYLOAD
@@ -66,7 +67,7 @@ log = logging.getLogger(__name__)
 
 
 def default_engine_factory(config: dict, communicator: Any) -> Any:
-    from pdserve.engine.config import EngineConfig
+    # lazy: engine.engine imports torch; the router imports this module
     from pdserve.engine.engine import LLMEngine
 
     return LLMEngine(EngineConfig(**config), communicator=communicator)
@@ -74,6 +75,7 @@ def default_engine_factory(config: dict, communicator: Any) -> Any:
 
 def default_loop_factory(engine: Any, on_step: Callable, communicator: Any,
                          on_error: Callable) -> Any:
+    # lazy: engine_loop imports torch; the router imports this module
     from pdserve.engine.engine_loop import EngineLoop
 
     return EngineLoop(engine, on_step=on_step, communicator=communicator,
@@ -105,7 +107,7 @@ class EngineRank(GroupMember):
         self.max_failed_steps = max_failed_steps
         if num_threads:
             # Ray sets OMP_NUM_THREADS=1 in actors; choose torch's threads on purpose.
-            import torch
+            import torch  # lazy: only a rank gets here; the router imports this module
 
             torch.set_num_threads(num_threads)
         self._init_group(communicator_factory, collective_timeout_s)
@@ -154,14 +156,14 @@ class EngineRank(GroupMember):
         stats = self.stats()
         node_id = ""
         try:
-            import ray
+            import ray  # lazy: ray is heavy; a rank outside Ray (unit tests) has no node
 
             node_id = ray.get_runtime_context().get_node_id()
         except Exception:  # not inside Ray (unit tests)
             pass
         device, gpu_uuid = self.kv_device(), ""
         if device.startswith("cuda"):
-            import torch
+            import torch  # lazy: only a rank gets here; the router imports this module
 
             try:
                 gpu_uuid = str(torch.cuda.get_device_properties(torch.device(device)).uuid)

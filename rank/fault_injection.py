@@ -14,6 +14,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.rank.engine_rank import default_engine_factory
+
 
 class InjectedFault(RuntimeError):
     """Raised inside a step by FaultyEngineFactory's engines."""
@@ -28,8 +30,6 @@ class FaultyEngineFactory:
     lose_reports_of_runs: frozenset[int] = field(default_factory=frozenset)
 
     def __call__(self, config: dict, communicator: Any) -> Any:
-        from pdserve.rank.engine_rank import default_engine_factory
-
         engine = default_engine_factory(config, communicator)
         if config.get("engine_type") not in self.engine_types:
             return engine

@@ -12,6 +12,7 @@ behind it is swapped.
 
 from __future__ import annotations
 
+import datetime
 import os
 import threading
 import time
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pdserve.rank.messages import DEFAULT_COLLECTIVE_TIMEOUT_S, GroupJoined
+from pdserve.scheduler.votes import SingleRankCommunicator
 
 # The loop's has-work vote is 0 (work) / 1 (none); -1 asks every rank to pause.
 _PAUSE_VOTE = -1
@@ -53,8 +55,6 @@ class GroupCommunicator:
     is replaced whenever the pool re-forms (the engine never sees the swap)."""
 
     def __init__(self) -> None:
-        from pdserve.scheduler.votes import SingleRankCommunicator
-
         self.group: Any = SingleRankCommunicator()
 
     @property
@@ -74,6 +74,7 @@ def default_communicator_factory(rank: int, world_size: int, address: Any,
                                  name: str | None = None) -> Any:
     """``address``: the group store's tcp:// address, or (rank 0) a client of the store
     it hosts. ``prefix`` holds the group's nonce; ``name`` is what errors may show."""
+    # lazy: engine.dp_comm imports torch; the router imports this module
     from pdserve.engine.dp_comm import TorchDistCommunicator
 
     # The backend follows the device: NCCL for ranks on a GPU, gloo on CPU.
@@ -88,7 +89,7 @@ def device_name(configured: str | None) -> str:
     resolves it to (engine/config.py: engine_device)."""
     device = configured or "cpu"
     if device in ("cuda", "auto"):
-        import torch  # only a rank gets here; the router imports this module
+        import torch  # lazy: only a rank gets here; the router imports this module
 
         if device == "auto" and not torch.cuda.is_available():
             return "cpu"
@@ -106,7 +107,7 @@ def vote_device(device: str, gpu_share: float) -> str:
 
 def assigned_gpu_share() -> float:
     """The GPUs Ray gave this actor (a fraction where ranks share one)."""
-    import ray  # a GPU rank is a Ray actor; CPU ranks never ask
+    import ray  # lazy: ray is heavy; a GPU rank is a Ray actor, CPU ranks never ask
 
     return float(ray.get_runtime_context().get_assigned_resources().get("GPU", 0.0))
 
@@ -117,7 +118,7 @@ def error_text(exc: BaseException) -> str:
 
 def node_ip() -> str:
     try:
-        import ray
+        import ray  # lazy: ray is heavy; outside Ray there is no node to ask
 
         return ray.util.get_node_ip_address()
     except Exception:
@@ -180,6 +181,7 @@ class GroupMember:
         reaches the port can list the keys and overwrite a rank's address key, failing
         the formation (the pool retries with a new nonce) or pointing a rank's peer
         elsewhere; TCPStore cannot require a credential."""
+        # lazy: engine.dp_comm imports torch; the router imports this module
         from pdserve.engine.dp_comm import listen_store
 
         host = node_ip()
@@ -209,9 +211,7 @@ class GroupMember:
         hosted, self._hosted_store = self._hosted_store, None
         init: Any = address
         if hosted is not None and rank == 0 and address is not None:
-            import datetime
-
-            import torch.distributed as dist
+            import torch.distributed as dist  # lazy: the router imports this module
 
             init = dist.TCPStore(hosted.host, hosted.port, None, False,
                                  timeout=datetime.timedelta(seconds=self.collective_timeout_s))

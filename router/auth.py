@@ -20,6 +20,7 @@ import hmac
 import ipaddress
 import os
 import re
+import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,8 +225,6 @@ class Authenticator:
 def make_token_files(folder: str, tenants: list[str]) -> tuple[Path, Path]:
     """Write ``tokens`` (one fresh token per tenant) and ``admin_token`` into ``folder``,
     mode 0600, never overwriting; the tokens are only in the files."""
-    import secrets
-
     for tenant in tenants:
         if not TENANT_NAME.fullmatch(tenant) or tenant == ADMIN_TENANT:
             raise ValueError(f"tenant name {tenant!r} must match {TENANT_NAME.pattern} "

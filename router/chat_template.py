@@ -25,6 +25,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Tokenizer, models
+
 MAX_MESSAGES = 1024
 MAX_CONTENT_BYTES = 1 << 20
 MAX_CONTENT_PARTS = 1024  # per message
@@ -50,7 +52,7 @@ class ChatTemplate:
         tokens = dict(special_tokens or {})
         if not all(k.endswith("_token") and isinstance(v, str) for k, v in tokens.items()):
             raise ValueError("special tokens must be a {name_token: string} mapping")
-        from tokenizers import Tokenizer, models
+        # lazy: transformers is heavy; only a template in use needs it
         from transformers import PreTrainedTokenizerFast
 
         empty = Tokenizer(models.WordLevel({}, unk_token=None))
@@ -67,6 +69,7 @@ class ChatTemplate:
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> ChatTemplate | None:
         """The chat template of a model folder or GGUF file, or None when it has none."""
+        # lazy: gguf_file loads numpy and gguf, only with a model (the router's modules import this)
         from pdserve.engine.model.gguf_file import GGUFModel, find_gguf
 
         gguf_path = find_gguf(model_dir)
@@ -78,7 +81,7 @@ class ChatTemplate:
         d = Path(model_dir)
         if not d.is_dir():
             raise FileNotFoundError(f"model folder {d} not found")
-        from transformers import PreTrainedTokenizerFast
+        from transformers import PreTrainedTokenizerFast  # lazy: heavy; only with a model
 
         try:
             tok = PreTrainedTokenizerFast.from_pretrained(str(d), local_files_only=True)
@@ -306,7 +309,7 @@ def _check_known_kwargs(kwargs: dict[str, Any]) -> None:
 
 def _describe(exc: BaseException) -> str:
     """A one-line message for an error raised while compiling or rendering a template."""
-    import jinja2.exceptions
+    import jinja2.exceptions  # lazy: jinja2 (serve extra), only when a template fails
 
     if isinstance(exc, jinja2.exceptions.TemplateSyntaxError):
         return f"the model's chat template does not compile: {exc.message} (line {exc.lineno})"

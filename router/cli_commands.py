@@ -11,7 +11,11 @@ import json
 import sys
 import time
 
+from google.protobuf.json_format import MessageToDict
+
+from pdserve.router.auth import make_token_files
 from pdserve.router.chat_cli import add_chat_args, run_chat
+from pdserve.router.client import Completion
 from pdserve.router.client_args import add_client_args, connect, rpc_error
 from pdserve.router.serve_command import add_serve_args, run_serve
 
@@ -85,8 +89,6 @@ def _read_text(path: str, flag: str) -> str:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from pdserve.router.client import Completion
-
     out = Completion()
     try:
         with connect(args, timeout=args.timeout) as client:
@@ -118,8 +120,6 @@ def _add_status_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_status(args: argparse.Namespace) -> int:
-    from google.protobuf.json_format import MessageToDict
-
     try:
         with connect(args) as client:
             state = client.cluster_state(timeout=args.timeout)
@@ -205,8 +205,6 @@ def _add_make_tokens_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_make_tokens(args: argparse.Namespace) -> int:
-    from pdserve.router.auth import make_token_files
-
     try:
         tenant_path, admin_path = make_token_files(
             args.dir, [t.strip() for t in args.tenants.split(",") if t.strip()])

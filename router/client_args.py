@@ -8,6 +8,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+import grpc
+
+from pdserve.router.auth import read_client_token
+from pdserve.router.client import Client
 from pdserve.router.serve_command import DEFAULT_ADDRESS
 
 
@@ -23,22 +27,16 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
 
 def client_options(args: argparse.Namespace) -> dict:
     """Client / AsyncClient keyword arguments from the common client flags."""
-    from pdserve.router.auth import read_client_token
-
     return {"token": read_client_token(args.token_file), "tls_ca_file": args.tls_ca_file,
             "tls_server_name": args.tls_server_name}
 
 
 def connect(args: argparse.Namespace, timeout: float | None = None):
     """A blocking Client from the common client flags."""
-    from pdserve.router.client import Client
-
     return Client(args.address, timeout=timeout, **client_options(args))
 
 
 def rpc_error(exc, address: str) -> int:
-    import grpc
-
     if isinstance(exc, (ValueError, OSError)):  # a bad token file or CA file
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -350,7 +350,7 @@ def _pool_kwargs(pool: PoolConfig) -> dict[str, Any]:
 
 
 def load_config(path: str | Path, **overrides: Any) -> RouterConfig:
-    import yaml
+    import yaml  # lazy: only to read a config file (`import pdserve.cli` loads this module)
 
     text = Path(path).read_text()
     data = yaml.safe_load(text) or {}

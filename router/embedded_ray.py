@@ -130,7 +130,7 @@ def start_embedded_ray(num_cpus: float, resources: dict[str, float], temp_dir: s
     """A local Ray for this process: node address 127.0.0.1, no dashboard unless asked
     (then on 127.0.0.1; its URL is returned). Call ``loopback_only`` first, before ray
     is imported."""
-    import ray
+    import ray  # lazy: Ray reads its loopback settings at import: after loopback_only
 
     context = ray.init(address="local", include_dashboard=dashboard,
                        dashboard_host="127.0.0.1", log_to_driver=False,

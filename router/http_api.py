@@ -20,13 +20,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import time
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.responses import StreamingResponse
 
 from pdserve.router.auth import Authenticator, AuthError
+from pdserve.router.embedded_ray import public_binds
 from pdserve.router.openai_errors import HTTPError, body_field, error_body
 from pdserve.router.openai_request import (
     Common,
@@ -259,8 +262,6 @@ class HTTPServer:
 
     def __init__(self, app, sock, tls_cert_file: str | None = None,
                  tls_key_file: str | None = None) -> None:
-        import uvicorn
-
         self.sock = sock
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
@@ -289,10 +290,6 @@ class HTTPServer:
 
 
 def bind_socket(host: str, port: int):
-    import socket
-
-    from pdserve.router.embedded_ray import public_binds
-
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

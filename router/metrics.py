@@ -13,7 +13,13 @@ import threading
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 log = logging.getLogger(__name__)
@@ -96,8 +102,6 @@ class RouterMetrics:
 
     def start_server(self, host: str, port: int) -> int:
         """Serve the text format on http://host:port/ (any path); returns the bound port."""
-        from prometheus_client import start_http_server
-
         self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
         self.port = int(self._server.server_port)
         return self.port

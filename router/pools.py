@@ -25,7 +25,10 @@ from typing import Any
 
 import ray
 
+from pdserve.decode_worker.actor import DecodeRank
 from pdserve.planner.host import RankStartError  # raised here; the planner acts on it
+from pdserve.prefill_worker.actor import PrefillRank
+from pdserve.rank.normal_rank import NormalRank
 from pdserve.router import routing
 from pdserve.router.config import PoolConfig, RouterConfig
 from pdserve.router.rank_handle import DEAD, DRAINING, READY, STARTING, RankHandle
@@ -40,15 +43,9 @@ LIVENESS_CHECK_S = 1.0
 
 def _actor_class(pool: str):
     if pool == "prefill":
-        from pdserve.prefill_worker.actor import PrefillRank
-
         return PrefillRank
     if pool == "decode":
-        from pdserve.decode_worker.actor import DecodeRank
-
         return DecodeRank
-    from pdserve.rank.normal_rank import NormalRank
-
     return NormalRank
 
 

@@ -2,14 +2,16 @@
 
 Ray (embedded and loopback-only by default, or a cluster to join), the router, and a
 self-check request once it listens; Ctrl-C / SIGTERM stop it, SIGHUP re-reads the
-token files. Heavy imports (ray, grpc) happen inside the functions so `pdserve --help`
-stays fast.
+token files. ray, and router.server which imports it, are imported inside the functions:
+after the embedded Ray's loopback settings, and so that `pdserve --help` stays fast.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import signal
 import sys
 
 from pdserve.engine.config import (
@@ -19,6 +21,15 @@ from pdserve.engine.config import (
     SPECULATIVE_METHODS,
 )
 from pdserve.engine.model.catalog import DEFAULT_MODEL, resolve_model
+from pdserve.router.auth import Authenticator, read_client_token
+from pdserve.router.client import AsyncClient
+from pdserve.router.config import config_from_dict, load_config
+from pdserve.router.embedded_ray import (
+    idle_openmp_passively,
+    loopback_only,
+    start_embedded_ray,
+)
+from pdserve.router.gpu_share import give_pools_gpus
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50051
@@ -141,8 +152,6 @@ PLANNER_FLAGS = ("autoscale", "slo_ttft_ms", "slo_itl_ms", "min_prefill", "max_p
 
 def serve_config(args: argparse.Namespace):
     """RouterConfig from --config (if any) and the flags given (flags win)."""
-    from pdserve.router.config import config_from_dict, load_config
-
     flags = _router_flags(args)
     if args.config:
         config = load_config(args.config)
@@ -200,19 +209,12 @@ def _apply_pool_flags(pool, args: argparse.Namespace) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from pdserve.router.embedded_ray import idle_openmp_passively
-
     idle_openmp_passively()
     if not args.ray_address:  # embedded Ray, loopback only: set up before ray is imported
-        from pdserve.router.embedded_ray import loopback_only
-
         loopback_only(getattr(args, "process_argv", None))  # re-executes this command once
-    import asyncio
-
+    # lazy: ray, and router.server which imports it, only after loopback_only (read at import)
     import ray
 
-    from pdserve.router.auth import Authenticator
-    from pdserve.router.gpu_share import give_pools_gpus
     from pdserve.router.server import server_credentials
 
     try:
@@ -240,7 +242,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _start_ray(args: argparse.Namespace, config) -> None:
-    import ray
+    import ray  # lazy: Ray reads its loopback settings at import: only after loopback_only
 
     if args.ray_address:
         ray.init(address=args.ray_address, log_to_driver=False)
@@ -249,8 +251,6 @@ def _start_ray(args: argparse.Namespace, config) -> None:
     # to reach its maxima).
     room = 4 + max([p.replicas for p in config.pools()]
                    + ([config.max_prefill, config.max_decode] if config.autoscale else []))
-    from pdserve.router.embedded_ray import start_embedded_ray
-
     dashboard = start_embedded_ray(
         num_cpus=max(os.cpu_count() or 2, room), resources={"prefill": room, "decode": room},
         temp_dir=os.environ.get("PDSERVE_RAY_TMP", "/tmp/pdserve-ray"),
@@ -262,9 +262,7 @@ def _start_ray(args: argparse.Namespace, config) -> None:
 async def _serve(args: argparse.Namespace, config) -> int:
     """Start the router, self-check it, and serve until a stop signal (or, with
     --exit-after-self-check, until the self-check passed)."""
-    import asyncio
-    import signal
-
+    # lazy: router.server imports ray, which must wait for loopback_only (run_serve)
     from pdserve.router.server import start_router
 
     print(f"starting {config.mode} pools (model {config.model_dir}) ...", flush=True)
@@ -324,8 +322,6 @@ def _local_address(host: str, port: int) -> str:
 def self_check_token(config) -> str | None:
     """A token the self-check may use: the first tenant's, else the admin's (read here,
     in this process; never passed on)."""
-    from pdserve.router.auth import read_client_token
-
     for path in (config.auth_token_file, config.admin_token_file):
         if path:
             return read_client_token(path)
@@ -345,8 +341,6 @@ async def _self_check(address: str, token: str | None = None, tls_ca_file: str |
                       tls_server_name: str | None = None, chat: bool = True) -> int:
     """One greedy request through the router: a chat question when the model has a
     chat template, else a text prompt. Passes when tokens come back and it ends."""
-    from pdserve.router.client import AsyncClient
-
     prompt = SELF_CHECK_CHAT if chat else SELF_CHECK_PROMPT
     shown = SELF_CHECK_CHAT[-1]["content"] if chat else SELF_CHECK_PROMPT
     print(f"self-check: {shown!r} ->", end=" ", flush=True)

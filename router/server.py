@@ -308,6 +308,7 @@ async def start_router(config: RouterConfig) -> RouterServer:
             log.warning("no metrics endpoint: cannot bind %s:%d (%s)", config.host,
                         metrics_port, exc)
     if config.http_port != 0:
+        # lazy: http_api imports fastapi and uvicorn (heavy): only a router serving HTTP
         from pdserve.router.http_api import start_http
 
         try:

@@ -27,9 +27,12 @@ from typing import Any
 
 import grpc
 
+from pdserve.engine.model.tokenizer import Tokenizer  # tokenizers only; no torch
 from pdserve.kv_transfer import KVSecret, make_transport
 from pdserve.planner.latency_window import RecentLatencies
+from pdserve.planner.loop import PlannerLoop  # drives this (a PlannerHost)
 from pdserve.router import status
+from pdserve.router.chat_template import ChatTemplate
 from pdserve.router.config import RouterConfig
 from pdserve.router.handoff import HandoffDelivery
 from pdserve.router.kv_stream import KVStreams
@@ -166,9 +169,6 @@ class RouterService:
     # -- start / stop ----------------------------------------------------------------
 
     async def start(self) -> None:
-        from pdserve.engine.model.tokenizer import Tokenizer  # tokenizers only; no torch
-        from pdserve.router.chat_template import ChatTemplate
-
         self.tokenizer = Tokenizer.from_model(self.config.model_dir)
         self.chat_template = ChatTemplate.from_model_dir(self.config.model_dir)
         await asyncio.gather(*(p.start() for p in self.pools.values()))
@@ -185,8 +185,6 @@ class RouterService:
                                   max_choices=self.config.max_choices)
         self.spawn(self.flow.watch_stalls())
         if self.config.autoscale:
-            from pdserve.planner.loop import PlannerLoop  # drives this (a PlannerHost)
-
             self.planner = PlannerLoop(self)
             self.spawn(self.planner.run())
 

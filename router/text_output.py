@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.engine.model.tokenizer import IncrementalDetokenizer  # tokenizers only
+
 
 @dataclass
 class TextDelta:
@@ -34,8 +36,6 @@ class TextOutput:
     _detok: object = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        from pdserve.engine.model.tokenizer import IncrementalDetokenizer  # tokenizers only
-
         self._detok = IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids)
         self._hold = max((len(s) for s in self.stop), default=1) - 1
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from pdserve.router.chat_template import MAX_MESSAGES
 from pdserve.router.request_error import invalid
 from pdserve.router.sampling_fields import bad_words_token_ids, control_values
 from pdserve.scheduler.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -100,8 +101,6 @@ def _text_exceeds_byte_limit(text: str) -> bool:
 
 
 def _chat_token_ids(chat, tokenizer, limits: ModelLimits, chat_template) -> list[int]:
-    from pdserve.router.chat_template import MAX_MESSAGES
-
     if chat_template is None:
         raise invalid("this model has no chat template: send text or token_ids "
                       "(field: chat)")

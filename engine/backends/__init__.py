@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from pdserve.engine.backends.cpu.backend import CpuBackend
 from pdserve.kernels.gpu import triton_installed
 
 BACKENDS = ("auto", "cpu", "gpu")
@@ -26,12 +27,11 @@ def select_backend(name: str, model, cache, kv_budget_bytes: int, adaptive_threa
     if name == "gpu":
         if not triton_installed():
             raise ValueError("backend 'gpu' needs Triton (pip install triton)")
+        # lazy: the GPU backend imports triton, optional (the gpu extra): only backend gpu
         from pdserve.engine.backends.gpu.backend import GpuBackend
 
         backend = GpuBackend(model, cache, max_rows=max_num_seqs)
     else:
-        from pdserve.engine.backends.cpu.backend import CpuBackend
-
         backend = CpuBackend(model, cache, kv_budget_bytes, adaptive_threads and not on_cuda)
     model.use_backend(backend)
     backend.start()

@@ -25,6 +25,7 @@ a rank without it fails with a message saying how to install it.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,7 +42,7 @@ INSTALL_HINT = ("structured output needs the xgrammar package: pip install xgram
 
 def _xgrammar():
     try:
-        import xgrammar
+        import xgrammar  # lazy: optional (the grammar extra) and heavy; only guided requests
     except ImportError as exc:
         raise RuntimeError(INSTALL_HINT) from exc
     return xgrammar
@@ -137,6 +138,7 @@ class GrammarBook:
         return self._compiler.compile_grammar(_grammar_of(xgr, guide))
 
     def _tokenizer_info(self, xgr):
+        # lazy: transformers is heavy; only compiling a grammar needs its tokenizer wrapper
         from transformers import PreTrainedTokenizerFast
 
         # transformers' wrapper lets xgrammar read the vocabulary's type (byte-level,
@@ -161,8 +163,6 @@ class GrammarBook:
 
 def _lower_priority() -> None:
     """The compile thread yields the cores to the step loop (Linux: a thread's nice)."""
-    import os
-
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
     except (AttributeError, OSError):  # not Linux, or not allowed: compile as it is

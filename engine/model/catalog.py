@@ -23,6 +23,10 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.engine.model.config import ModelConfig, ModelConfigError
+from pdserve.engine.model.tiny import add_chat_template, make_tiny_model
+from pdserve.engine.model.weights import weight_files
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 TINY_MODEL = "tiny"
 # built-in name -> (registry package, file inside it)
@@ -85,8 +89,6 @@ def ensure_tiny_model() -> Path:
     """The generated tiny model's folder, made on first use."""
     path = tiny_model_dir()
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-        from pdserve.engine.model.tiny import make_tiny_model
-
         print(f"generating the tiny model into {path} (first use) ...", flush=True)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         make_tiny_model(tmp)
@@ -97,8 +99,6 @@ def ensure_tiny_model() -> Path:
         except OSError:  # a concurrent first use got there first
             shutil.rmtree(tmp, ignore_errors=True)
     else:  # cached by an older pdserve: give it the current chat template (no torch import)
-        from pdserve.engine.model.tiny import add_chat_template
-
         try:
             add_chat_template(path)
         except (OSError, ValueError) as exc:
@@ -108,7 +108,7 @@ def ensure_tiny_model() -> Path:
 
 def check_model(path: str | Path):
     """The model's config, after checking what can be checked without reading weights."""
-    from pdserve.engine.model.config import ModelConfig, ModelConfigError
+    # lazy: gguf_file loads numpy and gguf (`import pdserve.cli` loads this module)
     from pdserve.engine.model.gguf_file import GGUFError, GGUFModel, find_gguf
 
     p = Path(path)
@@ -128,8 +128,6 @@ def check_model(path: str | Path):
         config = ModelConfig.from_dir(p)
         if not (p / "tokenizer.json").is_file():
             raise ModelError(f"{path}: tokenizer.json is missing")
-        from pdserve.engine.model.weights import weight_files
-
         for f in weight_files(p):
             _check_safetensors_header(f)
         return config

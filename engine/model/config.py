@@ -79,6 +79,7 @@ class ModelConfig:
     @classmethod
     def from_model(cls, model: str | Path) -> ModelConfig:
         """The config of a model folder (config.json) or GGUF file (its metadata)."""
+        # lazy: gguf_file loads numpy and gguf (`import pdserve.cli` loads this module)
         from pdserve.engine.model.gguf_file import GGUFModel, find_gguf
 
         gguf_path = find_gguf(model)

@@ -27,7 +27,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
 
 GGUF_SUFFIX = ".gguf"
 # general.architecture -> the Hugging Face class it is loaded as
@@ -181,8 +184,6 @@ class GGUFModel:
 
     def tensor(self, hf_name: str) -> np.ndarray:
         """The weight, dequantized to float32, in Hugging Face layout."""
-        from gguf.quants import dequantize
-
         t = self._tensors[self.gguf_name(hf_name)]
         shape = self.tensor_shape(hf_name)
         values = dequantize(t.data, t.tensor_type).reshape(shape)
@@ -271,8 +272,6 @@ class GGUFModel:
 
     def check(self) -> None:
         """Every tensor lies inside the file and has a type the gguf package dequantizes."""
-        from gguf.quants import dequantize
-
         self.hf_config()
         size = self.path.stat().st_size
         tried: set = set()
@@ -293,8 +292,6 @@ class GGUFModel:
 @functools.lru_cache(maxsize=4)
 def _open_cached(path: str, size: int, mtime_ns: int) -> GGUFModel:
     del size, mtime_ns  # the cache key: a file rewritten in place is read again
-    from gguf import GGUFReader
-
     try:
         reader = GGUFReader(path)
     except (ValueError, OSError, IndexError, KeyError) as exc:
@@ -307,8 +304,6 @@ def _open_cached(path: str, size: int, mtime_ns: int) -> GGUFModel:
 
 @functools.lru_cache(maxsize=8)
 def _name_map(architecture: str, num_layers: int):
-    import gguf
-
     arch = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == architecture), None)
     if arch is None:
         raise GGUFError(f"unsupported GGUF architecture {architecture!r}")
@@ -349,8 +344,6 @@ def _k_quant(blocks: np.ndarray, layout: str):
     """Q4_K / Q6_K super-blocks [B, bytes] (256 values each) as (values int8 [B, 256],
     scales [B, subs], offsets [B, subs] or None, values per sub-block): a sub-block's
     scale is the product of the super-block's fp16 scale and its own (fp32: exact)."""
-    import gguf
-
     unit = blocks.copy()
     if layout == "q4_k":
         sc, mn = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.backends.base import ReferenceAttention
-from pdserve.engine.model import quantized_weights
+from pdserve.engine.model import decode_kernel, quantized_weights
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.quantized_weights import QuantEmbedding
 from pdserve.engine.model.weights import WeightsError, load_checked
@@ -329,8 +329,6 @@ class CausalLM(nn.Module):
     def use_decode_kernel(self, on: bool = True) -> bool:
         """Decode steps through ``kernels/decode_step`` (one C call per step) where it
         applies (see ``engine/decode_kernel``); returns whether it is now on."""
-        from pdserve.engine.model import decode_kernel
-
         self._kernel = decode_kernel.build(self, self.kernel_isa) if on else None
         return self._kernel is not None
 

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from pdserve.engine.model.gguf_file import GGUFModel, find_gguf
 from pdserve.kernels import quant_panels
 from pdserve.kernels.quant_panels import QuantPanels, QuantRows, dots_fit
 
@@ -52,8 +53,6 @@ def attach(model, model_dir: str | Path, at_load: str = "auto", keep_fp32: bool 
     ``at_load`` "int8" or "bf16" the others quantized so at load); returns how many got
     them. Unless ``keep_fp32``, each drops its fp32 weight (the panels serve every
     product), and a tied embedding reads the LM head's panels."""
-    from pdserve.engine.model.gguf_file import GGUFModel, find_gguf
-
     path = find_gguf(model_dir)
     gguf = GGUFModel.open(path) if path is not None else None
     head = "model.embed_tokens.weight" if model.cfg.tie_word_embeddings else "lm_head.weight"

@@ -90,6 +90,7 @@ def corpus(seed: int = SEED, lines: int = 6000) -> list[str]:
 
 
 def train_tokenizer(vocab_size: int = VOCAB_SIZE):
+    # lazy: tokenizers, only to write a model (`import pdserve.cli` loads this module)
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
@@ -146,7 +147,7 @@ def model_config(variant: str = "llama", size: str = "tiny",
 
 
 def random_weights(cfg: dict, seed: int = SEED) -> dict[str, torch.Tensor]:
-    import torch
+    import torch  # lazy: only to write a model (`import pdserve.cli` loads this module)
 
     g = torch.Generator().manual_seed(seed)
     std = cfg["initializer_range"]
@@ -182,7 +183,7 @@ def make_tiny_model(path: str | os.PathLike, variant: str = "llama", size: str =
                     max_position_embeddings: int = 2048) -> Path:
     """Write the built-in model folder at ``path`` (created if needed) and return it;
     ``max_position_embeddings``: a longer context than the built-in 2048 (same weights)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # lazy: imports torch; only to write a model
 
     cfg = model_config(variant, size, max_position_embeddings)
     out = Path(path)

@@ -16,6 +16,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import pre_tokenizers
+
 
 def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
@@ -28,8 +31,6 @@ def _token_content(tok) -> str | None:
 
 
 def _digits_then_bytes():
-    from tokenizers import pre_tokenizers
-
     return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                     pre_tokenizers.ByteLevel(add_prefix_space=False)])
 
@@ -63,6 +64,7 @@ class Tokenizer:
     @classmethod
     def from_model(cls, model: str | Path) -> Tokenizer:
         """The tokenizer of a model folder or GGUF file."""
+        # lazy: gguf_file loads numpy and gguf (the router imports this module)
         from pdserve.engine.model.gguf_file import find_gguf
 
         gguf_path = find_gguf(model)
@@ -70,6 +72,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
+        # lazy: transformers is heavy, gguf_file loads numpy: only for a GGUF file
         from transformers.integrations.gguf.gguf_tokenizer_mapping import (
             convert_gguf_tokenizer,
         )
@@ -89,8 +92,6 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
-        from tokenizers import Tokenizer as HFTokenizer
-
         d = Path(model_dir)
         path = d / "tokenizer.json"
         if not path.is_file():

@@ -20,6 +20,7 @@ class WeightsError(ValueError):
 def weight_files(model_dir: str | Path) -> list[Path]:
     """The files holding the weights: a GGUF file, or the safetensors files of a folder
     (sharded via the index, or every *.safetensors)."""
+    # lazy: gguf_file loads numpy and gguf (`import pdserve.cli` loads this module)
     from pdserve.engine.model.gguf_file import find_gguf
 
     gguf_path = find_gguf(model_dir)
@@ -60,6 +61,7 @@ def load_checked(
     Names in ``optional`` may be absent (e.g. a tied ``lm_head.weight``). Extra
     tensors in the files are ignored. Shapes are checked before any data is read.
     """
+    # lazy: safetensors and gguf_file (numpy, gguf), only when weights load
     from safetensors import safe_open
 
     from pdserve.engine.model.gguf_file import GGUFModel, find_gguf
@@ -99,7 +101,7 @@ def _check_present(model: str | Path, missing: list[str]) -> None:
 
 def _load_gguf(gguf, expected: dict[str, tuple[int, ...]], dtype: torch.dtype,
                device: str | torch.device, optional: frozenset[str]) -> dict[str, torch.Tensor]:
-    import torch
+    import torch  # lazy: only when weights load (the CLI lists weight files with this module)
 
     present = {n for n in expected if gguf.has_tensor(n)}
     _check_present(gguf.path, [n for n in expected if n not in present and n not in optional])

@@ -32,6 +32,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from pdserve.engine.model.catalog import resolve_model
+from pdserve.engine.speculative.draft_model import DraftModelProposer
+from pdserve.scheduler.config import EngineType
 from pdserve.scheduler.sequence import Sequence
 
 ACCEPTANCE_PRIOR = 0.5  # a new request's acceptance rate before it has any
@@ -306,8 +309,6 @@ def make_speculator(config, runner, max_model_len: int) -> Speculator | None:
     which never decodes). ValueError where it cannot run: each drafted position is a
     row of the C decode step, and a sliding-window ring would lose positions a
     rejected draft overwrote."""
-    from pdserve.scheduler.config import EngineType
-
     if config.speculative == "off" or config.type == EngineType.PROMPT:
         return None
     if runner.sliding_window:
@@ -317,9 +318,6 @@ def make_speculator(config, runner, max_model_len: int) -> Speculator | None:
         raise ValueError("speculative needs the C decode step (decode_kernel, a CPU "
                          "device and a model it supports)")
     if config.speculative == "draft":
-        from pdserve.engine.model.catalog import resolve_model
-        from pdserve.engine.speculative.draft_model import DraftModelProposer
-
         proposer: Proposer = DraftModelProposer(
             resolve_model(config.draft_model).path, runner.vocab_size, config.block_size,
             dtype=config.dtype, device=config.device, kernel_isa=config.kernel_isa,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.step_inputs import RunnerRow
 from pdserve.scheduler.sampling_params import SamplingParams
 
@@ -36,8 +37,6 @@ class DraftModelProposer:
 
     def __init__(self, model_dir: str, target_vocab_size: int, block_size: int,
                  kv_cache_mb: int = DRAFT_CACHE_MB, **runner_settings) -> None:
-        from pdserve.engine.model_runner import ModelRunner
-
         self.runner = ModelRunner(model_dir, block_size=block_size,
                                   kv_cache_bytes=kv_cache_mb << 20, num_state_slots=0,
                                   **runner_settings)
