@@ -35,7 +35,7 @@ DEADLINE_S = 0.2
 
 @dataclass
 class Ticket:
-    attempt: str
+    key: str  # what the source holds the payload under (a HandoffTicket's attempt)
     locator: Any
 
 
