@@ -101,9 +101,9 @@ class GuidedRequests:
         """The controls of a scheduled row that draws the token at ``length``, after
         its history and ``draft`` (the drafted tokens before that position, when
         speculating); None when its settings have none."""
-        sampling = row.sampling
-        if not sampling.has_controls or row.history is None:
+        if row.history is None:  # a row carries its history exactly when it has controls
             return None
+        sampling = row.sampling
         stops = (*((row.eos_token_id,) if row.eos_token_id is not None else ()),
                  *sampling.stop_token_ids)
         history = list(row.history)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Container
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from pdserve.engine.kv.payload import ForkedChoice, KVPayload, dtype_name, write_payload
@@ -39,22 +39,27 @@ def handoff_groups(handed_off: list[Sequence]) -> list[list[Sequence]]:
     return [sorted(g, key=lambda seq: seq.fork_of is not None) for g in groups.values()]
 
 
+@dataclass
+class Stream:
+    """A prompt whose KV goes ahead in chunks as it computes."""
+
+    prompt: list[int]
+    sent: int = 0  # full blocks streamed so far
+
+
 class KVExport:
     def __init__(self, runner: ModelRunner, block_size: int) -> None:
         self.runner = runner
         self.block_size = block_size
-        self.streamed: dict[str, int] = {}  # attempt -> blocks streamed ahead
-        self._prompts: dict[str, list[int]] = {}  # attempt -> its prompt, while it streams
+        self.streamed: dict[str, Stream] = {}  # by attempt, until its hand-off
 
     def stream(self, attempt: str, prompt: list[int]) -> None:
         """Stream ``attempt``'s prompt KV ahead in chunks as it computes."""
-        self.streamed[attempt] = 0
-        self._prompts[attempt] = list(prompt)
+        self.streamed[attempt] = Stream(list(prompt))
 
     def forget_ended(self, live: Container[str]) -> None:
         """Requests that ended before their hand-off stream no more."""
-        self.streamed = {k: n for k, n in self.streamed.items() if k in live}
-        self._prompts = {k: p for k, p in self._prompts.items() if k in live}
+        self.streamed = {k: s for k, s in self.streamed.items() if k in live}
 
     def stream_ahead(self, sched_out: SchedulerOutput, ended: Container[str],
                      buffer_for: BufferFor) -> list[KVChunk]:
@@ -65,17 +70,16 @@ class KVExport:
             return []
         chunks, block_size = [], self.block_size
         for row in sched_out.scheduled:
-            sent = self.streamed.get(row.attempt)
-            prompt = self._prompts.get(row.attempt)
+            stream = self.streamed.get(row.attempt)
             # the step computed its positions up to seqlen_k (one step at a time)
-            if sent is None or row.attempt in ended or row.seqlen_k >= len(prompt):
+            if stream is None or row.attempt in ended or row.seqlen_k >= len(stream.prompt):
                 continue
-            full = row.seqlen_k // block_size
+            sent, full = stream.sent, row.seqlen_k // block_size
             if full <= sent:
                 continue
             key = f"{row.attempt}/kv{sent}"
             chunk = self._payload(
-                attempt=key, token_ids=prompt[:full * block_size],
+                attempt=key, token_ids=stream.prompt[:full * block_size],
                 num_prompt_tokens=full * block_size, sampling={}, skipped_blocks=sent,
                 kind="chunk", stream_of=row.attempt)
             try:
@@ -86,7 +90,7 @@ class KVExport:
                 log.warning("streaming KV of %s stopped: %s: %s", row.attempt,
                             type(exc).__name__, exc)
                 continue
-            self.streamed[row.attempt] = full
+            stream.sent = full
             chunks.append(KVChunk(row.attempt, key, sent, full - sent, buffer))
         return chunks
 
@@ -96,8 +100,8 @@ class KVExport:
         ``logprobs``: this step's, of the choices that asked."""
         seq, others = group[0], group[1:]
         stream_of = seq.fork_of or seq.attempt  # a fork leads when its parent stopped
-        streamed = self.streamed.pop(stream_of, 0)
-        self._prompts.pop(stream_of, None)
+        stream = self.streamed.pop(stream_of, None)
+        streamed = stream.sent if stream is not None else 0
         payload = self._payload(
             attempt=seq.attempt, token_ids=list(seq.token_ids),
             num_prompt_tokens=seq.prompt_len, sampling=asdict(seq.sampling),
