@@ -81,19 +81,26 @@ _register_simulate(register)
 
 # ---- entry point ---------------------------------------------------------------
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Every command's parser, or with ``only`` that command's arguments alone (the
+    others listed by name): building a command's arguments may import its modules (the
+    benchmarks load torch), which a client command such as ``status`` should not wait for."""
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for cmd in COMMANDS.values():
         p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
-        cmd.add_arguments(p)
+        if only is None or cmd.name == only:
+            cmd.add_arguments(p)
         p.set_defaults(_run=cmd.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    # the command is the first word; `pdserve --help` lists the commands without building any
+    only = words[0] if words and words[0] in COMMANDS else ""
+    args = build_parser(only).parse_args(words)
     # This process's own command line, for a command that re-executes itself (serve);
     # None when called in-process with a list: that caller's process must not be replaced.
     args.process_argv = list(sys.argv[1:]) if argv is None else None

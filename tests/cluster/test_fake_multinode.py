@@ -197,12 +197,17 @@ def test_scaling_pools_makes_the_autoscaler_start_matching_nodes(fake_cluster, t
                 assert nodes[home].get(name) == 1, (name, nodes[home])  # a node of its type
         assert sum(1 for r in nodes.values() if r.get("prefill")) == 2
         assert sum(1 for r in nodes.values() if r.get("decode")) == 2
-        for i in range(4):  # served by the new ranks too
-            out = _pdserve("generate", "--address", router, "--max-tokens", "4", "--json",
-                           "--timeout", "30", f"one {i}", env=env, timeout=60)
-            assert out.returncode == 0, (out.stderr, _pdserve("status", "--address", router,
-                                                              env=env).stdout, _drain(lines))
-            assert json.loads(out.stdout)["finish_reason"] == "length"
+        # served by the new ranks too: four clients at once (each a CLI process)
+        clients = [subprocess.Popen([sys.executable, "-m", "pdserve.cli", "generate",
+                                     "--address", router, "--max-tokens", "4", "--json",
+                                     "--timeout", "30", f"one {i}"], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                   for i in range(4)]
+        for c in clients:
+            out, err = c.communicate(timeout=90)
+            assert c.returncode == 0, (err, _pdserve("status", "--address", router,
+                                                     env=env).stdout, _drain(lines))
+            assert json.loads(out)["finish_reason"] == "length"
 
         # KV between two nodes, each with its own object store: the ray transport's
         # object path (Ray's node-to-node transfer), the blocks checked on arrival

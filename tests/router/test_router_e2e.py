@@ -282,3 +282,15 @@ def test_aborts_at_every_stage_leak_nothing(router):
         (o.request_id, o.finish_reason, o.error) for o in outs]
     assert sum(o.finish_reason == "abort" for o in outs) >= 3
     _assert_no_leak(router, timeout=10.0)
+
+def test_client_commands_load_no_torch():
+    """`pdserve status` and the other client commands build their own arguments only:
+    the benchmarks' (which import torch) are not built for them, so a client starts in a
+    fraction of a second."""
+    code = ("import sys; from pdserve.cli import main; "
+            "rc = main(['status', '--address', '127.0.0.1:1', '--timeout', '0.1']); "
+            "print(rc, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["2", "False"], out.stdout + out.stderr
+    assert "cannot reach the router" in out.stderr

@@ -96,7 +96,7 @@ def test_a_size_the_cluster_cannot_place_fails_in_bounded_time(make_router, refe
     a size that fits works afterwards."""
     from pdserve.router.config import PoolConfig
 
-    h = make_router(prefill=1, decode=1, rank_start_timeout_s=20.0)
+    h = make_router(prefill=1, decode=1, rank_start_timeout_s=10.0)
     pool = h.service.pools["decode"]
     # swap the decode pool's resources for the scarce one (a fresh rank per resize)
     pool.config = PoolConfig("decode", replicas=1, num_cpus=0.25, resources={"scarce": 1},
@@ -108,7 +108,7 @@ def test_a_size_the_cluster_cannot_place_fails_in_bounded_time(make_router, refe
         took = time.monotonic() - started
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "failed to start" in err.value.details() and "not ready within" in err.value.details()
-        assert took < 20.0 + 20.0
+        assert took < 10.0 + 20.0
         assert len(pool.ready()) == 1 and pool.target == 1
         want = reference(["scarce: hello world"], 8)[0]
         assert client.generate("scarce: hello world", max_tokens=8,
