@@ -231,6 +231,26 @@ def test_thread_tuner_tries_both_then_keeps_the_faster_and_explores():
     assert ThreadTuner().choose(key, 1) == 1
 
 
+def test_thread_tuner_is_not_locked_out_by_one_slow_step_but_follows_lasting_load():
+    """A choice costs the fastest of its last 3 tries: one step a neighbour delayed
+    does not hand the next `explore` steps to the slower choice; three slow tries do."""
+    from pdserve.engine.backends.cpu.thread_tuner import ThreadTuner
+
+    tuner = ThreadTuner(explore=100)
+    key = ("decode", 1)
+
+    def step(two_threads_s):
+        t = tuner.choose(key, 2)
+        tuner.record(key, t, 0.007 if t == 1 else two_threads_s, 1)
+        return t
+
+    assert [step(0.004) for _ in range(4)] == [2, 1, 2, 2]  # 2 threads: 4 ms against 7
+    assert step(0.050) == 2  # a neighbour delays one step ...
+    assert [step(0.004) for _ in range(3)] == [2, 2, 2]  # ... and 2 threads stay the choice
+    assert [step(0.020) for _ in range(3)] == [2, 2, 2]  # load that stays: three slow tries
+    assert step(0.020) == 1  # ... and 1 thread takes over
+
+
 def test_thread_tuner_restores_the_callers_thread_count(tiny_dirs):
     before = torch.get_num_threads()
     runner = ModelRunner(tiny_dirs["llama"], num_kv_blocks=8)

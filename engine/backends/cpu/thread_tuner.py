@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 
 import torch
 
@@ -17,9 +18,13 @@ class ThreadTuner:
     Why: on a 2-core machine shared with other work, two OpenMP threads wait at every
     barrier for a peer that the OS has descheduled. Measured under load 6-10 on 2
     cores, one thread ran the small model's decode steps about 2x faster (wall time),
-    while an idle machine favours two. So: time the steps. Per size bucket, an average
-    of seconds per token for each choice; untried choices first, then the faster one,
-    with every ``explore``-th step on the other so that a change in load is noticed.
+    while an idle machine favours two. So: time the steps. Per size bucket, each
+    choice's cost is the fastest of its last ``window`` tries (seconds per token);
+    untried choices first, then the cheaper one, with every ``explore``-th step on the
+    other so that a change in load is noticed. The fastest, not an average: a
+    neighbour only ever adds time, and with an average one step it delayed (50 ms
+    where 2 threads take 4) handed the next ``explore`` steps, and then more, to the
+    slower choice; load that stays makes ``window`` tries in a row slow, and then counts.
     Only decode steps are tuned: they are many and short, so a wrong try costs one
     step's difference. Prefill steps are few and long (one is a large share of an
     offline batch): one exploratory prefill on 1 thread of an idle machine cost ~1 s
@@ -30,11 +35,12 @@ class ThreadTuner:
     (e.g. transformers in a benchmark) keeps the caller's thread count.
     """
 
-    def __init__(self, enabled: bool = True, explore: int = 24, smoothing: float = 0.3):
+    def __init__(self, enabled: bool = True, explore: int = 24, window: int = 3):
         self.enabled = enabled
         self.explore = explore
-        self.smoothing = smoothing
-        self.cost: dict[tuple, float] = {}  # (kind, bucket, threads) -> s per token (EMA)
+        self.window = window
+        self.cost: dict[tuple, float] = {}  # (kind, bucket, threads) -> s per token
+        self.tries: dict[tuple, deque] = {}  # the same keys -> the last `window` tries
         self.steps: dict[tuple, int] = {}  # (kind, bucket) -> steps seen
 
     def choose(self, key: tuple, max_threads: int) -> int:
@@ -49,10 +55,9 @@ class ThreadTuner:
         return best
 
     def record(self, key: tuple, threads: int, seconds: float, tokens: int) -> None:
-        per = seconds / max(tokens, 1)
-        old = self.cost.get(key + (threads,))
-        self.cost[key + (threads,)] = per if old is None else (
-            (1 - self.smoothing) * old + self.smoothing * per)
+        tries = self.tries.setdefault(key + (threads,), deque(maxlen=self.window))
+        tries.append(seconds / max(tokens, 1))
+        self.cost[key + (threads,)] = min(tries)
 
     @contextlib.contextmanager
     def step(self, rows: list[RunnerRow]):
