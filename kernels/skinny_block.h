@@ -101,7 +101,10 @@ static inline __attribute__((always_inline)) void block_rows_cols(
  * sums x_k * q_k in registers, then adds s * that + m * (x's sum over the block), so a
  * value costs one conversion for the group and one FMA per row. More rows convert and
  * scale each panel row once (one FMA shared by every row of x), then use it like an
- * fp32 panel row in the register block. */
+ * fp32 panel row in the register block: in registers for one block of rows
+ * (block_rows_cols_q), and for several through a chunk of K_CHUNK panel rows converted
+ * into an L1 buffer (dequantize_chunk), which every row block of the group multiplies
+ * (converted once per group of up to ROW_GROUP rows instead of once per block). */
 #define Q_HALF_BYTES 2
 #define Q_PREFETCH_RECORDS 3 /* pair-records ahead (about 2 KiB): measured best of 2..16 */
 
@@ -416,6 +419,40 @@ static inline void block_rows_cols_q8(const float *x, int64_t K, const QPanels *
         block_rows_cols_q(x, K, w, c, k0, k1, acc, prefetch, 8);
 }
 
+/* Quantized panels' column vectors from c on, panel rows [k0, k1) (whole blocks),
+ * dequantized (s * q + m, as block_rows_cols_q does in registers) into `deq`, laid out
+ * as fp32 panels of K_CHUNK rows: deq + (j * VW / PANEL) * K_CHUNK * PANEL holds vector
+ * j's panel, row k - k0 at (k - k0) * PANEL. */
+static inline __attribute__((always_inline)) void dequantize_chunk(
+    const QPanels *w, int64_t K, int64_t c, int64_t k0, int64_t k1, float *deq, const int bits) {
+    const int64_t bk = w->bk, sb = w->scale_bytes, hdr = q_header_bytes(w->offsets, sb);
+    const int64_t rec = q_record_bytes(w);
+    const uint8_t *pair = w->records + (c / PAIR_COLS) * (K / bk) * 2 * rec;
+    for (int64_t kb = k0; kb < k1; kb += bk) {
+        const uint8_t *r = pair + (kb / bk) * 2 * rec;
+        for (int64_t l = 0; l < 2 * rec; l += 64) PREFETCH_L1(r + Q_PREFETCH_RECORDS * 2 * rec + l);
+#pragma GCC unroll 2
+        for (int j = 0; j < BLOCK_VECS; j++) {
+            const int64_t col = c % PAIR_COLS + j * VW;
+            const uint8_t *h = r + (col / PANEL) * rec + (col % PANEL) * sb;
+            const vf s = vscale_load(h, (int)sb);
+            const vf m = w->offsets ? vscale_load(h + PANEL * sb, (int)sb) : vzero();
+            const uint8_t *v = r + (col / PANEL) * rec + hdr + (col % PANEL) * q_column_bytes(bits);
+            float *d = deq + (j * VW / PANEL) * K_CHUNK * PANEL + (j * VW) % PANEL + (kb - k0) * PANEL;
+            for (int64_t k = 0; k < bk; k += 2) {
+                vf v0, v1;
+                vq_rows2(v, k, bits, &v0, &v1);
+                if (bits != 16) {
+                    v0 = vfma(v0, s, m);
+                    v1 = vfma(v1, s, m);
+                }
+                vstore(d + k * PANEL, v0);
+                vstore(d + (k + 1) * PANEL, v1);
+            }
+        }
+    }
+}
+
 /* One row block against the column vectors from c on, over [k0, k1): fp32 panels
  * (w: their column pointers) or, with q, quantized ones. */
 static inline __attribute__((always_inline)) void block_any(
@@ -440,6 +477,9 @@ static inline void matmul_pairs(const float *x, int64_t M, int64_t K, const floa
         return;
     }
     vf acc[ROW_GROUP / BLOCK_ROWS][BLOCK_ACCS];
+    float deq[(BLOCK_COLS + PANEL - 1) / PANEL * K_CHUNK * PANEL] __attribute__((aligned(64)));
+    const float *dw[BLOCK_VECS];  /* block_rows_cols' column pointers into deq */
+    for (int j = 0; j < BLOCK_VECS; j++) dw[j] = deq + (j * VW / PANEL) * K_CHUNK * PANEL + (j * VW) % PANEL;
     for (int64_t c = p0 * PAIR_COLS; c < p1 * PAIR_COLS; c += BLOCK_COLS) {
         const float *w[BLOCK_VECS];
         vf b[BLOCK_VECS];
@@ -454,6 +494,18 @@ static inline void matmul_pairs(const float *x, int64_t M, int64_t K, const floa
                 for (int i = 0; i < BLOCK_ACCS; i++) acc[rb][i] = vzero();
             for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK) {
                 const int64_t k1 = k0 + K_CHUNK < K ? k0 + K_CHUNK : K;
+                if (q && blocks > 1) {
+                    /* Several row blocks: each value converted once for all of them
+                     * (in registers it is converted once a block), then multiplied as
+                     * an fp32 panel: the same FMAs in the same order. */
+                    if (q->bits == 4) dequantize_chunk(q, K, c, k0, k1, deq, 4);
+                    else if (q->bits == 16) dequantize_chunk(q, K, c, k0, k1, deq, 16);
+                    else dequantize_chunk(q, K, c, k0, k1, deq, 8);
+                    for (int64_t rb = 0; rb < blocks; rb++)
+                        block_rows_cols(x + (g + rb * BLOCK_ROWS) * K + k0, K, dw, 0, k1 - k0,
+                                        acc[rb], 0);
+                    continue;
+                }
                 block_any(x + g * K, K, w, q, c, k0, k1, acc[0], 1);
                 for (int64_t rb = 1; rb < blocks; rb++)
                     block_any(x + (g + rb * BLOCK_ROWS) * K, K, w, q, c, k0, k1, acc[rb], 0);
