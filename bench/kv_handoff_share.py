@@ -87,9 +87,12 @@ def measure_handoff_share(prompt_tokens: list[int], repeats: int, chunk_tokens: 
     runs: dict = {mode: {n: [] for n in prompt_tokens} for mode in modes}
     with tempfile.TemporaryDirectory() as folder, contextlib.ExitStack() as stack:
         config = _share_config(model, max(prompt_tokens), chunk_tokens, folder)
-        addresses = {mode: stack.enter_context(subprocess_router(
+        # both started before either is waited for: their start-ups overlap; each is
+        # stopped when the stack closes, however far it came
+        routers = {mode: stack.push(subprocess_router(
             {"mode": "disaggregated", "prefill": 1, "decode": 1}, model=model,
-            extra_args=("--config", config, *flags))) for mode, flags in modes.items()}
+            extra_args=("--config", config, *flags)).start()) for mode, flags in modes.items()}
+        addresses = {mode: router.address() for mode, router in routers.items()}
         for n in prompt_tokens:
             for i in range(repeats + 1):  # the first of each is a warm-up
                 for mode, address in addresses.items():

@@ -52,46 +52,77 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait(10)
 
 
-@contextlib.contextmanager
+class SubprocessRouter(contextlib.AbstractContextManager):
+    """`pdserve serve` for one deployment on a free port. ``start`` spawns it (several
+    then come up at once), ``address`` waits until it listens; as a context manager it
+    starts, gives its address and stops it on leaving (whether or not it came up)."""
+
+    def __init__(self, cmd: list[str], start_timeout: float):
+        self.cmd, self.start_timeout = cmd, start_timeout
+        self.proc: subprocess.Popen | None = None
+        self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        self.found: list[str] = []
+        self.ready = threading.Event()
+        self.ray_tmp = ""
+        self.reader: threading.Thread | None = None
+
+    def start(self) -> SubprocessRouter:
+        if self.proc is not None:
+            return self
+        self.ray_tmp = tempfile.mkdtemp(prefix="pdcmp", dir="/tmp")
+        env = dict(os.environ, PDSERVE_RAY_TMP=self.ray_tmp, PYTHONUNBUFFERED="1",
+                   OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env=env)
+        self.reader = threading.Thread(target=self._drain, daemon=True)
+        self.reader.start()
+        return self
+
+    def _drain(self) -> None:  # keep reading, or the server blocks on a full pipe
+        for line in self.proc.stdout:
+            self.tail.append(line.rstrip())
+            m = LISTENING.search(line)
+            if m and not self.found:
+                self.found.append(m.group(1))
+                self.ready.set()
+        self.ready.set()
+
+    def address(self) -> str:
+        """The router's address once it listens (RuntimeError, with its output's tail,
+        when it exits or stays silent for start_timeout)."""
+        self.start()
+        self.ready.wait(self.start_timeout)
+        if not self.found:
+            raise RuntimeError(f"`{' '.join(self.cmd[2:])}` did not start:\n"
+                               + "\n".join(self.tail))
+        return self.found[0]
+
+    def __enter__(self) -> str:
+        try:
+            return self.address()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            _stop(self.proc)
+            self.reader.join(5)
+            shutil.rmtree(self.ray_tmp, ignore_errors=True)  # that Ray's session files and logs
+            self.proc = None
+
+
 def subprocess_router(spec: dict, *, model: str | None = None, num_kv_blocks: int | None = None,
                       max_num_seqs: int | None = None, kv_transport: str = "ray",
                       start_timeout: float = 300.0, python: str | None = None,
-                      extra_args: tuple[str, ...] = ()):
-    """`pdserve serve` for one deployment on a free port; yields its address.
+                      extra_args: tuple[str, ...] = ()) -> SubprocessRouter:
+    """`pdserve serve` for one deployment (``with subprocess_router(...) as address``).
     `python`: the interpreter (and so the pdserve build) that serves; default this one;
     `extra_args`: more `pdserve serve` flags."""
     cmd = _serve_command(spec, model=model, num_kv_blocks=num_kv_blocks,
                          max_num_seqs=max_num_seqs, kv_transport=kv_transport, python=python,
                          extra_args=extra_args)
-    ray_tmp = tempfile.mkdtemp(prefix="pdcmp", dir="/tmp")
-    env = dict(os.environ, PDSERVE_RAY_TMP=ray_tmp,
-               OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)
-    tail: collections.deque[str] = collections.deque(maxlen=40)
-    found: list[str] = []
-    ready = threading.Event()
-
-    def drain() -> None:  # keep reading, or the server blocks on a full pipe
-        for line in proc.stdout:
-            tail.append(line.rstrip())
-            m = LISTENING.search(line)
-            if m and not found:
-                found.append(m.group(1))
-                ready.set()
-        ready.set()
-
-    reader = threading.Thread(target=drain, daemon=True)
-    reader.start()
-    try:
-        ready.wait(start_timeout)
-        if not found:
-            raise RuntimeError(f"`{' '.join(cmd[2:])}` did not start:\n" + "\n".join(tail))
-        yield found[0]
-    finally:
-        _stop(proc)
-        reader.join(5)
-        shutil.rmtree(ray_tmp, ignore_errors=True)  # that Ray's session files and logs
+    return SubprocessRouter(cmd, start_timeout)
 
 
 @contextlib.contextmanager

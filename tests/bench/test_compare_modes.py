@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import sys
 
 import pytest
 
@@ -16,7 +18,7 @@ from pdserve.bench.compare_modes import (
 )
 from pdserve.bench.datasets import mixed_requests
 from pdserve.bench.plots import plot_compare
-from pdserve.bench.routers import inprocess_router
+from pdserve.bench.routers import SubprocessRouter, inprocess_router
 
 ENGINE = {"num_kv_blocks": 128, "max_num_seqs": 16, "block_size": 16}  # as conftest's
 
@@ -108,3 +110,14 @@ def test_cli_brings_up_a_subprocess_router(tiny_model_dir, tmp_path):
     assert d["completed"] == 4 and d["cluster"]["pools"] == {"prefill": 1, "decode": 1}
     assert r["workload"]["launch"] == "subprocess" and "controls" not in r
     assert (tmp_path / "cmp.png").stat().st_size > 10_000
+
+
+def test_a_router_that_does_not_start_is_reported_and_cleaned_up():
+    """Started and waited for apart (overlapping start-ups): a server that exits
+    without listening is a RuntimeError carrying its output, and leaves nothing."""
+    router = SubprocessRouter([sys.executable, "-c", "print('no model here')"], 30.0).start()
+    tmp = router.ray_tmp
+    with pytest.raises(RuntimeError, match="no model here"):
+        with router:
+            pass
+    assert router.proc is None and not os.path.exists(tmp)
