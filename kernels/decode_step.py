@@ -243,8 +243,8 @@ class DecodeStep:
         need = lib.decode_step_workspace(dims.data_ptr(), threads)
         if self._work.numel() < need:
             # zeros: padding rows are read (results dropped); a quarter more, since the
-            # need grows with max_len, a position a step, and zeroing megabytes each
-            # step cost a decode step of one row 2%
+            # need grows with max_len, a position a step: reallocated and zeroed every
+            # other step, it cost a one-row decode step 1-2%
             self._work = torch.zeros(need + need // 4)
         out = torch.empty_like(h)
         if with_logits and self.lm_head is None:
