@@ -118,12 +118,21 @@ def pdserve_server(name: str, model: str, flags: list[str], log_dir: Path,
     return Server(name, cmd, port + 2, env, health="/v1/models", log_dir=log_dir)
 
 
+def peer_env(env: dict) -> dict:
+    """A peer's environment: ``env`` without pdserve's own OpenMP tuning. `make serve`
+    and the benches run pdserve under OMP_WAIT_POLICY=PASSIVE (its ranks sleep between
+    steps); llama.cpp's threads meet at a barrier per op, and sleeping there measured
+    19.4 ms a token at one stream instead of 8.8 (`llama-server`, 64 tokens), so a peer
+    inheriting it was compared at half its speed."""
+    return {k: v for k, v in env.items() if k != "OMP_WAIT_POLICY"}
+
+
 def llama_cpp_server(model: str, log_dir: Path, parallel: int, isa: str = "native") -> Server:
     binary = ensure_built(isa=isa)["llama-server"]
     port = free_port()
     cmd = [str(binary), "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", "2",
            "--parallel", str(parallel), "-c", str(1024 * parallel)]
-    return Server("llama.cpp", cmd, port, log_dir=log_dir)
+    return Server("llama.cpp", cmd, port, env=peer_env(os.environ), log_dir=log_dir)
 
 
 def hf_folder(model: str, out: Path) -> Path:
@@ -183,7 +192,7 @@ def vllm_server(python: str, folder: Path, log_dir: Path, parallel: int) -> Serv
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
            "--max-model-len", "2048", "--max-num-seqs", str(parallel),
            "--served-model-name", "peer"]
-    return Server("vLLM-CPU", cmd, port, env=vllm_env(scratch), log_dir=log_dir)
+    return Server("vLLM-CPU", cmd, port, env=peer_env(vllm_env(scratch)), log_dir=log_dir)
 
 
 def drive(server: Server, model: str, concurrency: int, num_prompts: int, output_len: int,

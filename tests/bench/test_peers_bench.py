@@ -63,3 +63,25 @@ def test_an_avx2_llama_cpp_build_has_its_own_folder_and_flags():
     assert "-DGGML_NATIVE=OFF" in llama_cpp.ISA_FLAGS["avx2"]
     with pytest.raises(ValueError, match="isa must be one of native, avx2"):
         llama_cpp.ensure_built(isa="sse9")
+
+
+def test_peers_run_without_pdserves_openmp_tuning(monkeypatch, tmp_path):
+    """OMP_WAIT_POLICY=PASSIVE (make serve's, pdserve's ranks') halves llama.cpp's speed:
+    the peers start without it, pdserve's own servers with it."""
+    started = {}
+
+    class Recorder:
+        def __init__(self, name, cmd, port, env=None, health="/health", log_dir=None):
+            started[name] = env
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("PDSERVE_PEERS_PROBE", "kept")
+    monkeypatch.setattr(peers, "Server", Recorder)
+    monkeypatch.setattr(peers, "ensure_built", lambda isa: {"llama-server": tmp_path / "x"})
+    peers.llama_cpp_server("m.gguf", tmp_path, 4)
+    peers.vllm_server("python", tmp_path, tmp_path, 4)
+    peers.pdserve_server("pdserve 1P+1D", "m.gguf", [], tmp_path)
+    for peer in ("llama.cpp", "vLLM-CPU"):
+        assert "OMP_WAIT_POLICY" not in started[peer], peer
+        assert started[peer]["PDSERVE_PEERS_PROBE"] == "kept"
+    assert started["pdserve 1P+1D"]["OMP_WAIT_POLICY"] == "PASSIVE"
