@@ -356,33 +356,33 @@ static inline void matmul_pairs_few_rows_q(const float *x, int64_t M, int64_t K,
     }
 }
 
+/* Column vector `col` (of a pair, 0..PAIR_COLS) in the block record pair r: its scales,
+ * offsets (zero without them) and values. */
+static inline __attribute__((always_inline)) const uint8_t *q_vector_at(
+    const QPanels *w, const uint8_t *r, int64_t col, const int bits, vf *s, vf *m) {
+    const int64_t sb = w->scale_bytes, rec = q_record_bytes(w);
+    const uint8_t *h = r + (col / PANEL) * rec + (col % PANEL) * sb;
+    *s = vscale_load(h, (int)sb);
+    *m = w->offsets ? vscale_load(h + PANEL * sb, (int)sb) : vzero();
+    return r + (col / PANEL) * rec + q_header_bytes(w->offsets, sb) + (col % PANEL) * q_column_bytes(bits);
+}
+
 /* ---- several rows ---- */
 /* block_rows_cols on quantized panels: column vector j starts at column c + j * VW;
  * panel rows [k0, k1) (whole blocks). */
 static inline __attribute__((always_inline)) void block_rows_cols_q(
     const float *x, int64_t K, const QPanels *w, int64_t c, int64_t k0, int64_t k1,
     vf acc[BLOCK_ACCS], const int prefetch, const int bits) {
-    const int64_t bk = w->bk, sb = w->scale_bytes, hdr = q_header_bytes(w->offsets, sb);
-    const int64_t rec = q_record_bytes(w);
+    const int64_t bk = w->bk, rec = q_record_bytes(w);
     const uint8_t *pair = w->records + (c / PAIR_COLS) * (K / bk) * 2 * rec;
-    int64_t at[BLOCK_VECS];  /* column vector j's offset in a block's pair of records */
-    for (int j = 0; j < BLOCK_VECS; j++) {
-        const int64_t col = c % PAIR_COLS + j * VW;
-        at[j] = (col / PANEL) * rec + (col % PANEL) * sb;
-    }
     vf a[BLOCK_ACCS];
     for (int i = 0; i < BLOCK_ACCS; i++) a[i] = acc[i];
     for (int64_t kb = k0; kb < k1; kb += bk) {
         const uint8_t *r = pair + (kb / bk) * 2 * rec;
         vf s[BLOCK_VECS], m[BLOCK_VECS];
         const uint8_t *v[BLOCK_VECS];
-        for (int j = 0; j < BLOCK_VECS; j++) {
-            s[j] = vscale_load(r + at[j], (int)sb);
-            m[j] = w->offsets ? vscale_load(r + at[j] + PANEL * sb, (int)sb) : vzero();
-            /* the values: past the header, at the vector's column */
-            const int64_t col = c % PAIR_COLS + j * VW;
-            v[j] = r + (col / PANEL) * rec + hdr + (col % PANEL) * q_column_bytes(bits);
-        }
+        for (int j = 0; j < BLOCK_VECS; j++)
+            v[j] = q_vector_at(w, r, c % PAIR_COLS + j * VW, bits, &s[j], &m[j]);
         if (prefetch)
             for (int64_t l = 0; l < 2 * rec; l += 64)
                 PREFETCH_L1(r + Q_PREFETCH_RECORDS * 2 * rec + l);
@@ -425,19 +425,15 @@ static inline void block_rows_cols_q8(const float *x, int64_t K, const QPanels *
  * j's panel, row k - k0 at (k - k0) * PANEL. */
 static inline __attribute__((always_inline)) void dequantize_chunk(
     const QPanels *w, int64_t K, int64_t c, int64_t k0, int64_t k1, float *deq, const int bits) {
-    const int64_t bk = w->bk, sb = w->scale_bytes, hdr = q_header_bytes(w->offsets, sb);
-    const int64_t rec = q_record_bytes(w);
+    const int64_t bk = w->bk, rec = q_record_bytes(w);
     const uint8_t *pair = w->records + (c / PAIR_COLS) * (K / bk) * 2 * rec;
     for (int64_t kb = k0; kb < k1; kb += bk) {
         const uint8_t *r = pair + (kb / bk) * 2 * rec;
         for (int64_t l = 0; l < 2 * rec; l += 64) PREFETCH_L1(r + Q_PREFETCH_RECORDS * 2 * rec + l);
 #pragma GCC unroll 2
         for (int j = 0; j < BLOCK_VECS; j++) {
-            const int64_t col = c % PAIR_COLS + j * VW;
-            const uint8_t *h = r + (col / PANEL) * rec + (col % PANEL) * sb;
-            const vf s = vscale_load(h, (int)sb);
-            const vf m = w->offsets ? vscale_load(h + PANEL * sb, (int)sb) : vzero();
-            const uint8_t *v = r + (col / PANEL) * rec + hdr + (col % PANEL) * q_column_bytes(bits);
+            vf s, m;
+            const uint8_t *v = q_vector_at(w, r, c % PAIR_COLS + j * VW, bits, &s, &m);
             float *d = deq + (j * VW / PANEL) * K_CHUNK * PANEL + (j * VW) % PANEL + (kb - k0) * PANEL;
             for (int64_t k = 0; k < bk; k += 2) {
                 vf v0, v1;

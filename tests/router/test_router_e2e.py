@@ -283,6 +283,7 @@ def test_aborts_at_every_stage_leak_nothing(router):
     assert sum(o.finish_reason == "abort" for o in outs) >= 3
     _assert_no_leak(router, timeout=10.0)
 
+
 def test_client_commands_load_no_torch():
     """`pdserve status` and the other client commands build their own arguments only:
     the benchmarks' (which import torch) are not built for them, so a client starts in a

@@ -39,17 +39,16 @@ class ThreadTuner:
         self.enabled = enabled
         self.explore = explore
         self.window = window
-        self.cost: dict[tuple, float] = {}  # (kind, bucket, threads) -> s per token
-        self.tries: dict[tuple, deque] = {}  # the same keys -> the last `window` tries
+        self.tries: dict[tuple, deque] = {}  # (kind, bucket, threads) -> last s per token
         self.steps: dict[tuple, int] = {}  # (kind, bucket) -> steps seen
 
     def choose(self, key: tuple, max_threads: int) -> int:
         choices = (max_threads, 1) if max_threads > 1 else (1,)
-        untried = [c for c in choices if key + (c,) not in self.cost]
+        untried = [c for c in choices if key + (c,) not in self.tries]
         n = self.steps[key] = self.steps.get(key, 0) + 1
         if untried:
             return untried[0]
-        best = min(choices, key=lambda c: self.cost[key + (c,)])
+        best = min(choices, key=lambda c: min(self.tries[key + (c,)]))
         if n % self.explore == 0:
             return next((c for c in choices if c != best), best)
         return best
@@ -57,7 +56,11 @@ class ThreadTuner:
     def record(self, key: tuple, threads: int, seconds: float, tokens: int) -> None:
         tries = self.tries.setdefault(key + (threads,), deque(maxlen=self.window))
         tries.append(seconds / max(tokens, 1))
-        self.cost[key + (threads,)] = min(tries)
+
+    @property
+    def cost(self) -> dict[tuple, float]:
+        """Each (kind, bucket, threads)'s cost: the fastest of its last tries."""
+        return {k: min(v) for k, v in self.tries.items()}
 
     @contextlib.contextmanager
     def step(self, rows: list[RunnerRow]):
