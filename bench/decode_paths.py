@@ -12,6 +12,8 @@ Paths (``--paths``; default all this CPU runs):
               multiplied by int8 activations (``activation_precision="auto"``)
   c-avx512-exact, ...  the same blocks multiplied by fp32 activations
               (``activation_precision="fp32"``)
+  c-avx512-int8, ...  the same blocks multiplied by int8 activations everywhere
+              (``activation_precision="int8"``)
   c-avx512-fp32, ...  the same reading fp32 weights (``quantization="none"``)
   c-avx512-bf16, ...  the same with every matmul the file holds no blocks for in bf16
               (``quantization="bf16"``: a folder model's at half of fp32's bytes)
@@ -56,7 +58,7 @@ def _paths_here() -> list[str]:
     from pdserve.kernels import decode_step
 
     built = [f"c-{isa}" for isa in cbuild.runnable_isas() if decode_step.available(isa)]
-    return [*built, *(f"{c}-{q}" for q in ("exact", "fp32", "bf16") for c in built),
+    return [*built, *(f"{c}-{q}" for q in ("exact", "int8", "fp32", "bf16") for c in built),
             "compile", "inductor", "eager", "eager-mkl"]
 
 
@@ -77,8 +79,9 @@ def _engine(model_dir: str, path: str, batch: int):
     if path.startswith("c-"):
         isa, _, held = path[2:].partition("-")
         kw["kernel_isa"] = isa
-        kw["quantization"] = {"fp32": "none", "bf16": "bf16", "": "auto", "exact": "auto"}[held]
-        kw["activation_precision"] = "fp32" if held == "exact" else "auto"
+        kw["quantization"] = {"fp32": "none", "bf16": "bf16", "": "auto", "exact": "auto",
+                              "int8": "auto"}[held]
+        kw["activation_precision"] = {"exact": "fp32", "int8": "int8"}.get(held, "auto")
     else:
         kw["decode_kernel"] = False
         kw["compile"] = path in ("compile", "inductor")

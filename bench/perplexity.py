@@ -7,14 +7,17 @@ The text ships with Python (``pydoc_data.topics``: the language reference's topi
 pages), so every machine scores the same tokens without a download.
 
     pdserve bench perplexity [--model M] [--ctx 512] [--chunks 16] [--decode-steps]
+                             [--activation-precision auto|int8|fp32]
                              [--transformers] [--llama-perplexity PATH/TO/llama-perplexity]
 
 pdserve's figure comes from its own model runner (the same weights and kernels that
 serve): each chunk in one forward pass (prefill's path: a GGUF file's quantized blocks
 in place, where it has them, multiplied by int8 activations by default); for a
 quantized file also the same with fp32 activations (``activation_precision="fp32"``,
-what int8 activations are held to) and on its weights dequantized to fp32 (``quantization="none"``, the reference the quantized kernels are
-held to); with ``--decode-steps`` also its scored half one token at a time through the
+what int8 activations are held to: its perplexity and the mean KL divergence of the
+next-token distributions from it, the steadier figure) and on its weights dequantized
+to fp32 (``quantization="none"``, the reference the quantized kernels are held to);
+with ``--decode-steps`` also its scored half one token at a time through the
 decode step, the path a served token takes; ``--transformers`` adds transformers' on
 the same GGUF (fp32, dequantized), and
 ``--llama-perplexity`` adds llama.cpp's on the file (it multiplies quantized weights, so
@@ -33,6 +36,7 @@ import time
 from pathlib import Path
 from pydoc_data.topics import topics
 
+from pdserve.engine.config import ACTIVATION_PRECISIONS
 from pdserve.engine.model.catalog import resolve_model
 from pdserve.engine.model.tokenizer import Tokenizer
 
@@ -99,6 +103,38 @@ def perplexity(logits_of, token_chunks: list[list[int]]) -> float:
     return math.exp(total / count)
 
 
+def divergence(reference, logits, chunk: list[int]) -> tuple[float, int]:
+    """(sum of KL(reference || logits) over the chunk's scored rows, rows): how far
+    one model's next-token distributions are from another's, whatever the text's tokens
+    (``score``'s rows)."""
+    # lazy: torch, only for pdserve's runs
+    import torch
+
+    first = len(chunk) // 2
+    ref = torch.log_softmax(reference[first - 1:len(chunk) - 1].float(), dim=-1)
+    got = torch.log_softmax(logits[first - 1:len(chunk) - 1].float(), dim=-1)
+    return float((ref.exp() * (ref - got)).sum()), len(ref)
+
+
+def paired_perplexity(runner, reference, token_chunks: list[list[int]]) -> dict:
+    """``runner``'s and ``reference``'s perplexity over the same chunks (one forward
+    pass each), and the mean KL divergence of runner's next-token distributions from
+    reference's. The KL is the steadier figure: rounding moves each token's
+    log-likelihood up or down, so a perplexity difference of a few hundredths of a
+    percent changes sign from one equally exact rounding to another (docs/models.md),
+    while the divergence only adds up."""
+    nll = {"ppl": [0.0, 0], "reference_ppl": [0.0, 0], "kl": [0.0, 0]}
+    for chunk in token_chunks:
+        ours, theirs = pdserve_logits(runner, chunk), pdserve_logits(reference, chunk)
+        for key, (total, n) in (("ppl", score(ours, chunk)), ("reference_ppl", score(theirs, chunk)),
+                                ("kl", divergence(theirs, ours, chunk))):
+            nll[key][0] += total
+            nll[key][1] += n
+    mean = {key: total / n for key, (total, n) in nll.items()}
+    return {"ppl": math.exp(mean["ppl"]), "reference_ppl": math.exp(mean["reference_ppl"]),
+            "kl": mean["kl"]}
+
+
 def pdserve_runner(model: str, token_chunks: list[list[int]], quantization: str = "auto",
                    activation_precision: str = "auto"):
     # lazy: engine.model_runner imports torch
@@ -159,6 +195,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model (default: the default model)")
     p.add_argument("--ctx", type=int, default=512, help="tokens per chunk (default 512)")
     p.add_argument("--chunks", type=int, default=16, help="chunks scored (default 16)")
+    p.add_argument("--activation-precision", default="auto", choices=ACTIVATION_PRECISIONS,
+                   help="what pdserve's matmuls multiply (default auto); a quantized "
+                        "file's figure is also held to fp32 activations': perplexity and "
+                        "mean KL divergence")
     p.add_argument("--decode-steps", action="store_true",
                    help="also score each chunk's second half one decode step at a time "
                         "(the quantized decode step, where the file is quantized)")
@@ -176,20 +216,29 @@ def run(args: argparse.Namespace) -> int:
     token_chunks = chunks(ids, args.ctx, args.chunks)
     result: dict = {"model": model, "ctx": args.ctx, "chunks": len(token_chunks),
                     "text": "pydoc_data.topics", "text_tokens": len(ids)}
-    runner = pdserve_runner(model, token_chunks)
+    runner = pdserve_runner(model, token_chunks,
+                            activation_precision=args.activation_precision)
+    result["activation_precision"] = args.activation_precision
+    quantized = runner.model.matmul_quantized()
     t0 = time.perf_counter()
-    result["pdserve"] = pdserve_perplexity(model, token_chunks, runner=runner)
-    result["pdserve_s"] = round(time.perf_counter() - t0, 2)
-    print(f"pdserve      PPL {result['pdserve']:.4f}  ({result['pdserve_s']} s)", flush=True)
-    reference = result["pdserve"]
-    if runner.model.matmul_quantized():
+    if quantized:  # each chunk beside fp32 activations' (a second runner)
         exact = pdserve_runner(model, token_chunks, activation_precision="fp32")
-        result["pdserve_fp32_activations"] = pdserve_perplexity(model, token_chunks, runner=exact)
-        result["int8_vs_fp32_activations"] = (result["pdserve"]
-                                              / result["pdserve_fp32_activations"] - 1)
-        print(f"pdserve fp32 activations PPL {result['pdserve_fp32_activations']:.4f}  "
-              f"(int8 activations {100 * result['int8_vs_fp32_activations']:+.4f}%)", flush=True)
+        paired = paired_perplexity(runner, exact, token_chunks)
         del exact
+        result["pdserve"] = paired["ppl"]
+    else:
+        result["pdserve"] = pdserve_perplexity(model, token_chunks, runner=runner)
+    result["pdserve_s"] = round(time.perf_counter() - t0, 2)
+    print(f"pdserve      PPL {result['pdserve']:.4f}  ({result['pdserve_s']} s, "
+          f"activation_precision={args.activation_precision})", flush=True)
+    reference = result["pdserve"]
+    if quantized:
+        result["pdserve_fp32_activations"] = paired["reference_ppl"]
+        result["vs_fp32_activations"] = result["pdserve"] / paired["reference_ppl"] - 1
+        result["kl_vs_fp32_activations"] = paired["kl"]
+        print(f"pdserve fp32 activations PPL {paired['reference_ppl']:.4f}  "
+              f"({args.activation_precision} {100 * result['vs_fp32_activations']:+.4f}%; "
+              f"mean KL from it {paired['kl']:.2e} nats a token)", flush=True)
         fp32 = pdserve_runner(model, token_chunks, quantization="none")
         reference = result["pdserve_fp32"] = pdserve_perplexity(model, token_chunks, runner=fp32)
         result["pdserve_vs_fp32"] = result["pdserve"] / reference - 1
