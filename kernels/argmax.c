@@ -5,28 +5,52 @@
 
 #include "simd.h"
 
-void argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t *out) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *row = x + r * stride;
-        vf best = vset1(-INFINITY);
-        vi nan = (vi){0};
-        for (int64_t k = 0; k < cols; k += VW) {
-            vf v = vfirst_n(vload_n(row + k, cols - k), cols - k, -INFINITY);
-            nan |= v != v;
-            best = vmax(v, best); /* a NaN v keeps best */
-        }
-        const int has_nan = vany(nan);
-        const float target = vmax_lanes(best);
-        int64_t found = 0;
-        for (int64_t k = 0; k < cols; k += VW) {
-            vf v = vfirst_n(vload_n(row + k, cols - k), cols - k, -INFINITY);
-            vi hit = has_nan ? v != v : v == target;
-            if (vany(hit)) {
-                for (int i = 0; i < VW; i++)
-                    if (hit[i]) { found = k + i; break; }
-                break;
-            }
-        }
-        out[r] = found;
+#define ARGMAX_CHAINS 4 /* independent maxima: one chain left the loop latency-bound */
+
+/* The first index of the row's largest value, in one pass: each lane keeps its largest
+ * value and where it first saw it (a later equal value does not replace it), the
+ * lanes' winners are then compared by value, and by index among equals. A NaN anywhere
+ * sends the row to a second pass for its first NaN (torch's answer). */
+static int64_t row_argmax(const float *row, int64_t cols) {
+    vf best[ARGMAX_CHAINS];
+    vi at[ARGMAX_CHAINS], nan = (vi){0};
+    const vi lanes = vlanes();
+    for (int c = 0; c < ARGMAX_CHAINS; c++) {
+        best[c] = vset1(-INFINITY);
+        at[c] = (vi){0} + (int32_t)cols;  /* nothing seen: loses every index tie */
     }
+    int64_t k = 0;
+    for (; k + ARGMAX_CHAINS * VW <= cols; k += ARGMAX_CHAINS * VW)
+        for (int c = 0; c < ARGMAX_CHAINS; c++) {
+            const vf v = vload(row + k + c * VW);
+            const vi more = v > best[c];
+            nan |= v != v;
+            best[c] = vselect(more, v, best[c]);
+            at[c] = (more & (lanes + (int32_t)(k + c * VW))) | (~more & at[c]);
+        }
+    for (; k < cols; k += VW) {
+        const vf v = vfirst_n(vload_n(row + k, cols - k), cols - k, -INFINITY);
+        const vi more = v > best[0];
+        nan |= v != v;
+        best[0] = vselect(more, v, best[0]);
+        at[0] = (more & (lanes + (int32_t)k)) | (~more & at[0]);
+    }
+    if (vany(nan)) {
+        for (int64_t j = 0; j < cols; j++)
+            if (row[j] != row[j]) return j;
+    }
+    float top = -INFINITY;
+    int64_t found = cols;
+    for (int c = 0; c < ARGMAX_CHAINS; c++)
+        for (int i = 0; i < VW; i++)
+            if (best[c][i] > top || (best[c][i] == top && at[c][i] < found)) {
+                top = best[c][i];
+                found = at[c][i];
+            }
+    return found < cols ? found : 0;  /* every value -inf: the first */
+}
+
+void argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t *out) {
+#pragma omp parallel for schedule(static) if (rows >= 8)
+    for (int64_t r = 0; r < rows; r++) out[r] = row_argmax(x + r * stride, cols);
 }

@@ -30,7 +30,10 @@ def greedy(logits: torch.Tensor, isa: str | None = None) -> torch.Tensor:
     Why: torch's CPU argmax over the last dimension is not vectorised: 77 µs for
     16 x 4096 fp32 here, and ~160 µs for an amax/sign/mul formulation under
     ``OMP_WAIT_POLICY=PASSIVE`` (each op wakes the thread team), against a few µs in
-    C: ~5-10% of a tiny-model decode step. Other dtypes and devices: torch's argmax.
+    C: ~5-10% of a tiny-model decode step. One pass that keeps each lane's best index
+    (four chains), rows split over the threads from 8 rows: 16 x 49152 (the real model's
+    vocabulary) 342 -> 50 µs, one row 28 -> 11 µs (AVX-512; AVX2 298 -> 50, 26 -> 11).
+    Other dtypes and devices: torch's argmax.
     ``isa``: which build (``kernels/cbuild.py``; default the host's)."""
     lib = _argmax_library(cbuild.resolve_isa(isa))
     if lib is None or logits.dtype != torch.float32 or logits.device.type != "cpu" \

@@ -219,6 +219,15 @@ def test_greedy_equals_argmax_including_ties_infinities_and_nan(isa):
     x[9, 1] = 50.0
     assert torch.equal(greedy(x), x.argmax(-1))
     assert torch.equal(greedy(x[:, 3:41]), x[:, 3:41].argmax(-1))  # a strided view
+    wide = torch.randn(12, 4099, generator=g)  # the unrolled loop's chains and a tail
+    wide[0, [3000, 700, 2000, 4098]] = 9.0  # ties in different chains and lanes
+    wide[1, [4098, 4097]] = 9.0  # ties in the tail only
+    wide[2, :] = float("-inf")
+    wide[3, [4000, 900]] = float("nan")
+    wide[4, :] = 1.0
+    wide[5, 33] = float("inf")
+    assert torch.equal(greedy(wide), wide.argmax(-1))
+    assert greedy(wide)[:6].tolist() == [700, 4097, 0, 900, 0, 33]
     assert greedy(x).dtype == torch.long
     half = torch.randn(4, 33, generator=g).to(torch.bfloat16)  # other dtypes: argmax itself
     assert torch.equal(greedy(half), half.argmax(-1))
