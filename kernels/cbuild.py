@@ -61,7 +61,12 @@ def _cpu_flags() -> frozenset[str]:
 
 def runnable_isas() -> tuple[str, ...]:
     """The builds this CPU can execute, best first (always ends with ``generic``)."""
-    flags = _cpu_flags()
+    return _isas_for(_cpu_flags())
+
+
+@functools.cache
+def _isas_for(flags: frozenset[str]) -> tuple[str, ...]:
+    # cached: every kernel call resolves its build (three times a decode step)
     return tuple(isa for isa in ISAS if all(f in flags for f in _ISA_CPU_FLAGS[isa]))
 
 
