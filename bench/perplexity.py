@@ -123,14 +123,14 @@ def paired_perplexity(runner, reference, token_chunks: list[list[int]]) -> dict:
     log-likelihood up or down, so a perplexity difference of a few hundredths of a
     percent changes sign from one equally exact rounding to another (docs/models.md),
     while the divergence only adds up."""
-    nll = {"ppl": [0.0, 0], "reference_ppl": [0.0, 0], "kl": [0.0, 0]}
+    totals = {"ppl": [0.0, 0], "reference_ppl": [0.0, 0], "kl": [0.0, 0]}  # sum, rows
     for chunk in token_chunks:
         ours, theirs = pdserve_logits(runner, chunk), pdserve_logits(reference, chunk)
         for key, (total, n) in (("ppl", score(ours, chunk)), ("reference_ppl", score(theirs, chunk)),
                                 ("kl", divergence(theirs, ours, chunk))):
-            nll[key][0] += total
-            nll[key][1] += n
-    mean = {key: total / n for key, (total, n) in nll.items()}
+            totals[key][0] += total
+            totals[key][1] += n
+    mean = {key: total / n for key, (total, n) in totals.items()}
     return {"ppl": math.exp(mean["ppl"]), "reference_ppl": math.exp(mean["reference_ppl"]),
             "kl": mean["kl"]}
 
@@ -220,25 +220,28 @@ def run(args: argparse.Namespace) -> int:
                             activation_precision=args.activation_precision)
     result["activation_precision"] = args.activation_precision
     quantized = runner.model.matmul_quantized()
+    beside = quantized and args.activation_precision != "fp32"  # held to fp32 activations
     t0 = time.perf_counter()
-    if quantized:  # each chunk beside fp32 activations' (a second runner)
+    if beside:  # each chunk beside fp32 activations' (a second runner)
         exact = pdserve_runner(model, token_chunks, activation_precision="fp32")
-        paired = paired_perplexity(runner, exact, token_chunks)
+        pair = paired_perplexity(runner, exact, token_chunks)
         del exact
-        result["pdserve"] = paired["ppl"]
+        result["pdserve"] = pair["ppl"]
     else:
         result["pdserve"] = pdserve_perplexity(model, token_chunks, runner=runner)
     result["pdserve_s"] = round(time.perf_counter() - t0, 2)
-    print(f"pdserve      PPL {result['pdserve']:.4f}  ({result['pdserve_s']} s, "
+    print(f"pdserve      PPL {result['pdserve']:.4f}  ({result['pdserve_s']} s"
+          f"{', fp32 activations beside' if beside else ''}; "
           f"activation_precision={args.activation_precision})", flush=True)
     reference = result["pdserve"]
-    if quantized:
-        result["pdserve_fp32_activations"] = paired["reference_ppl"]
-        result["vs_fp32_activations"] = result["pdserve"] / paired["reference_ppl"] - 1
-        result["kl_vs_fp32_activations"] = paired["kl"]
-        print(f"pdserve fp32 activations PPL {paired['reference_ppl']:.4f}  "
+    if beside:
+        result["pdserve_fp32_activations"] = pair["reference_ppl"]
+        result["vs_fp32_activations"] = result["pdserve"] / pair["reference_ppl"] - 1
+        result["kl_vs_fp32_activations"] = pair["kl"]
+        print(f"pdserve fp32 activations PPL {pair['reference_ppl']:.4f}  "
               f"({args.activation_precision} {100 * result['vs_fp32_activations']:+.4f}%; "
-              f"mean KL from it {paired['kl']:.2e} nats a token)", flush=True)
+              f"mean KL from it {pair['kl']:.2e} nats a token)", flush=True)
+    if quantized:
         fp32 = pdserve_runner(model, token_chunks, quantization="none")
         reference = result["pdserve_fp32"] = pdserve_perplexity(model, token_chunks, runner=fp32)
         result["pdserve_vs_fp32"] = result["pdserve"] / reference - 1

@@ -8,6 +8,8 @@ stays within a stated bound of fp32 activations' while the greedy answers hold."
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -212,12 +214,20 @@ def test_int8_perplexity_stays_near_fp32_activations(runners, real_model_path):
     ids = Tokenizer.from_model(real_model_path).encode(ppl.reference_text(),
                                                        add_special_tokens=False)
     chunks = ppl.chunks(ids, 512, 4)
+    exact = [ppl.pdserve_logits(runners["fp32"], c) for c in chunks]  # once for both
     kl = {}
     for precision, bound in (("auto", 1e-3), ("int8", 1.2e-3)):
-        got = ppl.paired_perplexity(runners[precision], runners["fp32"], chunks)
-        assert abs(got["ppl"] / got["reference_ppl"] - 1) < 3e-3, (precision, got)
-        assert 0 < got["kl"] < bound, (precision, got)
-        kl[precision] = got["kl"]
+        nll = exact_nll = divergence = rows = 0.0
+        for chunk, reference in zip(chunks, exact, strict=True):
+            got = ppl.pdserve_logits(runners[precision], chunk)
+            nll += ppl.score(got, chunk)[0]
+            exact_nll += ppl.score(reference, chunk)[0]
+            total, n = ppl.divergence(reference, got, chunk)
+            divergence, rows = divergence + total, rows + n
+        ratio = math.exp((nll - exact_nll) / rows)
+        assert abs(ratio - 1) < 3e-3, (precision, ratio)
+        kl[precision] = divergence / rows
+        assert 0 < kl[precision] < bound, (precision, kl)
     assert kl["auto"] < kl["int8"]
     stepped = ppl.pdserve_perplexity(real_model_path, chunks[:1], decode_steps=True,
                                      runner=runners["auto"])
@@ -239,3 +249,26 @@ def test_divergence_is_the_mean_kl_over_the_scored_rows():
     assert rows == 2
     assert total == pytest.approx(2 * (0.5 * math.log(2) + 0.5 * math.log(2 / 3)), rel=1e-6)
     assert divergence(q, q, [0, 1, 0, 1])[0] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_bench_perplexity_holds_the_chosen_precision_to_fp32_activations(real_model_path,
+                                                                         tmp_path):
+    """`pdserve bench perplexity --activation-precision int8` writes the figure, fp32
+    activations' beside it (which equal the dequantized weights' fp32 figure but for
+    rounding) and the divergence from them."""
+    import argparse
+    import json
+
+    from pdserve.bench import perplexity as ppl
+
+    p = argparse.ArgumentParser()
+    ppl.add_args(p)
+    out = tmp_path / "int8.json"
+    assert ppl.run(p.parse_args(["--model", real_model_path, "--ctx", "64", "--chunks", "1",
+                                 "--activation-precision", "int8", "--out", str(out)])) == 0
+    got = json.loads(out.read_text())
+    assert got["activation_precision"] == "int8"
+    assert got["pdserve_fp32_activations"] == pytest.approx(got["pdserve_fp32"], rel=1e-6)
+    assert got["vs_fp32_activations"] == pytest.approx(
+        got["pdserve"] / got["pdserve_fp32_activations"] - 1, abs=1e-9)
+    assert 0 < got["kl_vs_fp32_activations"] < 5e-3
