@@ -104,12 +104,14 @@ def tiny_model_dir(tmp_path_factory):
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
 
 
+# `ray start`'s own words when its GCS port was taken between _free_port and the bind
+PORT_TAKEN = "Failed to start the grpc server"
+
+
 @pytest.fixture
 def fake_cluster(tmp_path, tiny_model_dir):
-    gcs_port = _free_port()
     temp_dir = f"/tmp/pdfk{os.getpid() % 100000}"
     cfg = tmp_path / "fake.yaml"
-    cfg.write_text(yaml.safe_dump(_fake_config(gcs_port)))
     # `ray start` needs an auth token of its own (token auth stays on): one per cluster,
     # in a file only this user can read, never in the environment's value itself.
     token = tmp_path / "ray-token"
@@ -117,11 +119,20 @@ def fake_cluster(tmp_path, tiny_model_dir):
     token.chmod(0o600)
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", RAY_FAKE_CLUSTER="1",
                RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
-    start = subprocess.run(
-        [str(BIN / "ray"), "start", "--head", f"--port={gcs_port}", "--num-cpus=2",
-         f"--ray-client-server-port={_free_port()}", "--include-dashboard=false",
-         f"--temp-dir={temp_dir}", f"--autoscaling-config={cfg}", "--disable-usage-stats"],
-        env=env, capture_output=True, text=True, timeout=120)
+    # A free port can be taken before Ray binds it (seen once in a full run: another
+    # process's ephemeral port): up to three ports, each attempt cleaned up; any other
+    # failure is reported at once.
+    for _ in range(3):
+        gcs_port = _free_port()
+        cfg.write_text(yaml.safe_dump(_fake_config(gcs_port)))
+        start = subprocess.run(
+            [str(BIN / "ray"), "start", "--head", f"--port={gcs_port}", "--num-cpus=2",
+             f"--ray-client-server-port={_free_port()}", "--include-dashboard=false",
+             f"--temp-dir={temp_dir}", f"--autoscaling-config={cfg}", "--disable-usage-stats"],
+            env=env, capture_output=True, text=True, timeout=120)
+        if start.returncode == 0 or PORT_TAKEN not in start.stdout + start.stderr:
+            break
+        _stop_pids(temp_dir)
     try:
         assert start.returncode == 0, start.stdout + start.stderr
         yield {"address": f"127.0.0.1:{gcs_port}", "env": env, "model": tiny_model_dir}
