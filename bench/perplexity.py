@@ -119,13 +119,20 @@ def divergence(reference, logits, chunk: list[int]) -> tuple[float, int]:
 def paired_perplexity(runner, reference, token_chunks: list[list[int]]) -> dict:
     """``runner``'s and ``reference``'s perplexity over the same chunks (one forward
     pass each), and the mean KL divergence of runner's next-token distributions from
-    reference's. The KL is the steadier figure: rounding moves each token's
-    log-likelihood up or down, so a perplexity difference of a few hundredths of a
-    percent changes sign from one equally exact rounding to another (docs/models.md),
-    while the divergence only adds up."""
+    reference's (``compare``)."""
+    return compare((pdserve_logits(runner, c), pdserve_logits(reference, c), c)
+                   for c in token_chunks)
+
+
+def compare(chunk_logits) -> dict:
+    """From (ours, reference's logits, chunk) per chunk: both perplexities ("ppl",
+    "reference_ppl") and the mean KL divergence of ours from the reference ("kl"). The
+    KL is the steadier figure: rounding moves each token's log-likelihood up or down, so
+    a perplexity difference of a few hundredths of a percent changes sign from one
+    equally exact rounding to another (docs/models.md), while the divergence only adds
+    up."""
     totals = {"ppl": [0.0, 0], "reference_ppl": [0.0, 0], "kl": [0.0, 0]}  # sum, rows
-    for chunk in token_chunks:
-        ours, theirs = pdserve_logits(runner, chunk), pdserve_logits(reference, chunk)
+    for ours, theirs, chunk in chunk_logits:
         for key, (total, n) in (("ppl", score(ours, chunk)), ("reference_ppl", score(theirs, chunk)),
                                 ("kl", divergence(theirs, ours, chunk))):
             totals[key][0] += total

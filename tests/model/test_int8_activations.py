@@ -217,16 +217,10 @@ def test_int8_perplexity_stays_near_fp32_activations(runners, real_model_path):
     exact = [ppl.pdserve_logits(runners["fp32"], c) for c in chunks]  # once for both
     kl = {}
     for precision, bound in (("auto", 1e-3), ("int8", 1.2e-3)):
-        nll = exact_nll = divergence = rows = 0.0
-        for chunk, reference in zip(chunks, exact, strict=True):
-            got = ppl.pdserve_logits(runners[precision], chunk)
-            nll += ppl.score(got, chunk)[0]
-            exact_nll += ppl.score(reference, chunk)[0]
-            total, n = ppl.divergence(reference, got, chunk)
-            divergence, rows = divergence + total, rows + n
-        ratio = math.exp((nll - exact_nll) / rows)
-        assert abs(ratio - 1) < 3e-3, (precision, ratio)
-        kl[precision] = divergence / rows
+        got = ppl.compare((ppl.pdserve_logits(runners[precision], c), e, c)
+                          for c, e in zip(chunks, exact, strict=True))
+        assert abs(got["ppl"] / got["reference_ppl"] - 1) < 3e-3, (precision, got)
+        kl[precision] = got["kl"]
         assert 0 < kl[precision] < bound, (precision, kl)
     assert kl["auto"] < kl["int8"]
     stepped = ppl.pdserve_perplexity(real_model_path, chunks[:1], decode_steps=True,
@@ -239,8 +233,6 @@ def test_divergence_is_the_mean_kl_over_the_scored_rows():
     """KL(p || q) summed over the rows predicting the chunk's second half: here two rows
     of p = (1/2, 1/2) against q = (1/4, 3/4): 1/2 ln 2 + 1/2 ln(2/3) each; none against
     itself."""
-    import math
-
     from pdserve.bench.perplexity import divergence
 
     p = torch.log(torch.tensor([[0.5, 0.5]] * 4))
