@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,7 @@ from pdserve.engine.model.quantized_weights import QuantEmbedding
 from pdserve.engine.model.weights import WeightsError, load_checked
 from pdserve.kernels import quant_panels, skinny_gemm
 from pdserve.kernels.attention import AttentionMetadata
+from pdserve.kernels.huge_pages import Arena
 from pdserve.kernels.kv_cache import KVCache
 from pdserve.kernels.norms import RMSNorm
 from pdserve.kernels.rope import RopeTable, inv_frequencies
@@ -126,6 +128,18 @@ class MatMul(nn.Module):
         if self.quant is not None:
             return self.quant.nbytes()
         return self.out_features * self.in_features * self.weight.element_size()
+
+    def swept(self) -> torch.Tensor | None:
+        """What the C decode step reads of this matmul: its quantized records, else its
+        fp32 panels (None: it reads neither)."""
+        return self.quant.records if self.quant is not None else self.panels
+
+    def move_swept(self, arena: Arena) -> None:
+        """Hold ``swept()`` in ``arena`` from now on (the old copy is dropped)."""
+        if self.quant is not None:
+            self.quant = dataclasses.replace(self.quant, records=arena.take(self.quant.records))
+        elif self.panels is not None:
+            self.panels = arena.take(self.panels)
 
     def drop_fp32(self) -> None:
         """Keep only the quantized panels (``quant``), which then serve every product:
@@ -361,6 +375,20 @@ class CausalLM(nn.Module):
             return k.run(tokens, positions, cache, meta, with_logits=True)[1]
         return self.compute_logits(self.forward_decode(tokens, positions, cache, meta))
 
+    def gather_swept_weights(self) -> Arena | None:
+        """Move what a decode step reads of every matmul into one allocation on 2 MiB
+        pages (``kernels/huge_pages``: 0.92x the one-row step); a tied embedding keeps
+        reading the LM head's panels. None when no matmul has any."""
+        mats = [m for m in self.modules() if isinstance(m, MatMul) and m.swept() is not None]
+        if not mats:
+            return None
+        arena = Arena(sum(Arena.footprint(m.swept()) for m in mats))
+        for m in mats:  # one at a time: the load's peak grows by one tensor, not all
+            m.move_swept(arena)
+        if isinstance(self.model.embed_tokens, QuantEmbedding):
+            self.model.embed_tokens.quant = self.logits_proj.quant
+        return arena
+
     def matmul_quantized(self) -> bool:
         """Does any matmul compute with quantized panels?"""
         return any(m.quant is not None for m in self.modules() if isinstance(m, MatMul))
@@ -407,6 +435,7 @@ def load_model(model_dir, dtype: torch.dtype = torch.float32,
     if quantization != "none":
         quantized_weights.attach(model, model_dir, at_load=quantization,
                                  keep_fp32=keep_fp32, activations=activations)
+    model.gather_swept_weights()
     _return_freed_memory()
     return cfg, model.eval().requires_grad_(False)
 

@@ -271,6 +271,7 @@ def test_a_quantized_model_holds_each_weight_once_at_its_quantized_size(real_mod
     mats = [m for m in model.modules() if isinstance(m, MatMul)]
     assert all(m.weight is None and m.panels is None and m.quant is not None for m in mats)
     assert isinstance(model.model.embed_tokens, QuantEmbedding)
+    assert model.model.embed_tokens.quant is model.logits_proj.quant  # one copy, in the arena
     fp32_table = fp32.model.model.embed_tokens.weight
     ids = torch.tensor([0, 1, 17, 4242, fp32_table.shape[0] - 1])
     assert torch.equal(model.model.embed_tokens(ids), fp32_table[ids])  # bit for bit
