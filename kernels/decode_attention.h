@@ -16,10 +16,16 @@ typedef struct {
 } Run;
 
 typedef struct {
-    const float *k, *v;
+    const void *k, *v;  /* fp32, or fp16 in a 16-bit cache (attend's `half`) */
     const Run *runs;
     int64_t nruns, hk;
 } RowKV;
+
+/* The VW keys or values at element `at` of a store: fp32, or fp16 widened. */
+static inline __attribute__((always_inline)) vf kv_load(const void *store, int64_t at,
+                                                        const int half) {
+    return half ? vload_half((const uint16_t *)store + at) : vload((const float *)store + at);
+}
 
 /* The rows of a group (GroupRows: m rows, at most GROUP_ROWS, of one sequence at
  * consecutive positions, so that each attends to a prefix of the same positions; most
@@ -34,8 +40,9 @@ typedef struct {
  * 0.44 -> 0.09 ms a step, the step 4.80 -> 4.41 ms). Keys are read once for the group
  * (a speculative step's drafted rows read the sequence's keys once, not once each);
  * values are prefetched into L2 during the key pass for the per-head value passes. A
- * row's arithmetic is the same, in the same order, whatever its group. dc = D / VW, a
- * constant at each call site so that the loops over a head unroll into registers. */
+ * row's arithmetic is the same, in the same order, whatever its group. dc = D / VW and
+ * half (a 16-bit cache: half the bytes to read) are constants at each call site, so
+ * that the loops over a head unroll into registers and no load branches. */
 #define MAX_HEAD_VECS (256 / VW)
 #define GROUP_ROWS 8
 
@@ -48,22 +55,23 @@ typedef struct {
 
 static inline __attribute__((always_inline)) void attend(
     const GroupRows *rows, RowKV kv, int64_t hq, int64_t g, int64_t j0, int64_t j1,
-    const int dc, float scale, float *scores) {
-    const int64_t D = dc * VW, rs = kv.hk * D, m = rows->m;
-    const int64_t line0 = j0 * D / 16, line1 = (j1 * D + 15) / 16;  /* the heads' lines */
+    const int dc, const int half, float scale, float *scores) {
+    const int64_t D = dc * VW, rs = kv.hk * D, m = rows->m, es = half ? 2 : 4;
+    const int64_t line0 = j0 * D * es / 64, line1 = (j1 * D * es + 63) / 64;  /* heads' lines */
+    const char *kb = (const char *)kv.k, *vb = (const char *)kv.v;
     int64_t longest = 0;
     for (int64_t i = 0; i < m; i++) longest = rows->len[i] > longest ? rows->len[i] : longest;
     for (int64_t u = 0, t = 0; u < kv.nruns; u++) {
-        const float *K = kv.k + kv.runs[u].start * rs, *V = kv.v + kv.runs[u].start * rs;
-        const int64_t count = kv.runs[u].count;
+        const int64_t k0 = kv.runs[u].start * rs, count = kv.runs[u].count;
         for (int64_t i = 0; i < count; i++, t++) {
             if (i + 4 < count)
-                for (int64_t c = line0; c < line1; c++) PREFETCH_L1(K + (i + 4) * rs + c * 16);
-            for (int64_t c = line0; c < line1; c++) PREFETCH_L2(V + i * rs + c * 16);
+                for (int64_t c = line0; c < line1; c++)
+                    PREFETCH_L1(kb + (k0 + (i + 4) * rs) * es + c * 64);
+            for (int64_t c = line0; c < line1; c++) PREFETCH_L2(vb + (k0 + i * rs) * es + c * 64);
             for (int64_t j = j0; j < j1; j++) {
                 vf kr[MAX_HEAD_VECS];
 #pragma GCC unroll 16
-                for (int c = 0; c < dc; c++) kr[c] = vload(K + i * rs + j * D + c * VW);
+                for (int c = 0; c < dc; c++) kr[c] = kv_load(kv.k, k0 + i * rs + j * D + c * VW, half);
                 for (int64_t r = 0; r < m; r++) {
                     if (t >= rows->len[r]) continue;
                     const float *q = rows->q[r];
@@ -106,11 +114,12 @@ static inline __attribute__((always_inline)) void attend(
             for (int c = 0; c < dc; c++) acc[c] = vzero();
             const int64_t j = h / g;
             for (int64_t u = 0, t = 0; u < kv.nruns && t < len; u++) {
-                const float *V = kv.v + kv.runs[u].start * rs + j * D;
+                const int64_t v0 = kv.runs[u].start * rs + j * D;
                 for (int64_t i = 0; i < kv.runs[u].count && t < len; i++, t++) {
                     vf p = vset1(s[t]);
 #pragma GCC unroll 16
-                    for (int c = 0; c < dc; c++) acc[c] = vfma(p, vload(V + i * rs + c * VW), acc[c]);
+                    for (int c = 0; c < dc; c++)
+                        acc[c] = vfma(p, kv_load(kv.v, v0 + i * rs + c * VW, half), acc[c]);
                 }
             }
 #pragma GCC unroll 16
@@ -120,11 +129,16 @@ static inline __attribute__((always_inline)) void attend(
 }
 
 static void attend_any(const GroupRows *rows, RowKV kv, int64_t hq, int64_t g, int64_t j0,
-                       int64_t j1, int64_t D, float scale, float *scores) {
-    switch (D) {
-    case 64: attend(rows, kv, hq, g, j0, j1, 64 / VW, scale, scores); break;
-    case 128: attend(rows, kv, hq, g, j0, j1, 128 / VW, scale, scores); break;
-    default: attend(rows, kv, hq, g, j0, j1, (int)(D / VW), scale, scores); break;
+                       int64_t j1, int64_t D, int half, float scale, float *scores) {
+    switch (D * 2 + !!half) {
+    case 128: attend(rows, kv, hq, g, j0, j1, 64 / VW, 0, scale, scores); break;
+    case 129: attend(rows, kv, hq, g, j0, j1, 64 / VW, 1, scale, scores); break;
+    case 256: attend(rows, kv, hq, g, j0, j1, 128 / VW, 0, scale, scores); break;
+    case 257: attend(rows, kv, hq, g, j0, j1, 128 / VW, 1, scale, scores); break;
+    default:
+        if (half) attend(rows, kv, hq, g, j0, j1, (int)(D / VW), 1, scale, scores);
+        else attend(rows, kv, hq, g, j0, j1, (int)(D / VW), 0, scale, scores);
+        break;
     }
 }
 

@@ -16,9 +16,10 @@
 #include "dot_block.h"
 
 enum { D_ROWS, D_HIDDEN, D_Q_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_LAYERS, D_BLOCK_SIZE,
-       D_NUM_BLOCKS, D_TABLE_WIDTH, D_MAX_LEN, D_RING_LEN, D_STATE_SLOTS, D_COUNT };
+       D_NUM_BLOCKS, D_TABLE_WIDTH, D_MAX_LEN, D_RING_LEN, D_STATE_SLOTS, D_KV_HALF, D_COUNT };
 /* Per layer: weights, then its K/V store: paged blocks [NUM_BLOCKS, BLOCK_SIZE, Hk, D]
- * when P_WINDOW is 0, else the sliding-window rings [STATE_SLOTS * RING_LEN, Hk, D]. */
+ * when P_WINDOW is 0, else the sliding-window rings [STATE_SLOTS * RING_LEN, Hk, D];
+ * fp32, or fp16 where dims[D_KV_HALF] (a 16-bit cache). */
 enum { P_LN, P_QKV, P_QKV_B, P_O, P_O_B, P_LN2, P_GATE_UP, P_GATE_UP_B, P_DOWN, P_DOWN_B,
        P_Q_NORM, P_K_NORM, P_K_STORE, P_V_STORE, P_WINDOW, P_COUNT };
 
@@ -127,6 +128,15 @@ static void matmul(int64_t *item, int t, int nt, const float *x, int64_t M, int6
                              N, bias, out, N, add_to, p0, p1);
         }
     }
+}
+
+/* D floats to a K/V store's row: fp32, or rounded to fp16 (`half`). */
+static inline void store_kv(void *store, int64_t at, const float *x, int64_t D, int half) {
+    if (!half) {
+        memcpy((float *)store + at, x, D * sizeof(float));
+        return;
+    }
+    for (int64_t c = 0; c < D; c += VW) vstore_half((uint16_t *)store + at + c, vload(x + c));
 }
 
 /* x * cos + rotate(x) * sin with sin's first half negated (RopeTable's signed sin). */
@@ -242,6 +252,7 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
     const int64_t max_len = dims[D_MAX_LEN], g = hq / hk, n8 = padded_rows(n), R = dims[D_RING_LEN];
     const int64_t W = (hq + 2 * hk) * D;
     const float eps = (float)eps_d, scale = (float)scale_d;
+    const int half = (int)dims[D_KV_HALF];
     float *x = work, *qkv = x + n8 * H, *attn = qkv + n8 * W, *gu = attn + n8 * hq * D;
     float *act = gu + n8 * 2 * I, *shared_q = work + row_floats(dims);
     float *partials = shared_q + (qrows_floats(dims) + 15) / 16 * 16;
@@ -291,7 +302,7 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
             matmul(next, t, nt, x, n, H, (const Weight *)p[P_QKV], W, (const float *)p[P_QKV_B], qkv, 0, qmem,
                    ready);
             end_phase(&barrier, t, nt, times, PH_QKV, &mark);
-            float *ks = (float *)p[P_K_STORE], *vs = (float *)p[P_V_STORE];
+            void *ks = (void *)p[P_K_STORE], *vs = (void *)p[P_V_STORE];
             const int64_t window = p[P_WINDOW];
             /* Two passes, so that rows may share a block table (a speculative step's
              * positions of one sequence, each a row): first every row's K/V are written
@@ -309,8 +320,9 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
                 for (int64_t j = 0; j < hk; j++) {
                     const float *kh = row + (hq + j) * D;
                     if (k_norm) rms_norm_row(kh, k_norm, D, eps, normed);
-                    rope(k_norm ? normed : kh, c, s, D, ks + (dest * hk + j) * D);
-                    memcpy(vs + (dest * hk + j) * D, row + (hq + hk + j) * D, D * sizeof(float));
+                    rope(k_norm ? normed : kh, c, s, D, q);
+                    store_kv(ks, (dest * hk + j) * D, q, D, half);
+                    store_kv(vs, (dest * hk + j) * D, row + (hq + hk + j) * D, D, half);
                 }
                 for (int64_t i = 0; i < hq; i++) {
                     float *qh = row + i * D;
@@ -358,7 +370,7 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
                 const int64_t ring = window ? states[last] * R : 0;  /* paged rows have no slot */
                 RowKV kv = {ks, vs, runs,
                             position_runs(tables + last * tw, bs, window, ring, R, a, b_max, runs), hk};
-                attend_any(&rows, kv, hq, g, j0, j1, D, scale, scores);
+                attend_any(&rows, kv, hq, g, j0, j1, D, half, scale, scores);
             }
             if (merges) {
                 end_phase(&barrier, t, nt, times, PH_ATTENTION, &mark);

@@ -132,6 +132,15 @@ def _ptr(t: torch.Tensor | None) -> int:
     return t.data_ptr()
 
 
+def _store(t: torch.Tensor) -> int:
+    """A K/V store's address: fp32, or fp16 (a 16-bit cache)."""
+    if t.dtype not in (torch.float32, torch.float16) or t.device.type != "cpu" or \
+            not t.is_contiguous():
+        raise ValueError(f"decode_step's K/V stores are contiguous fp32 or fp16 CPU tensors, "
+                         f"got {t.dtype} {t.device} contiguous={t.is_contiguous()}")
+    return t.data_ptr()
+
+
 def _descriptor(w: Weight) -> list[int]:
     """decode_step.c's Weight for fp32 panels or quantized ones."""
     if isinstance(w, QuantPanels):
@@ -200,7 +209,7 @@ class DecodeStep:
         stores were reallocated."""
         key = tuple(t.data_ptr() for t in (*k_stores, *v_stores))
         if key != self._pointers_for:
-            rows = [w + [_ptr(k), _ptr(v), win or 0] for w, k, v, win in
+            rows = [w + [_store(k), _store(v), win or 0] for w, k, v, win in
                     zip(self._weights, k_stores, v_stores, self.windows, strict=True)]
             self._pointers = torch.tensor(rows, dtype=torch.int64)
             self._pointers_for = key
@@ -230,6 +239,8 @@ class DecodeStep:
         states = state_slots.contiguous() if ringed else torch.zeros(n, dtype=torch.int64)
         if any(t.dtype != torch.int64 for t in (tables, states, positions)):
             raise ValueError("block tables, state slots and positions must be int64")
+        if len({t.dtype for t in (*k_stores, *v_stores)}) != 1:
+            raise ValueError("every K/V store must have the same dtype (fp32 or fp16)")
         if ringed and (ring_len < max(w for w in self.windows if w is not None)
                        or ringed[0].shape[0] % ring_len):
             raise ValueError(f"ring_len {ring_len} does not fit the rings {ringed[0].shape} "
@@ -237,7 +248,8 @@ class DecodeStep:
         num_blocks, block_size = paged[0].shape[:2] if paged else (0, 1)
         dims = torch.tensor([n, d.hidden, d.q_heads, d.kv_heads, d.head_dim, d.intermediate,
                              d.layers, block_size, num_blocks, tables.shape[1], max_len,
-                             max(ring_len, 1), ringed[0].shape[0] // ring_len if ringed else 0],
+                             max(ring_len, 1), ringed[0].shape[0] // ring_len if ringed else 0,
+                             int(k_stores[0].dtype == torch.float16)],
                             dtype=torch.int64)
         lib = _library(self.isa)
         need = lib.decode_step_workspace(dims.data_ptr(), threads)

@@ -62,6 +62,39 @@ static inline void vstore_n(float *p, vf v, int64_t n) {
     if (n > 0) memcpy(p, &v, (size_t)n * sizeof(float));
 }
 
+/* fp16 <-> fp32 (a 16-bit KV cache): VW halves widened, or a vector rounded to the
+ * nearest half, ties to even (torch's rounding: the same bits either way). */
+#if VW == 16 || VW == 8
+#include <immintrin.h>
+#endif
+static inline vf vload_half(const uint16_t *p) {
+#if VW == 16
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif VW == 8
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    vf v;
+    for (int i = 0; i < VW; i++) {
+        _Float16 h;
+        memcpy(&h, p + i, 2);
+        v[i] = (float)h;
+    }
+    return v;
+#endif
+}
+static inline void vstore_half(uint16_t *p, vf v) {
+#if VW == 16
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT));
+#elif VW == 8
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT));
+#else
+    for (int i = 0; i < VW; i++) {
+        _Float16 h = (_Float16)v[i];
+        memcpy(p + i, &h, 2);
+    }
+#endif
+}
+
 /* Lane-wise select and max/min with x86's rules: where either lane is NaN the second
  * operand is the answer (a NaN in `a` never wins). */
 static inline vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
