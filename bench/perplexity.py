@@ -8,14 +8,16 @@ pages), so every machine scores the same tokens without a download.
 
     pdserve bench perplexity [--model M] [--ctx 512] [--chunks 16] [--decode-steps]
                              [--activation-precision auto|int8|fp32]
+                             [--kv-precision auto|fp16|fp32]
                              [--transformers] [--llama-perplexity PATH/TO/llama-perplexity]
 
 pdserve's figure comes from its own model runner (the same weights and kernels that
 serve): each chunk in one forward pass (prefill's path: a GGUF file's quantized blocks
-in place, where it has them, multiplied by int8 activations by default); for a
-quantized file also the same with fp32 activations (``activation_precision="fp32"``,
-what int8 activations are held to: its perplexity and the mean KL divergence of the
-next-token distributions from it, the steadier figure) and on its weights dequantized
+in place, where it has them, multiplied by int8 activations over an fp16 KV cache by
+default); for a quantized file also the same with fp32 activations over an fp32 cache
+(``activation_precision="fp32"``, ``kv_precision="fp32"``: what the rounded ones are
+held to: its perplexity and the mean KL divergence of the next-token distributions
+from it, the steadier figure) and on its weights dequantized
 to fp32 (``quantization="none"``, the reference the quantized kernels are held to);
 with ``--decode-steps`` also its scored half one token at a time through the
 decode step, the path a served token takes; ``--transformers`` adds transformers' on
@@ -36,7 +38,7 @@ import time
 from pathlib import Path
 from pydoc_data.topics import topics
 
-from pdserve.engine.config import ACTIVATION_PRECISIONS
+from pdserve.engine.config import ACTIVATION_PRECISIONS, KV_PRECISIONS
 from pdserve.engine.model.catalog import resolve_model
 from pdserve.engine.model.tokenizer import Tokenizer
 
@@ -143,13 +145,14 @@ def compare(chunk_logits) -> dict:
 
 
 def pdserve_runner(model: str, token_chunks: list[list[int]], quantization: str = "auto",
-                   activation_precision: str = "auto"):
+                   activation_precision: str = "auto", kv_precision: str = "auto"):
     # lazy: engine.model_runner imports torch
     from pdserve.engine.model_runner import ModelRunner
 
     ctx = max(len(c) for c in token_chunks)
     return ModelRunner(model, block_size=16, num_kv_blocks=ctx // 16 + 2, num_state_slots=1,
-                       quantization=quantization, activation_precision=activation_precision)
+                       quantization=quantization, activation_precision=activation_precision,
+                       kv_precision=kv_precision)
 
 
 def pdserve_perplexity(model: str, token_chunks: list[list[int]],
@@ -206,6 +209,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="what pdserve's matmuls multiply (default auto); a quantized "
                         "file's figure is also held to fp32 activations': perplexity and "
                         "mean KL divergence")
+    p.add_argument("--kv-precision", default="auto", choices=KV_PRECISIONS,
+                   help="what pdserve's KV cache holds (default auto: fp16 where the "
+                        "activations are int8); the exact figure beside it keeps fp32")
     p.add_argument("--decode-steps", action="store_true",
                    help="also score each chunk's second half one decode step at a time "
                         "(the quantized decode step, where the file is quantized)")
@@ -223,14 +229,18 @@ def run(args: argparse.Namespace) -> int:
     token_chunks = chunks(ids, args.ctx, args.chunks)
     result: dict = {"model": model, "ctx": args.ctx, "chunks": len(token_chunks),
                     "text": "pydoc_data.topics", "text_tokens": len(ids)}
-    runner = pdserve_runner(model, token_chunks,
-                            activation_precision=args.activation_precision)
+    runner = pdserve_runner(model, token_chunks, activation_precision=args.activation_precision,
+                            kv_precision=args.kv_precision)
     result["activation_precision"] = args.activation_precision
+    result["kv_cache_dtype"] = str(runner.kv_cache.dtype).removeprefix("torch.")
     quantized = runner.model.matmul_quantized()
-    beside = quantized and args.activation_precision != "fp32"  # held to fp32 activations
+    # held to fp32 activations over an fp32 cache where either is rounded
+    beside = quantized and (args.activation_precision != "fp32"
+                            or runner.kv_cache.dtype != runner.dtype)
     t0 = time.perf_counter()
     if beside:  # each chunk beside fp32 activations' (a second runner)
-        exact = pdserve_runner(model, token_chunks, activation_precision="fp32")
+        exact = pdserve_runner(model, token_chunks, activation_precision="fp32",
+                               kv_precision="fp32")
         pair = paired_perplexity(runner, exact, token_chunks)
         del exact
         result["pdserve"] = pair["ppl"]
@@ -239,7 +249,8 @@ def run(args: argparse.Namespace) -> int:
     result["pdserve_s"] = round(time.perf_counter() - t0, 2)
     print(f"pdserve      PPL {result['pdserve']:.4f}  ({result['pdserve_s']} s"
           f"{', fp32 activations beside' if beside else ''}; "
-          f"activation_precision={args.activation_precision})", flush=True)
+          f"activation_precision={args.activation_precision}, "
+          f"KV cache {result['kv_cache_dtype']})", flush=True)
     reference = result["pdserve"]
     if beside:
         result["pdserve_fp32_activations"] = pair["reference_ppl"]

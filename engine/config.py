@@ -25,6 +25,7 @@ _ENGINE_TYPES = {"normal": EngineType.NORMAL, "prompt": EngineType.PROMPT,
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "int8", "bf16", "none")  # EngineSettings.quantization
 ACTIVATION_PRECISIONS = ("auto", "fp32", "int8")  # EngineSettings.activation_precision
+KV_PRECISIONS = ("auto", "fp32", "fp16")  # EngineSettings.kv_precision
 SPECULATIVE_METHODS = ("off", "ngram", "draft")  # EngineSettings.speculative
 KERNEL_ISAS = ("auto", *ISAS)  # EngineSettings.kernel_isa
 MIN_KV_BLOCKS, MAX_KV_BLOCKS = 16, 8192  # what a memory budget is turned into
@@ -116,6 +117,13 @@ class EngineSettings(SchedulerPolicy):
     # quantization) but the attention's q|k|v, fp32 for those and for weights quantized
     # at load (engine/model/quantized_weights.int8_rows_for says why).
     activation_precision: str = checked("auto", OneOf(ACTIVATION_PRECISIONS))
+    # What the KV cache holds on the CPU (engine/model_runner.kv_dtype): "fp16" keys and
+    # values rounded to half precision (half the bytes for attention to read and twice
+    # the blocks in the same memory; every path attends to the rounded values); "fp32"
+    # exact; "auto" fp16 where the quantized matmuls multiply int8 activations (a GGUF
+    # file's blocks, as llama.cpp's f16 cache), else the model's dtype. A GPU's cache
+    # holds the model's dtype.
+    kv_precision: str = checked("auto", OneOf(KV_PRECISIONS))
     # Threads of a KV hand-off's block copies (the export's gather, the import's
     # scatter; kernels/kv_copy.c): one core's copy is bound by the misses it keeps in
     # flight, and two measured ~1.8x one here. A short burst while the engine waits.

@@ -159,7 +159,7 @@ class LLMEngine:
         if skip_blocks:
             payload = payload.without_prefix(skip_blocks)
         payload.check_compatible(
-            model_fingerprint=self.runner.model_fingerprint, dtype=dtype_name(self.runner.dtype),
+            model_fingerprint=self.runner.model_fingerprint, dtype=dtype_name(self.runner.kv_cache.dtype),
             block_size=self.config.block_size, num_layers=self.runner.num_layers)
         if payload.kind == "chunk":
             return self._import_chunk(payload)

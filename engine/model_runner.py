@@ -76,6 +76,21 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device | None = None) 
     return _DTYPES[dtype]
 
 
+def kv_dtype(precision: str, model, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's dtype for ``EngineSettings.kv_precision``. On the CPU: ``fp32`` or
+    ``fp16`` as asked; ``auto`` fp16 where the model's quantized matmuls multiply int8
+    activations (a GGUF file's blocks: its author chose rounding, and llama.cpp's cache
+    is f16 too), else the model's dtype. On a GPU the cache holds the model's dtype."""
+    if device.type != "cpu":
+        if precision != "auto":
+            raise ValueError(f"kv_precision {precision!r} applies to CPU engines; on "
+                             f"{device.type} the KV cache holds the model's dtype ({dtype})")
+        return dtype
+    if precision == "auto":
+        return torch.float16 if model.int8_activations() else dtype
+    return {"fp32": torch.float32, "fp16": torch.float16}[precision]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -95,6 +110,7 @@ class ModelRunner:
         kv_copy_threads: int = DEFAULT_KV_COPY_THREADS,
         quantization: str = "auto",
         activation_precision: str = "auto",
+        kv_precision: str = "auto",
         backend: str = "auto",
         max_num_seqs: int = 64,
     ):
@@ -118,16 +134,18 @@ class ModelRunner:
         self.block_size = block_size
         if num_state_slots is None:
             num_state_slots = 256 if cfg.has_sliding_window else 0
+        self.kv_dtype = kv_dtype(kv_precision, self.model, self.dtype, self.device)
         probe = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 2, block_size,
-                        cfg.layer_windows, max(num_state_slots, 1), ring_len, self.dtype, "meta")
+                        cfg.layer_windows, max(num_state_slots, 1), ring_len, self.kv_dtype,
+                        "meta")
         if num_kv_blocks is None:
             ring_bytes = probe.ring_bytes() // max(probe.num_state_slots, 1) * num_state_slots
             per_block = probe.bytes_per_block() if probe.full_layers else 0
             num_kv_blocks = kv_blocks_in(kv_cache_bytes, per_block, ring_bytes)
         self.kv_cache = KVCache(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_kv_blocks, block_size,
-            cfg.layer_windows, num_state_slots, ring_len, self.dtype, self.device,
-            copy_threads=kv_copy_threads,
+            cfg.layer_windows, num_state_slots, ring_len, self.kv_dtype, self.device,
+            copy_threads=kv_copy_threads, compute_dtype=self.dtype,
         )
         self.num_kv_blocks = num_kv_blocks
         self.num_state_slots = num_state_slots
@@ -158,6 +176,7 @@ class ModelRunner:
             kv_copy_threads=config.kv_copy_threads,
             quantization=config.quantization,
             activation_precision=config.activation_precision,
+            kv_precision=config.kv_precision,
             max_num_seqs=config.max_num_seqs,
         )
 

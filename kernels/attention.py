@@ -84,12 +84,19 @@ def _valid(out: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
     return flat if group.valid_flat is None else flat.index_select(0, group.valid_flat)
 
 
+def as_held(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a cache of ``dtype`` holds it (rounded there and back; ``x`` itself when
+    the dtypes agree): every path attends to the keys and values the cache holds, so a
+    16-bit cache gives the same results whether a key was just computed or read back."""
+    return x if x.dtype == dtype else x.to(dtype).to(x.dtype)
+
+
 def write_blocks_kv(k_blocks: torch.Tensor, v_blocks: torch.Tensor, slots: torch.Tensor,
                     k: torch.Tensor, v: torch.Tensor) -> None:
     """Write K/V rows [T, Hk, D] into flat slots [T] of [num_blocks, bs, Hk, D] caches."""
     nb, bs = k_blocks.shape[:2]
-    k_blocks.view(nb * bs, *k_blocks.shape[2:]).index_copy_(0, slots, k)
-    v_blocks.view(nb * bs, *v_blocks.shape[2:]).index_copy_(0, slots, v)
+    k_blocks.view(nb * bs, *k_blocks.shape[2:]).index_copy_(0, slots, k.to(k_blocks.dtype))
+    v_blocks.view(nb * bs, *v_blocks.shape[2:]).index_copy_(0, slots, v.to(v_blocks.dtype))
 
 
 def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
@@ -101,8 +108,8 @@ def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Ten
     bt = group.block_tables
     b, nb = bt.shape
     bs = k_blocks.shape[1]
-    k = take(k_blocks, bt).view(b, nb * bs, *k_blocks.shape[2:])
-    v = take(v_blocks, bt).view(b, nb * bs, *v_blocks.shape[2:])
+    k = take(k_blocks, bt).view(b, nb * bs, *k_blocks.shape[2:]).to(q.dtype)
+    v = take(v_blocks, bt).view(b, nb * bs, *v_blocks.shape[2:]).to(q.dtype)
     key_pos = torch.arange(nb * bs, device=q.device)
     mask = key_pos[None, None, :] <= group.q_pos[:, :, None]
     out = _sdpa(take(q, group.token_index), k, v, mask, scale)
@@ -117,8 +124,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ring: to
     q: flat [T, Hq, D]; k/v: flat [T, Hk, D] of this step (not yet in the ring).
     Returns [n_valid, Hq, D] for ``group.valid_tokens``.
     """
-    keys = torch.cat([take(k_ring, group.ring_rows), take(k, group.token_index)], dim=1)
-    vals = torch.cat([take(v_ring, group.ring_rows), take(v, group.token_index)], dim=1)
+    keys = torch.cat([take(k_ring, group.ring_rows).to(k.dtype), take(k, group.token_index)],
+                     dim=1)
+    vals = torch.cat([take(v_ring, group.ring_rows).to(v.dtype), take(v, group.token_index)],
+                     dim=1)
     key_pos = torch.cat([group.ring_pos, group.q_pos], dim=1)  # [B, R + Qmax]
     key_ok = torch.cat([group.ring_pos >= 0, group.q_valid], dim=1)
     qp = group.q_pos[:, :, None]
@@ -152,14 +161,15 @@ def fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: At
 def write_ring_kv(k_ring: torch.Tensor, v_ring: torch.Tensor, meta: AttentionMetadata,
                   k: torch.Tensor, v: torch.Tensor) -> None:
     if meta.ring_dest is not None and meta.ring_dest.numel():
-        k_ring.index_copy_(0, meta.ring_dest, k.index_select(0, meta.ring_src))
-        v_ring.index_copy_(0, meta.ring_dest, v.index_select(0, meta.ring_src))
+        k_ring.index_copy_(0, meta.ring_dest, k.index_select(0, meta.ring_src).to(k_ring.dtype))
+        v_ring.index_copy_(0, meta.ring_dest, v.index_select(0, meta.ring_src).to(v_ring.dtype))
 
 
 def attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, cache,
                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """One layer's attention for a whole step. q [T, Hq, D], k/v [T, Hk, D] -> [T, Hq, D]."""
     window = cache.layer_windows[layer]
+    k, v = as_held(k, cache.dtype), as_held(v, cache.dtype)
     if window is None:
         k_blocks, v_blocks = cache.k_blocks[layer], cache.v_blocks[layer]
         write_blocks_kv(k_blocks, v_blocks, meta.slot_mapping, k, v)

@@ -62,7 +62,7 @@ class DecodeKV:
 
     def _bytes(self, slots: int, capacity: int) -> int:
         c = self.cache
-        elem = c.dtype.itemsize
+        elem = c.compute_dtype.itemsize
         return 2 * len(c.full_layers) * slots * c.num_kv_heads * capacity * c.head_dim * elem
 
     def _grow(self, slots: int, capacity: int) -> None:
@@ -77,7 +77,7 @@ class DecodeKV:
             for store in (self.k, self.v):
                 # Zeros, not empty: masked keys still meet their values in SDPA
                 # (weight 0 * NaN from uninitialised memory would be NaN).
-                new = torch.zeros(slots, c.num_kv_heads, capacity, c.head_dim, dtype=c.dtype,
+                new = torch.zeros(slots, c.num_kv_heads, capacity, c.head_dim, dtype=c.compute_dtype,
                                   device=c.device)
                 if store[i] is not None:
                     new[:old_slots, :, :self.capacity] = store[i]
@@ -110,7 +110,7 @@ class DecodeKV:
         identity = slots == list(range(len(starts)))
         mask = None
         if not identity or any(s != length - 1 for s in starts):
-            mask = _key_mask(slots, starts, num_slots, length, c.dtype).to(dev)
+            mask = _key_mask(slots, starts, num_slots, length, c.compute_dtype).to(dev)
         fill_slots, fill_blocks = _fill_sources(block_tables, starts, slots, fills, bs, dev)
         return DecodePlan(
             slots=torch.tensor(slots, device=dev), positions=torch.tensor(starts, device=dev),
@@ -157,7 +157,7 @@ class DecodeKV:
         for blocks, dst in ((self.cache.k_blocks[layer], kc), (self.cache.v_blocks[layer], vc)):
             rows = blocks.index_select(0, idx)  # [F * nb, bs, Hk, D]
             rows = rows.view(f, nb * blocks.shape[1], *blocks.shape[2:]).transpose(1, 2)
-            dst[plan.fill_slots, :, :nb * blocks.shape[1]] = rows
+            dst[plan.fill_slots, :, :nb * blocks.shape[1]] = rows.to(dst.dtype)
 
 
 def _assign_slots(old: dict[tuple, int], block_tables: list[list[int]], starts: list[int],

@@ -69,6 +69,7 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         copy_threads: int = 1,
+        compute_dtype: torch.dtype | None = None,
     ):
         windows = tuple(layer_windows) if layer_windows is not None else (None,) * num_layers
         if len(windows) != num_layers:
@@ -94,6 +95,8 @@ class KVCache:
         self.version = 0
         self.ring_len = ring_len
         self.dtype = dtype
+        # what attention computes in: the model's dtype (fp32 over a 16-bit cache on CPU)
+        self.compute_dtype = compute_dtype or dtype
         self.device = torch.device(device)
         self.full_layers = [i for i, w in enumerate(windows) if w is None]
         self.ring_layers = [i for i, w in enumerate(windows) if w is not None]

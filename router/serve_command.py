@@ -17,6 +17,7 @@ import sys
 from pdserve.engine.config import (
     ACTIVATION_PRECISIONS,
     KERNEL_ISAS,
+    KV_PRECISIONS,
     QUANTIZATIONS,
     SPECULATIVE_METHODS,
 )
@@ -83,6 +84,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "against a GGUF file's blocks but the attention's q|k|v, fp32 for "
                    "those and weights quantized at load; int8: all; fp32: exact rows "
                    "everywhere; see docs/models.md)")
+    p.add_argument("--kv-precision", choices=KV_PRECISIONS, default=None,
+                   help="what the KV cache holds on the CPU (default auto: fp16 where the "
+                   "matmuls multiply int8 activations, as llama.cpp's f16 cache, else fp32; "
+                   "fp16: half the bytes and twice the blocks; fp32: exact; see "
+                   "docs/models.md)")
     p.add_argument("--kernel-isa", choices=KERNEL_ISAS, default=None,
                    help="the C kernels' build (default auto: the widest this CPU runs; "
                    "avx2 or generic to run a narrower one, e.g. to compare builds)")
@@ -202,7 +208,7 @@ def _apply_pool_flags(pool, args: argparse.Namespace) -> None:
         pool.engine.num_kv_blocks = args.num_kv_blocks
     if getattr(args, "no_prefix_caching", False):
         pool.engine.enable_prefix_caching = False
-    for name in ("quantization", "activation_precision", "kernel_isa", "speculative", "num_speculative_tokens",
+    for name in ("quantization", "activation_precision", "kv_precision", "kernel_isa", "speculative", "num_speculative_tokens",
                  "draft_model"):
         if getattr(args, name, None) is not None:
             setattr(pool.engine, name, getattr(args, name))

@@ -127,5 +127,5 @@ class KVExport:
         block size and layer count."""
         runner = self.runner
         return KVPayload(model_fingerprint=runner.model_fingerprint,
-                         dtype=dtype_name(runner.dtype), block_size=self.block_size,
+                         dtype=dtype_name(runner.kv_cache.dtype), block_size=self.block_size,
                          num_layers=runner.num_layers, **fields)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.model.llama import CausalLM, MatMul, linear
-from pdserve.kernels.attention import attention_step
+from pdserve.kernels.attention import as_held, attention_step
 
 
 def _rope(x, cos, sin):
@@ -58,8 +58,9 @@ def _decode_step(h, cos, sin, weights: list, eps: float, inter: int, hq: int, hk
         kb, vb, kc, vc = k_blocks[i], v_blocks[i], kcs[i], vcs[i]
         q, k, v = _pre(h, cos, sin, ln_w, qkv_w, qkv_b, eps, hq, hk, d)
         nb, bs = kb.shape[:2]
-        kb.view(nb * bs, hk, d).index_copy_(0, slot_mapping, k)
-        vb.view(nb * bs, hk, d).index_copy_(0, slot_mapping, v)
+        k, v = as_held(k, kb.dtype), as_held(v, vb.dtype)
+        kb.view(nb * bs, hk, d).index_copy_(0, slot_mapping, k.to(kb.dtype))
+        vb.view(nb * bs, hk, d).index_copy_(0, slot_mapping, v.to(vb.dtype))
         kc[slots, :, positions] = k
         vc[slots, :, positions] = v
         kk = kc.view(-1, kc.shape[2], d)[:n * hk, :length]

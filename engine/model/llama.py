@@ -393,6 +393,11 @@ class CausalLM(nn.Module):
         """Does any matmul compute with quantized panels?"""
         return any(m.quant is not None for m in self.modules() if isinstance(m, MatMul))
 
+    def int8_activations(self) -> bool:
+        """Does any matmul multiply int8 rows of x (``activation_precision``)?"""
+        return any(m.quant is not None and m.quant.dots for m in self.modules()
+                   if isinstance(m, MatMul))
+
     def matmul_weight_bytes(self) -> int:
         """Bytes of every matmul weight: what a decode step reads at least once."""
         return sum(m.weight_bytes() for m in self.modules() if isinstance(m, MatMul))
