@@ -141,7 +141,9 @@ def handoff_samples(path: Path) -> list[tuple[int, float]]:
 def kv_bytes_per_token(model: str, dtype_bytes: int = 4) -> tuple[int, int]:
     """(K and V bytes of one position over the layers that keep KV blocks, as the
     runner's cache counts them (sliding-window layers keep rings instead),
-    max_model_len) of a model folder or GGUF file."""
+    max_model_len) of a model folder or GGUF file. ``dtype_bytes``: the cache's element,
+    4 for fp32, 2 where ``kv_precision`` holds fp16 (``auto`` does for a GGUF file's
+    integer blocks, engine/model_runner.kv_dtype)."""
     cfg = ModelConfig.from_model(model)
     full_layers = sum(w is None for w in cfg.layer_windows) if cfg.layer_windows \
         else cfg.num_layers

@@ -31,6 +31,7 @@ BAD = [
     ("quantization", "int4", "quantization must be one of auto, int8, bf16, none, got 'int4'"),
     ("activation_precision", "int4",
      "activation_precision must be one of auto, fp32, int8, got 'int4'"),
+    ("kv_precision", "fp8", "kv_precision must be one of auto, fp32, fp16, got 'fp8'"),
     ("kv_copy_threads", 0, "kv_copy_threads must be >= 1, got 0"),
     ("kv_copy_threads", 65, "kv_copy_threads must be <= 64, got 65"),
     ("speculative", "eagle", "speculative must be one of off, ngram, draft, got 'eagle'"),

@@ -179,9 +179,10 @@ def runners(real_model_path):
 
 
 def test_each_decode_steps_logits_stay_within_the_stated_tolerance(runners, real_chat_prompts):
-    """The stated per-step bound (docs/models.md): a decode step's logits within 0.25
-    (auto) / 0.5 (int8) rms of fp32 activations', none more than 1.0 off (measured on
-    these prompts: 0.16 / 0.35 at most, 0.58 / 0.72), and the records the same."""
+    """The stated per-step bound (docs/models.md): a decode step's logits within 0.4
+    (auto) / 0.7 (int8) rms of fp32 activations' over an fp32 cache, none more than 1.5
+    off (measured on these prompts, with the fp16 cache both pick: 0.28 / 0.54 at most,
+    0.57 / 1.07; the mean rms 0.089 / 0.146), and the records the same."""
     from pdserve.engine.model_runner import RunnerRow
 
     def decode_logits(r, ids):
@@ -190,12 +191,12 @@ def test_each_decode_steps_logits_stay_within_the_stated_tolerance(runners, real
         return r.compute_logits([RunnerRow(ids[-1:], len(ids) - 1, table, 1)])[0]
 
     assert runners["auto"].model.matmul_weight_bytes() == runners["fp32"].model.matmul_weight_bytes()
-    for precision, bound in (("auto", 0.25), ("int8", 0.5)):
+    for precision, bound in (("auto", 0.4), ("int8", 0.7)):
         for prompt in real_chat_prompts:
             exact = decode_logits(runners["fp32"], prompt[:40])
             got = decode_logits(runners[precision], prompt[:40])
             diff = got - exact
-            assert diff.pow(2).mean().sqrt() < bound and diff.abs().max() < 1.0, precision
+            assert diff.pow(2).mean().sqrt() < bound and diff.abs().max() < 1.5, precision
             assert not torch.equal(got, exact)  # int8 rows did run
 
 

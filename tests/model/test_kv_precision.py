@@ -158,3 +158,20 @@ def test_a_hand_off_carries_the_cache_dtype_and_a_mismatch_is_refused_by_name(ti
     decode = engine("completion", "fp16")
     decode.import_prefilled(handoffs[0].payload)
     assert first == [] and [handoffs[0].first_token_id] + drain(decode)[0] == want
+
+
+def test_kv_precision_is_checked_and_reaches_every_pool_from_serve(tiny_dirs):
+    from pdserve.cli import build_parser
+    from pdserve.engine.config import EngineSettings
+    from pdserve.router.serve_command import serve_config
+
+    assert EngineSettings().kv_precision == "auto"
+    with pytest.raises(ValueError, match="^kv_precision must be one of auto, fp32, fp16"):
+        EngineSettings(kv_precision="fp8")
+    args = build_parser().parse_args(["serve", "--model", str(tiny_dirs["llama"]),
+                                      "--kv-precision", "fp16"])
+    config = serve_config(args)
+    assert {p.engine.kv_precision for p in (config.prefill, config.decode,
+                                            config.normal)} == {"fp16"}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--kv-precision", "fp8"])

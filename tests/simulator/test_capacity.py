@@ -25,7 +25,7 @@ SETTINGS = [dict(kv_cache_memory_mb=1), dict(kv_cache_memory_mb=3, max_num_seqs=
 def _capacity(model: str, settings: dict) -> tuple[tuple[int, int], tuple[int, int]]:
     """(blocks, state slots) of a real runner and of the simulator's prefill rank."""
     runner = ModelRunner.from_engine_config(EngineConfig(model_dir=model, **settings))
-    kv_bytes, max_len = kv_bytes_per_token(model)
+    kv_bytes, max_len = kv_bytes_per_token(model, runner.kv_cache.dtype.itemsize)
     costs = dataclasses.replace(CostModel.load(), kv_bytes_per_token=kv_bytes,
                                 max_model_len=max_len)
     simulated = SimConfig(engine=settings).scheduler_config("prompt", costs)
