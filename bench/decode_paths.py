@@ -14,6 +14,8 @@ Paths (``--paths``; default all this CPU runs):
               (``activation_precision="fp32"``)
   c-avx512-int8, ...  the same blocks multiplied by int8 activations everywhere
               (``activation_precision="int8"``)
+  c-avx512-kv32, ...  the default blocks and activations over an fp32 KV cache
+              (``kv_precision="fp32"``; the default holds fp16 where activations are int8)
   c-avx512-fp32, ...  the same reading fp32 weights (``quantization="none"``)
   c-avx512-bf16, ...  the same with every matmul the file holds no blocks for in bf16
               (``quantization="bf16"``: a folder model's at half of fp32's bytes)
@@ -58,11 +60,12 @@ def _paths_here() -> list[str]:
     from pdserve.kernels import decode_step
 
     built = [f"c-{isa}" for isa in cbuild.runnable_isas() if decode_step.available(isa)]
-    return [*built, *(f"{c}-{q}" for q in ("exact", "int8", "fp32", "bf16") for c in built),
+    return [*built, *(f"{c}-{q}" for q in ("exact", "int8", "kv32", "fp32", "bf16")
+                      for c in built),
             "compile", "inductor", "eager", "eager-mkl"]
 
 
-def _engine(model_dir: str, path: str, batch: int):
+def _engine(model_dir: str, path: str, batch: int, kv_cache_mb: int = 256):
     # lazy: torch and the engine, only when a case runs (not for --help)
     import torch
 
@@ -74,14 +77,15 @@ def _engine(model_dir: str, path: str, batch: int):
     torch._dynamo.config.accumulated_recompile_limit = 1024
 
     kw: dict = dict(model_dir=model_dir, max_num_seqs=max(batch, 1),
-                    max_num_batched_tokens=8192, kv_cache_memory_mb=256,
+                    max_num_batched_tokens=8192, kv_cache_memory_mb=kv_cache_mb,
                     stop_preempted_request=False, enable_prefix_caching=False)
     if path.startswith("c-"):
         isa, _, held = path[2:].partition("-")
         kw["kernel_isa"] = isa
         kw["quantization"] = {"fp32": "none", "bf16": "bf16", "": "auto", "exact": "auto",
-                              "int8": "auto"}[held]
+                              "int8": "auto", "kv32": "auto"}[held]
         kw["activation_precision"] = {"exact": "fp32", "int8": "int8"}.get(held, "auto")
+        kw["kv_precision"] = "fp32" if held == "kv32" else "auto"
     else:
         kw["decode_kernel"] = False
         kw["compile"] = path in ("compile", "inductor")
@@ -128,7 +132,7 @@ def run_case(size: str, model_dir: str, batch: int, paths: list[str], args) -> d
     engines = {}
     for path in paths:
         t = time.perf_counter()
-        engines[path] = _engine(model_dir, path, batch)
+        engines[path] = _engine(model_dir, path, batch, args.kv_cache_mb)
         _decode_steps(engines[path], prompts, min(args.max_tokens, 8), f"warm-{path}")
         _decode_steps(engines[path], prompts, min(args.max_tokens, 8), f"warm2-{path}")
         print(f"  {size} batch {batch}: {path} ready ({time.perf_counter() - t:.1f} s)",
@@ -178,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=32, help="decode steps per run")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--kv-cache-mb", type=int, default=256,
+                   help="each engine's KV budget (default 256: 16 rows of 512 prompt tokens "
+                        "fit an fp16 cache, not an fp32 one)")
     p.add_argument("--result-file", default="results/bench_decode_paths.json")
     args = p.parse_args(argv)
     available = _paths_here()
