@@ -228,7 +228,9 @@ class DecodeStep:
         blocks [num_blocks, block_size, Hk, D] (full attention: keys ``[0, position]``
         through ``block_tables`` [n, width], each row's blocks), or rings
         [state_slots * ring_len, Hk, D] (sliding window: the last ``window`` positions,
-        in the ring of each row's ``state_slots`` entry)."""
+        in the ring of each row's ``state_slots`` entry). Stores are fp32, or all fp16 (a
+        16-bit cache, ``kv_precision``): the step writes its keys and values rounded to
+        nearest even, as torch's ``.half()``, and widens what it reads."""
         d = self.dims
         n = h.shape[0]
         threads = torch.get_num_threads()
