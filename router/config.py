@@ -187,6 +187,7 @@ class RouterConfig:
         self._validate_bounds()
         for pool in self.pools():
             pool.validate()
+        self._validate_kv_pairing()
         self._validate_planner()
         self._validate_planner_pools()
 
@@ -202,6 +203,23 @@ class RouterConfig:
             raise ValueError(f"kv_streaming must be true or false, got {self.kv_streaming!r}")
         if self.kv_transport not in TRANSPORTS:
             raise ValueError(f"kv_transport must be one of {TRANSPORTS}, got {self.kv_transport!r}")
+
+    def _validate_kv_pairing(self) -> None:
+        """A decode rank imports the prefill ranks' KV blocks as they are: the settings that
+        decide the cache's layout must agree, or every hand-off would be refused."""
+        if self.mode != "disaggregated":
+            return
+        a, b = self.prefill.engine, self.decode.engine
+        names = ["block_size", "dtype", "kv_precision"]
+        if "auto" in (a.kv_precision, b.kv_precision):  # follows the activations
+            names += ["quantization", "activation_precision"]
+        for name in names:
+            if getattr(a, name) != getattr(b, name):
+                raise ValueError(
+                    f"prefill.engine.{name} {getattr(a, name)!r} and decode.engine.{name} "
+                    f"{getattr(b, name)!r} differ: a decode rank imports the prefill ranks' KV "
+                    f"blocks as they are, so the settings that decide the KV cache's layout "
+                    f"must agree")
 
     def _validate_admission(self) -> None:
         if self.max_queue_depth < 1:

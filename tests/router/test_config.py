@@ -43,6 +43,12 @@ def test_example_file_loads():
     ({"max_choices": 0}, "max_choices"),
     ({"max_choices": 257}, "max_choices"),
     ({"prefix_overlap_weight": -1}, "prefix_overlap_weight"),
+    # the pools' KV layouts must agree, or every hand-off would be refused
+    ({"decode": {"engine": {"kv_precision": "fp16"}}},
+     r"prefill\.engine\.kv_precision 'auto' and decode\.engine\.kv_precision 'fp16' differ"),
+    ({"prefill": {"engine": {"activation_precision": "fp32"}}},
+     r"prefill\.engine\.activation_precision 'fp32' and decode\.engine\.activation_precision"),
+    ({"decode": {"engine": {"block_size": 32}}}, r"decode\.engine\.block_size 32 differ"),
 ])
 def test_bad_config_names_the_field(data, needle):
     with pytest.raises(ValueError, match=needle):
@@ -62,6 +68,15 @@ def test_kv_transport_auto_is_device_when_both_pools_have_gpus(data, resolved):
     config = config_from_dict(data)
     assert config.kv_transport == data.get("kv_transport", "auto")
     assert config.resolved_kv_transport() == resolved
+
+
+def test_pools_may_differ_where_the_kv_layout_does_not_depend_on_it():
+    """Explicit, equal cache precisions leave the activations free per pool; a normal
+    pool has no pair to agree with."""
+    both = {"kv_precision": "fp32"}
+    config_from_dict({"prefill": {"engine": both | {"activation_precision": "fp32"}},
+                      "decode": {"engine": both | {"activation_precision": "int8"}}})
+    config_from_dict({"mode": "normal", "decode": {"engine": {"kv_precision": "fp16"}}})
 
 
 def test_flags_override_the_file(tiny_model_dir):
