@@ -134,9 +134,9 @@ class ModelRunner:
         self.block_size = block_size
         if num_state_slots is None:
             num_state_slots = 256 if cfg.has_sliding_window else 0
-        self.kv_dtype = kv_dtype(kv_precision, self.model, self.dtype, self.device)
+        held = kv_dtype(kv_precision, self.model, self.dtype, self.device)
         probe = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 2, block_size,
-                        cfg.layer_windows, max(num_state_slots, 1), ring_len, self.kv_dtype,
+                        cfg.layer_windows, max(num_state_slots, 1), ring_len, held,
                         "meta")
         if num_kv_blocks is None:
             ring_bytes = probe.ring_bytes() // max(probe.num_state_slots, 1) * num_state_slots
@@ -144,7 +144,7 @@ class ModelRunner:
             num_kv_blocks = kv_blocks_in(kv_cache_bytes, per_block, ring_bytes)
         self.kv_cache = KVCache(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_kv_blocks, block_size,
-            cfg.layer_windows, num_state_slots, ring_len, self.kv_dtype, self.device,
+            cfg.layer_windows, num_state_slots, ring_len, held, self.device,
             copy_threads=kv_copy_threads, compute_dtype=self.dtype,
         )
         self.num_kv_blocks = num_kv_blocks

@@ -123,21 +123,16 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None
 
 
-def _ptr(t: torch.Tensor | None) -> int:
+_STORE_DTYPES = (torch.float32, torch.float16)  # a K/V store: fp32, or a 16-bit cache
+
+
+def _ptr(t: torch.Tensor | None, dtypes: tuple = (torch.float32,)) -> int:
     if t is None:
         return 0
-    if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError(f"decode_step needs contiguous fp32 CPU tensors, got {t.dtype} "
+    if t.dtype not in dtypes or t.device.type != "cpu" or not t.is_contiguous():
+        names = " or ".join({torch.float32: "fp32", torch.float16: "fp16"}[d] for d in dtypes)
+        raise ValueError(f"decode_step needs contiguous {names} CPU tensors, got {t.dtype} "
                          f"{t.device} contiguous={t.is_contiguous()}")
-    return t.data_ptr()
-
-
-def _store(t: torch.Tensor) -> int:
-    """A K/V store's address: fp32, or fp16 (a 16-bit cache)."""
-    if t.dtype not in (torch.float32, torch.float16) or t.device.type != "cpu" or \
-            not t.is_contiguous():
-        raise ValueError(f"decode_step's K/V stores are contiguous fp32 or fp16 CPU tensors, "
-                         f"got {t.dtype} {t.device} contiguous={t.is_contiguous()}")
     return t.data_ptr()
 
 
@@ -209,7 +204,10 @@ class DecodeStep:
         stores were reallocated."""
         key = tuple(t.data_ptr() for t in (*k_stores, *v_stores))
         if key != self._pointers_for:
-            rows = [w + [_store(k), _store(v), win or 0] for w, k, v, win in
+            if len({t.dtype for t in (*k_stores, *v_stores)}) != 1:
+                raise ValueError("every K/V store must have the same dtype (fp32 or fp16)")
+            rows = [w + [_ptr(k, _STORE_DTYPES), _ptr(v, _STORE_DTYPES), win or 0]
+                    for w, k, v, win in
                     zip(self._weights, k_stores, v_stores, self.windows, strict=True)]
             self._pointers = torch.tensor(rows, dtype=torch.int64)
             self._pointers_for = key
@@ -241,8 +239,6 @@ class DecodeStep:
         states = state_slots.contiguous() if ringed else torch.zeros(n, dtype=torch.int64)
         if any(t.dtype != torch.int64 for t in (tables, states, positions)):
             raise ValueError("block tables, state slots and positions must be int64")
-        if len({t.dtype for t in (*k_stores, *v_stores)}) != 1:
-            raise ValueError("every K/V store must have the same dtype (fp32 or fp16)")
         if ringed and (ring_len < max(w for w in self.windows if w is not None)
                        or ringed[0].shape[0] % ring_len):
             raise ValueError(f"ring_len {ring_len} does not fit the rings {ringed[0].shape} "

@@ -8,10 +8,10 @@ model's quantized panels, from several hundred separate tensors on 4 KiB pages: 
 TLB miss every 4 KiB of the sweep, and Linux's default ``madvise`` mode for
 transparent huge pages gives none to memory that does not ask. Gathered here, with
 ``MADV_HUGEPAGE`` asked before the first touch, a one-row step of the real model ran
-0.92x the time of the same weights on 4 KiB pages (16 rows: 0.975x; two engines in
-one process, rounds alternating; docs/models.md). Nothing else changes: values are
-copied bit for bit, and where the OS has no huge pages (not Linux, THP ``never``) the
-arena is plain memory.
+0.964-0.974x the time of the same weights on 4 KiB pages (16 rows: unchanged; two
+engines in one process, rounds alternating; docs/models.md). Nothing else changes:
+values are copied bit for bit, and where the OS has no huge pages (not Linux, THP
+``never``) the arena is plain memory.
 """
 
 from __future__ import annotations
@@ -33,10 +33,11 @@ class Arena:
             raise ValueError(f"an arena's size must be >= 0, got {nbytes}")
         # A fresh mapping, not torch.empty: malloc may answer from heap memory that the
         # load's temporaries already touched, where the advice comes too late (seen: a
-        # 92 MB arena with no huge page). Over-allocated by a page so that the used part
+        # 92 MB arena with no huge page). Private: a shared anonymous mapping is shmem,
+        # which THP leaves out by default. Over-allocated by a page so that the used part
         # starts on a 2 MiB boundary.
-        # private: a shared anonymous mapping is shmem, which THP leaves out by default
-        self._map = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._map = mmap.mmap(-1, nbytes + HUGE_PAGE,
+                              flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._memory = torch.frombuffer(self._map, dtype=torch.uint8)
         self._start = -self._memory.data_ptr() % HUGE_PAGE
         self.nbytes = nbytes

@@ -157,10 +157,17 @@ def _advance(s: _Seq, kind: str, q: int, token, eos) -> None:
         s.finished = True
 
 
+def decode_hidden(runner, rows):
+    """A decode step's hidden states for ``rows`` (``RunnerRow``s), through whichever path
+    ``runner``'s model takes (the C step, or torch)."""
+    tokens, positions, meta, _ = runner.prepare(rows)
+    return runner.model.forward_decode(tokens, positions, runner.kv_cache, meta)
+
+
 @pytest.fixture(scope="session")
 def h():
     """The helpers above, for test modules (conftest is not importable by name)."""
     from types import SimpleNamespace
 
     return SimpleNamespace(drive=drive, hf_greedy=hf_greedy, prompts_of=prompts_of,
-                           hf_model=hf_model)
+                           hf_model=hf_model, decode_hidden=decode_hidden)

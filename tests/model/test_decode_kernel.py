@@ -29,11 +29,6 @@ def _pair(path, isa="auto", **kw):
     return torch_path, kernel
 
 
-def _decode_hidden(runner, rows):
-    tokens, positions, meta, _ = runner.prepare(rows)
-    return runner.model.forward_decode(tokens, positions, runner.kv_cache, meta)
-
-
 @needs_kernel
 @every_isa
 def test_decode_kernel_equals_torch_over_uneven_rows(tiny_dirs, h, isa):
@@ -55,7 +50,7 @@ def test_decode_kernel_equals_torch_over_uneven_rows(tiny_dirs, h, isa):
         if step >= 8:
             live.remove(1)
         rows = [RunnerRow([seqs[i][-1]], len(seqs[i]) - 1, tables[i]) for i in live]
-        a, b = _decode_hidden(ref, rows), _decode_hidden(ker, rows)
+        a, b = h.decode_hidden(ref, rows), h.decode_hidden(ker, rows)
         assert a.shape == b.shape
         assert (a - b).abs().max() < 1e-4, step
         nxt = ref.model.compute_logits(a).argmax(-1).tolist()
@@ -94,7 +89,7 @@ def test_decode_kernel_with_biases_equals_torch(tiny_dirs, h):
     for r in (ref, ker):
         r.execute([RunnerRow(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
     rows = [RunnerRow([11], 9, tables[0]), RunnerRow([12], 30, tables[1])]
-    assert (_decode_hidden(ref, rows) - _decode_hidden(ker, rows)).abs().max() < 1e-4
+    assert (h.decode_hidden(ref, rows) - h.decode_hidden(ker, rows)).abs().max() < 1e-4
 
 
 @needs_kernel
@@ -113,7 +108,7 @@ def test_decode_kernel_results_do_not_depend_on_the_thread_count(tiny_dirs, h, i
             torch.set_num_threads(threads)
             r.execute([RunnerRow(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
             rows = [RunnerRow([7], len(p), t) for p, t in zip(prompts, tables, strict=True)]
-            outs.append(_decode_hidden(r, rows))
+            outs.append(h.decode_hidden(r, rows))
     finally:
         torch.set_num_threads(caller)
     assert torch.equal(outs[0], outs[1])
@@ -197,7 +192,7 @@ def test_decode_kernel_head_sizes_and_row_counts(tiny_dirs, h, tmp_path, heads, 
     for r in (ref, ker):
         r.execute([RunnerRow(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
     decode = [RunnerRow([9], len(p), t) for p, t in zip(prompts, tables, strict=True)]
-    a, b = _decode_hidden(ref, decode), _decode_hidden(ker, decode)
+    a, b = h.decode_hidden(ref, decode), h.decode_hidden(ker, decode)
     assert a.shape == (rows, 256)
     assert (a - b).abs().max() < 1e-4
 
@@ -286,11 +281,11 @@ def test_decode_kernel_splits_few_long_rows_across_threads(tiny_dirs, h, isa, mo
             pick = [0] if step % 2 == 0 else [0, 1, 2]  # a lone long row, then all three
             rows = [RunnerRow([seqs[i][-1]], len(seqs[i]) - 1, tables[i], state_slot=i + 1)
                     for i in pick]
-            a = _decode_hidden(ref, rows)
+            a = h.decode_hidden(ref, rows)
             torch.set_num_threads(1)
-            one = _decode_hidden(ker, rows)
+            one = h.decode_hidden(ker, rows)
             torch.set_num_threads(2)
-            two = _decode_hidden(ker, rows)  # rewrites the same K/V: the same inputs
+            two = h.decode_hidden(ker, rows)  # rewrites the same K/V: the same inputs
             assert torch.equal(one, two), step
             assert (a - two).abs().max() < 1e-4, step
             for i, tok in zip(pick, ref.model.compute_logits(a).argmax(-1).tolist(), strict=True):
@@ -323,15 +318,15 @@ def test_decode_kernel_rows_of_one_sequence_attend_as_a_group(tiny_dirs, h, isa,
     caller = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = _decode_hidden(ker, rows)
+        one = h.decode_hidden(ker, rows)
         torch.set_num_threads(2)
-        grouped = _decode_hidden(ker, rows)
-        apart = _decode_hidden(ker, [rows[i] for i in order])
+        grouped = h.decode_hidden(ker, rows)
+        apart = h.decode_hidden(ker, [rows[i] for i in order])
     finally:
         torch.set_num_threads(caller)
     assert torch.equal(one, grouped)
     assert torch.equal(apart, grouped[order])
-    assert (_decode_hidden(ref, rows) - grouped).abs().max() < 1e-4
+    assert (h.decode_hidden(ref, rows) - grouped).abs().max() < 1e-4
 
 
 @needs_kernel
@@ -351,7 +346,7 @@ def test_decode_kernel_sliding_window_equals_torch_and_transformers(tiny_dirs, h
     for step in range(40):
         rows = [RunnerRow([s[-1]], len(s) - 1, t, state_slot=i + 1)
                 for i, (s, t) in enumerate(zip(seqs, tables, strict=True))]
-        a, b = _decode_hidden(ref, rows), _decode_hidden(ker, rows)
+        a, b = h.decode_hidden(ref, rows), h.decode_hidden(ker, rows)
         assert (a - b).abs().max() < 1e-4, step
         for s, tok in zip(seqs, ref.model.compute_logits(a).argmax(-1).tolist(), strict=True):
             s.append(tok)

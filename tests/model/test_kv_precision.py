@@ -47,10 +47,7 @@ def test_fp16_cache_decode_kernel_equals_the_torch_path(tiny_dirs, h, isa, model
     for step in range(24):
         rows = [RunnerRow([s[-1]], len(s) - 1, t, state_slot=i + 1)
                 for i, (s, t) in enumerate(zip(seqs, tables, strict=True))]
-        outs = []
-        for r in (ref, ker):
-            tokens, positions, meta, _ = r.prepare(rows)
-            outs.append(r.model.forward_decode(tokens, positions, r.kv_cache, meta))
+        outs = [h.decode_hidden(r, rows) for r in (ref, ker)]
         # fp32's 1e-4 is not enough: a key rounded a step apart (``_written_alike``)
         # moves the hidden state by ~1e-4 of its size (measured: 3e-4 at most)
         assert (outs[0] - outs[1]).abs().max() < 1e-3 * max(1.0, outs[0].abs().max()), step
