@@ -35,13 +35,6 @@
 typedef int32_t v4si __attribute__((vector_size(16)));
 
 #define DOT_TILE 64 /* bytes: 16 columns x 4 k */
-/* Bytes of the weights' stream prefetched into L2 ahead of the loops below, beyond the
- * records prefetched into L1: from DRAM a core then keeps more lines in flight (measured
- * on the real model's one-row decode step: 0.87-0.89x on AVX-512 at 4 to 16 KiB, alike
- * within noise; AVX2 0.95x at 8 KiB; 16 rows unchanged). The fp32-row loops
- * (skinny_block.h) gained nothing: their conversions bound them, not the memory. */
-#define DOT_PREFETCH_L2_BYTES 8192
-
 /* Rows sharing each tile load: their int sums, block totals and results in registers
  * (32 on AVX-512, 16 elsewhere). */
 #if VW == 16
@@ -282,7 +275,7 @@ static inline __attribute__((always_inline)) void pair_rows_dots(
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *r = pair + b * 2 * rec;
         for (int64_t l = 0; l < 2 * rec; l += 64) PREFETCH_L1(r + Q_PREFETCH_RECORDS * 2 * rec + l);
-        for (int64_t l = 0; l < 2 * rec; l += 64) PREFETCH_L2(r + DOT_PREFETCH_L2_BYTES + l);
+        for (int64_t l = 0; l < 2 * rec; l += 64) PREFETCH_L2(r + PREFETCH_L2_BYTES + l);
         vi isum[DOT_ROWS][PAIR_VECS];  /* over the block: each product times its x block's s */
         float sum[DOT_ROWS];
         for (int i = 0; i < R; i++) {
@@ -324,7 +317,7 @@ static inline __attribute__((always_inline)) void pair_rows_dots(
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *r = pair + b * 2 * rec;
         for (int64_t l = 0; l < 2 * rec; l += 64) PREFETCH_L1(r + Q_PREFETCH_RECORDS * 2 * rec + l);
-        for (int64_t l = 0; l < 2 * rec; l += 64) PREFETCH_L2(r + DOT_PREFETCH_L2_BYTES + l);
+        for (int64_t l = 0; l < 2 * rec; l += 64) PREFETCH_L2(r + PREFETCH_L2_BYTES + l);
         vf scaled[DOT_ROWS][PAIR_VECS];  /* sum over x's blocks of d * (q_x . q_w) */
         float sum[DOT_ROWS];
         for (int i = 0; i < R; i++) {
