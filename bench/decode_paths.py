@@ -32,8 +32,9 @@ trials excluded); then ``--rounds`` rounds, each running every path once in a ro
 order (a noisy neighbour hits all alike) with ``--max-tokens`` decode steps of
 ``batch`` prompts of ``--prompt-len`` tokens. Reported: the median decode step per
 path, its ratio to the fastest path and to the time it takes to read the step's
-weights once at the read bandwidth measured in the same run, and the fastest path
-(the choice, recorded). Writes JSON (default results/bench_decode_paths.json).
+weights once at the read bandwidth measured in the same run (after each round: the
+median of the rounds' ratios, each over its own round's bandwidth, since a shared
+machine's drifts by half within minutes), and the fastest path (the choice, recorded). Writes JSON (default results/bench_decode_paths.json).
 """
 
 from __future__ import annotations
@@ -138,14 +139,20 @@ def run_case(size: str, model_dir: str, batch: int, paths: list[str], args) -> d
         print(f"  {size} batch {batch}: {path} ready ({time.perf_counter() - t:.1f} s)",
               file=sys.stderr, flush=True)
     medians: dict[str, list[float]] = {p: [] for p in paths}
+    read_gbps: list[float] = []  # each round's: a shared machine's bandwidth drifts
     for r in range(args.rounds):
         order = paths[r % len(paths):] + paths[:r % len(paths)]
         for path in order:
             steps = _decode_steps(engines[path], prompts, args.max_tokens, f"r{r}-{path}")
             medians[path].append(statistics.median(steps))
-    bw = measure_bandwidth()
-    limit_ms = {p: 1e3 * weight_read_bytes(e.runner.model) / (bw["read_GBps"] * 1e9)
-                for p, e in engines.items()}
+        read_gbps.append(measure_bandwidth(repeats=3)["read_GBps"])
+    bw = measure_bandwidth() | {"read_GBps": statistics.median(read_gbps),
+                                "read_GBps_per_round": read_gbps}
+    weight_bytes = {p: weight_read_bytes(e.runner.model) for p, e in engines.items()}
+    limit_ms = {p: 1e3 * b / (bw["read_GBps"] * 1e9) for p, b in weight_bytes.items()}
+    # each round's step over the weights' read at that round's bandwidth
+    over = {p: statistics.median(s * g * 1e9 / weight_bytes[p] for s, g in zip(v, read_gbps, strict=True))
+            for p, v in medians.items()}
     step_ms = {p: 1e3 * statistics.median(v) for p, v in medians.items()}
     fastest = min(step_ms, key=step_ms.get)
     del engines
@@ -155,7 +162,7 @@ def run_case(size: str, model_dir: str, batch: int, paths: list[str], args) -> d
             "step_ms_per_round": {p: [round(1e3 * s, 3) for s in v] for p, v in medians.items()},
             "over_fastest": {p: round(v / step_ms[fastest], 2) for p, v in step_ms.items()},
             "weights_once_at_read_bw_ms": {p: round(v, 3) for p, v in limit_ms.items()},
-            "over_weight_read": {p: round(v / limit_ms[p], 2) for p, v in step_ms.items()},
+            "over_weight_read": {p: round(v, 2) for p, v in over.items()},
             "bandwidth": bw, "fastest": fastest}
 
 
