@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from pdserve.engine.config import EngineSettings
+from pdserve.engine.config import EngineSettings, engine_dtype
 from pdserve.rank.messages import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
     DEFAULT_MAX_FAILED_STEPS,
@@ -59,10 +59,15 @@ class PoolConfig:
         """What a rank of this pool builds its EngineConfig from (plain data, through
         Ray): every setting, the model, and the device decided (a pool asking for GPUs
         runs its engines on "cuda" unless told otherwise)."""
-        settings = dict(self.engine.settings(), model_dir=model_dir)
-        if settings["device"] == "auto":
-            settings["device"] = "cuda" if self.num_gpus else "cpu"
-        return settings
+        return dict(self.engine.settings(), model_dir=model_dir, device=self.device())
+
+    def device(self) -> str:
+        """Where this pool's engines run: its engine's device, or for auto the GPU when
+        the pool asks Ray for one (Ray shows a rank only the GPUs it asks for: with none,
+        CUDA_VISIBLE_DEVICES is empty and torch sees no GPU)."""
+        if self.engine.device == "auto":
+            return "cuda" if self.num_gpus else "cpu"
+        return self.engine.device
 
 
 @dataclass
@@ -210,7 +215,7 @@ class RouterConfig:
         if self.mode != "disaggregated":
             return
         a, b = self.prefill.engine, self.decode.engine
-        names = ["block_size", "dtype", "kv_precision"]
+        names = ["block_size", "kv_precision"]
         if "auto" in (a.kv_precision, b.kv_precision):  # follows the activations
             names += ["quantization", "activation_precision"]
         for name in names:
@@ -220,6 +225,23 @@ class RouterConfig:
                     f"{getattr(b, name)!r} differ: a decode rank imports the prefill ranks' KV "
                     f"blocks as they are, so the settings that decide the KV cache's layout "
                     f"must agree")
+
+    def check_kv_dtypes(self) -> None:
+        """Once the pools' GPUs are decided (``pdserve serve`` shares the cluster's out
+        after validate, gpu_share.py; the service checks again as it starts): the KV
+        caches' dtype, as each pool's ranks will resolve it (auto: bf16 on a GPU, fp32 on
+        the CPU), must be one, or every hand-off would be refused."""
+        if self.mode != "disaggregated":
+            return
+        a, b = self.prefill.engine, self.decode.engine
+        resolved = [engine_dtype(p.engine.dtype, p.device()) for p in (self.prefill, self.decode)]
+        if resolved[0] != resolved[1]:
+            raise ValueError(
+                f"prefill ranks on {self.prefill.device()} (prefill.engine.dtype {a.dtype!r}: "
+                f"{resolved[0]}) and decode ranks on {self.decode.device()} (decode.engine.dtype "
+                f"{b.dtype!r}: {resolved[1]}) would keep KV caches of different dtypes, and a "
+                f"decode rank imports the prefill ranks' KV blocks as they are: give both "
+                f"pools one dtype, or both GPUs (num_gpus) or neither")
 
     def _validate_admission(self) -> None:
         if self.max_queue_depth < 1:

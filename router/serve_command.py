@@ -235,6 +235,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         decided = give_pools_gpus(config, ray.cluster_resources().get("GPU", 0.0))
         config.validate()
+        config.check_kv_dtypes()
     except ValueError as exc:
         ray.shutdown()
         print(f"error: {exc}", file=sys.stderr)

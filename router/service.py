@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 class RouterService:
     def __init__(self, config: RouterConfig) -> None:
         config.validate()
+        config.check_kv_dtypes()  # the pools' devices are decided by now
         if config.kv_transport == "auto":  # decided once, here: the ranks get the result
             resolved = config.resolved_kv_transport()
             log.info("kv_transport auto: %s (prefill num_gpus %g, decode num_gpus %g)",

@@ -79,6 +79,34 @@ def test_pools_may_differ_where_the_kv_layout_does_not_depend_on_it():
     config_from_dict({"mode": "normal", "decode": {"engine": {"kv_precision": "fp16"}}})
 
 
+@pytest.mark.parametrize("data, needle", [
+    ({"prefill": {"num_gpus": 1}},
+     r"prefill ranks on cuda \(prefill\.engine\.dtype 'auto': bfloat16\) and decode ranks on "
+     r"cpu \(decode\.engine\.dtype 'auto': float32\) would keep KV caches of different dtypes"),
+    ({"decode": {"engine": {"device": "cuda"}}}, r"decode ranks on cuda \(.*: bfloat16\)"),
+    ({"decode": {"engine": {"dtype": "bfloat16"}}}, r"decode\.engine\.dtype 'bfloat16': bfloat16"),
+])
+def test_pools_whose_kv_dtypes_resolve_apart_are_refused_once_placed(data, needle):
+    """auto is bf16 on a GPU and fp32 on the CPU: checked once the pools' GPUs are
+    decided (serve shares them out after the config is read), before any rank starts."""
+    from pdserve.router.service import RouterService
+
+    config = config_from_dict(data)  # a pool's GPUs may still be decided here
+    with pytest.raises(ValueError, match=needle):
+        config.check_kv_dtypes()
+    with pytest.raises(ValueError, match=needle):
+        RouterService(config)
+
+
+def test_pools_whose_kv_dtypes_resolve_alike_start():
+    bf16 = {"dtype": "bfloat16"}
+    for data in ({}, {"decode": {"engine": {"dtype": "float32"}}},  # auto is fp32 on the CPU
+                 {"prefill": {"num_gpus": 1, "engine": bf16}, "decode": {"engine": bf16}},
+                 {"prefill": {"num_gpus": 1}, "decode": {"num_gpus": 1}},
+                 {"mode": "normal", "normal": {"num_gpus": 1}}):
+        config_from_dict(data).check_kv_dtypes()
+
+
 def test_flags_override_the_file(tiny_model_dir):
     from pdserve.cli import build_parser
     from pdserve.router.serve_command import serve_config

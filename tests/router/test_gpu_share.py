@@ -49,6 +49,13 @@ def test_a_pool_held_on_the_cpu_takes_no_gpu():
     give_pools_gpus(config, 1.0)
     assert (config.prefill.num_gpus, config.decode.num_gpus) == (1.0, 0.0)
     assert config.decode.rank_engine_settings("m")["device"] == "cpu"
+    # placed so, their dtypes (auto) resolve apart: refused before any rank starts
+    with pytest.raises(ValueError, match=r"prefill ranks on cuda .* decode ranks on cpu"):
+        config.check_kv_dtypes()
+    config = _config(prefill={"engine": {"dtype": "float32"}},
+                     decode={"engine": {"device": "cpu", "dtype": "float32"}})
+    give_pools_gpus(config, 1.0)
+    config.check_kv_dtypes()  # one dtype on both: the hand-offs fit
 
 
 def test_normal_mode_shares_the_gpus_among_its_ranks():
