@@ -34,7 +34,8 @@ order (a noisy neighbour hits all alike) with ``--max-tokens`` decode steps of
 path, its ratio to the fastest path and to the time it takes to read the step's
 weights once at the read bandwidth measured in the same run (after each round: the
 median of the rounds' ratios, each over its own round's bandwidth, since a shared
-machine's drifts by half within minutes), and the fastest path (the choice, recorded). Writes JSON (default results/bench_decode_paths.json).
+machine's drifts by half within minutes), and the fastest path (the choice,
+recorded). Writes JSON (default results/bench_decode_paths.json).
 """
 
 from __future__ import annotations
@@ -139,15 +140,17 @@ def run_case(size: str, model_dir: str, batch: int, paths: list[str], args) -> d
         print(f"  {size} batch {batch}: {path} ready ({time.perf_counter() - t:.1f} s)",
               file=sys.stderr, flush=True)
     medians: dict[str, list[float]] = {p: [] for p in paths}
-    read_gbps: list[float] = []  # each round's: a shared machine's bandwidth drifts
+    measured: list[dict] = []  # each round's bandwidth: a shared machine's drifts
     for r in range(args.rounds):
         order = paths[r % len(paths):] + paths[:r % len(paths)]
         for path in order:
             steps = _decode_steps(engines[path], prompts, args.max_tokens, f"r{r}-{path}")
             medians[path].append(statistics.median(steps))
-        read_gbps.append(measure_bandwidth(repeats=3)["read_GBps"])
-    bw = measure_bandwidth() | {"read_GBps": statistics.median(read_gbps),
-                                "read_GBps_per_round": read_gbps}
+        measured.append(measure_bandwidth(repeats=3))
+    read_gbps = [m["read_GBps"] for m in measured]
+    bw = measured[0] | {k: statistics.median(m[k] for m in measured)
+                        for k in ("copy_GBps_read_plus_write", "read_GBps")}
+    bw["read_GBps_per_round"] = read_gbps
     weight_bytes = {p: weight_read_bytes(e.runner.model) for p, e in engines.items()}
     limit_ms = {p: 1e3 * b / (bw["read_GBps"] * 1e9) for p, b in weight_bytes.items()}
     # each round's step over the weights' read at that round's bandwidth
