@@ -73,14 +73,14 @@ def _pids_using(marker: str) -> list[int]:
 
 def _stop_pids(marker: str) -> None:
     """Stop the processes of the cluster started here: those naming its own temp dir."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    for sig, grace_s in ((signal.SIGTERM, 2), (signal.SIGKILL, 5)):
         pids = _pids_using(marker)
         for pid in pids:
             try:
                 os.kill(pid, sig)
             except OSError:
                 pass
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + grace_s
         while _alive(pids) and time.monotonic() < deadline:
             time.sleep(0.2)
 
@@ -117,7 +117,9 @@ def fake_cluster(tmp_path, tiny_model_dir):
     token = tmp_path / "ray-token"
     token.write_text(secrets.token_hex(32))
     token.chmod(0o600)
+    # AUTOSCALER_UPDATE_INTERVAL_S: Ray's autoscaler looks every second, not every 5
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", RAY_FAKE_CLUSTER="1",
+               AUTOSCALER_UPDATE_INTERVAL_S="1",
                RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
     # A free port can be taken before Ray binds it (seen once in a full run: another
     # process's ephemeral port): up to three ports, each attempt cleaned up; any other
