@@ -73,14 +73,16 @@ def _pids_using(marker: str) -> list[int]:
 
 def _stop_pids(marker: str) -> None:
     """Stop the processes of the cluster started here: those naming its own temp dir."""
-    for sig, grace_s in ((signal.SIGTERM, 2), (signal.SIGKILL, 5)):
+    # SIGTERM's grace is long enough for each raylet to end the processes it started
+    # (renamed by setproctitle, they no longer name the temp dir)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         pids = _pids_using(marker)
         for pid in pids:
             try:
                 os.kill(pid, sig)
             except OSError:
                 pass
-        deadline = time.monotonic() + grace_s
+        deadline = time.monotonic() + 5
         while _alive(pids) and time.monotonic() < deadline:
             time.sleep(0.2)
 
