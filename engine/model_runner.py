@@ -241,7 +241,8 @@ class ModelRunner:
                           bytes_per_block=per_block,
                           total_bytes=cache.num_blocks * per_block + cache.ring_bytes(),
                           max_tokens=tokens, max_payload_bytes=blocks * per_block + ring,
-                          device=str(cache.device))
+                          device=str(cache.device),
+                          dtype=str(cache.dtype).removeprefix("torch."))
 
     def copy_kv(self, blocks: list[tuple[int, int]], slots: list[tuple[int, int]]) -> None:
         """Forks' copy-on-write before a step writes: (source, copy) blocks, then slots."""

@@ -111,6 +111,7 @@ class KVCapacity:
     max_tokens: int  # the longest sequence it could hold (its blocks, the model's length)
     max_payload_bytes: int  # that sequence's K and V, its sliding-window ring included
     device: str  # "cpu", "cuda:0"
+    dtype: str  # what its blocks hold ("float32", "float16", "bfloat16"): a hand-off's too
 
 
 @dataclass

@@ -144,10 +144,6 @@ class EngineRank(GroupMember):
         """Memory a sender keeps for payloads on their way (only a prefill rank sends)."""
         return 0
 
-    def kv_device(self) -> str:
-        """Where this rank's KV cache lives ("cpu", "cuda:0")."""
-        return self.engine.kv_capacity().device
-
     # -- identity --------------------------------------------------------------------
 
     def info(self) -> RankInfo:
@@ -161,7 +157,8 @@ class EngineRank(GroupMember):
             node_id = ray.get_runtime_context().get_node_id()
         except Exception:  # not inside Ray (unit tests)
             pass
-        device, gpu_uuid = self.kv_device(), ""
+        capacity = self.engine.kv_capacity()
+        device, gpu_uuid = capacity.device, ""
         if device.startswith("cuda"):
             import torch  # lazy: only a rank gets here; the router imports this module
 
@@ -176,7 +173,8 @@ class EngineRank(GroupMember):
             eos_token_id=tok.eos_token_id,
             block_size=int(self.engine_config.get("block_size", DEFAULT_BLOCK_SIZE)),
             num_total_blocks=stats.num_total_blocks, kv_address=self.kv_address,
-            device=device, gpu_uuid=gpu_uuid, wake_address=self.wake_address)
+            device=device, gpu_uuid=gpu_uuid, kv_dtype=capacity.dtype,
+            wake_address=self.wake_address)
 
     def ping(self) -> int:
         """Answers at once (no engine lock): the controller's liveness check."""

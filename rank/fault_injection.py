@@ -1,4 +1,5 @@
-"""A test double: an engine factory whose model runs raise on chosen steps.
+"""Test doubles: an engine factory whose model runs raise on chosen steps, and one
+whose engines resolve their settings apart from their pool's.
 
 Passed as ``RouterConfig.engine_factory`` (it is shipped to the rank actors), so tests
 inject faults into real ranks without an environment variable or a code path of
@@ -58,3 +59,18 @@ class FaultyEngineFactory:
 
             engine.step = lossy_step
         return engine
+
+
+@dataclass(frozen=True)
+class SkewedEngineFactory:
+    """Engines of ``engine_types`` built with ``settings`` over their pool's: ranks that
+    resolve their settings apart from the other pool's, as a pool on GPUs would beside
+    one on CPUs (``settings``: (name, value) pairs, so that the factory stays hashable)."""
+
+    settings: tuple[tuple[str, Any], ...]
+    engine_types: tuple[str, ...] = ("prompt",)
+
+    def __call__(self, config: dict, communicator: Any) -> Any:
+        if config.get("engine_type") in self.engine_types:
+            config = {**config, **dict(self.settings)}
+        return default_engine_factory(config, communicator)

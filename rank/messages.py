@@ -100,6 +100,9 @@ class RankInfo:
     # device transport's pair backend (NCCL between two different GPUs)
     device: str = "cpu"
     gpu_uuid: str = ""
+    # what its KV blocks hold ("float16", ...): a decode rank imports a prefill rank's as
+    # they are, so the router refuses to serve pools whose ranks disagree
+    kv_dtype: str = ""
     # a COMPLETION rank's wake channel on its node (ray transport; kv_transfer/ray/wake_channel.py)
     wake_address: str = ""
 

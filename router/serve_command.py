@@ -273,7 +273,11 @@ async def _serve(args: argparse.Namespace, config) -> int:
     from pdserve.router.server import start_router
 
     print(f"starting {config.mode} pools (model {config.model_dir}) ...", flush=True)
-    server = await start_router(config)
+    try:
+        server = await start_router(config)
+    except RuntimeError as exc:  # ranks that did not start, or cannot work together
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -174,12 +174,13 @@ class RouterService:
         self.chat_template = ChatTemplate.from_model_dir(self.config.model_dir)
         await asyncio.gather(*(p.start() for p in self.pools.values()))
         infos = [r.info for p in self.pools.values() for r in p.ranks]
+        try:
+            self.flow.block_size = self._agreed_layout()
+        except RuntimeError:  # nothing could be served: the ranks go with the error
+            await self.stop()
+            raise
         max_len = min(i.max_model_len for i in infos)
         vocab = min(i.vocab_size for i in infos)
-        block_sizes = {i.block_size for i in infos}
-        if len(block_sizes) != 1:
-            raise RuntimeError(f"ranks disagree on block_size: {sorted(block_sizes)}")
-        self.flow.block_size = block_sizes.pop()
         self.flow.max_model_len = max_len
         limit = self.config.max_tokens_limit or max_len - 1
         self.limits = ModelLimits(vocab_size=vocab, max_model_len=max_len, max_tokens_limit=limit,
@@ -188,6 +189,29 @@ class RouterService:
         if self.config.autoscale:
             self.planner = PlannerLoop(self)
             self.spawn(self.planner.run())
+
+    def _agreed_layout(self) -> int:
+        """The block size every rank's KV cache has; RuntimeError when the ranks disagree
+        on it or (disaggregated) on what their blocks hold: a decode rank imports a prefill
+        rank's blocks as they are. The pools' settings were checked before any rank
+        started (``RouterConfig``), but a dtype also follows the model file and the device
+        (``kv_precision`` auto: fp16 on the CPU where the file's blocks make the
+        activations int8; on a GPU the model's dtype), which only the ranks know."""
+        infos = {name: [r.info for r in p.ranks] for name, p in self.pools.items()}
+        block_sizes = {i.block_size for pool in infos.values() for i in pool}
+        if len(block_sizes) != 1:
+            raise RuntimeError(f"ranks disagree on block_size: {sorted(block_sizes)}")
+        held = {name: sorted({i.kv_dtype for i in pool}) for name, pool in infos.items()}
+        if self.disaggregated and len({d for kinds in held.values() for d in kinds}) > 1:
+            said = " and ".join(f"the {name} ranks' {' / '.join(kinds)} (on "
+                                f"{', '.join(sorted({i.device for i in infos[name]}))})"
+                                for name, kinds in held.items())
+            raise RuntimeError(
+                f"the KV caches hold different dtypes: {said}; a decode rank imports the "
+                f"prefill ranks' KV blocks as they are, so every hand-off would be refused. "
+                f"Give both pools one device, or set engine.dtype and engine.kv_precision "
+                f"so that both caches hold one dtype")
+        return block_sizes.pop()
 
     async def stop(self) -> None:
         self._stopping = True

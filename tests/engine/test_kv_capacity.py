@@ -22,6 +22,9 @@ def test_kv_capacity_counts_the_caches_own_tensors(model_dirs, variant):
     blocks = _nbytes(cache.k_blocks) + _nbytes(cache.v_blocks)
     rings = _nbytes(cache.k_ring) + _nbytes(cache.v_ring)
     assert (kv.num_blocks, kv.block_size, kv.device) == (40, 16, "cpu")
+    held = {str(t.dtype).removeprefix("torch.") for t in (*cache.k_blocks, *cache.k_ring)
+            if t is not None}
+    assert held == {kv.dtype} == {"float32"}
     assert kv.total_bytes == blocks + rings
     assert kv.bytes_per_block * 40 == blocks
     assert kv.max_tokens == 256  # the model length, under the blocks' 40 * 16
