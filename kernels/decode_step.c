@@ -334,16 +334,21 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
             barrier_wait(&barrier, nt);
             /* Tasks from a counter (rows attend to different lengths): a group (a row,
              * or a sequence's consecutive rows) each, or in a split step a part of a
-             * group each: positions [a, a + SPLIT_LEN) of its longest (last) row. */
+             * group each: positions [a, a + SPLIT_LEN) of its longest (last) row; where
+             * the rows are one part and threads would idle, a kv head of it each. (Heads
+             * are independent: a row's results are the same either way.) */
             const int64_t units = window ? n : groups;
+            const int64_t heads = split && nt > 1 && max_parts == 1 ? hk : 1;
             int64_t tasks = 0, merges = 0;
             for (int64_t r = 0; r < n; r++) merges += row_parts(pos, r, window, split) > 1;
             for (int64_t u = 0, r0, last; u < units; u++) {
                 unit_rows(u, window, group_first, &r0, &last);
-                tasks += row_parts(pos, last, window, split);
+                tasks += row_parts(pos, last, window, split) * heads;
             }
             for (int64_t task; (task = __atomic_fetch_add(next + 5 * item, 1, __ATOMIC_RELAXED)) < tasks;) {
                 int64_t u = 0, r0, last;
+                const int64_t j0 = task % heads, j1 = heads > 1 ? j0 + 1 : hk;
+                task /= heads;
                 for (;; u++) {
                     unit_rows(u, window, group_first, &r0, &last);
                     const int64_t parts = row_parts(pos, last, window, split);
@@ -367,7 +372,7 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
                 const int64_t ring = window ? states[last] * R : 0;  /* paged rows have no slot */
                 RowKV kv = {ks, vs, runs,
                             position_runs(tables + last * tw, bs, window, ring, R, a, b_max, runs), hk};
-                attend_any(&rows, kv, hq, g, D, half, scale, scores);
+                attend_any(&rows, kv, hq, g, j0, j1, D, half, scale, scores);
             }
             if (merges) {
                 end_phase(&barrier, t, nt, times, PH_ATTENTION, &mark);
