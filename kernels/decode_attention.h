@@ -42,7 +42,8 @@ static inline __attribute__((always_inline)) vf kv_load(const void *store, int64
  * one-row step at 1,024 positions took 8.5 ms against 7.9 whole at one thread, 5.8
  * against 5.0 at two. Keys are read once for the group
  * (a speculative step's drafted rows read the sequence's keys once, not once each);
- * values are prefetched into L2 during the key pass for the per-head value passes. A
+ * values are prefetched into L2 during the key pass for the value pass, which reads each
+ * kv head's values once for several of its query heads (value_heads). A
  * row's arithmetic is the same, in the same order, whatever its group. dc = D / VW and
  * half (a 16-bit cache: half the bytes to read) are constants at each call site, so
  * that the loops over a head unroll into registers and no load branches. */
@@ -55,6 +56,35 @@ typedef struct {
     int64_t len[GROUP_ROWS];
     float *out[GROUP_ROWS], *ml[GROUP_ROWS];
 } GroupRows;
+
+/* out[h] (D floats) for query heads [h0, h0 + hb) of kv head j: their probabilities
+ * (s + h * len, len each) times the row's first len values, each value loaded once. */
+static inline __attribute__((always_inline)) void value_heads(
+    RowKV kv, const float *s, int64_t len, int64_t j, int64_t h0, const int hb,
+    const int dc, const int half, float *out) {
+    const int64_t D = dc * VW, rs = kv.hk * D;
+    vf acc[4][MAX_HEAD_VECS];
+#pragma GCC unroll 4
+    for (int b = 0; b < hb; b++)
+#pragma GCC unroll 16
+        for (int c = 0; c < dc; c++) acc[b][c] = vzero();
+    for (int64_t u = 0, t = 0; u < kv.nruns && t < len; u++) {
+        const int64_t v0 = kv.runs[u].start * rs + j * D;
+        for (int64_t i = 0; i < kv.runs[u].count && t < len; i++, t++) {
+#pragma GCC unroll 16
+            for (int c = 0; c < dc; c++) {
+                const vf v = kv_load(kv.v, v0 + i * rs + c * VW, half);
+#pragma GCC unroll 4
+                for (int b = 0; b < hb; b++)
+                    acc[b][c] = vfma(vset1(s[(h0 + b) * len + t]), v, acc[b][c]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int b = 0; b < hb; b++)
+#pragma GCC unroll 16
+        for (int c = 0; c < dc; c++) vstore(out + (h0 + b) * D + c * VW, acc[b][c]);
+}
 
 static inline __attribute__((always_inline)) void attend(
     const GroupRows *rows, RowKV kv, int64_t hq, int64_t g, int64_t j0, int64_t j1,
@@ -112,22 +142,21 @@ static inline __attribute__((always_inline)) void attend(
                 for (int64_t t = 0; t < len; t += VW)
                     vstore_n(s + t, vload_n(s + t, len - t) / total, len - t);
             }
-            vf acc[MAX_HEAD_VECS];
-#pragma GCC unroll 16
-            for (int c = 0; c < dc; c++) acc[c] = vzero();
-            const int64_t j = h / g;
-            for (int64_t u = 0, t = 0; u < kv.nruns && t < len; u++) {
-                const int64_t v0 = kv.runs[u].start * rs + j * D;
-                for (int64_t i = 0; i < kv.runs[u].count && t < len; i++, t++) {
-                    vf p = vset1(s[t]);
-#pragma GCC unroll 16
-                    for (int c = 0; c < dc; c++)
-                        acc[c] = vfma(p, kv_load(kv.v, v0 + i * rs + c * VW, half), acc[c]);
+        }
+        /* each kv head's values read once for up to `most` of its query heads (their
+         * sums in registers): the same sums, in the same order, as head by head */
+        const int most = dc >= 16 ? 1 : dc >= 8 ? 2 : 4;
+        const float *s = scores + r * hq * longest;
+        for (int64_t j = j0; j < j1; j++)
+            for (int64_t h = j * g; h < (j + 1) * g; h += most) {
+                const int64_t left = (j + 1) * g - h;
+                switch (left < most ? left : most) {
+                case 1: value_heads(kv, s, len, j, h, 1, dc, half, out); break;
+                case 2: value_heads(kv, s, len, j, h, 2, dc, half, out); break;
+                case 3: value_heads(kv, s, len, j, h, 3, dc, half, out); break;
+                default: value_heads(kv, s, len, j, h, 4, dc, half, out); break;
                 }
             }
-#pragma GCC unroll 16
-            for (int c = 0; c < dc; c++) vstore(out + h * D + c * VW, acc[c]);
-        }
     }
 }
 
