@@ -338,9 +338,9 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
              * the rows are one part and threads would idle, a kv head of it each. (Heads
              * are independent: a row's results are the same either way.) */
             const int64_t units = window ? n : groups;
-            const int64_t heads = split && nt > 1 && max_parts == 1 ? hk : 1;
             int64_t tasks = 0, merges = 0;
             for (int64_t r = 0; r < n; r++) merges += row_parts(pos, r, window, split) > 1;
+            const int64_t heads = split && nt > 1 && !merges ? hk : 1;
             for (int64_t u = 0, r0, last; u < units; u++) {
                 unit_rows(u, window, group_first, &r0, &last);
                 tasks += row_parts(pos, last, window, split) * heads;
