@@ -82,6 +82,18 @@ def default_loop_factory(engine: Any, on_step: Callable, communicator: Any,
                       park_timeout_s=0.5, on_error=on_error)
 
 
+def rank_threads(setting: int | str, pool: str, pool_size: int, cores: int) -> int:
+    """The torch threads of a rank of ``pool`` (``PoolConfig.threads``): a number as
+    given; "auto", a decode rank's share of its node's ``cores`` among the pool's
+    ``pool_size`` ranks (a decode step runs on 1 thread or on these, whichever has been
+    faster lately: it borrows an idle prefill rank's core), any other rank's 1 (a
+    prompt step takes every thread it has, untuned). Measured: docs/configuration.md
+    (Threads)."""
+    if setting != "auto":
+        return int(setting)
+    return max(1, cores // max(pool_size, 1)) if pool == "decode" else 1
+
+
 class EngineRank(GroupMember):
     """One rank of a pool; wrapped by the Ray actor classes of the worker packages."""
 
@@ -93,7 +105,7 @@ class EngineRank(GroupMember):
                  communicator_factory: Callable | None = None,
                  kv_transport: str = "ray",
                  collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
-                 num_threads: int | None = None,
+                 threads: int | str | None = None, pool_size: int = 1,
                  max_failed_steps: int = DEFAULT_MAX_FAILED_STEPS,
                  kv_secret: Any = None) -> None:
         """``kv_secret``: the cluster's ``KVSecret`` (the router's, through Ray), which the
@@ -105,11 +117,14 @@ class EngineRank(GroupMember):
         self._loop_factory = loop_factory or default_loop_factory
         self.kv_transport = kv_transport
         self.max_failed_steps = max_failed_steps
-        if num_threads:
+        self.threads = None
+        if threads is not None:
             # Ray sets OMP_NUM_THREADS=1 in actors; choose torch's threads on purpose.
             import torch  # lazy: only a rank gets here; the router imports this module
 
-            torch.set_num_threads(num_threads)
+            self.threads = rank_threads(threads, self.pool_name, pool_size,
+                                        len(os.sched_getaffinity(0)))
+            torch.set_num_threads(self.threads)
         self._init_group(communicator_factory, collective_timeout_s)
         self.engine = self._engine_factory(config, self.group)
         self._reports: list[StepReport] = []
@@ -157,11 +172,11 @@ class EngineRank(GroupMember):
             node_id = ray.get_runtime_context().get_node_id()
         except Exception:  # not inside Ray (unit tests)
             pass
+        import torch  # lazy: only a rank gets here; the router imports this module
+
         capacity = self.engine.kv_capacity()
         device, gpu_uuid = capacity.device, ""
         if device.startswith("cuda"):
-            import torch  # lazy: only a rank gets here; the router imports this module
-
             try:
                 gpu_uuid = str(torch.cuda.get_device_properties(torch.device(device)).uuid)
             except Exception:  # unknown: the device transport then stays on gloo
@@ -174,7 +189,7 @@ class EngineRank(GroupMember):
             block_size=int(self.engine_config.get("block_size", DEFAULT_BLOCK_SIZE)),
             num_total_blocks=stats.num_total_blocks, kv_address=self.kv_address,
             device=device, gpu_uuid=gpu_uuid, kv_dtype=capacity.dtype,
-            wake_address=self.wake_address)
+            threads=torch.get_num_threads(), wake_address=self.wake_address)
 
     def ping(self) -> int:
         """Answers at once (no engine lock): the controller's liveness check."""

@@ -103,6 +103,8 @@ class RankInfo:
     # what its KV blocks hold ("float16", ...): a decode rank imports a prefill rank's as
     # they are, so the router refuses to serve pools whose ranks disagree
     kv_dtype: str = ""
+    # the torch threads its steps may run on (PoolConfig.threads)
+    threads: int = 0
     # a COMPLETION rank's wake channel on its node (ray transport; kv_transfer/ray/wake_channel.py)
     wake_address: str = ""
 

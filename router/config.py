@@ -32,6 +32,13 @@ class PoolConfig:
     num_cpus: float = 0.5
     num_gpus: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)
+    # The torch threads each rank's steps may run on; "auto": a decode rank, the cores
+    # its node gives its process shared among the pool's ranks (at least 1; each decode
+    # step then runs on 1 or on all of them, whichever has been faster lately, so that it
+    # takes a prefill rank's idle core and gives it back when the prefill rank computes:
+    # engine/backends/cpu/thread_tuner.py); a prefill or normal rank, 1 (their prompt
+    # steps take every thread they have, untuned). Decided when the rank starts.
+    threads: int | str = "auto"
     # The ranks' engine settings (engine/config.py: EngineSettings, the scheduler's
     # policy included); the router sets model_dir and engine_type. A mapping given here
     # (a program's) is checked and typed at construction.
@@ -49,6 +56,10 @@ class PoolConfig:
             raise ValueError(f"{self.name} replicas must be >= 0, got {self.replicas}")
         if self.num_cpus < 0:
             raise ValueError(f"{self.name} num_cpus must be >= 0, got {self.num_cpus}")
+        if self.threads != "auto" and (isinstance(self.threads, bool)
+                                       or not isinstance(self.threads, int) or self.threads < 1):
+            raise ValueError(f"{self.name} threads must be an integer >= 1 or \"auto\", got "
+                             f"{self.threads!r}")
         # Again at start: flags may have changed fields since construction.
         try:
             self.engine.check()
@@ -127,7 +138,6 @@ class RouterConfig:
     engine_factory: Callable | None = None
     loop_factory: Callable | None = None
     communicator_factory: Callable | None = None
-    torch_threads: int | None = 1
     # A request is tried on at most this many ranks (rank deaths, refusals) before it
     # ends with an error; while a pool re-forms, dispatch waits up to rank_wait_s.
     # Moves (a rank died, left, or a step failed) count as attempts too.

@@ -148,7 +148,7 @@ class Pool:
             engine_factory=self.rc.engine_factory, loop_factory=self.rc.loop_factory,
             communicator_factory=self.rc.communicator_factory,
             kv_transport=self.rc.kv_transport, collective_timeout_s=self.rc.collective_timeout_s,
-            num_threads=self.rc.torch_threads, max_failed_steps=self.rc.max_failed_steps,
+            threads=c.threads, pool_size=self.target, max_failed_steps=self.rc.max_failed_steps,
             kv_secret=self.kv_secret,
         )
         self._uids += 1

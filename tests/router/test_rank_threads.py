@@ -1,0 +1,67 @@
+"""How many torch threads a rank's steps may run on (PoolConfig.threads): a decode rank
+takes its share of its node's cores ("auto"), so that its steps can borrow an idle
+prefill rank's core; prefill and normal ranks keep one; a number is taken as given."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from pdserve.rank.engine_rank import rank_threads
+from pdserve.router.config import PoolConfig, RouterConfig, load_config
+
+
+@pytest.mark.parametrize(("setting", "pool", "pool_size", "cores", "expected"), [
+    ("auto", "decode", 1, 2, 2),  # 1P+1D on two cores: the decode rank may take both
+    ("auto", "decode", 2, 2, 1),
+    ("auto", "decode", 3, 16, 5),
+    ("auto", "decode", 4, 2, 1),  # more ranks than cores: still one each
+    ("auto", "decode", 0, 8, 8),  # a pool scaled to 0 and back starts its first rank
+    ("auto", "prefill", 1, 16, 1),
+    ("auto", "normal", 1, 16, 1),
+    (3, "decode", 1, 2, 3),
+    (2, "prefill", 1, 2, 2),
+])
+def test_rank_threads(setting, pool, pool_size, cores, expected):
+    assert rank_threads(setting, pool, pool_size, cores) == expected
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, "many", 1.5, None])
+def test_bad_threads_are_refused_naming_the_pool_and_field(bad):
+    config = RouterConfig(model_dir="", decode=PoolConfig("decode", threads=bad))
+    with pytest.raises(ValueError, match=r"decode threads must be an integer >= 1 or \"auto\""):
+        config.validate()
+
+
+def test_threads_from_yaml(tmp_path):
+    path = tmp_path / "router.yaml"
+    path.write_text("decode:\n  threads: 3\nprefill:\n  replicas: 2\n")
+    config = load_config(path)
+    assert config.decode.threads == 3
+    assert config.prefill.threads == "auto" and config.prefill.replicas == 2
+
+
+def test_started_ranks_say_their_threads(ray_session, tiny_model_dir):
+    from pdserve.router.service import RouterService
+
+    engine = dict(num_kv_blocks=64, max_num_seqs=8, block_size=16)
+    config = RouterConfig(
+        model_dir=tiny_model_dir, port=0, collective_timeout_s=10.0,
+        prefill=PoolConfig("prefill", replicas=1, num_cpus=0.5, resources={"prefill": 1},
+                           engine=engine),
+        decode=PoolConfig("decode", replicas=1, num_cpus=0.5, resources={"decode": 1},
+                          engine=engine))
+    service = RouterService(config)
+
+    async def start():
+        await service.start()
+        try:
+            return {r.info.pool: r.info.threads for p in service.pools.values() for r in p.ranks}
+        finally:
+            await service.stop()
+
+    said = asyncio.run(start())
+    # the ranks run on this node: the decode rank's share of its cores is all of them
+    assert said == {"prefill": 1, "decode": len(os.sched_getaffinity(0))}
