@@ -84,14 +84,14 @@ def default_loop_factory(engine: Any, on_step: Callable, communicator: Any,
 
 def rank_threads(setting: int | str, pool: str, pool_size: int, cores: int) -> int:
     """The torch threads of a rank of ``pool`` (``PoolConfig.threads``): a number as
-    given; "auto", a decode rank's share of its node's ``cores`` among the pool's
-    ``pool_size`` ranks (a decode step runs on 1 thread or on these, whichever has been
-    faster lately: it borrows an idle prefill rank's core), any other rank's 1 (a
-    prompt step takes every thread it has, untuned). Measured: docs/configuration.md
-    (Threads)."""
+    given; "auto", a decode or normal rank's share of its node's ``cores`` among the
+    pool's ``pool_size`` ranks (a decode step runs on 1 thread or on these, whichever
+    has been faster lately: a decode rank borrows an idle prefill rank's core), a
+    prefill rank's 1 (its prompt steps take every thread they have, untuned, and would
+    crowd the decode ranks beside it). Measured: docs/configuration.md (Threads)."""
     if setting != "auto":
         return int(setting)
-    return max(1, cores // max(pool_size, 1)) if pool == "decode" else 1
+    return max(1, cores // max(pool_size, 1)) if pool in ("decode", "normal") else 1
 
 
 class EngineRank(GroupMember):

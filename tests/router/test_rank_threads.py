@@ -1,6 +1,7 @@
 """How many torch threads a rank's steps may run on (PoolConfig.threads): a decode rank
-takes its share of its node's cores ("auto"), so that its steps can borrow an idle
-prefill rank's core; prefill and normal ranks keep one; a number is taken as given."""
+or normal rank takes its share of its node's cores ("auto"), so that a decode rank's
+steps can borrow an idle prefill rank's core; prefill ranks keep one; a number is taken
+as given."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from pdserve.router.config import PoolConfig, RouterConfig, load_config
     ("auto", "decode", 4, 2, 1),  # more ranks than cores: still one each
     ("auto", "decode", 0, 8, 8),  # a pool scaled to 0 and back starts its first rank
     ("auto", "prefill", 1, 16, 1),
-    ("auto", "normal", 1, 16, 1),
+    ("auto", "normal", 1, 2, 2),  # alone on its node: every core
+    ("auto", "normal", 2, 2, 1),
     (3, "decode", 1, 2, 3),
     (2, "prefill", 1, 2, 2),
 ])
