@@ -82,6 +82,13 @@ def default_loop_factory(engine: Any, on_step: Callable, communicator: Any,
                       park_timeout_s=0.5, on_error=on_error)
 
 
+def _cores() -> int:
+    """The cores this process may run on (its affinity where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def rank_threads(setting: int | str, pool: str, pool_size: int, cores: int) -> int:
     """The torch threads of a rank of ``pool`` (``PoolConfig.threads``): a number as
     given; "auto", a decode or normal rank's share of its node's ``cores`` among the
@@ -117,14 +124,11 @@ class EngineRank(GroupMember):
         self._loop_factory = loop_factory or default_loop_factory
         self.kv_transport = kv_transport
         self.max_failed_steps = max_failed_steps
-        self.threads = None
         if threads is not None:
             # Ray sets OMP_NUM_THREADS=1 in actors; choose torch's threads on purpose.
             import torch  # lazy: only a rank gets here; the router imports this module
 
-            self.threads = rank_threads(threads, self.pool_name, pool_size,
-                                        len(os.sched_getaffinity(0)))
-            torch.set_num_threads(self.threads)
+            torch.set_num_threads(rank_threads(threads, self.pool_name, pool_size, _cores()))
         self._init_group(communicator_factory, collective_timeout_s)
         self.engine = self._engine_factory(config, self.group)
         self._reports: list[StepReport] = []
