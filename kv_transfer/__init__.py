@@ -2,8 +2,8 @@
 
 One folder per backend, each holding all its sides (see base.py): ``ray`` (shared
 memory on one node, the object store across nodes; the default without GPUs), ``device``
-(device to device over a torch.distributed pair group per prefill/decode pair: NCCL
-between GPUs, gloo otherwise; the default when both pools hold GPUs, see
+(device to device: CUDA IPC on one node, else a torch.distributed pair group per
+prefill/decode pair, NCCL between GPUs, gloo otherwise; the default when both pools hold GPUs, see
 ``RouterConfig.kv_transport`` "auto"), ``grpc`` (bytes through the router, chunked) and
 ``in_process`` (ranks in one process: tests). ``grpc`` authenticates every transfer with the
 cluster's ``KVSecret`` (see grpc/); the others ignore ``secret``.

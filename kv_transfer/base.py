@@ -141,6 +141,17 @@ class KVSecret:
     __str__ = __repr__
 
 
+def node_id() -> str:
+    """This process's Ray node ("" outside a Ray worker: no node to share with)."""
+    try:
+        # lazy: ray is heavy; a process outside Ray has no node to ask for
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+    except Exception:
+        return ""
+
+
 def payload_without_prefix(data: Any, num_blocks: int) -> bytes:
     """A KV payload's bytes without its first ``num_blocks`` full blocks (the rank side
     of ``deliver(..., skip_blocks)``; imports torch). One that cannot leave a prefix out
@@ -233,6 +244,10 @@ class KVTransport(ABC):
 
     async def close(self) -> None:
         return None
+
+    def delivery_paths(self) -> dict[str, int]:
+        """Deliveries so far by the path they took (one path: the transport's name)."""
+        return {self.name: self.num_deliveries}
 
     def _delivered(self, nbytes: int) -> None:
         self.bytes_moved += nbytes

@@ -200,6 +200,12 @@ class _RankCollector:
                                     "a step failed, a report was lost).")
         moves.add_metric([], svc.num_moves)
         yield moves
+        paths = CounterMetricFamily("pdserve_kv_deliveries", "KV hand-offs delivered, by the "
+                                    "path they took (device: cuda_ipc or pair_group).",
+                                    labels=["path"])
+        for path, n in svc.transport.delivery_paths().items():
+            paths.add_metric([path], n)
+        yield paths
         yield from _planner_families(svc)
 
 

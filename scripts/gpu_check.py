@@ -3,9 +3,10 @@ graphs) equals transformers (fp32 greedy, logits; bf16 greedy wherever transform
 margin exceeds a tolerance, the margins shown), the kernel benchmark's headline ratios,
 ``pdserve bench gpu`` (decode tok/s against the bandwidth roofline, prefill MFU,
 launches and syncs per token), and the ``device`` KV transport's bandwidth
-between two processes (a pair group: NCCL across two GPUs; on one GPU gloo staged through
-the host, since NCCL refuses two ranks on one GPU) at 16/64/256 MiB against a device
-memcpy (``device_transport`` in the summary). Without CUDA it says so and exits 0.
+between two processes at 16/64/256 MiB against a device memcpy, by CUDA IPC and by a
+pair group (NCCL across two GPUs; on one GPU gloo staged through the host, since NCCL
+refuses two ranks on one GPU): ``device_transport`` in the summary, from
+``bench/device_transport.py``. Without CUDA it says so and exits 0.
 
     python scripts/gpu_check.py                 # on a machine with a GPU (~1-2 min)
     python scripts/gpu_check.py --device cpu    # same checks on CPU (to test the script)
@@ -30,117 +31,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from pdserve.bench import gpu  # noqa: E402
+from pdserve.bench.device_transport import device_transport_check  # noqa: E402
 from pdserve.bench.gpu_service import service_check  # noqa: E402
 from pdserve.bench.kernels import main as bench_main  # noqa: E402
 from pdserve.engine.model.tiny import make_tiny_model  # noqa: E402
 from pdserve.engine.model_runner import ModelRunner, RunnerRow  # noqa: E402
-from pdserve.kv_transfer.device.endpoint import DeviceEndpoint  # noqa: E402
-
-TRANSPORT_SIZES_MIB = (16, 64, 256)
-
-
-def _transport_rank(rank: int, device: str, backend: str, sizes: tuple, reps: int,
-                    address_q, result_q) -> None:
-    """One side of the measured pair (rank 0 sends, rank 1 receives), in its own process."""
-    try:
-        if device == "cuda":
-            device = f"cuda:{rank % torch.cuda.device_count()}"
-        endpoint = DeviceEndpoint(device, "127.0.0.1")
-        nonce = os.urandom(16).hex()
-        if rank == 0:
-            address = endpoint.open_pair("bench", 60.0)
-            address_q.put((address, nonce))
-        else:
-            address, nonce = address_q.get(timeout=120)
-        endpoint.join_pair("bench", address, rank, nonce, backend, 60.0)
-        out = {}
-        for mib in sizes:
-            nbytes = mib << 20
-            if rank == 0:
-                endpoint.export("x", torch.full((nbytes,), 7, dtype=torch.uint8, device=device))
-                for _ in range(reps + 1):  # the first one warms up
-                    endpoint.send("bench", "x", 0, 120.0)
-                endpoint.release("x")
-                continue
-            endpoint.receive("bench", nbytes, 0, 120.0)
-            if endpoint.device.type == "cuda":
-                torch.cuda.synchronize(endpoint.device)
-            start = time.perf_counter()
-            for _ in range(reps):
-                got = endpoint.receive("bench", nbytes, 0, 120.0)
-            if endpoint.device.type == "cuda":
-                torch.cuda.synchronize(endpoint.device)
-            seconds = time.perf_counter() - start
-            assert got.device == endpoint.device and int(got[-1]) == 7
-            out[mib] = reps * mib / seconds
-        endpoint.close()
-        result_q.put((rank, True, out))
-    except BaseException as exc:  # reported, not hung on
-        result_q.put((rank, False, f"{type(exc).__name__}: {exc}"))
-
-
-def _run_pair(dev: torch.device, backend: str, reps: int) -> tuple[dict, str | None]:
-    """Both ranks of the measured pair, each in a process of its own: {rank: (ok,
-    MiB/s per size or the error)}, and why a rank gave no result, if one did not."""
-    ctx = torch.multiprocessing.get_context("spawn")
-    address_q, result_q = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_transport_rank, daemon=True,
-                         args=(r, dev.type, backend, TRANSPORT_SIZES_MIB, reps, address_q,
-                               result_q)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    results, error = {}, None
-    try:
-        for _ in procs:
-            rank, ok, value = result_q.get(timeout=300)
-            results[rank] = (ok, value)
-    except Exception as exc:
-        error = f"no result from both ranks: {type(exc).__name__}: {exc}"
-    for p in procs:
-        p.join(10)
-        if p.is_alive():
-            p.terminate()
-    return results, error
-
-
-def _memcpy_mib_s(dev: torch.device, mib: int, reps: int) -> float:
-    """A device copy of ``mib`` MiB between two preallocated tensors, in MiB/s."""
-    on_cuda = dev.type == "cuda"
-    src = torch.full((mib << 20,), 7, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    if on_cuda:
-        torch.cuda.synchronize(dev)
-    start = time.perf_counter()
-    for _ in range(reps):
-        dst.copy_(src)
-    if on_cuda:
-        torch.cuda.synchronize(dev)
-    return reps * mib / (time.perf_counter() - start)
-
-
-def device_transport_check(dev: torch.device, reps: int = 5) -> dict:
-    """The device transport between two processes against a device memcpy, in MiB/s."""
-    on_cuda = dev.type == "cuda"
-    backend = "nccl" if on_cuda and torch.cuda.device_count() >= 2 else "gloo"
-    out: dict = {"backend": backend, "path": (
-        "nccl, GPU to GPU" if backend == "nccl" else
-        "gloo, staged through host memory (one GPU)" if on_cuda else "gloo, CPU ranks")}
-    results, error = _run_pair(dev, backend, reps)
-    if error is not None:
-        out["error"] = error
-    failed = [f"rank {r}: {v}" for r, (ok, v) in sorted(results.items()) if not ok]
-    if failed:
-        out["error"] = "; ".join(failed)
-    if "error" in out:
-        return out
-    received = results[1][1]
-    for mib in TRANSPORT_SIZES_MIB:
-        memcpy = _memcpy_mib_s(dev, mib, reps)
-        out[f"{mib}MiB"] = {"transport_mib_s": round(received[mib], 1),
-                            "memcpy_mib_s": round(memcpy, 1),
-                            "ratio": round(received[mib] / memcpy, 4)}
-    return out
 
 
 def _parse_args() -> argparse.Namespace:

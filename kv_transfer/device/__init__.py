@@ -1,9 +1,23 @@
-"""The ``device`` KV backend: device to device over a torch.distributed pair group
-(NCCL send/recv). ``endpoint.py``: the ranks' side, ``transport.py``: the router's,
-``calls.py``: what the router asks of a rank.
+"""The ``device`` KV backend: device to device, by CUDA IPC on one node, else over a
+torch.distributed pair group (NCCL send/recv). ``endpoint.py``: the ranks' side,
+``transport.py``: the router's, ``calls.py``: what the router asks of a rank,
+``cuda_ipc.py``: sharing and mapping device memory through the CUDA driver.
 
 Transport ``device``: for ranks that hold GPUs, the payload never leaves GPU memory on
-its way. Each (prefill rank, decode rank) pair gets a process group of its own, two
+its way. Two CUDA ranks on one node (``maps``) hand off by CUDA IPC:
+
+0. Map (router, then each side): the source answers ``SharePayload`` with the
+   payload's ``IpcHandle`` (a cut prefix first copied on the device and kept with the
+   payload until it is released), the destination answers ``MapPayload``: it checks the
+   handle (this node, within the ticket's size), maps it, imports from it (the payload's
+   tensors views of the sender's memory, scattered into its blocks: one device copy)
+   and unmaps it before answering. The source holds the payload until the router
+   releases or discards it, under the same rules as every backend (4 below); a
+   destination that dies mid-import loses its mapping with its process. What the
+   driver refuses (``UNREACHABLE``) sends that pair through steps 2-3 from then on,
+   logged once; ``delivery_paths`` counts each path (``pdserve_kv_deliveries_total``).
+
+Otherwise each (prefill rank, decode rank) pair gets a process group of its own, two
 ranks wide (the source is its rank 0), built directly on a ``PrefixStore`` as
 engine/dp_comm.py builds the data-parallel groups (never the default group, which the
 data-parallel votes use). Backend ``nccl`` when both ranks' engines are on CUDA, on two
@@ -45,6 +59,8 @@ in a gloo pair stages the bytes through host memory.
    An endpoint also forgets payloads nobody asked for within ``max_age_s``.
 
 Copies of the KV bytes (``COPIES``; "wire" = NCCL's transfer, or gloo's socket):
+- cuda ipc (one node): gather into the lent device tensor (1), scatter from the mapped
+  memory into the receiver's blocks (1): 2. A cut prefix adds one device copy.
 - nccl (GPU to GPU): gather into the lent device tensor (1), wire (1), scatter into the
   receiver's blocks (1): 3, none of them through host memory. A cut prefix adds one
   device copy of the rest on the source.

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.kv_transfer.device.cuda_ipc import IpcHandle
+
 
 @dataclass(frozen=True)
 class OpenPair:
@@ -57,3 +59,24 @@ class DropPair:
     """Forget pair ``pair``'s group (closed once its transfers ended)."""
 
     pair: str
+
+
+@dataclass(frozen=True)
+class SharePayload:
+    """Source: share ``attempt``'s payload (its first ``skip_blocks`` blocks cut off
+    first) by CUDA IPC; answers its IpcHandle, or an ImportResult saying why not
+    (UNREACHABLE: the driver refused, use the pair group)."""
+
+    attempt: str
+    skip_blocks: int
+
+
+@dataclass(frozen=True)
+class MapPayload:
+    """Destination: map a shared payload, import it and unmap it; answers the import's
+    ImportResult (UNREACHABLE: it could not be mapped here). ``nbytes``: the ticket's
+    size, which bounds the handle's."""
+
+    handle: IpcHandle
+    nbytes: int
+    skip_blocks: int

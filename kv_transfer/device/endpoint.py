@@ -17,23 +17,30 @@ from pdserve.kv_transfer.base import (
     PAYLOAD,
     PAYLOAD_MAX_AGE_S,
     TRANSPORT,
+    UNREACHABLE,
     DeliveryResult,
     RankEndpoint,
     RankHost,
+    node_id,
 )
+from pdserve.kv_transfer.device import cuda_ipc
 from pdserve.kv_transfer.device.calls import (
     DropPair,
     JoinPair,
+    MapPayload,
     OpenPair,
     ReceivePayload,
     SendPayload,
+    SharePayload,
 )
+from pdserve.kv_transfer.device.cuda_ipc import IpcHandle, IpcRefused
 
 log = logging.getLogger(__name__)
 
 PREFIX = "pdserve/kv"
 MAX_PAIRS = 64  # pair groups one rank keeps (the oldest idle one goes first)
-COPIES = {"nccl, GPU to GPU": 3, "gloo, CPU ranks": 3, "gloo, staged through host memory": 5}
+COPIES = {"cuda ipc, one node": 2, "nccl, GPU to GPU": 3, "gloo, CPU ranks": 3,
+          "gloo, staged through host memory": 5}
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 # a cut payload's head may grow by one 64-byte alignment step; its tensors only shrink
 _CUT_SLACK = 64
@@ -41,6 +48,14 @@ _CUT_SLACK = 64
 
 class PairUnavailable(RuntimeError):
     """No pair group by that name on this rank (never formed, dropped, or broken)."""
+
+
+def maps(src_info: Any, dst_info: Any) -> bool:
+    """Whether a decode rank may map the prefill rank's payload by CUDA IPC: both on
+    CUDA, on one node (the driver says whether it can, at the first map)."""
+    devices = [getattr(i, "device", "cpu") or "cpu" for i in (src_info, dst_info)]
+    nodes = {getattr(i, "node_id", None) for i in (src_info, dst_info)}
+    return all(d.startswith("cuda") for d in devices) and len(nodes) == 1
 
 
 def pair_backend(src_info: Any, dst_info: Any) -> str:
@@ -76,7 +91,7 @@ class DeviceEndpoint(RankEndpoint):
 
     def __init__(self, device: str = "cpu", host: str = "127.0.0.1",
                  max_age_s: float = PAYLOAD_MAX_AGE_S, max_pairs: int = MAX_PAIRS, *,
-                 importer: RankHost | None = None) -> None:
+                 importer: RankHost | None = None, ipc: Any = cuda_ipc) -> None:
         # lazy: torch: the router's device transport imports this module
         import torch
 
@@ -90,11 +105,17 @@ class DeviceEndpoint(RankEndpoint):
         self._pairs: dict[str, _Pair] = {}
         self._hosted: dict[str, Any] = {}  # pair -> store server, until the source joins
         self._lock = threading.Lock()
+        # CUDA IPC (``cuda_ipc``; a test double on CPU): share a payload, map a peer's
+        self.ipc = ipc
+        self.mapper = ipc.Mapper()
+        self._cuts: dict[str, list[Any]] = {}  # attempt -> cut copies shared, until released
+        self._where: tuple[str, str] | None = None  # (node, GPU uuid), once asked
 
     def calls(self) -> dict[type, Callable[..., Any]]:
         return {OpenPair: lambda c: self.open_pair(c.pair, c.timeout_s),
                 JoinPair: self._join, SendPayload: self._send, ReceivePayload: self._receive,
-                DropPair: lambda c: self.drop_pair(c.pair)}
+                DropPair: lambda c: self.drop_pair(c.pair), SharePayload: self._share,
+                MapPayload: self._map}
 
     # Each call below answers and never raises (a failure is a TRANSPORT result).
 
@@ -125,6 +146,61 @@ class DeviceEndpoint(RankEndpoint):
             return DeliveryResult(False, kind=TRANSPORT,
                                   error=self.redact(f"{type(exc).__name__}: {exc}"))
         return self.importer.import_prefilled(data)
+
+    def _share(self, call: SharePayload) -> IpcHandle | DeliveryResult:
+        """The payload's IPC handle; a cut copy is kept until the attempt is released."""
+        data = self.get(call.attempt)
+        if data is None:
+            return DeliveryResult(False, kind=TRANSPORT, error=(
+                f"no KV payload for attempt {call.attempt!r} (released or expired)"))
+        try:
+            with _on_device(self.device):
+                if call.skip_blocks:
+                    data = tensor_without_prefix(data, call.skip_blocks)
+                    self._keep_cut(call.attempt, data)
+                return self.ipc.share(data, *self.where())
+        except IpcRefused as exc:
+            return DeliveryResult(False, kind=UNREACHABLE, error=str(exc))
+        except Exception as exc:
+            return DeliveryResult(False, kind=TRANSPORT,
+                                  error=f"sharing the payload failed: {type(exc).__name__}: {exc}")
+
+    def _map(self, call: MapPayload) -> DeliveryResult:
+        """Map a peer's shared payload, import it (copied into this rank's blocks), unmap."""
+        if self.importer is None:
+            return DeliveryResult(False, kind=PAYLOAD, error="this rank imports no KV")
+        try:
+            if not isinstance(call.handle, IpcHandle):
+                raise ValueError(f"not an IPC handle: {type(call.handle).__name__}")
+            call.handle.check(*self.where(), call.nbytes + (_CUT_SLACK if call.skip_blocks else 0))
+            with self.mapper.mapped(call.handle, self.device) as data:
+                return self.importer.import_prefilled(data, borrowed=True)
+        except IpcRefused as exc:
+            return DeliveryResult(False, kind=UNREACHABLE, error=str(exc))
+        except Exception as exc:
+            return DeliveryResult(False, kind=TRANSPORT,
+                                  error=f"mapping the payload failed: {type(exc).__name__}: {exc}")
+
+    def where(self) -> tuple[str, str]:
+        """(node, GPU uuid) of this rank's device ("" off CUDA), as handles name them."""
+        if self._where is None:
+            self._where = (node_id(), self.ipc.gpu_uuid(self.device))
+        return self._where
+
+    def _keep_cut(self, attempt: str, data: Any) -> None:
+        with self._payloads_lock:
+            self._cuts = {a: c for a, c in self._cuts.items() if a in self._payloads}
+            self._cuts.setdefault(attempt, []).append(data)
+
+    def release(self, attempt: str) -> None:
+        super().release(attempt)
+        with self._payloads_lock:
+            self._cuts.pop(attempt, None)
+
+    def __len__(self) -> int:
+        """Payloads and cut copies this rank holds for others (0 once all are released)."""
+        with self._payloads_lock:
+            return len(self._payloads) + sum(map(len, self._cuts.values()))
 
     # -- export ------------------------------------------------------------------------
 
@@ -314,6 +390,8 @@ class DeviceEndpoint(RankEndpoint):
 
     def close(self) -> None:
         super().close()
+        with self._payloads_lock:
+            self._cuts.clear()
         for pair in self.pairs():
             self.drop_pair(pair)
         with self._lock:

@@ -15,17 +15,21 @@ from pdserve.kv_transfer.base import (
     CAPACITY,
     PAYLOAD,
     TRANSPORT,
+    UNREACHABLE,
     DeliveryResult,
     KVTransport,
 )
 from pdserve.kv_transfer.device.calls import (
     DropPair,
     JoinPair,
+    MapPayload,
     OpenPair,
     ReceivePayload,
     SendPayload,
+    SharePayload,
 )
-from pdserve.kv_transfer.device.endpoint import pair_backend
+from pdserve.kv_transfer.device.cuda_ipc import IpcHandle
+from pdserve.kv_transfer.device.endpoint import maps, pair_backend
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +40,7 @@ class _PairState:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     name: str | None = None  # the formed group's name on both ranks; None: form one
     backend: str = ""
+    unmappable: bool = False  # CUDA IPC was refused between these two ranks
 
 
 class DeviceTransport(KVTransport):
@@ -51,10 +56,48 @@ class DeviceTransport(KVTransport):
         self._serial = 0
         self.num_pairs_formed = 0
         self.num_pairs_dropped = 0
+        self.num_mapped = 0  # deliveries by CUDA IPC
+        self.num_map_refusals = 0  # pairs whose CUDA IPC the driver refused
 
     async def deliver(self, ticket: Any, src: Any, dst: Any,
                       skip_blocks: int = 0) -> DeliveryResult:
         state = self._pairs.setdefault((_uid(src), _uid(dst)), _PairState())
+        if not state.unmappable and maps(getattr(src, "info", None), getattr(dst, "info", None)):
+            result = await self._map(ticket, src, dst, skip_blocks)
+            if result.kind != UNREACHABLE:
+                if result.ok:
+                    self.num_mapped += 1
+                    self._delivered(result.nbytes)
+                return result
+            state.unmappable = True  # asked once per pair: the pair group carries the rest
+            self.num_map_refusals += 1
+            log.warning("CUDA IPC between ranks %s and %s refused (%s); their KV goes "
+                        "through a pair group", _uid(src), _uid(dst), result.error)
+        return await self._send(state, ticket, src, dst, skip_blocks)
+
+    def delivery_paths(self) -> dict[str, int]:
+        return {"cuda_ipc": self.num_mapped, "pair_group": self.num_deliveries - self.num_mapped}
+
+    async def _map(self, ticket: Any, src: Any, dst: Any, skip_blocks: int) -> DeliveryResult:
+        """The source shares the payload's device memory, the destination maps it and
+        copies it into its blocks; the source keeps it until released, as ever."""
+        bound = self.timeout_s + 5.0
+        shared = await _bounded(src.actor.kv_call.remote(
+            SharePayload(ticket.key, skip_blocks)), bound, "source")
+        if not isinstance(shared, IpcHandle):
+            kind = UNREACHABLE if shared.kind == UNREACHABLE else TRANSPORT
+            return DeliveryResult(False, kind=kind, error=f"source: {shared.error}")
+        got = await _bounded(dst.actor.kv_call.remote(
+            MapPayload(shared, ticket.nbytes, skip_blocks)), bound, "destination")
+        if got.ok:
+            return DeliveryResult(True, attempt=got.attempt, nbytes=shared.nbytes)
+        known = (PAYLOAD, CAPACITY, CACHE_MISS, TRANSPORT, UNREACHABLE)
+        return DeliveryResult(False, kind=got.kind if got.kind in known else PAYLOAD,
+                              error=got.error)
+
+    async def _send(self, state: _PairState, ticket: Any, src: Any, dst: Any,
+                    skip_blocks: int) -> DeliveryResult:
+        """Over the pair's group (formed on its first delivery)."""
         async with state.lock:  # one transfer per pair at a time: both sides in step
             if state.name is None:
                 try:
@@ -172,6 +215,15 @@ def _fire(actor: Any, name: str) -> None:
         actor.kv_call.remote(DropPair(name))  # its result is not needed
     except Exception:  # a dead actor dropped it already
         pass
+
+
+async def _bounded(ref: Any, bound: float, side: str) -> Any:
+    """``_result`` within ``bound`` seconds (past it: a TRANSPORT failure)."""
+    try:
+        return await asyncio.wait_for(_result(ref), bound)
+    except asyncio.TimeoutError:
+        return DeliveryResult(False, kind=TRANSPORT, error=f"the {side} gave no answer "
+                                                           f"within {bound:g}s")
 
 
 async def _result(ref: Any) -> Any:

@@ -27,6 +27,7 @@ from pdserve.kv_transfer.base import (
     DeliveryResult,
     RankEndpoint,
     RankHost,
+    node_id,
     payload_without_prefix,
 )
 from pdserve.kv_transfer.ray import wake_channel
@@ -52,17 +53,6 @@ MAX_DIRECT_HANDOFFS = 4096
 # how long a direct hand-off's Ray call waits for its wake's import in progress (that
 # import waits for the engine between two steps; the router's deadline is its own)
 WOKEN_IMPORT_WAIT_S = 30.0
-
-
-def node_id() -> str:
-    """This process's Ray node ("" outside a Ray worker: no node to share with)."""
-    try:
-        # lazy: ray is heavy; a process outside Ray has no node to ask for
-        import ray
-
-        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
-    except Exception:
-        return ""
 
 
 class RayEndpoint(RankEndpoint):

@@ -56,8 +56,8 @@ from pdserve.kv_transfer.base import (
     DirectHandoff,
     KVTransport,
 )
+from pdserve.kv_transfer.base import node_id as this_node
 from pdserve.kv_transfer.ray.calls import HandOffTo, ImportShared, ObjectFor, WithoutPrefix
-from pdserve.kv_transfer.ray.endpoint import node_id as this_node
 from pdserve.kv_transfer.ray.shared_memory import SharedPayload
 from pdserve.kv_transfer.ray.wake_channel import LocalImports, LocalReply
 

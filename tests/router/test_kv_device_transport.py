@@ -1,5 +1,6 @@
 """The ``device`` KV transport (kv_transfer/device/): a torch.distributed pair group
-per (prefill rank, decode rank), NCCL between GPUs, gloo elsewhere.
+per (prefill rank, decode rank), NCCL between GPUs, gloo elsewhere (its CUDA IPC path
+between ranks on one node: test_kv_device_ipc.py).
 
 On CPU everything runs with gloo through real processes: the payload read from and
 written into uint8 tensors, a pair group's send/recv between two rank processes, and a
@@ -306,6 +307,7 @@ def shared_prompts(num: int, seed: int = 0) -> list[list[int]]:
 
 
 def _check_router(router, reference, expect_backend: str) -> None:
+    """``expect_backend``: the pair group's (gloo, nccl), or "ipc": mapped, no group."""
     transport = router.service.transport
     assert transport.name == "device"
     with Client(router.address, timeout=60) as client:
@@ -313,8 +315,12 @@ def _check_router(router, reference, expect_backend: str) -> None:
     prompts = [f"device transport {i}: the quick brown fox" for i in range(10)]
     outs = _generate_all(router, prompts)
     assert [o.token_ids for o in outs] == reference(prompts, MAX_TOKENS)
-    assert transport.num_deliveries >= len(prompts) and transport.num_pairs_formed == 1
-    assert {s.backend for s in transport._pairs.values()} == {expect_backend}
+    groups = 0 if expect_backend == "ipc" else 1
+    assert transport.num_deliveries >= len(prompts) and transport.num_pairs_formed == groups
+    if groups:
+        assert {s.backend for s in transport._pairs.values()} == {expect_backend}
+    else:
+        assert transport.num_mapped == transport.num_deliveries
     # several choices of one prompt share one payload
     with Client(router.address, timeout=60) as client:
         choices = client.generate_choices(prompts[0], 3, max_tokens=MAX_TOKENS, temperature=0,
@@ -335,7 +341,10 @@ def _check_router(router, reference, expect_backend: str) -> None:
         moved.append(transport.bytes_moved - before)
     assert router.service.num_kv_blocks_skipped >= skipped + 25  # 400 shared tokens
     assert min(moved[1:]) < 0.2 * moved[0], moved
-    assert transport.num_pairs_formed == 1 and transport.num_pairs_dropped == 0
+    assert transport.num_pairs_formed == groups and transport.num_pairs_dropped == 0
+    if not groups:
+        router.assert_nothing_left()
+        return
     # a pair group that broke on one side is dropped on both and formed anew
     (state,) = transport._pairs.values()
     old = state.name
@@ -447,6 +456,6 @@ def test_cuda_auto_picks_the_device_transport_and_equals_the_offline_llm(ray_ses
     try:
         infos = [r.info for p in router.service.pools.values() for r in p.ranks]
         assert all(i.device.startswith("cuda") for i in infos), infos
-        _check_router(router, reference, "nccl" if gpus == 1.0 else "gloo")
+        _check_router(router, reference, "nccl" if gpus == 1.0 else "ipc")
     finally:
         router.close()

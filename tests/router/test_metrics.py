@@ -73,7 +73,8 @@ def run(shared_router, reference):
     after = _scrape(port)
     with Client(router.address, timeout=30) as client:
         timeline = client._stub.GetTimeline(router_pb2.TimelineRequest(since=since), timeout=30)
-    return dict(outs=outs, before=before, after=after, timeline=timeline)
+    return dict(outs=outs, before=before, after=after, timeline=timeline,
+                transport=router.service.transport.name)
 
 
 def test_request_counters_match_what_was_sent(run):
@@ -92,6 +93,8 @@ def test_request_counters_match_what_was_sent(run):
     assert sum(o["last"].timings.kv_bytes for o in outs[:4]) <= moved
     assert moved <= sum(o["last"].timings.kv_bytes for o in outs)
     assert _delta(after, before, "pdserve_kv_handoff_seconds_count") == handoffs
+    paths = {k[1][0][1] for k in after if k[0] == "pdserve_kv_deliveries_total"}
+    assert paths == {run["transport"]}  # ray's deliveries, by their one path
     assert after[("pdserve_requests_in_flight", ())] == 0
 
 
