@@ -9,7 +9,9 @@ two ranks share it, half each), checked and measured as a user meets it:
    (`kv_handoff_span_ms`: first token sampled on the prefill rank -> the decode rank's
    import done);
 3. `pdserve bench serve`'s client at each concurrency: TTFT and ITL medians, output
-   tokens/s.
+   tokens/s;
+4. the hand-offs by the path they took (`kv_paths`, from the router's metrics: on one
+   GPU `cuda_ipc`, unless the driver refused it and a pair group carried them).
 
 Runs on the CPU too (``device="cpu"``, the `cpu-smoke` shape), which is how the suite
 tests it; a GPU only changes the shape and the device.
@@ -20,8 +22,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import random
+import re
+import socket
 import statistics
 import tempfile
+import urllib.request
 from pathlib import Path
 
 from pdserve.bench.datasets import SampleRequest
@@ -98,16 +103,33 @@ def service_check(device: str = "cuda", shape: str = "llama-1b", streams=(1, 16,
         prompts = _prompts(greedy_prompts, prompt_len, vocab)
         offline = _offline_greedy(str(folder), device, prompts, out)
         placement = ("--device", "cuda", "--num-gpus", "0.5") if gpu else ("--device", "cpu")
+        metrics = _free_port()
         with subprocess_router({"mode": "disaggregated", "prefill": 1, "decode": 1},
                                model=str(folder), kv_transport="auto",
                                max_num_seqs=max(streams), start_timeout=start_timeout,
-                               extra_args=placement) as address:
+                               extra_args=(*placement, "--metrics-port", str(metrics))) as address:
             served = _served_greedy(address, prompts, out)
             loads = [_load(address, s, per_stream, prompt_len, out, vocab) for s in streams]
+            paths = kv_paths(metrics)
     equal = [row["tokens"] == want for row, want in zip(served, offline, strict=True)]
     spans = [row["handoff_ms"] for row in served if row["handoff_ms"] > 0]
     return {"device": device, "shape": shape, "prompt_len": prompt_len, "output_len": out,
             "greedy_equal_offline": all(equal), "greedy_equal": equal,
             "handoff_ms": round(statistics.median(spans), 3) if spans else None,
             "kv_bytes": served[0]["kv_bytes"] if served else 0,
-            "load": loads}
+            "kv_paths": paths, "load": loads}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def kv_paths(port: int) -> dict[str, int]:
+    """The router's hand-offs by the path they took (``pdserve_kv_deliveries_total``):
+    on one GPU, ``cuda_ipc`` unless the driver refused it."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    return {m.group(1): int(float(m.group(2))) for m in re.finditer(
+        r'^pdserve_kv_deliveries_total\{path="([^"]+)"\} (\S+)$', text, re.MULTILINE)}

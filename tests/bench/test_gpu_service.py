@@ -13,6 +13,9 @@ def test_the_service_check_runs_end_to_end_on_the_cpu():
                             out=8, greedy_prompts=3)
     assert summary["greedy_equal_offline"] and summary["greedy_equal"] == [True] * 3
     assert summary["handoff_ms"] > 0 and summary["kv_bytes"] > 0  # KV crossed ranks
+    # every request's hand-off, by its path (ray on CPUs; cuda_ipc on one GPU)
+    assert set(summary["kv_paths"]) == {"ray"}
+    assert summary["kv_paths"]["ray"] >= 3 + sum(2 * s for s in (1, 4))
     assert [row["streams"] for row in summary["load"]] == [1, 4]
     for row in summary["load"]:
         assert row["requests"] == 2 * row["streams"]
