@@ -32,13 +32,12 @@ class PoolConfig:
     num_cpus: float = 0.5
     num_gpus: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)
-    # The torch threads each rank's steps may run on; "auto": a decode or normal rank,
-    # the cores its node gives its process shared among the pool's ranks (at least 1;
-    # each decode step then runs on 1 or on all of them, whichever has been faster
-    # lately, so that a decode rank takes a prefill rank's idle core and gives it back
-    # when the prefill rank computes: engine/backends/cpu/thread_tuner.py); a prefill
-    # rank, 1 (its prompt steps take every thread they have, untuned). Decided when the
-    # rank starts.
+    # The torch threads each rank's steps may run on; "auto": the cores its node gives
+    # its process shared among the pool's ranks (at least 1), in every pool: each
+    # decode step then runs on 1 or on all of them, whichever has been faster lately,
+    # so that a decode rank takes a prefill rank's idle core and gives it back when
+    # the prefill rank computes (engine/backends/cpu/thread_tuner.py); a prompt step
+    # runs on all of them. Decided when the rank starts (rank.engine_rank.rank_threads).
     threads: int | str = "auto"
     # The ranks' engine settings (engine/config.py: EngineSettings, the scheduler's
     # policy included); the router sets model_dir and engine_type. A mapping given here

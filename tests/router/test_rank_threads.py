@@ -1,7 +1,7 @@
-"""How many torch threads a rank's steps may run on (PoolConfig.threads): a decode rank
-or normal rank takes its share of its node's cores ("auto"), so that a decode rank's
-steps can borrow an idle prefill rank's core; prefill ranks keep one; a number is taken
-as given."""
+"""How many torch threads a rank's steps may run on (PoolConfig.threads): a rank of any
+pool takes its share of its node's cores among its pool's ranks ("auto"), so that a
+decode rank's steps can borrow an idle prefill rank's cores and a prompt step runs on
+the prefill rank's; a number is taken as given."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from pdserve.router.config import PoolConfig, RouterConfig, load_config
     ("auto", "decode", 3, 16, 5),
     ("auto", "decode", 4, 2, 1),  # more ranks than cores: still one each
     ("auto", "decode", 0, 8, 8),  # a pool scaled to 0 and back starts its first rank
-    ("auto", "prefill", 1, 16, 1),
+    ("auto", "prefill", 1, 16, 16),  # a prompt step on every core it has
+    ("auto", "prefill", 3, 16, 5),
     ("auto", "normal", 1, 2, 2),  # alone on its node: every core
     ("auto", "normal", 2, 2, 1),
     (3, "decode", 1, 2, 3),
@@ -65,5 +66,6 @@ def test_started_ranks_say_their_threads(ray_session, tiny_model_dir):
             await service.stop()
 
     said = asyncio.run(start())
-    # the ranks run on this node: the decode rank's share of its cores is all of them
-    assert said == {"prefill": 1, "decode": len(os.sched_getaffinity(0))}
+    # the ranks run on this node: each pool's one rank's share of its cores is all of them
+    cores = len(os.sched_getaffinity(0))
+    assert said == {"prefill": cores, "decode": cores}
