@@ -89,8 +89,8 @@ def _cores() -> int:
     return os.cpu_count() or 1
 
 
-def rank_threads(setting: int | str, pool: str, pool_size: int, cores: int) -> int:
-    """The torch threads of a rank of ``pool`` (``PoolConfig.threads``): a number as
+def rank_threads(setting: int | str, pool_size: int, cores: int) -> int:
+    """The torch threads of a rank of a pool (``PoolConfig.threads``): a number as
     given; "auto", its share of its node's ``cores`` among the pool's ``pool_size``
     ranks, in every pool. A decode step then runs on 1 thread or on these, whichever
     has been faster lately (a decode rank borrows an idle prefill rank's cores); a
@@ -130,7 +130,7 @@ class EngineRank(GroupMember):
             # Ray sets OMP_NUM_THREADS=1 in actors; choose torch's threads on purpose.
             import torch  # lazy: only a rank gets here; the router imports this module
 
-            torch.set_num_threads(rank_threads(threads, self.pool_name, pool_size, _cores()))
+            torch.set_num_threads(rank_threads(threads, pool_size, _cores()))
         self._init_group(communicator_factory, collective_timeout_s)
         self.engine = self._engine_factory(config, self.group)
         self._reports: list[StepReport] = []

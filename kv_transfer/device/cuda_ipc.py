@@ -29,6 +29,7 @@ pair group.
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -75,34 +76,27 @@ class IpcHandle:
         return f"IpcHandle({self.gpu_uuid!r}, offset={self.offset}, nbytes={self.nbytes})"
 
 
-class _Driver:
-    """The few driver calls used, loaded once (``IpcRefused`` where there is no driver)."""
+@functools.cache
+def _driver() -> Any:
+    """The CUDA driver, loaded once (``IpcRefused`` where there is none)."""
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        raise IpcRefused(f"no CUDA driver: {exc}") from None
 
-    _lock = threading.Lock()
-    _lib: Any = None
 
-    @classmethod
-    def lib(cls) -> Any:
-        with cls._lock:
-            if cls._lib is None:
-                try:
-                    cls._lib = ctypes.CDLL("libcuda.so.1")
-                except OSError as exc:
-                    raise IpcRefused(f"no CUDA driver: {exc}") from None
-            return cls._lib
-
-    @classmethod
-    def call(cls, names: tuple[str, ...], *args: Any) -> None:
-        lib = cls.lib()
-        fn = next((getattr(lib, n) for n in names if hasattr(lib, n)), None)
-        if fn is None:
-            raise IpcRefused(f"the CUDA driver has no {names[0]}")
-        rc = fn(*args)
-        if rc != 0:
-            text = ctypes.c_char_p()
-            lib.cuGetErrorString(rc, ctypes.byref(text))
-            what = (text.value or b"").decode(errors="replace")
-            raise IpcRefused(f"{names[0]} failed: CUDA error {rc} ({what})")
+def _call(names: tuple[str, ...], *args: Any) -> None:
+    """The first of ``names`` the driver has, called; a failure raises ``IpcRefused``."""
+    lib = _driver()
+    fn = next((getattr(lib, n) for n in names if hasattr(lib, n)), None)
+    if fn is None:
+        raise IpcRefused(f"the CUDA driver has no {names[0]}")
+    rc = fn(*args)
+    if rc != 0:
+        text = ctypes.c_char_p()
+        lib.cuGetErrorString(rc, ctypes.byref(text))
+        what = (text.value or b"").decode(errors="replace")
+        raise IpcRefused(f"{names[0]} failed: CUDA error {rc} ({what})")
 
 
 class _Handle(ctypes.Structure):
@@ -140,10 +134,10 @@ def share(tensor: Any, node_id: str, gpu_uuid: str) -> IpcHandle:
         torch.cuda.synchronize(tensor.device)
         ptr = tensor.data_ptr()
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
-        _Driver.call(("cuMemGetAddressRange_v2", "cuMemGetAddressRange"),
+        _call(("cuMemGetAddressRange_v2", "cuMemGetAddressRange"),
                      ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
         handle = _Handle()
-        _Driver.call(("cuIpcGetMemHandle",), ctypes.byref(handle), base)
+        _call(("cuIpcGetMemHandle",), ctypes.byref(handle), base)
     return IpcHandle(node_id, gpu_uuid, bytes(handle.reserved), ptr - base.value,
                      tensor.numel() * tensor.element_size(), size.value)
 
@@ -182,7 +176,7 @@ class Mapper:
             base, users = self._open.get(key, (0, 0))
             if not users:
                 ptr, raw = ctypes.c_uint64(), _Handle.from_buffer_copy(key)
-                _Driver.call(("cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"),
+                _call(("cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"),
                              ctypes.byref(ptr), raw, ctypes.c_uint(_LAZY_ENABLE_PEER_ACCESS))
                 base = ptr.value
             self._open[key] = (base, users + 1)
@@ -194,4 +188,4 @@ class Mapper:
             if users > 1:
                 self._open[key] = (base, users - 1)
                 return
-        _Driver.call(("cuIpcCloseMemHandle",), ctypes.c_uint64(base))
+        _call(("cuIpcCloseMemHandle",), ctypes.c_uint64(base))

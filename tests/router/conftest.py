@@ -171,6 +171,55 @@ def reference(tiny_model_dir):
     return ref
 
 
+@pytest.fixture(scope="session")
+def kill_decode_under_load(reference):
+    """A function: 16 greedy requests (32 tokens each) through ``router``, and a decode
+    rank killed once one holding a request passes ``eligible``; it checks that every
+    request still ends with the offline tokens within 90 s and returns the victim and
+    the prompts' wanted tokens."""
+    import asyncio
+
+    import ray
+
+    from pdserve.router.client import AsyncClient
+
+    def run(router, label: str, eligible=lambda rank: True):
+        n, max_tokens = 16, 32
+        prompts = [f"{label} {i}: the quick brown fox" for i in range(n)]
+        want = reference(prompts, max_tokens)
+        pool = router.service.pools["decode"]
+
+        async def load():
+            async with AsyncClient(router.address, timeout=90) as client:
+                async def one(i):
+                    await asyncio.sleep(0.03 * i)
+                    return await client.generate(prompts[i], max_tokens=max_tokens,
+                                                 temperature=0, ignore_eos=True)
+
+                tasks = [asyncio.create_task(one(i)) for i in range(n)]
+                victim = None
+                for _ in range(3000):
+                    victim = next((r for r in pool.ready() if r.inflight and eligible(r)),
+                                  None)
+                    if victim is not None:
+                        break
+                    await asyncio.sleep(0.005)
+                assert victim is not None, "no decode rank ever held a request"
+                ray.kill(victim.actor, no_restart=True)
+                return victim, await asyncio.gather(*tasks, return_exceptions=True)
+
+        started = time.monotonic()
+        victim, outs = asyncio.run(load())
+        assert time.monotonic() - started < 90
+        for i, out in enumerate(outs):
+            assert not isinstance(out, BaseException), out
+            assert out.finish_reason == "length" and out.token_ids == want[i], (i, out.error)
+        assert victim.state == "dead"
+        return victim, prompts, want
+
+    return run
+
+
 # -- credentials ---------------------------------------------------------------------
 
 

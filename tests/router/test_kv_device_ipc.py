@@ -351,12 +351,9 @@ def test_cuda_a_receiver_that_dies_mapped_leaks_nothing_in_the_sender():
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_cuda_a_decode_rank_killed_during_mapped_hand_offs_costs_no_tokens(
-        ray_session, tiny_model_dir, reference):
+        ray_session, tiny_model_dir, kill_decode_under_load):
     """1P+2D on one GPU: every hand-off mapped; a decode rank killed while they run."""
-    import ray
-
     from pdserve.bench.harness import RouterHarness
-    from pdserve.router.client import AsyncClient
     from pdserve.router.config import PoolConfig, RouterConfig
 
     engine = dict(num_kv_blocks=256, max_num_seqs=32, block_size=16, max_num_batched_tokens=64)
@@ -368,32 +365,9 @@ def test_cuda_a_decode_rank_killed_during_mapped_hand_offs_costs_no_tokens(
                           resources={"decode": 1}, engine=engine))
     router = RouterHarness(config)
     try:
-        n, max_tokens = 16, 32
-        prompts = [f"ipc kill {i}: the quick brown fox" for i in range(n)]
-        want = reference(prompts, max_tokens)
-        transport, pool = router.service.transport, router.service.pools["decode"]
-
-        async def run():
-            async with AsyncClient(router.address, timeout=90) as client:
-                async def one(i):
-                    await asyncio.sleep(0.03 * i)
-                    return await client.generate(prompts[i], max_tokens=max_tokens,
-                                                 temperature=0, ignore_eos=True)
-
-                tasks = [asyncio.create_task(one(i)) for i in range(n)]
-                for _ in range(3000):
-                    victim = next((r for r in pool.ready() if r.inflight), None)
-                    if victim is not None:
-                        break
-                    await asyncio.sleep(0.005)
-                ray.kill(victim.actor, no_restart=True)
-                return await asyncio.gather(*tasks, return_exceptions=True)
-
-        outs = asyncio.run(run())
-        for i, out in enumerate(outs):
-            assert not isinstance(out, BaseException), out
-            assert out.finish_reason == "length" and out.token_ids == want[i], (i, out.error)
-        assert transport.num_mapped >= n and transport.num_pairs_formed == 0
+        _, prompts, _ = kill_decode_under_load(router, "ipc kill")
+        transport = router.service.transport
+        assert transport.num_mapped >= len(prompts) and transport.num_pairs_formed == 0
         router.assert_nothing_left()  # the prefill rank holds no payload or cut copy
     finally:
         router.close()

@@ -368,46 +368,19 @@ def test_device_transport_through_the_router_equals_the_offline_llm(make_router,
         router.close()
 
 
-def test_a_decode_rank_killed_mid_load_costs_no_tokens(make_router, reference):
+def test_a_decode_rank_killed_mid_load_costs_no_tokens(make_router, kill_decode_under_load):
     router = make_router(prefill=1, decode=2, kv_transport="device", collective_timeout_s=3.0,
                          engine=dict(num_kv_blocks=512))
     try:
-        n, max_tokens = 16, 32
-        prompts = [f"device kill {i}: the quick brown fox" for i in range(n)]
-        want = reference(prompts, max_tokens)
-        pool = router.service.pools["decode"]
         transport = router.service.transport
 
-        async def run():
-            async with AsyncClient(router.address, timeout=90) as client:
-                async def one(i):
-                    await asyncio.sleep(0.03 * i)
-                    return await client.generate(prompts[i], max_tokens=max_tokens,
-                                                 temperature=0, ignore_eos=True)
+        def paired(rank):  # a decode rank decoding, its pair group formed
+            return rank.uid in {dst for (_, dst), s in transport._pairs.items() if s.name}
 
-                tasks = [asyncio.create_task(one(i)) for i in range(n)]
-                victim = None
-                for _ in range(3000):  # a decode rank decoding, its pair group formed
-                    paired = {dst for (_, dst), s in transport._pairs.items() if s.name}
-                    victim = next((r for r in pool.ready() if r.inflight and r.uid in paired),
-                                  None)
-                    if victim is not None:
-                        break
-                    await asyncio.sleep(0.005)
-                assert victim is not None, "no decode rank ever held a request"
-                ray.kill(victim.actor, no_restart=True)
-                return victim, await asyncio.gather(*tasks, return_exceptions=True)
-
-        started = time.monotonic()
-        victim, outs = asyncio.run(run())
-        assert time.monotonic() - started < 90
-        for i, out in enumerate(outs):
-            assert not isinstance(out, BaseException), out
-            assert out.finish_reason == "length" and out.token_ids == want[i], (i, out.error)
-        assert victim.state == "dead"
+        _, prompts, want = kill_decode_under_load(router, "device kill", paired)
         assert transport.num_pairs_formed >= 2  # one per decode rank it delivered to
         # the service keeps serving, through pair groups to the ranks alive
-        again = _generate_all(router, prompts[:4], max_tokens=max_tokens)
+        again = _generate_all(router, prompts[:4], max_tokens=32)
         assert [o.token_ids for o in again] == want[:4]
         router.assert_nothing_left()
     finally:

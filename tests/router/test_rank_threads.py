@@ -28,7 +28,7 @@ from pdserve.router.config import PoolConfig, RouterConfig, load_config
     (2, "prefill", 1, 2, 2),
 ])
 def test_rank_threads(setting, pool, pool_size, cores, expected):
-    assert rank_threads(setting, pool, pool_size, cores) == expected
+    assert rank_threads(setting, pool_size, cores) == expected  # one rule for every pool
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, "many", 1.5, None])
