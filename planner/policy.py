@@ -181,21 +181,33 @@ class Planner:
         if left > 0:
             note[name] = f"cooling down ({left:.0f}s left)"
             return None
-        idle_now = self._idle_since is not None
-        if pressure and not idle_now:
+        if self._idle_since is not None:
+            return self._when_idle(at, name, n, low, pressure)
+        if pressure:
             if n >= high:
                 note[name] = f"at its maximum {high}: {pressure}"
                 return None
             return self._grow(at, pool, mem, n + 1, pressure)
-        idle_s = at - self._idle_since if idle_now else 0.0
-        if idle_s >= self.config.cooldown_s and n > low:
-            return Decision(name, n, low, f"idle for {idle_s:.0f}s: back to the minimum")
-        if pressure:  # the samples are of a load that has gone: a new rank would serve nobody
-            note[name] = f"idle now, so not growing on: {pressure}"
-            return None
         if calm and n > low:
             return Decision(name, n, n - 1, calm)
         note[name] = ""
+        return None
+
+    def _when_idle(self, at: float, name: str, n: int, low: int,
+                   pressure: str) -> Decision | None:
+        """An idle service goes back to the minimum after a cooldown of idleness, by this
+        rule alone: nothing grows (the samples are of a load that has gone: a new rank
+        would serve nobody) and nothing steps down by one meanwhile."""
+        idle_s = at - self._idle_since
+        if n > low and idle_s >= self.config.cooldown_s:
+            return Decision(name, n, low, f"idle for {idle_s:.0f}s: back to the minimum")
+        if pressure:
+            self.notes[name] = f"idle now, so not growing on: {pressure}"
+        elif n > low:
+            self.notes[name] = (f"idle for {idle_s:.0f}s: back to the minimum after "
+                                f"{self.config.cooldown_s:.0f}s")
+        else:
+            self.notes[name] = ""
         return None
 
     def _grow(self, at: float, pool: PoolSignals, mem: _PoolMemory, to: int,

@@ -237,6 +237,25 @@ def test_idle_returns_both_pools_to_their_minima():
     assert len(t.decisions) == 2  # and stays there
 
 
+def test_a_load_that_stops_soon_after_a_change_is_judged_idle_not_calm():
+    """The router test's race: prefill grew, the load ran on a little with no new TTFT
+    sample and then stopped. Once the change's cooldown was over, "no recent TTFT sample"
+    stepped prefill down before the idle rule could: idle owns an idle service."""
+    t = Trace()
+    t.run(7, ttft=2.0, itl=0.02)
+    (grown_at, _), = t.of("prefill")
+    t.run(5, itl=0.02)  # in flight, no prompt finished since the change
+    idle_from = t.at + INTERVAL
+    t.run(2, inflight=0)  # the change's cooldown is over, idle for less than one
+    assert grown_at + COOLDOWN <= t.at < idle_from + COOLDOWN
+    assert len(t.of("prefill")) == 1
+    assert t.planner.notes["prefill"].startswith("idle for 5s: back to the minimum after 30s")
+    t.run(5, inflight=0)
+    (at, d), = t.of("prefill")[1:]
+    assert (d.from_replicas, d.to_replicas) == (2, 1) and d.reason.startswith("idle for 30s")
+    assert at == idle_from + COOLDOWN
+
+
 def test_a_breach_measured_on_a_load_that_has_gone_grows_nothing():
     """Bench_autoscale's ttft run: the queue drained, the window still held the long
     TTFTs of the queued prompts, and a third prefill rank started with nothing to do."""
