@@ -32,6 +32,7 @@ import argparse
 import json
 import math
 import re
+import statistics
 import subprocess
 import tempfile
 import time
@@ -134,14 +135,27 @@ def compare(chunk_logits) -> dict:
     equally exact rounding to another (docs/models.md), while the divergence only adds
     up."""
     totals = {"ppl": [0.0, 0], "reference_ppl": [0.0, 0], "kl": [0.0, 0]}  # sum, rows
+    differences = []  # per chunk: ours' mean log-likelihood loss less the reference's
     for ours, theirs, chunk in chunk_logits:
-        for key, (total, n) in (("ppl", score(ours, chunk)), ("reference_ppl", score(theirs, chunk)),
-                                ("kl", divergence(theirs, ours, chunk))):
+        scores = (("ppl", score(ours, chunk)), ("reference_ppl", score(theirs, chunk)),
+                  ("kl", divergence(theirs, ours, chunk)))
+        for key, (total, n) in scores:
             totals[key][0] += total
             totals[key][1] += n
+        differences.append((scores[0][1][0] - scores[1][1][0]) / scores[0][1][1])
     mean = {key: total / n for key, (total, n) in totals.items()}
     return {"ppl": math.exp(mean["ppl"]), "reference_ppl": math.exp(mean["reference_ppl"]),
-            "kl": mean["kl"]}
+            "kl": mean["kl"], "ratio_se": ratio_standard_error(differences)}
+
+
+def ratio_standard_error(differences: list[float]) -> float | None:
+    """The standard error of ln(ppl / reference ppl) from its per-chunk values (chunks
+    of one length): how far the ratio could move on another text of as many chunks. Per
+    chunk, not per token: a chunk's tokens share their context, so their errors are not
+    independent. None below two chunks."""
+    if len(differences) < 2:
+        return None
+    return statistics.stdev(differences) / math.sqrt(len(differences))
 
 
 def pdserve_runner(model: str, token_chunks: list[list[int]], quantization: str = "auto",
@@ -256,8 +270,11 @@ def run(args: argparse.Namespace) -> int:
         result["pdserve_fp32_activations"] = pair["reference_ppl"]
         result["vs_fp32_activations"] = result["pdserve"] / pair["reference_ppl"] - 1
         result["kl_vs_fp32_activations"] = pair["kl"]
+        result["vs_fp32_activations_se"] = pair["ratio_se"]
+        se = ("" if pair["ratio_se"] is None else
+              f" ± {100 * pair['ratio_se']:.4f}% (a standard error over the chunks)")
         print(f"pdserve fp32 activations PPL {pair['reference_ppl']:.4f}  "
-              f"({args.activation_precision} {100 * result['vs_fp32_activations']:+.4f}%; "
+              f"({args.activation_precision} {100 * result['vs_fp32_activations']:+.4f}%{se}; "
               f"mean KL from it {pair['kl']:.2e} nats a token)", flush=True)
     if quantized:
         fp32 = pdserve_runner(model, token_chunks, quantization="none")

@@ -244,6 +244,21 @@ def test_divergence_is_the_mean_kl_over_the_scored_rows():
     assert divergence(q, q, [0, 1, 0, 1])[0] == pytest.approx(0.0, abs=1e-7)
 
 
+def test_the_ratio_comes_with_its_standard_error_over_the_chunks():
+    """Two chunks: in the first every scored token is half as likely as the reference
+    says (ln 2 more a token), in the second as likely: the ratio is exp(ln 2 / 2) and its
+    standard error stdev(ln 2, 0) / sqrt(2) = ln 2 / 2. One chunk: no error."""
+    from pdserve.bench.perplexity import compare
+
+    chunk = [0, 1, 0, 1]  # rows 1 and 2 predict its scored tokens 0 and 1
+    even = torch.log(torch.full((4, 2), 0.5))
+    worse = torch.log(torch.tensor([[0.5, 0.5], [0.25, 0.75], [0.75, 0.25], [0.5, 0.5]]))
+    got = compare([(worse, even, chunk), (even, even, chunk)])
+    assert got["ppl"] / got["reference_ppl"] == pytest.approx(math.exp(math.log(2) / 2))
+    assert got["ratio_se"] == pytest.approx(math.log(2) / 2)
+    assert compare([(worse, even, chunk)])["ratio_se"] is None
+
+
 def test_bench_perplexity_holds_the_chosen_precision_to_fp32_activations(real_model_path,
                                                                          tmp_path):
     """`pdserve bench perplexity --activation-precision int8` writes the figure, fp32
@@ -257,7 +272,7 @@ def test_bench_perplexity_holds_the_chosen_precision_to_fp32_activations(real_mo
     p = argparse.ArgumentParser()
     ppl.add_args(p)
     out = tmp_path / "int8.json"
-    assert ppl.run(p.parse_args(["--model", real_model_path, "--ctx", "64", "--chunks", "1",
+    assert ppl.run(p.parse_args(["--model", real_model_path, "--ctx", "64", "--chunks", "2",
                                  "--activation-precision", "int8", "--out", str(out)])) == 0
     got = json.loads(out.read_text())
     assert got["activation_precision"] == "int8"
@@ -265,3 +280,4 @@ def test_bench_perplexity_holds_the_chosen_precision_to_fp32_activations(real_mo
     assert got["vs_fp32_activations"] == pytest.approx(
         got["pdserve"] / got["pdserve_fp32_activations"] - 1, abs=1e-9)
     assert 0 < got["kl_vs_fp32_activations"] < 5e-3
+    assert 0 < got["vs_fp32_activations_se"] < 1e-2
