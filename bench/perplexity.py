@@ -16,8 +16,8 @@ serve): each chunk in one forward pass (prefill's path: a GGUF file's quantized 
 in place, where it has them, multiplied by int8 activations over an fp16 KV cache by
 default); for a quantized file also the same with fp32 activations over an fp32 cache
 (``activation_precision="fp32"``, ``kv_precision="fp32"``: what the rounded ones are
-held to: its perplexity and the mean KL divergence of the next-token distributions
-from it, the steadier figure) and on its weights dequantized
+held to: its perplexity, with the ratio's standard error over the chunks, and the
+mean KL divergence of the next-token distributions from it, the steadier figure) and on its weights dequantized
 to fp32 (``quantization="none"``, the reference the quantized kernels are held to);
 with ``--decode-steps`` also its scored half one token at a time through the
 decode step, the path a served token takes; ``--transformers`` adds transformers' on
@@ -236,6 +236,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="results/bench_perplexity.json")
 
 
+def _held_to_fp32_activations(result: dict, pair: dict, precision: str) -> None:
+    """Record and print the figure against fp32 activations' (``paired_perplexity``)."""
+    result["pdserve_fp32_activations"] = pair["reference_ppl"]
+    result["vs_fp32_activations"] = result["pdserve"] / pair["reference_ppl"] - 1
+    result["vs_fp32_activations_se"] = pair["ratio_se"]
+    result["kl_vs_fp32_activations"] = pair["kl"]
+    se = ("" if pair["ratio_se"] is None else
+          f" ± {100 * pair['ratio_se']:.4f}% (a standard error over the chunks)")
+    print(f"pdserve fp32 activations PPL {pair['reference_ppl']:.4f}  "
+          f"({precision} {100 * result['vs_fp32_activations']:+.4f}%{se}; "
+          f"mean KL from it {pair['kl']:.2e} nats a token)", flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     model = resolve_model(args.model).path
     text = reference_text()
@@ -267,15 +280,7 @@ def run(args: argparse.Namespace) -> int:
           f"KV cache {result['kv_cache_dtype']})", flush=True)
     reference = result["pdserve"]
     if beside:
-        result["pdserve_fp32_activations"] = pair["reference_ppl"]
-        result["vs_fp32_activations"] = result["pdserve"] / pair["reference_ppl"] - 1
-        result["kl_vs_fp32_activations"] = pair["kl"]
-        result["vs_fp32_activations_se"] = pair["ratio_se"]
-        se = ("" if pair["ratio_se"] is None else
-              f" ± {100 * pair['ratio_se']:.4f}% (a standard error over the chunks)")
-        print(f"pdserve fp32 activations PPL {pair['reference_ppl']:.4f}  "
-              f"({args.activation_precision} {100 * result['vs_fp32_activations']:+.4f}%{se}; "
-              f"mean KL from it {pair['kl']:.2e} nats a token)", flush=True)
+        _held_to_fp32_activations(result, pair, args.activation_precision)
     if quantized:
         fp32 = pdserve_runner(model, token_chunks, quantization="none")
         reference = result["pdserve_fp32"] = pdserve_perplexity(model, token_chunks, runner=fp32)
