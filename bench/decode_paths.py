@@ -34,8 +34,9 @@ order (a noisy neighbour hits all alike) with ``--max-tokens`` decode steps of
 path, its ratio to the fastest path and to the time it takes to read the step's
 weights once at the read bandwidth measured in the same run (after each round: the
 median of the rounds' ratios, each over its own round's bandwidth, since a shared
-machine's drifts by half within minutes), and the fastest path (the choice,
-recorded). Writes JSON (default results/bench_decode_paths.json).
+machine's drifts by half within minutes), the same for the C paths' call alone
+(``DecodeStep.last_call_s``: the step less the Python and torch around it), and the
+fastest path (the choice, recorded). Writes JSON (default results/bench_decode_paths.json).
 """
 
 from __future__ import annotations
@@ -111,18 +112,24 @@ def _engine(model_dir: str, path: str, batch: int, kv_cache_mb: int = 256):
     return engine
 
 
-def _decode_steps(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> list[float]:
+def _decode_steps(engine, prompts: list[list[int]], max_tokens: int, tag: str
+                  ) -> tuple[list[float], list[float]]:
+    """The full-batch decode steps' durations, and those of their C calls (a C path's;
+    else empty)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", p, params)
-    steps = []
+    kernel = getattr(engine.runner.model, "_kernel", None)
+    steps, calls = [], []
     while engine.has_work():
         out = engine.step()
         if out.kind == "decode" and out.num_scheduled_tokens == len(prompts):
             steps.append(out.duration_s)  # full-batch decode steps only
+            if kernel is not None:
+                calls.append(kernel.step.last_call_s)
     if len(steps) < max_tokens - 2:  # a step failed and its requests ended early
         raise RuntimeError(f"{tag}: {len(steps)} full decode steps of {max_tokens}")
-    return steps
+    return steps, calls
 
 
 def run_case(size: str, model_dir: str, batch: int, paths: list[str], args) -> dict:
@@ -140,12 +147,15 @@ def run_case(size: str, model_dir: str, batch: int, paths: list[str], args) -> d
         print(f"  {size} batch {batch}: {path} ready ({time.perf_counter() - t:.1f} s)",
               file=sys.stderr, flush=True)
     medians: dict[str, list[float]] = {p: [] for p in paths}
+    call_medians: dict[str, list[float]] = {p: [] for p in paths if p.startswith("c-")}
     measured: list[dict] = []  # each round's bandwidth: a shared machine's drifts
     for r in range(args.rounds):
         order = paths[r % len(paths):] + paths[:r % len(paths)]
         for path in order:
-            steps = _decode_steps(engines[path], prompts, args.max_tokens, f"r{r}-{path}")
+            steps, calls = _decode_steps(engines[path], prompts, args.max_tokens, f"r{r}-{path}")
             medians[path].append(statistics.median(steps))
+            if path in call_medians:
+                call_medians[path].append(statistics.median(calls))
         measured.append(measure_bandwidth(repeats=3))
     read_gbps = [m["read_GBps"] for m in measured]
     bw = measured[0] | {k: statistics.median(m[k] for m in measured)
@@ -153,9 +163,13 @@ def run_case(size: str, model_dir: str, batch: int, paths: list[str], args) -> d
     bw["read_GBps_per_round"] = read_gbps
     weight_bytes = {p: weight_read_bytes(e.runner.model) for p, e in engines.items()}
     limit_ms = {p: 1e3 * b / (bw["read_GBps"] * 1e9) for p, b in weight_bytes.items()}
-    # each round's step over the weights' read at that round's bandwidth
-    over = {p: statistics.median(s * g * 1e9 / weight_bytes[p] for s, g in zip(v, read_gbps, strict=True))
-            for p, v in medians.items()}
+    def over_read(per_round: dict[str, list[float]]) -> dict[str, float]:
+        """Each round's time over the weights' read at that round's bandwidth."""
+        return {p: statistics.median(s * g * 1e9 / weight_bytes[p]
+                                     for s, g in zip(v, read_gbps, strict=True))
+                for p, v in per_round.items()}
+
+    over, call_over = over_read(medians), over_read(call_medians)
     step_ms = {p: 1e3 * statistics.median(v) for p, v in medians.items()}
     fastest = min(step_ms, key=step_ms.get)
     del engines
@@ -166,6 +180,9 @@ def run_case(size: str, model_dir: str, batch: int, paths: list[str], args) -> d
             "over_fastest": {p: round(v / step_ms[fastest], 2) for p, v in step_ms.items()},
             "weights_once_at_read_bw_ms": {p: round(v, 3) for p, v in limit_ms.items()},
             "over_weight_read": {p: round(v, 2) for p, v in over.items()},
+            # the C paths' call alone: what the Python around it adds is the difference
+            "kernel_ms": {p: round(1e3 * statistics.median(v), 3) for p, v in call_medians.items()},
+            "kernel_over_weight_read": {p: round(v, 2) for p, v in call_over.items()},
             "bandwidth": bw, "fastest": fastest}
 
 
@@ -180,6 +197,11 @@ def format_rows(rows: list[dict]) -> str:
                                               for p in paths) + "   (weights read once at bw)")
         lines.append(f"{'':>12} " + " ".join(f"{r['over_weight_read'][p]:>9.2f}x" for p in paths)
                      + "   (step / weights read once)")
+        kernel = r.get("kernel_over_weight_read", {})
+        if kernel:
+            lines.append(f"{'':>12} " + " ".join(f"{kernel[p]:>9.2f}x" if p in kernel
+                                                  else f"{'-':>10}" for p in paths)
+                         + "   (its C call / weights read once)")
     return "\n".join(lines)
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -182,6 +183,8 @@ class DecodeStep:
         self._work = torch.empty(0)
         self._times: torch.Tensor | None = None  # float64 [2, phases] while profiling
         self._profiled_steps = 0
+        # The last step's C call alone, without the Python around it (bench/decode_paths)
+        self.last_call_s = 0.0
 
     def start_profile(self) -> None:
         """Time each phase of the following steps (thread 0: work, then barrier wait)."""
@@ -260,13 +263,16 @@ class DecodeStep:
         if with_logits and self.lm_head is None:
             raise ValueError("this DecodeStep was built without an LM head")
         logits = h.new_empty(n, self.vocab_size) if with_logits else None
+        pointers = self._layer_pointers(k_stores, v_stores).data_ptr()
+        start = time.perf_counter()
         rc = lib.decode_step(
-            dims.data_ptr(), self._layer_pointers(k_stores, v_stores).data_ptr(), _ptr(h),
+            dims.data_ptr(), pointers, _ptr(h),
             _ptr(cos), _ptr(sin), tables.data_ptr(), states.data_ptr(), positions.data_ptr(),
             _ptr(self.final_norm), _ptr(out),
             self._lm_head_descriptor if with_logits else None, self.vocab_size, _ptr(logits),
             self._work.data_ptr(), d.eps, d.scale, threads,
             None if self._times is None else self._times.data_ptr())
+        self.last_call_s = time.perf_counter() - start
         if rc == -1:
             raise MemoryError("decode_step could not allocate its work counters")
         if rc <= -2:

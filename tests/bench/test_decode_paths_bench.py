@@ -30,3 +30,7 @@ def test_decode_paths_rates_each_round_against_its_own_bandwidth(tmp_path):
                                      strict=True)]
         assert min(per_round) - 0.01 <= row["over_weight_read"][path] <= max(per_round) + 0.01
     assert row["fastest"] in (c_paths[0], "eager")
+    # the C call alone, timed inside the step: shorter than the step, and only C paths
+    assert list(row["kernel_ms"]) == [c_paths[0]] == list(row["kernel_over_weight_read"])
+    assert 0 < row["kernel_ms"][c_paths[0]] < row["step_ms"][c_paths[0]]
+    assert 0 < row["kernel_over_weight_read"][c_paths[0]] < row["over_weight_read"][c_paths[0]]
