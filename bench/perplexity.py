@@ -137,12 +137,12 @@ def compare(chunk_logits) -> dict:
     totals = {"ppl": [0.0, 0], "reference_ppl": [0.0, 0], "kl": [0.0, 0]}  # sum, rows
     differences = []  # per chunk: ours' mean log-likelihood loss less the reference's
     for ours, theirs, chunk in chunk_logits:
-        scores = (("ppl", score(ours, chunk)), ("reference_ppl", score(theirs, chunk)),
-                  ("kl", divergence(theirs, ours, chunk)))
-        for key, (total, n) in scores:
+        (nll, n), (reference_nll, _) = score(ours, chunk), score(theirs, chunk)
+        for key, (total, rows) in (("ppl", (nll, n)), ("reference_ppl", (reference_nll, n)),
+                                   ("kl", divergence(theirs, ours, chunk))):
             totals[key][0] += total
-            totals[key][1] += n
-        differences.append((scores[0][1][0] - scores[1][1][0]) / scores[0][1][1])
+            totals[key][1] += rows
+        differences.append((nll - reference_nll) / n)
     mean = {key: total / n for key, (total, n) in totals.items()}
     return {"ppl": math.exp(mean["ppl"]), "reference_ppl": math.exp(mean["reference_ppl"]),
             "kl": mean["kl"], "ratio_se": ratio_standard_error(differences)}

@@ -135,7 +135,7 @@ def share(tensor: Any, node_id: str, gpu_uuid: str) -> IpcHandle:
         ptr = tensor.data_ptr()
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
         _call(("cuMemGetAddressRange_v2", "cuMemGetAddressRange"),
-                     ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+              ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
         handle = _Handle()
         _call(("cuIpcGetMemHandle",), ctypes.byref(handle), base)
     return IpcHandle(node_id, gpu_uuid, bytes(handle.reserved), ptr - base.value,
@@ -177,7 +177,7 @@ class Mapper:
             if not users:
                 ptr, raw = ctypes.c_uint64(), _Handle.from_buffer_copy(key)
                 _call(("cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"),
-                             ctypes.byref(ptr), raw, ctypes.c_uint(_LAZY_ENABLE_PEER_ACCESS))
+                      ctypes.byref(ptr), raw, ctypes.c_uint(_LAZY_ENABLE_PEER_ACCESS))
                 base = ptr.value
             self._open[key] = (base, users + 1)
             return base

@@ -14,20 +14,17 @@ from pdserve.rank.engine_rank import rank_threads
 from pdserve.router.config import PoolConfig, RouterConfig, load_config
 
 
-@pytest.mark.parametrize(("setting", "pool", "pool_size", "cores", "expected"), [
-    ("auto", "decode", 1, 2, 2),  # 1P+1D on two cores: the decode rank may take both
-    ("auto", "decode", 2, 2, 1),
-    ("auto", "decode", 3, 16, 5),
-    ("auto", "decode", 4, 2, 1),  # more ranks than cores: still one each
-    ("auto", "decode", 0, 8, 8),  # a pool scaled to 0 and back starts its first rank
-    ("auto", "prefill", 1, 16, 16),  # a prompt step on every core it has
-    ("auto", "prefill", 3, 16, 5),
-    ("auto", "normal", 1, 2, 2),  # alone on its node: every core
-    ("auto", "normal", 2, 2, 1),
-    (3, "decode", 1, 2, 3),
-    (2, "prefill", 1, 2, 2),
+@pytest.mark.parametrize(("setting", "pool_size", "cores", "expected"), [
+    ("auto", 1, 2, 2),  # 1P+1D on two cores: each rank may take both
+    ("auto", 2, 2, 1),
+    ("auto", 3, 16, 5),
+    ("auto", 4, 2, 1),  # more ranks than cores: still one each
+    ("auto", 0, 8, 8),  # a pool scaled to 0 and back starts its first rank
+    ("auto", 1, 16, 16),  # a prompt step on every core it has
+    (3, 1, 2, 3),
+    (2, 1, 2, 2),
 ])
-def test_rank_threads(setting, pool, pool_size, cores, expected):
+def test_rank_threads(setting, pool_size, cores, expected):
     assert rank_threads(setting, pool_size, cores) == expected  # one rule for every pool
 
 
