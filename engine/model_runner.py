@@ -153,6 +153,9 @@ class ModelRunner:
         self.backend = select_backend(backend, self.model, self.kv_cache, kv_cache_bytes,
                                       adaptive_threads, max_num_seqs)
         self._gen = torch.Generator().manual_seed(seed)
+        # Seeds a greedy step would have drawn: taken before the next draw (one call then,
+        # none in a greedy step, where a draw cost ~26-46 µs with the caches swept)
+        self._owed_draws = 0
         self._fingerprint: str | None = None
         self._tokenizer = None
 
@@ -298,19 +301,26 @@ class ModelRunner:
         want = [i for i, r in enumerate(rows) if r.sample]
         extra = [(j, sp) for j, i in enumerate(want) for sp in rows[i].extra_draws]
         out: list[int | None] = [None] * (len(rows) + len(extra))
+        wanted = [rows[i] for i in want]
         with self.backend.step_scope(rows):
-            logits = self._logits(rows, want)
+            # each row's token is its argmax: the step may take it while the logits are hot
+            plain = bool(want) and not extra and all(
+                r.sampling.temperature == 0 and r.controls is None for r in wanted)
+            logits, argmax = self.backend.run(self.model, rows, want, plain)
             if not want:
                 return out, None
-            wanted = [rows[i] for i in want]
             if extra:  # a fork's draw: its parent row's logits under the fork's settings
                 logits = logits.index_select(0, torch.tensor(
                     [*range(len(want)), *(j for j, _ in extra)], device=logits.device))
                 wanted += [dataclass_replace(wanted[j], sampling=sp, extra_draws=())
                            for j, sp in extra]
-            controlled = apply_controls(logits, [r.sampling for r in wanted],
-                                        [r.controls for r in wanted])
-            sampled = self._sample(controlled, wanted)
+            if argmax is not None:
+                self._owe_draws(len(wanted))  # as _sample's greedy path
+                sampled = argmax
+            else:
+                controlled = apply_controls(logits, [r.sampling for r in wanted],
+                                            [r.controls for r in wanted])
+                sampled = self._sample(controlled, wanted)
             ask = [j for j, r in enumerate(wanted) if r.sampling.logprobs is not None]
             logprobs = self._logprobs(logits, sampled, wanted, ask) if ask else None
             tokens = sampled.tolist()
@@ -348,29 +358,36 @@ class ModelRunner:
         """Run the step (writing KV like ``execute``) and return fp32 logits [B, V] at
         each row's last query position, whatever its ``sample`` flag."""
         with self.backend.step_scope(rows):
-            return self._logits(rows, list(range(len(rows))))
+            return self.backend.run(self.model, rows, list(range(len(rows)))).values
 
     # ---- internals -------------------------------------------------------------
-    def _logits(self, rows: list[RunnerRow], want: list[int]) -> torch.Tensor | None:
-        """fp32 logits [len(want), V] at the last query token of each row in ``want``
-        (the step still writes every row's K/V); None when ``want`` is empty."""
-        return self.backend.run(self.model, rows, want)
 
     def prepare(self, rows: list[RunnerRow]):
         """Flat tokens/positions, attention metadata and each row's last token index
         for a step (on the device), as the backend builds them."""
         return self.backend.prepare(rows)
 
+    def _owe_draws(self, n: int) -> None:
+        self._owed_draws += n
+        if self._owed_draws >= _MAX_OWED_DRAWS:  # a long greedy run: settle in bounded calls
+            self._fresh_seeds(0)
+
+    def _fresh_seeds(self, n: int) -> torch.Tensor:
+        """n seeds from the generator, after those owed by greedy steps: the same values
+        as drawing each step's seeds in turn (CPU draws are sequential)."""
+        owed, self._owed_draws = self._owed_draws, 0
+        return torch.randint(-(2**62), 2**62, (owed + n,), generator=self._gen)[owed:]
+
     def _sample(self, logits: torch.Tensor, rows: list[RunnerRow]) -> torch.Tensor:
         sp = [r.sampling for r in rows]
         if all(p.temperature == 0 for p in sp):
             # All greedy: argmax is the whole answer; skip building five per-row
-            # settings tensors. The generator still advances exactly as on the general
-            # path, so later unseeded draws do not depend on which path ran.
-            torch.randint(-(2**62), 2**62, (len(rows),), generator=self._gen)
+            # settings tensors. The generator still owes the draws of the general path,
+            # so later unseeded draws do not depend on which path ran.
+            self._owe_draws(len(rows))
             return greedy(logits)
         n = len(rows)
-        fresh = torch.randint(-(2**62), 2**62, (n,), generator=self._gen)
+        fresh = self._fresh_seeds(n)
         seeds = torch.tensor(
             [_seed64(p.seed) if p.seed is not None else int(fresh[i]) for i, p in enumerate(sp)],
             dtype=torch.long)
@@ -385,6 +402,9 @@ class ModelRunner:
             min_p=(torch.tensor([p.min_p for p in sp], dtype=torch.float32, device=dev)
                    if any(p.min_p > 0 for p in sp) else None),
         )
+
+
+_MAX_OWED_DRAWS = 4096  # 32 KiB of seeds drawn at once, at most
 
 
 def _seed64(seed: int) -> int:

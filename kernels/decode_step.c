@@ -13,10 +13,12 @@
 #include <string.h>
 #include <time.h>
 
+#include "argmax_row.h"
 #include "dot_block.h"
 
 enum { D_ROWS, D_HIDDEN, D_Q_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_LAYERS, D_BLOCK_SIZE,
-       D_NUM_BLOCKS, D_TABLE_WIDTH, D_MAX_LEN, D_RING_LEN, D_STATE_SLOTS, D_KV_HALF, D_COUNT };
+       D_NUM_BLOCKS, D_TABLE_WIDTH, D_MAX_LEN, D_RING_LEN, D_STATE_SLOTS, D_KV_HALF, D_VOCAB,
+       D_COUNT };
 /* Per layer: weights, then its K/V store: paged blocks [NUM_BLOCKS, BLOCK_SIZE, Hk, D]
  * when P_WINDOW is 0, else the sliding-window rings [STATE_SLOTS * RING_LEN, Hk, D];
  * fp32, or fp16 where dims[D_KV_HALF] (a 16-bit cache). */
@@ -24,7 +26,7 @@ enum { P_LN, P_QKV, P_QKV_B, P_O, P_O_B, P_LN2, P_GATE_UP, P_GATE_UP_B, P_DOWN, 
        P_Q_NORM, P_K_NORM, P_K_STORE, P_V_STORE, P_WINDOW, P_COUNT };
 
 enum { PH_NORM, PH_QKV, PH_ATTENTION, PH_O, PH_POST_NORM, PH_GATE_UP, PH_SILU_MUL, PH_DOWN,
-       PH_LM_HEAD, PH_COUNT };
+       PH_LM_HEAD, PH_GREEDY, PH_COUNT };
 
 #define SPINS_BEFORE_YIELD 2000 /* ~0.1 ms of pause instructions */
 
@@ -228,24 +230,29 @@ int64_t decode_step_workspace(const int64_t *dims, int64_t threads) {
            threads * thread_floats(dims);
 }
 
-/* h [n, H]: the embedded tokens in, the last layer's output out (before the final norm);
- * out [n, H]: after the final norm. cos/sin [n, D] (sin signed); tables [n, TABLE_WIDTH]:
+/* tokens [n]: the rows' tokens, each below dims[D_VOCAB], looked up in `embedding` (its
+ * format W_FP32: rows [VOCAB, H]; else quantized panels whose columns are the rows: a
+ * tied LM head's) into h [n, H], the residual stream, which ends as the last layer's
+ * output (before the final norm); out [n, H]: after the final norm. cos/sin [MAX_LEN,
+ * D]: RopeTable's tables (sin signed), row pos[r] for row r; tables [n, TABLE_WIDTH]:
  * each row's block table (paged layers); states [n]: its state slot (ring layers); pos
  * [n]: the position each row writes (pos < MAX_LEN; it attends to [0, pos], or to its
  * last `window` positions in a sliding-window layer, whose ring row pos % RING_LEN it
  * overwrites: the position window-or-more before, which no query needs again).
  * layers: P_COUNT pointers per layer (biases may be 0; a matmul's is to its Weight).
- * lm_head: NULL, or the LM head's Weight for `vocab` outputs, whose logits [n, vocab] are then written to `logits`.
+ * lm_head: NULL, or the LM head's Weight for `vocab` outputs, whose logits [n, vocab] are
+ * then written to `logits`, and with `greedy` (else NULL) each row's first largest logit's
+ * index to greedy [n] (argmax_row.h: torch.argmax's answer).
  * times: NULL, or 2 * PH_COUNT doubles that thread 0's phase times are added to (see
  * end_phase). Returns 0; -1 when the work counters could not be allocated; -2 - r when
- * row r's position or a block id it reads is outside dims' bounds (nothing is written
- * then). */
-int decode_step(const int64_t *dims, const int64_t *layers, float *h, const float *cos,
-                const float *sin, const int64_t *tables, const int64_t *states,
-                const int64_t *pos,
+ * row r's token, position or a block id it reads is outside dims' bounds (nothing is
+ * written then). */
+int decode_step(const int64_t *dims, const int64_t *layers, const int64_t *tokens,
+                const Weight *embedding, float *h, const float *cos, const float *sin,
+                const int64_t *tables, const int64_t *states, const int64_t *pos,
                 const float *norm_w, float *out, const Weight *lm_head, int64_t vocab,
-                float *logits, float *work, double eps_d, double scale_d, int threads,
-                double *times) {
+                float *logits, int64_t *greedy, float *work, double eps_d, double scale_d,
+                int threads, double *times) {
     const int64_t n = dims[D_ROWS], H = dims[D_HIDDEN], hq = dims[D_Q_HEADS];
     const int64_t hk = dims[D_KV_HEADS], D = dims[D_HEAD_DIM], I = dims[D_INTER];
     const int64_t L = dims[D_LAYERS], bs = dims[D_BLOCK_SIZE], tw = dims[D_TABLE_WIDTH];
@@ -264,7 +271,7 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
     }
     /* A bad index would read or write outside the cache: refuse the step instead. */
     for (int64_t r = 0; r < n; r++) {
-        int bad = pos[r] < 0 || pos[r] >= max_len;
+        int bad = pos[r] < 0 || pos[r] >= max_len || tokens[r] < 0 || tokens[r] >= dims[D_VOCAB];
         if (paged) bad = bad || pos[r] / bs >= tw;
         for (int64_t b = 0; paged && !bad && b <= pos[r] / bs; b++)
             bad = tables[r * tw + b] < 0 || tables[r * tw + b] >= dims[D_NUM_BLOCKS];
@@ -292,8 +299,15 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
         float *scores = mine + 4 * (tw + 2), *q = scores + GROUP_ROWS * hq * max_len;
         void *qmem = mine + thread_floats(dims) - qrows_floats(dims);
         double mark = times && t == 0 ? now_ns() : 0.0;
-        for (int64_t r = t; r < n; r += nt)
+        for (int64_t r = t; r < n; r += nt) {
+            if (embedding->format == W_FP32)
+                memcpy(h + r * H, (const float *)embedding->values + tokens[r] * H, H * sizeof(float));
+            else
+                q_column(&(QPanels){(const uint8_t *)embedding->values, embedding->bk, embedding->bits,
+                                    embedding->offsets, embedding->scale_bytes},
+                         embedding->format == W_DOTS, H, tokens[r], h + r * H);
             rms_norm_row(h + r * H, (const float *)layers[P_LN], H, eps, x + r * H);
+        }
         void *ready = quantize_made((const Weight *)layers[P_QKV], x, n, H, t, nt, shared_q);
         end_phase(&barrier, t, nt, times, PH_NORM, &mark);
         for (int64_t l = 0; l < L; l++) {
@@ -311,7 +325,7 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
             for (int64_t r; (r = __atomic_fetch_add(next + 4 * item, 1, __ATOMIC_RELAXED)) < n;) {
                 const int64_t *table = tables + r * tw;
                 float *row = qkv + r * W;
-                const float *c = cos + r * D, *s = sin + r * D;
+                const float *c = cos + pos[r] * D, *s = sin + pos[r] * D;
                 const int64_t dest = !window ? table[pos[r] / bs] * bs + pos[r] % bs
                                              : states[r] * R + pos[r] % R;
                 /* Qwen3: each q and k head is RMS-normalised before the rotation. */
@@ -417,6 +431,10 @@ int decode_step(const int64_t *dims, const int64_t *layers, float *h, const floa
         if (lm_head) {  /* x holds the final-normed rows (padded to whole blocks) */
             matmul(counters + 6 * L * item, t, nt, x, n, H, lm_head, vocab, NULL, logits, 0, qmem, ready);
             end_phase(&barrier, t, nt, times, PH_LM_HEAD, &mark);
+            if (greedy) {
+                for (int64_t r = t; r < n; r += nt) greedy[r] = row_argmax(logits + r * vocab, vocab);
+                end_phase(&barrier, t, nt, times, PH_GREEDY, &mark);
+            }
         }
     }
     free(counters);

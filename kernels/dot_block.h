@@ -405,4 +405,62 @@ static inline void matmul_pairs_dots(const QRows *qx, int64_t M, int64_t K, cons
     }
 }
 
+/* Where panel row k's value of column col starts in a record's values: its byte, and
+ * the shift to its nibble (bits 4). dots: the dot-product layout above. */
+static inline int64_t q_value_at(int64_t k, int64_t col, int64_t bits, int64_t dots, int *shift) {
+    *shift = 0;
+    if (dots) {
+        const int64_t per_tile = bits == 4 ? 8 : 4;
+        if (bits == 4) *shift = k % 8 >= 4 ? 4 : 0;
+        return k / per_tile * DOT_TILE + col * 4 + k % 4;
+    }
+    if (bits == 4) {
+        *shift = k % 2 ? 4 : 0;
+        return k / 2 * PANEL + col;
+    }
+    return (k * PANEL + col) * q_column_bytes(bits);
+}
+
+/* Column id of quantized panels [K values] as the row out: an embedding lookup in a tied
+ * LM head's records. Each value is scale * q, then + offset, rounded after each
+ * (volatile: no FMA), as numpy and QuantRows.dequantize compute them, so the row equals
+ * the dequantized weight's bit for bit. */
+static void q_column(const QPanels *w, int64_t dots, int64_t K, int64_t id, float *out) {
+    const int64_t bk = w->bk, bits = w->bits, sb = w->scale_bytes;
+    const int64_t rec = q_record_bytes(w), hdr = q_header_bytes(w->offsets, sb);
+    const int64_t pair = id / PAIR_COLS, panel = id % PAIR_COLS / PANEL, col = id % PANEL;
+    const int64_t blocks = K / bk;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *r = w->records + ((pair * blocks + b) * 2 + panel) * rec;
+        float scale, offset = 0.0f;
+        if (sb == 4) {
+            memcpy(&scale, r + col * 4, 4);
+            if (w->offsets) memcpy(&offset, r + (PANEL + col) * 4, 4);
+        } else {
+            uint16_t h;
+            memcpy(&h, r + col * 2, 2);
+            scale = half_to_float(h);
+            if (w->offsets) {
+                memcpy(&h, r + (PANEL + col) * 2, 2);
+                offset = half_to_float(h);
+            }
+        }
+        for (int64_t k = 0; k < bk; k++) {
+            float q;
+            int shift;
+            const uint8_t *at = r + hdr + q_value_at(k, col, bits, dots, &shift);
+            if (bits == 16) {
+                uint16_t half;
+                memcpy(&half, at, 2);
+                const uint32_t u = (uint32_t)half << 16;
+                memcpy(&q, &u, 4);
+            } else {
+                q = bits == 4 ? (float)((*at >> shift) & 15) : (float)(int8_t)*at;
+            }
+            volatile float scaled = scale * q;
+            out[b * bk + k] = w->offsets ? scaled + offset : scaled;
+        }
+    }
+}
+
 #endif

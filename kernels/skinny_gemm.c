@@ -58,68 +58,14 @@ int skinny_gemm_dots(const float *x, int64_t M, int64_t K, const uint8_t *record
     return 0;
 }
 
-/* Where panel row k's value of column col starts in a record's values: its byte, and
- * the shift to its nibble (bits 4). dots: the dot-product layout (dot_block.h). */
-static inline int64_t q_value_at(int64_t k, int64_t col, int64_t bits, int64_t dots, int *shift) {
-    *shift = 0;
-    if (dots) {
-        const int64_t per_tile = bits == 4 ? 8 : 4;
-        if (bits == 4) *shift = k % 8 >= 4 ? 4 : 0;
-        return k / per_tile * DOT_TILE + col * 4 + k % 4;
-    }
-    if (bits == 4) {
-        *shift = k % 2 ? 4 : 0;
-        return k / 2 * PANEL + col;
-    }
-    return (k * PANEL + col) * q_column_bytes(bits);
-}
-
-/* Columns ids[0..n) of quantized panels as rows of out [n, K]: an embedding lookup in
- * a tied LM head's records. Each value is scale * q, then + offset, rounded after each
- * (volatile: no FMA), as numpy and QuantRows.dequantize compute them, so a row equals
- * the dequantized weight's bit for bit. Returns 0, or -1 for an id outside [0, N). */
+/* Columns ids[0..n) of quantized panels as rows of out [n, K] (dot_block.h's q_column
+ * each). Returns 0, or -1 for an id outside [0, N). */
 int q_gather_columns(const uint8_t *records, int64_t bk, int64_t bits, int64_t offsets,
                      int64_t scale_bytes, int64_t dots, int64_t K, int64_t N, const int64_t *ids,
                      int64_t n, float *out) {
     const QPanels w = {records, bk, bits, offsets, scale_bytes};
-    const int64_t rec = q_record_bytes(&w), hdr = q_header_bytes(offsets, scale_bytes);
-    const int64_t blocks = K / bk;
     for (int64_t i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= N) return -1;
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t pair = ids[i] / PAIR_COLS, panel = ids[i] % PAIR_COLS / PANEL;
-        const int64_t col = ids[i] % PANEL;
-        for (int64_t b = 0; b < blocks; b++) {
-            const uint8_t *r = records + ((pair * blocks + b) * 2 + panel) * rec;
-            float scale, offset = 0.0f;
-            if (scale_bytes == 4) {
-                memcpy(&scale, r + col * 4, 4);
-                if (offsets) memcpy(&offset, r + (PANEL + col) * 4, 4);
-            } else {
-                uint16_t h;
-                memcpy(&h, r + col * 2, 2);
-                scale = half_to_float(h);
-                if (offsets) {
-                    memcpy(&h, r + (PANEL + col) * 2, 2);
-                    offset = half_to_float(h);
-                }
-            }
-            for (int64_t k = 0; k < bk; k++) {
-                float q;
-                int shift;
-                const uint8_t *at = r + hdr + q_value_at(k, col, bits, dots, &shift);
-                if (bits == 16) {
-                    uint16_t half;
-                    memcpy(&half, at, 2);
-                    const uint32_t u = (uint32_t)half << 16;
-                    memcpy(&q, &u, 4);
-                } else {
-                    q = bits == 4 ? (float)((*at >> shift) & 15) : (float)(int8_t)*at;
-                }
-                volatile float scaled = scale * q;
-                out[i * K + b * bk + k] = offsets ? scaled + offset : scaled;
-            }
-        }
-    }
+    for (int64_t i = 0; i < n; i++) q_column(&w, dots, K, ids[i], out + i * K);
     return 0;
 }

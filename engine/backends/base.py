@@ -9,7 +9,8 @@ A backend is a metadata builder plus a per-layer forward (vLLM v1's split):
   cache, the step's K/V written first;
 - ``ops``: the layer's small ops (RMSNorm with the residual add, rotary, SiLU times up)
   as the device runs them best;
-- ``run(model, rows, want)``: the step's logits (a decode step may replay a graph).
+- ``run(model, rows, want, greedy)``: the step's logits (a decode step may replay a
+  graph), and where asked and the step can, each row's argmax of them (``StepLogits``).
 
 The model (``engine/model/llama.py``) calls only these; it holds no device tests. The CPU
 backend (``cpu/``) keeps the C decode step, the contiguous decode K/V and the thread
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from contextlib import nullcontext
+from typing import NamedTuple
 
 import torch
 
@@ -55,6 +57,16 @@ class LayerOps:
         return torch.nn.functional.silu(gu[:, :i]).mul_(gu[:, i:])  # in place: one fewer [T, I]
 
 
+class StepLogits(NamedTuple):
+    """What a step hands the sampler: fp32 logits [len(want), V] at the last token of
+    each row in ``want`` (None when ``want`` is empty), and, when the caller asked
+    (``greedy``) and the step could, each row's first largest logit's index [len(want)],
+    computed while the logits were in cache (else None: the caller takes it)."""
+
+    values: torch.Tensor | None
+    greedy: torch.Tensor | None = None
+
+
 class AttentionBackend(ABC):
     """See the module docstring."""
 
@@ -78,9 +90,10 @@ class AttentionBackend(ABC):
                 meta, scale: float) -> torch.Tensor: ...
 
     @abstractmethod
-    def run(self, model, rows, want: list[int]) -> torch.Tensor | None:
-        """fp32 logits [len(want), V] at the last token of each row in ``want`` (every
-        row's K/V written); None when ``want`` is empty."""
+    def run(self, model, rows, want: list[int], greedy: bool = False) -> StepLogits:
+        """The logits at the last token of each row in ``want`` (every row's K/V written);
+        with ``greedy`` (each row's token will be its argmax), that argmax too where the
+        step computes it."""
 
 
 class ReferenceAttention:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine.model.quantized_weights import QuantEmbedding
 from pdserve.kernels import decode_step
 from pdserve.kernels.attention import AttentionMetadata
 from pdserve.kernels.kv_cache import KVCache
@@ -41,8 +42,13 @@ def build(model, isa: str | None = None) -> KernelDecode | None:
         q_norm=ly.self_attn.q_norm.weight if cfg.qk_norm else None,
         k_norm=ly.self_attn.k_norm.weight if cfg.qk_norm else None)
         for ly, (qkv, o, gu, down) in zip(layers, mats, strict=True)]
+    embed = model.model.embed_tokens
+    embedding = embed.quant if isinstance(embed, QuantEmbedding) else embed.weight
+    if not isinstance(embed, QuantEmbedding) and (embedding.dtype != torch.float32
+                                                   or not embedding.is_contiguous()):
+        return None
     head = model.logits_proj  # its bias, if any, stays with the torch path
-    step = decode_step.DecodeStep(dims, weights, model.model.norm.weight,
+    step = decode_step.DecodeStep(dims, weights, model.model.norm.weight, embedding,
                                   _weight(head) if head.bias is None else None, head.out_features,
                                   cfg.layer_windows, isa)
     return KernelDecode(model, step)
@@ -58,6 +64,7 @@ class KernelDecode:
     def __init__(self, model, step: decode_step.DecodeStep):
         self.model = model
         self.step = step
+        self._bound: tuple[KVCache, decode_step.Stores] | None = None  # the cache last read
 
     @staticmethod
     def supports(cache: KVCache, meta: AttentionMetadata) -> bool:
@@ -76,18 +83,22 @@ class KernelDecode:
         """Can ``run`` end with the logits (the LM head has panels and no bias)?"""
         return self.step.lm_head is not None
 
+    def stores(self, cache: KVCache) -> decode_step.Stores:
+        """The step's binding of ``cache`` (its stores are allocated once: bound once)."""
+        if self._bound is None or self._bound[0] is not cache:
+            # Each layer's store: its paged blocks, or its rings (sliding window).
+            ks = [b if b is not None else r for b, r in zip(cache.k_blocks, cache.k_ring, strict=True)]
+            vs = [b if b is not None else r for b, r in zip(cache.v_blocks, cache.v_ring, strict=True)]
+            self._bound = (cache, self.step.bind(ks, vs, cache.ring_len))
+        return self._bound[1]
+
     @torch.inference_mode()
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-            meta: AttentionMetadata,
-            with_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Final hidden states [n, hidden], and the logits when ``with_logits`` (only
-        where ``has_logits``), else None."""
-        m = self.model
-        h = m.model.embed_tokens(tokens)
-        cos, sin = m.rope.cos_sin(positions, h.dtype, meta.max_position, signed=True)
+            meta: AttentionMetadata, logits: bool = False,
+            greedy: bool = False) -> decode_step.DecodeOutput:
+        """Final hidden states [n, hidden]; the logits when ``logits`` and each row's argmax
+        when ``greedy`` (only where ``has_logits``), else None."""
+        cos, sin = self.model.rope.tables(torch.float32, meta.max_position)
         g = meta.groups[0]
-        # Each layer's store: its paged blocks, or its rings (sliding window).
-        ks = [b if b is not None else r for b, r in zip(cache.k_blocks, cache.k_ring, strict=True)]
-        vs = [b if b is not None else r for b, r in zip(cache.v_blocks, cache.v_ring, strict=True)]
-        return self.step.run(h, cos, sin, positions, meta.max_position + 1, ks, vs,
-                             g.block_tables, g.state_slots, cache.ring_len, with_logits)
+        return self.step.run(tokens, positions, meta.max_position + 1, self.stores(cache), cos,
+                             sin, g.block_tables, g.state_slots, logits, greedy)

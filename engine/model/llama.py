@@ -359,7 +359,7 @@ class CausalLM(nn.Module):
         eager."""
         k = getattr(self, "_kernel", None)
         if k is not None and k.supports(cache, meta):
-            return k.run(tokens, positions, cache, meta)[0]
+            return k.run(tokens, positions, cache, meta).hidden
         c = getattr(self, "_compiled", None)
         if c is None or not c.supports(cache, meta):
             return self(tokens, positions, cache, meta)
@@ -367,13 +367,16 @@ class CausalLM(nn.Module):
             return c.run(tokens, positions, cache, meta)
 
     def decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                      meta: AttentionMetadata) -> torch.Tensor:
+                      meta: AttentionMetadata, greedy: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``compute_logits(forward_decode(...))``, with the LM head inside the C decode
-        step where it runs the step (one call instead of two)."""
+        step where it runs the step (one call instead of two); and with ``greedy``, where
+        the C step runs, each row's argmax of the logits from the same call (else None)."""
         k = getattr(self, "_kernel", None)
         if k is not None and k.has_logits and k.supports(cache, meta):
-            return k.run(tokens, positions, cache, meta, with_logits=True)[1]
-        return self.compute_logits(self.forward_decode(tokens, positions, cache, meta))
+            out = k.run(tokens, positions, cache, meta, logits=True, greedy=greedy)
+            return out.logits, out.greedy
+        return self.compute_logits(self.forward_decode(tokens, positions, cache, meta)), None
 
     def gather_swept_weights(self) -> Arena | None:
         """Move what a decode step reads of every matmul into one allocation on 2 MiB

@@ -161,6 +161,35 @@ def test_decode_kernel_logits_equal_torch(tiny_dirs, h, isa):
     assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
+@needs_kernel
+@every_isa
+def test_decode_step_greedy_tokens_are_its_logits_argmax_and_the_runner_takes_them(
+        tiny_dirs, h, isa, monkeypatch):
+    """``greedy=True``: each row's argmax of the step's own logits, from the same call;
+    a step whose rows are all plain greedy takes its tokens from there (the sampler's
+    argmax is not called) and they equal the torch path's."""
+    from pdserve.engine import model_runner
+
+    ref, ker = _pair(tiny_dirs["llama"], isa)
+    prompts = h.prompts_of([5, 19, 33], seed=8)
+    tables = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    for r in (ref, ker):
+        r.execute([RunnerRow(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
+    rows = [RunnerRow([7 + i], len(p), t)
+            for i, (p, t) in enumerate(zip(prompts, tables, strict=True))]
+    tokens, positions, meta, _ = ker.prepare(rows)
+    k = ker.model._kernel
+    out = k.run(tokens, positions, ker.kv_cache, meta, logits=True, greedy=True)
+    assert out.greedy.dtype == torch.int64 and torch.equal(out.greedy, out.logits.argmax(-1))
+    expected = ref.execute(rows)  # (execute below writes the same K/V again)
+
+    def no_sampler_argmax(logits, isa=None):
+        raise AssertionError("the step's greedy tokens were not taken")
+
+    monkeypatch.setattr(model_runner, "greedy", no_sampler_argmax)
+    assert ker.execute(rows) == expected
+
+
 def _reshaped_heads(src, dst, heads: int, kv_heads: int, head_dim: int):
     """The tiny model's weights read as other head shapes (same q/k/v matrix sizes): a
     valid model with another head size, for the kernel's other attention code paths."""
@@ -199,40 +228,44 @@ def test_decode_kernel_head_sizes_and_row_counts(tiny_dirs, h, tmp_path, heads, 
 
 @needs_kernel
 def test_decode_step_refuses_indices_outside_the_caches(tiny_dirs, h):
-    """A block id, table or position outside the cache (a planning bug) raises before
-    anything is written, instead of reading or writing out of bounds; the runner still
-    works afterwards."""
+    """A token outside the vocabulary, a block id, table or position outside the cache
+    (a planning bug) raises before anything is written, instead of reading or writing
+    out of bounds; the runner still works afterwards."""
     ker = ModelRunner(tiny_dirs["llama"], num_kv_blocks=64, num_state_slots=8)
     (p,) = h.prompts_of([10], seed=1)
     ker.execute([RunnerRow(p, 0, [1, 2])])
     tokens, positions, meta, _ = ker.prepare([RunnerRow([4], 10, [1, 2])])
     k, cache = ker.model._kernel, ker.kv_cache
-    h0 = ker.model.model.embed_tokens(tokens)
-    cos, sin = ker.model.rope.cos_sin(positions, h0.dtype, 10, signed=True)
+    cos, sin = ker.model.rope.tables(torch.float32, 16)
+    stores = k.stores(cache)
     table = meta.groups[0].block_tables
     assert table.tolist() == [[1]]
+    vocab = ker.model.cfg.vocab_size
     bad_cases = {
-        "block id": (torch.tensor([[64]]), positions, 11),
-        "negative block": (torch.tensor([[-1]]), positions, 11),
-        "past the table": (table, torch.tensor([16]), 17),
-        "past max_len": (table, positions, 10),
-        "negative position": (table, torch.tensor([-1]), 11),
+        "block id": (tokens, torch.tensor([[64]]), positions, 11),
+        "negative block": (tokens, torch.tensor([[-1]]), positions, 11),
+        "past the table": (tokens, table, torch.tensor([16]), 17),
+        "past max_len": (tokens, table, positions, 10),
+        "negative position": (tokens, table, torch.tensor([-1]), 11),
+        "token past the vocabulary": (torch.tensor([vocab]), table, positions, 11),
+        "negative token": (torch.tensor([-1]), table, positions, 11),
     }
     before = [t.clone() for t in cache.k_blocks]
-    for name, (tb, pos, max_len) in bad_cases.items():
+    for name, (tok, tb, pos, max_len) in bad_cases.items():
         with pytest.raises(IndexError, match="row 0"):
-            k.step.run(h0.clone(), cos, sin, pos, max_len, cache.k_blocks, cache.v_blocks, tb)
+            k.step.run(tok, pos, max_len, stores, cos, sin, tb)
         assert all(torch.equal(a, b) for a, b in zip(cache.k_blocks, before, strict=True)), name
-    hidden, _ = k.step.run(h0.clone(), cos, sin, positions, 11, cache.k_blocks, cache.v_blocks,
-                           table)
+    with pytest.raises(ValueError, match="rope tables"):
+        k.step.run(tokens, positions, 11, stores, cos[:10], sin[:10], table)
+    hidden = k.step.run(tokens, positions, 11, stores, cos, sin, table).hidden
     assert hidden.shape == (1, 256) and torch.isfinite(hidden).all()
     # Sliding-window layers: a state slot outside the rings.
     swa = ModelRunner(tiny_dirs["mistral-swa"], num_kv_blocks=64, num_state_slots=8)
     ring = swa.kv_cache
     before = [t.clone() for t in ring.k_ring]
     with pytest.raises(IndexError, match="state slot 8"):
-        swa.model._kernel.step.run(h0.clone(), cos, sin, positions, 11, ring.k_ring, ring.v_ring,
-                                   None, torch.tensor([8]), ring.ring_len)
+        swa.model._kernel.step.run(tokens, positions, 11, swa.model._kernel.stores(ring), cos,
+                                   sin, None, torch.tensor([8]))
     assert all(torch.equal(a, b) for a, b in zip(ring.k_ring, before, strict=True))
 
 

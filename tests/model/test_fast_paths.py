@@ -199,21 +199,35 @@ def test_runner_greedy_matches_with_and_without_decode_copy(tiny_dirs, h):
 def test_greedy_fast_path_equals_general_sampler(tiny_dirs):
     runner = ModelRunner(tiny_dirs["llama"], num_kv_blocks=8)
     g = torch.Generator().manual_seed(3)
-    logits = torch.randn(6, 4096, generator=g)
+    logits = torch.randn(7, 4096, generator=g)
     rows = [RunnerRow([1], 0, [1], sampling=SamplingParams(temperature=0.0), output_index=i)
             for i in range(6)]
     state = runner._gen.get_state()
-    fast = runner._sample(logits, rows)
-    after_fast = runner._gen.get_state()
+    fast = runner._sample(logits[:6], rows)
     n = len(rows)
-    general = sample(logits, torch.zeros(n), torch.zeros(n, dtype=torch.long), torch.ones(n),
-                     torch.zeros(n, dtype=torch.long), torch.arange(n))
+    general = sample(logits[:6], torch.zeros(n), torch.zeros(n, dtype=torch.long),
+                     torch.ones(n), torch.zeros(n, dtype=torch.long), torch.arange(n))
     assert torch.equal(fast, general)
-    # The generator advances as on the general path (a mixed batch draws one seed per row).
+    # An unseeded draw after greedy rows is the one it gets in the same step as them (a
+    # mixed batch draws one seed per row): seeds owed by greedy steps are drawn first.
+    drawn = RunnerRow([1], 0, [1], sampling=SamplingParams(temperature=1.0), output_index=6)
+    after_greedy = runner._sample(logits[6:], [drawn])
     runner._gen.set_state(state)
-    mixed = rows[:5] + [RunnerRow([1], 0, [1], sampling=SamplingParams(temperature=1.0))]
-    runner._sample(logits, mixed)
-    assert torch.equal(runner._gen.get_state(), after_fast)
+    runner._owed_draws = 0
+    mixed = runner._sample(logits, [*rows, drawn])
+    assert int(after_greedy[0]) == int(mixed[6])
+    # A long greedy run settles its owed draws in bounded calls, the same values again.
+    runner._gen.set_state(state)
+    runner._owed_draws = 0
+    for _ in range(5000):
+        runner._sample(logits[:1], rows[:1])
+    assert runner._owed_draws < 4096
+    one_by_one = torch.Generator().manual_seed(0)
+    one_by_one.set_state(state)
+    for _ in range(5000):
+        torch.randint(-(2**62), 2**62, (1,), generator=one_by_one)
+    expected = torch.randint(-(2**62), 2**62, (1,), generator=one_by_one)
+    assert torch.equal(runner._fresh_seeds(1), expected)
 
 
 def test_thread_tuner_tries_both_then_keeps_the_faster_and_explores():

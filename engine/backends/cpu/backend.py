@@ -18,6 +18,7 @@ from pdserve.engine.backends.base import (
     LayerOps,
     ReferenceAttention,
     StepInputs,
+    StepLogits,
 )
 from pdserve.engine.backends.cpu.thread_tuner import ThreadTuner
 from pdserve.engine.step_inputs import check_rows, decode_inputs, general_inputs
@@ -68,10 +69,10 @@ class CpuBackend(AttentionBackend):
 
     forward = staticmethod(ReferenceAttention.forward)  # decode rows: meta.decode_kv
 
-    def run(self, model, rows, want: list[int]):
+    def run(self, model, rows, want: list[int], greedy: bool = False) -> StepLogits:
         tokens, positions, meta, last = self.prepare(rows)
         if len(want) == tokens.shape[0]:  # a decode step: every token is kept
-            return model.decode_logits(tokens, positions, self.cache, meta)
+            return StepLogits(*model.decode_logits(tokens, positions, self.cache, meta, greedy))
         keep = last[want] if want else last[:1]  # no 0-row matmuls
         hidden = model(tokens, positions, self.cache, meta, keep)
-        return model.compute_logits(hidden) if want else None
+        return StepLogits(model.compute_logits(hidden) if want else None)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.backends.base import AttentionBackend, StepInputs
+from pdserve.engine.backends.base import AttentionBackend, StepInputs, StepLogits
 from pdserve.engine.backends.gpu.graphs import DecodeGraphs
 from pdserve.engine.backends.gpu.inputs import (
     GpuMetadata,
@@ -99,9 +99,13 @@ class GpuBackend(AttentionBackend):
                                num_splits=meta.splits)
 
     # ---- the step ---------------------------------------------------------------
-    def run(self, model, rows, want: list[int]):
+    def run(self, model, rows, want: list[int], greedy: bool = False) -> StepLogits:
         """fp32 logits at the last token of each row in ``want``: a decode step that
-        fits a captured graph replays it, any other runs eagerly."""
+        fits a captured graph replays it, any other runs eagerly (``greedy``: the
+        sampler takes the argmax itself)."""
+        return StepLogits(self._logits(model, rows, want))
+
+    def _logits(self, model, rows, want: list[int]) -> torch.Tensor | None:
         if self.graphs is not None and len(want) == len(rows) and self.graphs.fits(rows):
             return self.graphs.run(rows)
         tokens, positions, meta, last = self.prepare(rows)
