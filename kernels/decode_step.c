@@ -166,6 +166,30 @@ static void *quantize_made(const Weight *w, const float *x, int64_t n, int64_t K
     return shared;
 }
 
+/* act = SiLU(gate) * up for the rows of gu [n, 2I] (gate's I columns, then up's), and
+ * act quantized into `shared` for w when it multiplies int8 rows (returns what matmul's
+ * `ready` takes, as quantize_made). Rows by thread; with fewer rows than threads, each
+ * row's X_UNIT units split among them (a one-row step: otherwise one thread works and
+ * the other waits). Elementwise, quantized per unit: the same values either way. */
+static void *silu_mul(const float *gu, float *act, int64_t n, int64_t I, const Weight *w, int t,
+                      int nt, void *shared) {
+    const int split = n < nt, dots = w->format == W_DOTS;
+    const int64_t units = qrows_units(I);
+    const QRows q = qrows_at(shared, padded_rows(n), I);
+    for (int64_t r = split ? 0 : t; r < n; r += split ? 1 : nt) {
+        const int64_t u0 = split ? units * t / nt : 0, u1 = split ? units * (t + 1) / nt : units;
+        const int64_t c1 = u1 * X_UNIT < I ? u1 * X_UNIT : I;
+        const float *gate = gu + r * 2 * I, *up = gate + I;
+        float *a = act + r * I;
+        for (int64_t k = u0 * X_UNIT; k < c1; k += VW) {
+            vf gv = vload_n(gate + k, c1 - k);
+            vstore_n(a + k, gv / (1.0f + vexp(-gv)) * vload_n(up + k, c1 - k), c1 - k);
+        }
+        if (dots) quantize_units(act, r, u0, u1, I, &q);
+    }
+    return dots ? shared : NULL;
+}
+
 /* Floats of the row buffers (x, qkv, attn, gate|up, act) for rows padded to whole
  * matmul blocks, rounded to 16 so the thread scratch after them starts on a line. */
 static int64_t row_floats(const int64_t *dims) {
@@ -406,15 +430,7 @@ int decode_step(const int64_t *dims, const int64_t *layers, const int64_t *token
             matmul(next + 2 * item, t, nt, x, n, H, (const Weight *)p[P_GATE_UP], 2 * I, (const float *)p[P_GATE_UP_B],
                    gu, 0, qmem, ready);
             end_phase(&barrier, t, nt, times, PH_GATE_UP, &mark);
-            for (int64_t r = t; r < n; r += nt) {
-                const float *gate = gu + r * 2 * I, *up = gate + I;
-                float *a = act + r * I;
-                for (int64_t k = 0; k < I; k += VW) {
-                    vf gv = vload_n(gate + k, I - k);
-                    vstore_n(a + k, gv / (1.0f + vexp(-gv)) * vload_n(up + k, I - k), I - k);
-                }
-            }
-            ready = quantize_made((const Weight *)p[P_DOWN], act, n, I, t, nt, shared_q);
+            ready = silu_mul(gu, act, n, I, (const Weight *)p[P_DOWN], t, nt, shared_q);
             end_phase(&barrier, t, nt, times, PH_SILU_MUL, &mark);
             matmul(next + 3 * item, t, nt, act, n, I, (const Weight *)p[P_DOWN], H, (const float *)p[P_DOWN_B], h, 1, qmem,
                    ready);

@@ -200,6 +200,32 @@ def test_each_decode_steps_logits_stay_within_the_stated_tolerance(runners, real
             assert not torch.equal(got, exact)  # int8 rows did run
 
 
+def test_a_decode_steps_int8_results_do_not_depend_on_the_thread_count(runners,
+                                                                      real_chat_prompts):
+    """The C step's int8 rows at 1 and 2 threads, bit for bit: one row (its SiLU * up
+    and that row's quantization split by units among the threads) and three (rows by
+    thread)."""
+    from pdserve.engine.model_runner import RunnerRow
+
+    r = runners["int8"]
+    k = r.model._kernel
+    prompts = [p[:20 + 7 * i] for i, p in enumerate(real_chat_prompts[:3])]
+    tables = [[1 + 5 * i, 2 + 5 * i, 3 + 5 * i, 4 + 5 * i] for i in range(3)]
+    r.compute_logits([RunnerRow(p[:-1], 0, t, 1) for p, t in zip(prompts, tables, strict=True)])
+    rows = [RunnerRow(p[-1:], len(p) - 1, t, 1) for p, t in zip(prompts, tables, strict=True)]
+    before = torch.get_num_threads()
+    try:
+        for step in (rows[:1], rows):
+            tokens, positions, meta, _ = r.prepare(step)
+            outs = []
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                outs.append(k.run(tokens, positions, r.kv_cache, meta, logits=True).logits)
+            assert torch.equal(outs[0], outs[1]), len(step)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_int8_perplexity_stays_near_fp32_activations(runners, real_model_path):
     """`pdserve bench perplexity`'s figures on 4 chunks of 512: perplexity within 0.3%
     of fp32 activations' (measured: auto +0.12%, int8 +0.19%; at 16 chunks +0.01 /
