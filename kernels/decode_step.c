@@ -371,14 +371,15 @@ int decode_step(const int64_t *dims, const int64_t *layers, const int64_t *token
             }
             barrier_wait(&barrier, nt);
             /* Tasks from a counter (rows attend to different lengths): a group (a row,
-             * or a sequence's consecutive rows) each, or in a split step a part of a
-             * group each: positions [a, a + SPLIT_LEN) of its longest (last) row; where
-             * the rows are one part and threads would idle, a kv head of it each. (Heads
-             * are independent: a row's results are the same either way.) */
+             * or a sequence's consecutive rows) each, or in a split step a kv head of a
+             * part of a group each: positions [a, a + SPLIT_LEN) of its longest (last)
+             * row, so that a few rows' work divides among the threads (one row of 2
+             * parts and 3 kv heads: 3 tasks each on 2 threads, not 2 parts against 1).
+             * Heads are independent: a row's results are the same either way. */
             const int64_t units = window ? n : groups;
             int64_t tasks = 0, merges = 0;
             for (int64_t r = 0; r < n; r++) merges += row_parts(pos, r, window, split) > 1;
-            const int64_t heads = split && nt > 1 && !merges ? hk : 1;
+            const int64_t heads = split && nt > 1 ? hk : 1;
             for (int64_t u = 0, r0, last; u < units; u++) {
                 unit_rows(u, window, group_first, &r0, &last);
                 tasks += row_parts(pos, last, window, split) * heads;

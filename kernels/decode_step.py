@@ -27,7 +27,7 @@ helps the others, so each output is computed whole by one thread and results do 
 depend on the thread count. Attention (``decode_attention.h``) takes groups of rows
 from a counter: a row, or a sequence's consecutive rows through one block table (a
 speculative step's drafted positions, at most 8), which read each key and value once
-for the whole group; in a step of at most 4 groups, parts of 256 positions merged
+for the whole group; in a step of at most 4 groups, parts of 128 positions merged
 after (the cut depends only on the rows). Real model, 4 drafted rows at 1000
 positions: the attention phase 5.4 -> 3.7 ms a step; 6 rows: 9.2 -> 4.7 ms. Small model, 16 rows, 2 threads, AVX-512 build: 22-28 ms per step (torch eager
 ~41-48, compiled ~34-63), its matmuls at ~17 GB/s of weights; AVX2 build 28-42 ms, bound

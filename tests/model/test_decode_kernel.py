@@ -284,8 +284,8 @@ def test_decode_kernel_long_context_equals_transformers(tiny_dirs, h, isa):
 @every_isa
 @pytest.mark.parametrize("model", ["llama", "window-300"])
 def test_decode_kernel_splits_few_long_rows_across_threads(tiny_dirs, h, isa, model, tmp_path):
-    """A step of at most 4 rows cuts each row's positions into parts of 256, attended by
-    any thread and merged: rows of ~600, ~300 and ~40 positions (3, 2 and 1 parts; paged
+    """A step of at most 4 rows cuts each row's positions into parts of 128, attended by
+    any thread and merged: rows of ~600, ~300 and ~40 positions (5, 3 and 1 parts; paged
     layers, and ring layers whose 300-position window is cut too) give the torch path's
     hidden states, alone and together, and the same bits on 1 thread as on 2."""
     import json
@@ -329,13 +329,13 @@ def test_decode_kernel_splits_few_long_rows_across_threads(tiny_dirs, h, isa, mo
 
 @needs_kernel
 @every_isa
-@pytest.mark.parametrize("drafted,length", [(3, 300), (9, 200)])
+@pytest.mark.parametrize("drafted,length", [(3, 300), (9, 100)])
 def test_decode_kernel_rows_of_one_sequence_attend_as_a_group(tiny_dirs, h, isa, drafted,
                                                               length):
     """A speculative step's rows (one sequence's next positions, one block table) read
     each key and value once for the group (at most 8 rows a group: 9 drafted tokens make
     groups of 8 and 2): the same bits as the same rows out of order, where no row
-    continues the one before it and each attends alone (both split into parts of 256
+    continues the one before it and each attends alone (both split into parts of 128
     positions: at most 4 groups; or neither: one part a row); the same bits on 1 thread
     as on 2; the torch path's hidden states."""
     kw = dict(num_kv_blocks=96, num_state_slots=8, adaptive_threads=False)
