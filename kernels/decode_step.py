@@ -344,6 +344,8 @@ class DecodeStep:
         """Refuse inputs the C step would misread (their values are checked there)."""
         for name, t in (("tokens", tokens), ("positions", positions), ("block tables", tables),
                         ("state slots", states)):
+            if t is None:  # the stores hold paged layers (tables), or rings (state slots)
+                raise ValueError(f"{name} are needed for the stores this step reads")
             if t.dtype != torch.int64 or not t.is_contiguous():
                 raise ValueError(f"{name} must be contiguous int64, got {t.dtype}")
         for t in (cos, sin):

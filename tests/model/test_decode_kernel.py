@@ -257,6 +257,8 @@ def test_decode_step_refuses_indices_outside_the_caches(tiny_dirs, h):
         assert all(torch.equal(a, b) for a, b in zip(cache.k_blocks, before, strict=True)), name
     with pytest.raises(ValueError, match="rope tables"):
         k.step.run(tokens, positions, 11, stores, cos[:10], sin[:10], table)
+    with pytest.raises(ValueError, match="block tables are needed"):
+        k.step.run(tokens, positions, 11, stores, cos, sin, None)
     hidden = k.step.run(tokens, positions, 11, stores, cos, sin, table).hidden
     assert hidden.shape == (1, 256) and torch.isfinite(hidden).all()
     # Sliding-window layers: a state slot outside the rings.
