@@ -110,9 +110,10 @@ class EngineSettings(SchedulerPolicy):
     # step reads fp32 weights.
     quantization: str = checked("auto", OneOf(QUANTIZATIONS))
     # What the quantized matmuls multiply their weights by (kernels/dot_block.h): "int8"
-    # rows of x quantized per 8 values (the largest magnitude to at most 127 steps) and
-    # integer dot products, as llama.cpp computes on the same files (about 3x fewer
-    # instructions a weight; perplexity within 0.1%); "fp32" the exact activations;
+    # rows of x quantized per tile of the weights (8 values for nibbles, 4 for int8
+    # values; the largest magnitude to at most 127 steps) and integer dot products, as
+    # llama.cpp computes on the same files (about 3x fewer instructions a weight;
+    # perplexity within 0.1%); "fp32" the exact activations;
     # "auto" int8 for a GGUF file's integer blocks (the file's author chose
     # quantization) but the attention's q|k|v, fp32 for those and for weights quantized
     # at load (engine/model/quantized_weights.int8_rows_for says why).

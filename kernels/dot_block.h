@@ -1,16 +1,18 @@
 /* int8 activations against integer weight panels: integer dot products, as llama.cpp
  * computes on the same GGUF blocks (activation_precision "int8", kernels/quant_panels.py).
  *
- * Each row of x is quantized once per matmul: per X_BLOCK (8) values a step d = u * s
- * (u a float per X_UNIT (32) values, s an integer sub-scale, at most X_SUBSCALE_MAX, the
- * block whose largest magnitude is the unit's taking the largest), q = x / d rounded to
- * nearest (even), |q| <= 127; and d * sum(q) (for the weights' offsets). The sub-scale
- * is why: vpmaddubsw's int16 pairs are widened by vpmaddwd, which multiplies them by
- * anything for free, so on AVX2 and AVX-512 without VNNI the products are summed times s
- * in 32-bit integers over a whole block of the weights and converted once per 32
- * values, not once per 8 (a conversion and an FMA per tile less); VNNI (vpdpbusd sums
- * into 32 bits directly) converts per 8 and scales by d. Per block of the weights (bk,
- * 16 or 32) it adds s_w times those + m_w times the sums.
+ * Each row of x is quantized once per matmul: per x_block values (one tile of the
+ * weights: 8 for nibbles, 4 for int8 values) a step d = u * s (u a float per X_UNIT
+ * (32) values, s an integer sub-scale, at most X_SUBSCALE_MAX, the block whose largest
+ * magnitude is the unit's taking the largest), q = x / d rounded to nearest (even),
+ * |q| <= 127; and d * sum(q) (for the weights' offsets). The sub-scale is why:
+ * vpmaddubsw's int16 pairs are widened by vpmaddwd (vpdpwssd with VNNI), which
+ * multiplies them by anything for free, so the products are summed times s in 32-bit
+ * integers over a whole block of the weights and converted once per 32 values, not
+ * once per tile (a conversion and an FMA per tile less). VNNI's nibbles are the
+ * exception: vpdpbusd sums a block of x's two tiles into 32 bits directly, converted
+ * per 8 and scaled by d. Per block of the weights (bk, 16 or 32) it adds s_w times
+ * those + m_w times the sums.
  *
  * The weights' values are laid out for the dot-product instructions ("dots", packed by
  * QuantPanels.pack(dots=True)): a record's values come in 64-byte tiles of 16 columns
@@ -57,12 +59,16 @@ typedef int32_t v4si __attribute__((vector_size(16)));
 /* Which integer dot product this build multiplies with. */
 const char *simd_dot(void) { return PDSERVE_DOT; }
 
-/* Values of x per step: finer than the weights' 32, since a block's largest value
- * sets every other's step. Measured on the real model, perplexity against fp32
- * activations' at 4 / 8 / 16 chunks of 512: per 32 (llama.cpp's) +0.41% at 16; per 16
- * +0.15 / +0.05 / +0.16%; per 8 -0.04 / +0.04 / +0.09% (llama.cpp itself, per 32,
- * +0.44 / +0.53 / -0.002%). */
-#define X_BLOCK 8
+/* Values of x per step for weights of `bits`: one tile of the dots layout (8 k of
+ * nibbles, 4 k of int8 values), finer than the weights' 32, since a block's largest
+ * value sets every other's step. A step per tile costs no instruction more than a
+ * coarser one (every tile's products are summed times their own sub-scale, see the top);
+ * nibbles per 4 would split a tile's two halves, which are summed in int16 before one
+ * widening. Measured on the real model (mean KL from fp32 activations', 4 chunks of 512):
+ * per 32 (llama.cpp's) 3.1e-3 nats a token, per 16 1.65e-3, per 8 8.0e-4, per 4 3.6e-4;
+ * the Q8_0 LM head per 8 alone 2.6e-4 (docs/models.md). */
+static inline int64_t x_block(int64_t bits) { return bits == 4 ? 8 : 4; }
+#define X_BLOCK_MIN 4 /* the finest x_block: QRows' layout is sized for it */
 /* Values of x per unit u: a block of the weights (16 or 32) lies within one. */
 #define X_UNIT 32
 /* The largest sub-scale: a block of the weights' 32-bit sums then stay below 2^31 (int8
@@ -72,49 +78,58 @@ const char *simd_dot(void) { return PDSERVE_DOT; }
  * its own; one below 1/4095 of it, u. */
 #define X_SUBSCALE_MAX 4095
 
-/* x's rows quantized (see the top): q [rows][K]; per X_BLOCK d, sum and s (the
- * sub-scale in both int16 halves of a lane) [rows][K / X_BLOCK]; u [rows][K / X_UNIT]. */
+/* x's rows quantized (see the top) per xb values (x_block of the weight they meet): q
+ * [rows][K]; per block d, sum and s (the sub-scale in both int16 halves of a lane)
+ * [rows][K / xb]; u [rows][K / X_UNIT]. */
 typedef struct {
     int8_t *q;
     float *d, *sum;
     int32_t *s;
     float *u;
+    int64_t xb;
 } QRows;
 
 static inline int64_t qrows_units(int64_t K) { return (K + X_UNIT - 1) / X_UNIT; }
 
-/* Bytes QRows needs for `rows` rows of K: values, then the per-block and per-unit
- * numbers, rounded to 64. */
+/* Bytes QRows needs for `rows` rows of K, whatever their xb: values, then the per-block
+ * and per-unit numbers, rounded to 64. */
 static inline int64_t qrows_bytes(int64_t rows, int64_t K) {
-    return ((rows * K + 3) / 4 * 4 + (3 * (K / X_BLOCK) + qrows_units(K)) * rows * 4 + 63) / 64 * 64;
+    return ((rows * K + 3) / 4 * 4 + (3 * (K / X_BLOCK_MIN) + qrows_units(K)) * rows * 4 + 63) / 64 * 64;
 }
-static inline QRows qrows_at(void *mem, int64_t rows, int64_t K) {
+static inline QRows qrows_at(void *mem, int64_t rows, int64_t K, int64_t xb) {
     QRows r;
-    const int64_t nb = rows * (K / X_BLOCK);
+    const int64_t nb = rows * (K / X_BLOCK_MIN);
     r.q = (int8_t *)mem;
     r.d = (float *)((char *)mem + (rows * K + 3) / 4 * 4);
     r.sum = r.d + nb;
     r.s = (int32_t *)(r.sum + nb);
     r.u = (float *)(r.s + nb);
+    r.xb = xb;
     return r;
 }
 
-/* One block of x: 8 floats on every ISA (a ymm register, or two xmm). */
+/* Eight values of x at a time on every ISA (a ymm register, or two xmm). */
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 typedef float v8f_unaligned __attribute__((vector_size(32), aligned(4)));
 typedef float v4f __attribute__((vector_size(16)));
 
-static inline float v8_fold(v8f v, const int is_max) {
-    v4f lo = __builtin_shufflevector(v, v, 0, 1, 2, 3), hi = __builtin_shufflevector(v, v, 4, 5, 6, 7);
-    v4f a = is_max ? (v4f)((lo > hi) & (v4si)lo) + (v4f)(~(lo > hi) & (v4si)hi) : lo + hi;
+static inline float v4_fold(v4f a, const int is_max) {
     v4f b = __builtin_shufflevector(a, a, 2, 3, 0, 1);
     a = is_max ? (v4f)((a > b) & (v4si)a) + (v4f)(~(a > b) & (v4si)b) : a + b;
     return is_max ? (a[0] > a[1] ? a[0] : a[1]) : a[0] + a[1];
 }
+static inline v4f v8_half(v8f v, int h) {
+    return h ? __builtin_shufflevector(v, v, 4, 5, 6, 7) : __builtin_shufflevector(v, v, 0, 1, 2, 3);
+}
+static inline float v8_fold(v8f v, const int is_max) {
+    v4f lo = v8_half(v, 0), hi = v8_half(v, 1);
+    return v4_fold(is_max ? (v4f)((lo > hi) & (v4si)lo) + (v4f)(~(lo > hi) & (v4si)hi) : lo + hi,
+                   is_max);
+}
 
 /* Units [u0, u1) (X_UNIT values each; the last may be shorter) of row r of x (row stride
- * K, a multiple of X_BLOCK) into qx: each unit on its own. The sum is the
+ * K, a multiple of 8) into qx, per qx->xb values: each unit on its own. The sum is the
  * quantized block's (d times its integers' sum), not x's: the offsets' term then
  * multiplies the same x as the values' term, and the rounding errors meet the weights
  * w = s q + m rather than s q alone (Q4_1's m is about -8 s; measured per 32, x's own
@@ -123,40 +138,51 @@ static inline void quantize_units(const float *x, int64_t r, int64_t u0, int64_t
                                   const QRows *qx) {
     const v8i abs_mask = {S4(0x7fffffff), S4(0x7fffffff)};
     const v8f magic = {S4(12582912.0f), S4(12582912.0f)}; /* 1.5 * 2^23: rounds to an integer */
-    const int64_t nb = K / X_BLOCK, per_unit = X_UNIT / X_BLOCK;
-    const int64_t b1 = u1 * per_unit < nb ? u1 * per_unit : nb;
-    for (int64_t b0 = u0 * per_unit; b0 < b1; b0 += per_unit) {
-        const int64_t n = nb - b0 < per_unit ? nb - b0 : per_unit;
-        float amax[X_UNIT / X_BLOCK], top = 0.0f;
-        for (int64_t b = 0; b < n; b++) {
-            const v8f v = *(const v8f_unaligned *)(x + r * K + (b0 + b) * X_BLOCK);
-            amax[b] = v8_fold((v8f)((v8i)v & abs_mask), 1);
-            top = amax[b] > top ? amax[b] : top;
+    const int64_t halves = 8 / qx->xb; /* blocks per 8 values: 1 or 2 */
+    const int64_t nc = K / 8, per_unit = X_UNIT / 8, nb = K / qx->xb;
+    const int64_t c1 = u1 * per_unit < nc ? u1 * per_unit : nc;
+    for (int64_t c0 = u0 * per_unit; c0 < c1; c0 += per_unit) {
+        const int64_t n = nc - c0 < per_unit ? nc - c0 : per_unit;
+        float amax[X_UNIT / X_BLOCK_MIN], top = 0.0f;
+        for (int64_t c = 0; c < n; c++) {
+            const v8f v = *(const v8f_unaligned *)(x + r * K + (c0 + c) * 8);
+            const v8f a = (v8f)((v8i)v & abs_mask);
+            if (halves == 1) amax[c] = v8_fold(a, 1);
+            else for (int h = 0; h < 2; h++) amax[2 * c + h] = v4_fold(v8_half(a, h), 1);
         }
+        for (int64_t b = 0; b < n * halves; b++) top = amax[b] > top ? amax[b] : top;
         const float u = top / (127.0f * X_SUBSCALE_MAX);
         const float per = top > 0.0f ? (float)X_SUBSCALE_MAX / top : 0.0f;
-        qx->u[r * qrows_units(K) + b0 / per_unit] = u;
-        for (int64_t b = 0; b < n; b++) {
-            const int64_t at = r * nb + b0 + b;
-            float s = ceilf(amax[b] * per);
-            s = s < (float)X_SUBSCALE_MAX ? s : (float)X_SUBSCALE_MAX;
-            const float d = u * s, inv = d > 0.0f ? 1.0f / d : 0.0f;
-            const v8f v = *(const v8f_unaligned *)(x + r * K + (b0 + b) * X_BLOCK);
-            const v8f rounded = (v * inv + magic) - magic;
+        qx->u[r * qrows_units(K) + c0 / per_unit] = u;
+        for (int64_t c = 0; c < n; c++) {
+            float s[2], d[2], inv[2];
+            for (int h = 0; h < halves; h++) {
+                s[h] = ceilf(amax[c * halves + h] * per);
+                s[h] = s[h] < (float)X_SUBSCALE_MAX ? s[h] : (float)X_SUBSCALE_MAX;
+                d[h] = u * s[h];
+                inv[h] = d[h] > 0.0f ? 1.0f / d[h] : 0.0f;
+            }
+            const float inv_hi = halves == 1 ? inv[0] : inv[1];
+            const v8f by = {S4(inv[0]), S4(inv_hi)};
+            const v8f v = *(const v8f_unaligned *)(x + r * K + (c0 + c) * 8);
+            const v8f rounded = (v * by + magic) - magic;
             const v8i q = __builtin_convertvector(rounded, v8i);
-            int8_t *out = qx->q + r * K + (b0 + b) * X_BLOCK;
+            int8_t *out = qx->q + r * K + (c0 + c) * 8;
 #if defined(__AVX512VL__)
             _mm_storel_epi64((__m128i *)out, _mm256_cvtepi32_epi8((__m256i)q));
 #elif defined(__AVX2__)  /* packed with saturation, exact for |q| <= 127: 1.3x faster than 8 stores */
-            const __m128i halves = _mm_packs_epi32(_mm256_castsi256_si128((__m256i)q),
-                                                   _mm256_extracti128_si256((__m256i)q, 1));
-            _mm_storel_epi64((__m128i *)out, _mm_packs_epi16(halves, halves));
+            const __m128i halves16 = _mm_packs_epi32(_mm256_castsi256_si128((__m256i)q),
+                                                     _mm256_extracti128_si256((__m256i)q, 1));
+            _mm_storel_epi64((__m128i *)out, _mm_packs_epi16(halves16, halves16));
 #else
-            for (int i = 0; i < X_BLOCK; i++) out[i] = (int8_t)q[i];
+            for (int i = 0; i < 8; i++) out[i] = (int8_t)q[i];
 #endif
-            qx->d[at] = d;
-            qx->s[at] = (int32_t)s * 0x10001;
-            qx->sum[at] = d * v8_fold(rounded, 0);
+            for (int h = 0; h < halves; h++) {
+                const int64_t at = r * nb + (c0 + c) * halves + h;
+                qx->d[at] = d[h];
+                qx->s[at] = (int32_t)s[h] * 0x10001;
+                qx->sum[at] = d[h] * (halves == 1 ? v8_fold(rounded, 0) : v4_fold(v8_half(rounded, h), 0));
+            }
         }
     }
 }
@@ -180,17 +206,20 @@ static inline vi dot_bytes(vi a, vi s, const int a_signed) {
     return sum;
 }
 
-#if DOT_SUBSCALED
 /* acc + for each lane, its four byte products u (unsigned) x s (signed) summed, times
  * `by` (the same int16 in both halves of each lane): vpmaddwd's widening multiplies
- * vpmaddubsw's pairs by it. u0, u1 two tiles of nibbles (u1 may be 0): where the
- * products come in int16 pairs, the two are added there first (each pair at most
- * 2 * 15 * 127, their sum 7620) and widened once. */
+ * vpmaddubsw's pairs by it (vpdpwssd, the same sum, with VNNI). u0, u1 two tiles of
+ * nibbles (u1 may be 0): where the products come in int16 pairs, the two are added
+ * there first (each pair at most 2 * 15 * 127, their sum 7620) and widened once. */
 static inline vi dot2_u8s8(vi acc, vi u0, vi s0, vi u1, vi s1, vi by, const int two) {
 #if VW == 16
     __m512i p = _mm512_maddubs_epi16((__m512i)u0, (__m512i)s0);
     if (two) p = _mm512_add_epi16(p, _mm512_maddubs_epi16((__m512i)u1, (__m512i)s1));
+#if defined(__AVX512VNNI__)
+    return (vi)_mm512_dpwssd_epi32((__m512i)acc, p, (__m512i)by);
+#else
     return acc + (vi)_mm512_madd_epi16(p, (__m512i)by);
+#endif
 #elif VW == 8 && defined(__AVX2__)
     __m256i p = _mm256_maddubs_epi16((__m256i)u0, (__m256i)s0);
     if (two) p = _mm256_add_epi16(p, _mm256_maddubs_epi16((__m256i)u1, (__m256i)s1));
@@ -216,21 +245,14 @@ static inline vi dot_s8s8(vi acc, vi w, vi s, vi by) {
     return acc + dot_bytes(w, s, 1) * (by & 0xffff);
 #endif
 }
-#else
-/* VNNI: acc + for each lane, the sum of its four byte products u (unsigned) x s
- * (signed), of both tiles (u1 may be 0); `by` unused (d scales the sums instead). */
-static inline vi dot2_u8s8(vi acc, vi u0, vi s0, vi u1, vi s1, vi by, const int two) {
+
+#if !DOT_SUBSCALED
+/* VNNI, nibbles: acc + for each lane, the sum of its four byte products u (unsigned) x
+ * s (signed), of both tiles (u1 may be 0); `by` unused (d scales the sums instead). */
+static inline vi dot2_u8s8_vnni(vi acc, vi u0, vi s0, vi u1, vi s1, vi by, const int two) {
     (void)by;
     acc = (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u0, (__m512i)s0);
     return two ? (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u1, (__m512i)s1) : acc;
-}
-
-/* VNNI: acc + the byte products w (signed) x s (signed), summed by four: |w| times s
- * with w's sign. */
-static inline vi dot_s8s8(vi acc, vi w, vi s, vi by) {
-    const __mmask64 neg = _mm512_movepi8_mask((__m512i)w);
-    const __m512i signed_s = _mm512_mask_sub_epi8((__m512i)s, neg, _mm512_setzero_si512(), (__m512i)s);
-    return dot2_u8s8(acc, (vi)_mm512_abs_epi8((__m512i)w), (vi)signed_s, acc, acc, by, 0);
 }
 #endif
 
@@ -243,14 +265,15 @@ static inline vi vi_splat4(const int8_t *p) {  /* four bytes into every lane */
     return (vi){0} + v;
 }
 
-/* isum[i][j] += the products of x's block xb (row g + i) and the weights' tiles there
+/* isum[i][j] += the products of x's block xb (row g + i) and the weights' tile there
  * (column vector j of the pair at r), summed by four, times BY (an expression of i)
- * where the build sums them times a sub-scale. Both pair_rows_dots expand it: a macro,
+ * where the loop sums them times a sub-scale; NIBBLES: the dot for tiles of nibbles.
+ * Both pair_rows_dots expand it: a macro,
  * so that each build's loop compiles exactly as if written out (a helper taking the
  * sums as arrays kept them in memory, 1.5x slower). */
-#define TILES_TIMES(BY)                                                                   \
+#define TILES_TIMES(BY, NIBBLES)                                                          \
     _Pragma("GCC unroll 4")                                                               \
-    for (int64_t t = xb * X_BLOCK / per_tile; t < (xb + 1) * X_BLOCK / per_tile; t++) {    \
+    for (int64_t t = xb * XB / per_tile; t < (xb + 1) * XB / per_tile; t++) {              \
         _Pragma("GCC unroll 8")                                                           \
         for (int j = 0; j < PAIR_VECS; j++) {                                             \
             const int64_t col = j * VW, panel = col / PANEL, c0 = col % PANEL;            \
@@ -260,24 +283,25 @@ static inline vi vi_splat4(const int8_t *p) {  /* four bytes into every lane */
             for (int i = 0; i < R; i++) {                                                 \
                 const int8_t *xq = qx->q + (g + i) * K + b * bk + t * per_tile;           \
                 if (bits == 4)                                                            \
-                    isum[i][j] = dot2_u8s8(isum[i][j], lo, vi_splat4(xq), hi,             \
-                                           vi_splat4(xq + 4), BY, 1);                     \
+                    isum[i][j] = NIBBLES(isum[i][j], lo, vi_splat4(xq), hi,               \
+                                         vi_splat4(xq + 4), BY, 1);                       \
                 else                                                                      \
                     isum[i][j] = dot_s8s8(isum[i][j], v, vi_splat4(xq), BY);              \
             }                                                                             \
         }                                                                                 \
     }
 
-#if DOT_SUBSCALED
 /* acc[i][j] (row i of R, column vector j of the pair) += rows [g, g + R) of qx times
- * the pair's weight (dots layout), over all its blocks. Two loops, one per way of
- * scaling (see the top): written as one, either build's code came out 3-15% slower. */
+ * the pair's weight (dots layout), over all its blocks: the products summed times
+ * their x block's sub-scale over a block of the weights, converted once. Every build,
+ * but the VNNI build's nibbles (pair_rows_dots_vnni). Two loops, one per way of
+ * scaling: written as one, either build's code came out 3-15% slower. */
 static inline __attribute__((always_inline)) void pair_rows_dots(
     const QRows *qx, int64_t g, int64_t K, const QPanels *w, const uint8_t *pair,
     vf acc[DOT_ROWS][PAIR_VECS], const int bits, const int offsets, const int sb, const int R) {
     const int64_t bk = w->bk, nb = K / bk, hdr = q_header_bytes(offsets, sb);
     const int64_t rec = hdr + bk * PANEL * bits / 8, per_tile = bits == 4 ? 8 : 4;
-    const int64_t xn = K / X_BLOCK, un = qrows_units(K);
+    const int64_t XB = x_block(bits), xn = K / XB, un = qrows_units(K);
     const vi low = (vi)SPLAT(0x0f0f0f0f);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *r = pair + b * 2 * rec;
@@ -289,11 +313,11 @@ static inline __attribute__((always_inline)) void pair_rows_dots(
             sum[i] = 0.0f;
             for (int j = 0; j < PAIR_VECS; j++) isum[i][j] = (vi){0};
         }
-        for (int64_t xb = 0; xb < bk / X_BLOCK; xb++) {
-            const int64_t at = (b * bk) / X_BLOCK + xb;
+        for (int64_t xb = 0; xb < bk / XB; xb++) {
+            const int64_t at = (b * bk) / XB + xb;
             vi by[DOT_ROWS];
             for (int i = 0; i < R; i++) by[i] = (vi){0} + qx->s[(g + i) * xn + at];
-            TILES_TIMES(by[i])
+            TILES_TIMES(by[i], dot2_u8s8)
 #pragma GCC unroll 4
             for (int i = 0; i < R; i++) {
                 sum[i] += qx->sum[(g + i) * xn + at];
@@ -311,15 +335,16 @@ static inline __attribute__((always_inline)) void pair_rows_dots(
         }
     }
 }
-#else
-/* acc[i][j] (row i of R, column vector j of the pair) += rows [g, g + R) of qx times
- * the pair's weight (dots layout), over all its blocks (VNNI). */
-static inline __attribute__((always_inline)) void pair_rows_dots(
+
+#if !DOT_SUBSCALED
+/* pair_rows_dots for nibbles on VNNI: vpdpbusd sums both tiles of an x block into 32
+ * bits directly, converted and scaled by d per block of x. */
+static inline __attribute__((always_inline)) void pair_rows_dots_vnni(
     const QRows *qx, int64_t g, int64_t K, const QPanels *w, const uint8_t *pair,
     vf acc[DOT_ROWS][PAIR_VECS], const int bits, const int offsets, const int sb, const int R) {
     const int64_t bk = w->bk, nb = K / bk, hdr = q_header_bytes(offsets, sb);
     const int64_t rec = hdr + bk * PANEL * bits / 8, per_tile = bits == 4 ? 8 : 4;
-    const int64_t xn = K / X_BLOCK;
+    const int64_t XB = x_block(bits), xn = K / XB;
     const vi low = (vi)SPLAT(0x0f0f0f0f);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *r = pair + b * 2 * rec;
@@ -331,16 +356,16 @@ static inline __attribute__((always_inline)) void pair_rows_dots(
             sum[i] = 0.0f;
             for (int j = 0; j < PAIR_VECS; j++) scaled[i][j] = vzero();
         }
-        for (int64_t xb = 0; xb < bk / X_BLOCK; xb++) {
-            const int64_t at = b * bk + xb * X_BLOCK;  /* x's first k in this block */
+        for (int64_t xb = 0; xb < bk / XB; xb++) {
+            const int64_t at = (b * bk) / XB + xb;
             vi isum[DOT_ROWS][PAIR_VECS];
             for (int i = 0; i < R; i++)
                 for (int j = 0; j < PAIR_VECS; j++) isum[i][j] = (vi){0};
-            TILES_TIMES(low)  /* VNNI: the dot functions take no multiplier */
+            TILES_TIMES(low, dot2_u8s8_vnni)  /* no multiplier: d scales the sums */
 #pragma GCC unroll 4
             for (int i = 0; i < R; i++) {
-                const vf d = vset1(qx->d[(g + i) * xn + at / X_BLOCK]);
-                sum[i] += qx->sum[(g + i) * xn + at / X_BLOCK];
+                const vf d = vset1(qx->d[(g + i) * xn + at]);
+                sum[i] += qx->sum[(g + i) * xn + at];
 #pragma GCC unroll 8
                 for (int j = 0; j < PAIR_VECS; j++)
                     scaled[i][j] = vfma(__builtin_convertvector(isum[i][j], vf), d, scaled[i][j]);
@@ -356,6 +381,9 @@ static inline __attribute__((always_inline)) void pair_rows_dots(
             }
     }
 }
+#define PAIR_ROWS_NIBBLES pair_rows_dots_vnni
+#else
+#define PAIR_ROWS_NIBBLES pair_rows_dots
 #endif
 #undef TILES_TIMES
 
@@ -364,20 +392,21 @@ static inline __attribute__((always_inline)) void pair_rows_dots_any(
     const QRows *qx, int64_t g, int64_t K, const QPanels *w, const uint8_t *pair,
     vf acc[DOT_ROWS][PAIR_VECS], const int R) {
     if (w->scale_bytes == 4) {
-        if (w->bits == 4 && w->offsets) pair_rows_dots(qx, g, K, w, pair, acc, 4, 1, 4, R);
-        else if (w->bits == 4) pair_rows_dots(qx, g, K, w, pair, acc, 4, 0, 4, R);
+        if (w->bits == 4 && w->offsets) PAIR_ROWS_NIBBLES(qx, g, K, w, pair, acc, 4, 1, 4, R);
+        else if (w->bits == 4) PAIR_ROWS_NIBBLES(qx, g, K, w, pair, acc, 4, 0, 4, R);
         else if (w->offsets) pair_rows_dots(qx, g, K, w, pair, acc, 8, 1, 4, R);
         else pair_rows_dots(qx, g, K, w, pair, acc, 8, 0, 4, R);
     } else if (w->bits == 4 && w->offsets) {
-        pair_rows_dots(qx, g, K, w, pair, acc, 4, 1, 2, R);
+        PAIR_ROWS_NIBBLES(qx, g, K, w, pair, acc, 4, 1, 2, R);
     } else if (w->bits == 4) {
-        pair_rows_dots(qx, g, K, w, pair, acc, 4, 0, 2, R);
+        PAIR_ROWS_NIBBLES(qx, g, K, w, pair, acc, 4, 0, 2, R);
     } else if (w->offsets) {
         pair_rows_dots(qx, g, K, w, pair, acc, 8, 1, 2, R);
     } else {
         pair_rows_dots(qx, g, K, w, pair, acc, 8, 0, 2, R);
     }
 }
+#undef PAIR_ROWS_NIBBLES
 
 /* Rows [0, M) of qx times panel pairs [p0, p1) of w (dots layout) -> out (row stride
  * ldo) + bias; add_to: out += that. qx holds rows up to a multiple of DOT_ROWS (a

@@ -1,7 +1,8 @@
 """int8 activations against integer weight blocks (kernels/dot_block.h, the "dots" layout of
 kernels/quant_panels.py, EngineSettings.activation_precision): every build this CPU runs
-multiplies exactly the quantized rows a plain torch reference makes (per 8 values a step,
-a unit per 32 times an integer sub-scale, rounded to nearest even) by the weight; every block format packs and
+multiplies exactly the quantized rows a plain torch reference makes (a step per tile of
+the weights: 8 values for nibbles, 4 for int8 values; a unit per 32 times an integer
+sub-scale, rounded to nearest even) by the weight; every block format packs and
 unpacks; the decode step and the prompt path give a row the same result whatever rides
 with it; the setting picks the layout per weight; and on the real model the perplexity
 stays within a stated bound of fp32 activations' while the greedy answers hold."""
@@ -17,16 +18,22 @@ from pdserve.kernels import cbuild, quant_panels, skinny_gemm
 from pdserve.kernels.quant_panels import QuantPanels, QuantRows
 
 ISAS = list(cbuild.runnable_isas())
-X_BLOCK, X_UNIT, SUBSCALE_MAX = 8, 32, 4095  # dot_block.h's steps, units and sub-scales
+X_UNIT, SUBSCALE_MAX = 32, 4095  # dot_block.h's units and sub-scales
 
 
-def _quantized_x(x: torch.Tensor) -> torch.Tensor:
+def _x_block(bits: int) -> int:
+    """dot_block.h's x_block: x's values per step, one tile of the weights (a tile of
+    nibbles holds 8 k, one of int8 values 4)."""
+    return 8 if bits == 4 else 4
+
+
+def _quantized_x(x: torch.Tensor, block: int) -> torch.Tensor:
     """The reference: x [M, K] as its int8 rows dequantized. Per X_UNIT values a unit
-    u = top / (127 * 4095) (top: their largest magnitude); per X_BLOCK a sub-scale
+    u = top / (127 * 4095) (top: their largest magnitude); per `block` a sub-scale
     s = ceil(amax * (4095 / top)), at most 4095, the step d = u * s and
     q = round(x * (1 / d)), ties to even; all in fp32 as the kernel computes them."""
     m, k = x.shape
-    blocks = x.view(m, k // X_UNIT, X_UNIT // X_BLOCK, X_BLOCK)
+    blocks = x.view(m, k // X_UNIT, X_UNIT // block, block)
     amax = blocks.abs().amax(-1, keepdim=True)
     top = amax.amax(-2, keepdim=True)
     u = top / (127.0 * SUBSCALE_MAX)
@@ -64,9 +71,9 @@ def _rows(fmt: str, n: int, k: int, seed: int = 0) -> QuantRows:
     return QuantRows(values, scales, offs, bk)
 
 
-def _reference(x: torch.Tensor, rows: QuantRows) -> torch.Tensor:
-    """sum over k of x's quantized value times the weight's: fp64."""
-    return _quantized_x(x) @ rows.dequantize().double().T
+def _reference(x: torch.Tensor, rows: QuantRows, bits: int) -> torch.Tensor:
+    """sum over k of x's quantized value times the weight's (packed `bits` wide): fp64."""
+    return _quantized_x(x, _x_block(bits)) @ rows.dequantize().double().T
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -83,7 +90,7 @@ def test_int8_rows_times_each_block_format_are_the_quantized_products(isa, fmt):
         x[0, :8] = 0.0  # an all-zero block of x: scale 0
         x[-1, 8:16] *= 1e3  # a block whose largest value dwarfs the others
         got = quant_panels.matmul(x, dots, isa=isa).double()
-        ref = _reference(x, rows)
+        ref = _reference(x, rows, dots.bits)
         assert (got - ref).abs().max() <= 2e-6 * ref.abs().max(), (isa, fmt, m)
         # and within int8's rounding of the fp32 activations' product
         exact = quant_panels.matmul(x, plain, isa=isa).double()
