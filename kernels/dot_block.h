@@ -38,9 +38,13 @@ typedef int32_t v4si __attribute__((vector_size(16)));
 
 #define DOT_TILE 64 /* bytes: 16 columns x 4 k */
 /* Rows sharing each tile load: their int sums, block totals and results in registers
- * (32 on AVX-512, 16 elsewhere). */
+ * (32 on AVX-512, 16 elsewhere). On AVX2, 3 rows (some spilled) measured 0.93-0.95x the
+ * time of 2 at 16 and 128 rows (`quant_panels.matmul`, the real model's Q4_1 gate|up and
+ * down, its Q8_0 head), 4 no faster than 2. */
 #if VW == 16
 #define DOT_ROWS 4
+#elif VW == 8
+#define DOT_ROWS 3
 #else
 #define DOT_ROWS 2
 #endif
@@ -425,7 +429,7 @@ static inline void matmul_pairs_dots(const QRows *qx, int64_t M, int64_t K, cons
             for (int i = 0; i < DOT_ROWS; i++)
                 for (int j = 0; j < PAIR_VECS; j++) acc[i][j] = vzero();
             if (rows == 1) pair_rows_dots_any(qx, g, K, w, pair, acc, 1);
-#if DOT_ROWS >= 4
+#if DOT_ROWS >= 3
             else if (rows == 2) pair_rows_dots_any(qx, g, K, w, pair, acc, 2);
 #endif
             else pair_rows_dots_any(qx, g, K, w, pair, acc, DOT_ROWS);
