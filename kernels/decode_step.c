@@ -111,7 +111,7 @@ static void matmul(int64_t *item, int t, int nt, const float *x, int64_t M, int6
     const QPanels q = {(const uint8_t *)w->values, w->bk, w->bits, w->offsets, w->scale_bytes};
     QRows qx = {0};
     if (w->format == W_DOTS) {
-        qx = qrows_at(ready ? ready : qmem, padded_rows(M), K, x_block(w->bits));
+        qx = qrows_at(ready ? ready : qmem, padded_rows(M), K, tile_k(w->bits));
         if (!ready) quantize_rows(x, 0, M, K, &qx);
     }
     for (int v = 0; v < nt; v++) {
@@ -161,7 +161,7 @@ static inline void rope(const float *x, const float *cos, const float *sin, int6
 static void *quantize_made(const Weight *w, const float *x, int64_t n, int64_t K, int t, int nt,
                            void *shared) {
     if (!w || w->format != W_DOTS) return NULL;
-    const QRows q = qrows_at(shared, padded_rows(n), K, x_block(w->bits));
+    const QRows q = qrows_at(shared, padded_rows(n), K, tile_k(w->bits));
     for (int64_t r = t; r < n; r += nt) quantize_rows(x, r, r + 1, K, &q);
     return shared;
 }
@@ -175,7 +175,7 @@ static void *silu_mul(const float *gu, float *act, int64_t n, int64_t I, const W
                       int nt, void *shared) {
     const int split = n < nt, dots = w->format == W_DOTS;
     const int64_t units = qrows_units(I);
-    const QRows q = qrows_at(shared, padded_rows(n), I, x_block(w->bits));
+    const QRows q = qrows_at(shared, padded_rows(n), I, tile_k(w->bits));
     for (int64_t r = split ? 0 : t; r < n; r += split ? 1 : nt) {
         const int64_t u0 = split ? units * t / nt : 0, u1 = split ? units * (t + 1) / nt : units;
         const int64_t c1 = u1 * X_UNIT < I ? u1 * X_UNIT : I;

@@ -5,34 +5,35 @@
     hidden, logits, tokens = step.run(tokens, positions, max_len, stores, cos, sin,
                                       block_tables, state_slots, logits=True, greedy=True)
 
-Why: a decode step of the built-in models is ~100 small operations per layer; with
-torch each is a dispatch (a few µs to tens of µs of Python and ATen) and every
-parallel matmul wakes the OpenMP team (tens of µs under ``OMP_WAIT_POLICY=PASSIVE``).
-For the tiny model those overheads were most of the step (compiled: 2.8 ms for
-~25 MB of weights and K/V). Here every layer's work runs in one OpenMP region whose
-phases meet at a spinning barrier: the tokens' embedding rows and rmsnorm; q|k|v
-matmul; per row (Qwen3's q/k norm,) rope, the K/V write and attention over the row's
-keys, read in place (no mask, no gathered copy: each row's length is its own) from the
-paged cache through its block table (keys ``[0, pos]``), or from its ring in a
-sliding-window layer (the last ``window`` positions); o matmul + residual; rmsnorm;
-gate|up matmul; SiLU * up; down matmul + residual; then the final norm and, if asked,
-the LM head and each row's greedy token. The step takes token ids, positions and block
-tables and hands back logits and tokens: around the call a one-row step of the real
-model spent ~0.9 ms (of ~5.4) in Python and torch calls, each slow because the step's
-~96 MB of weights had swept the caches (the embedding's row and the rope rows alone
-~95 µs, the argmax ~70). Matmuls are ``skinny_block.h`` on ``skinny_gemm``'s column panels (fp32, or quantized records read
+Why: a decode step of the built-in models is ~100 small operations per layer; with torch
+each is a dispatch (a few µs to tens of µs of Python and ATen) and every parallel matmul
+wakes the OpenMP team (tens of µs under ``OMP_WAIT_POLICY=PASSIVE``). For the tiny model
+those overheads were most of the step (compiled: 2.8 ms for ~25 MB of weights and K/V).
+Here every layer's work runs in one OpenMP region whose phases meet at a spinning
+barrier: the tokens' embedding rows and rmsnorm; q|k|v matmul; per row (Qwen3's q/k
+norm,) rope, the K/V write and attention over the row's keys, read in place (no mask, no
+gathered copy: each row's length is its own) from the paged cache through its block
+table (keys ``[0, pos]``), or from its ring in a sliding-window layer (the last
+``window`` positions); o matmul + residual; rmsnorm; gate|up matmul; SiLU * up; down
+matmul + residual; then the final norm and, if asked, the LM head and each row's greedy
+token. The step takes token ids, positions and block tables and hands back logits and
+tokens: around the call a one-row step of the real model spent ~0.9 ms (of ~5.4) in
+Python and torch calls, each slow because the step's ~96 MB of weights had swept the
+caches (the embedding's row and the rope rows alone ~95 µs, the argmax ~70). Matmuls are
+``skinny_block.h`` on ``skinny_gemm``'s column panels (fp32, or quantized records read
 in place); each thread takes chunks of its own contiguous share of panels first, then
 helps the others, so each output is computed whole by one thread and results do not
-depend on the thread count. Attention (``decode_attention.h``) takes groups of rows
-from a counter: a row, or a sequence's consecutive rows through one block table (a
-speculative step's drafted positions, at most 8), which read each key and value once
-for the whole group; in a step of at most 4 groups, parts of 128 positions merged
-after (the cut depends only on the rows). Real model, 4 drafted rows at 1000
-positions: the attention phase 5.4 -> 3.7 ms a step; 6 rows: 9.2 -> 4.7 ms. Small model, 16 rows, 2 threads, AVX-512 build: 22-28 ms per step (torch eager
-~41-48, compiled ~34-63), its matmuls at ~17 GB/s of weights; AVX2 build 28-42 ms, bound
-by its FMAs (``bench/decode_paths.py`` compares every path side by side;
-``bench/offline.py --analyse`` times each phase). One source for every ISA
-(``simd.h``), built by ``cbuild`` for the host's or the one asked for (``isa``).
+depend on the thread count. Attention (``decode_attention.h``) takes groups of rows from
+a counter: a row, or a sequence's consecutive rows through one block table (a
+speculative step's drafted positions, at most 8), which read each key and value once for
+the whole group; in a step of at most 4 groups, parts of 128 positions merged after (the
+cut depends only on the rows). Real model, 4 drafted rows at 1000 positions: the
+attention phase 5.4 -> 3.7 ms a step; 6 rows: 9.2 -> 4.7 ms. Small model, 16 rows, 2
+threads, AVX-512 build: 22-28 ms per step (torch eager ~41-48, compiled ~34-63), its
+matmuls at ~17 GB/s of weights; AVX2 build 28-42 ms, bound by its FMAs
+(``bench/decode_paths.py`` compares every path side by side; ``bench/offline.py
+--analyse`` times each phase). One source for every ISA (``simd.h``), built by
+``cbuild`` for the host's or the one asked for (``isa``).
 
 Numerics follow transformers' fp32 models (same formulas, sums in a different order,
 ``exp`` to ~1 ulp): hidden states agree with the torch path to ~1e-5 and greedy tokens

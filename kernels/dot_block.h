@@ -1,8 +1,8 @@
 /* int8 activations against integer weight panels: integer dot products, as llama.cpp
  * computes on the same GGUF blocks (activation_precision "int8", kernels/quant_panels.py).
  *
- * Each row of x is quantized once per matmul: per x_block values (one tile of the
- * weights: 8 for nibbles, 4 for int8 values) a step d = u * s (u a float per X_UNIT
+ * Each row of x is quantized once per matmul: per tile of the weights it meets
+ * (tile_k values: 8 for nibbles, 4 for int8 values) a step d = u * s (u a float per X_UNIT
  * (32) values, s an integer sub-scale, at most X_SUBSCALE_MAX, the block whose largest
  * magnitude is the unit's taking the largest), q = x / d rounded to nearest (even),
  * |q| <= 127; and d * sum(q) (for the weights' offsets). The sub-scale is why:
@@ -37,10 +37,12 @@
 typedef int32_t v4si __attribute__((vector_size(16)));
 
 #define DOT_TILE 64 /* bytes: 16 columns x 4 k */
+/* k per tile: 8 of nibbles (low and high halves of each byte), 4 of int8 values. */
+static inline int64_t tile_k(int64_t bits) { return bits == 4 ? 8 : 4; }
 /* Rows sharing each tile load: their int sums, block totals and results in registers
  * (32 on AVX-512, 16 elsewhere). On AVX2, 3 rows (some spilled) measured 0.93-0.95x the
  * time of 2 at 16 and 128 rows (`quant_panels.matmul`, the real model's Q4_1 gate|up and
- * down, its Q8_0 head), 4 no faster than 2. */
+ * down, its Q8_0 head; docs/benchmarks.md: 0.89-0.93x), 4 no faster than 2. */
 #if VW == 16
 #define DOT_ROWS 4
 #elif VW == 8
@@ -51,7 +53,7 @@ typedef int32_t v4si __attribute__((vector_size(16)));
 
 #if defined(__AVX512VNNI__) && VW == 16
 #define PDSERVE_DOT "vnni"
-#define DOT_SUBSCALED 0 /* products summed per 8 k, converted and scaled by d */
+#define DOT_SUBSCALED 0 /* nibbles: products summed per 8 k, converted and scaled by d */
 #elif (VW == 16 && defined(__AVX512BW__)) || (VW == 8 && defined(__AVX2__))
 #define PDSERVE_DOT "maddubs"
 #define DOT_SUBSCALED 1 /* summed times s over a block of the weights, converted once */
@@ -63,16 +65,15 @@ typedef int32_t v4si __attribute__((vector_size(16)));
 /* Which integer dot product this build multiplies with. */
 const char *simd_dot(void) { return PDSERVE_DOT; }
 
-/* Values of x per step for weights of `bits`: one tile of the dots layout (8 k of
- * nibbles, 4 k of int8 values), finer than the weights' 32, since a block's largest
- * value sets every other's step. A step per tile costs no instruction more than a
- * coarser one (every tile's products are summed times their own sub-scale, see the top);
- * nibbles per 4 would split a tile's two halves, which are summed in int16 before one
- * widening. Measured on the real model (mean KL from fp32 activations', 4 chunks of 512):
- * per 32 (llama.cpp's) 3.1e-3 nats a token, per 16 1.65e-3, per 8 8.0e-4, per 4 3.6e-4;
- * the Q8_0 LM head per 8 alone 2.6e-4 (docs/models.md). */
-static inline int64_t x_block(int64_t bits) { return bits == 4 ? 8 : 4; }
-#define X_BLOCK_MIN 4 /* the finest x_block: QRows' layout is sized for it */
+/* x's step covers one tile of the weights (tile_k values), finer than the weights' 32,
+ * since a block's largest value sets every other's step. A step per tile costs no
+ * instruction more than a coarser one (every tile's products are summed times their own
+ * sub-scale, see the top); nibbles per 4 would split a tile's two halves, which are
+ * summed in int16 before one widening. Measured on the real model (mean KL from fp32
+ * activations', 4 chunks of 512): per 32 (llama.cpp's) 3.1e-3 nats a token, per 16
+ * 1.65e-3, per 8 8.0e-4, per 4 3.6e-4; the Q8_0 LM head per 8 alone 2.6e-4
+ * (docs/models.md). */
+#define X_BLOCK_MIN 4 /* the finest step: QRows' layout is sized for it */
 /* Values of x per unit u: a block of the weights (16 or 32) lies within one. */
 #define X_UNIT 32
 /* The largest sub-scale: a block of the weights' 32-bit sums then stay below 2^31 (int8
@@ -82,7 +83,7 @@ static inline int64_t x_block(int64_t bits) { return bits == 4 ? 8 : 4; }
  * its own; one below 1/4095 of it, u. */
 #define X_SUBSCALE_MAX 4095
 
-/* x's rows quantized (see the top) per xb values (x_block of the weight they meet): q
+/* x's rows quantized (see the top) per xb values (tile_k of the weight they meet): q
  * [rows][K]; per block d, sum and s (the sub-scale in both int16 halves of a lane)
  * [rows][K / xb]; u [rows][K / X_UNIT]. */
 typedef struct {
@@ -270,28 +271,25 @@ static inline vi vi_splat4(const int8_t *p) {  /* four bytes into every lane */
 }
 
 /* isum[i][j] += the products of x's block xb (row g + i) and the weights' tile there
- * (column vector j of the pair at r), summed by four, times BY (an expression of i)
- * where the loop sums them times a sub-scale; NIBBLES: the dot for tiles of nibbles.
- * Both pair_rows_dots expand it: a macro,
- * so that each build's loop compiles exactly as if written out (a helper taking the
- * sums as arrays kept them in memory, 1.5x slower). */
-#define TILES_TIMES(BY, NIBBLES)                                                          \
-    _Pragma("GCC unroll 4")                                                               \
-    for (int64_t t = xb * XB / per_tile; t < (xb + 1) * XB / per_tile; t++) {              \
-        _Pragma("GCC unroll 8")                                                           \
-        for (int j = 0; j < PAIR_VECS; j++) {                                             \
-            const int64_t col = j * VW, panel = col / PANEL, c0 = col % PANEL;            \
-            const vi v = vi_load(r + panel * rec + hdr + t * DOT_TILE + c0 * 4);          \
-            const vi lo = v & low, hi = (v >> 4) & low;                                   \
-            _Pragma("GCC unroll 4")                                                       \
-            for (int i = 0; i < R; i++) {                                                 \
-                const int8_t *xq = qx->q + (g + i) * K + b * bk + t * per_tile;           \
-                if (bits == 4)                                                            \
-                    isum[i][j] = NIBBLES(isum[i][j], lo, vi_splat4(xq), hi,               \
-                                         vi_splat4(xq + 4), BY, 1);                       \
-                else                                                                      \
-                    isum[i][j] = dot_s8s8(isum[i][j], v, vi_splat4(xq), BY);              \
-            }                                                                             \
+ * (the same k: a block is a tile; column vector j of the pair at r), summed by four,
+ * times BY (an expression of i) where the loop sums them times a sub-scale; NIBBLES:
+ * the dot for tiles of nibbles. Both pair_rows_dots expand it: a macro, so that each
+ * build's loop compiles exactly as if written out (a helper taking the sums as arrays
+ * kept them in memory, 1.5x slower). */
+#define TILE_TIMES(BY, NIBBLES)                                                           \
+    _Pragma("GCC unroll 8")                                                               \
+    for (int j = 0; j < PAIR_VECS; j++) {                                                 \
+        const int64_t col = j * VW, panel = col / PANEL, c0 = col % PANEL;                \
+        const vi v = vi_load(r + panel * rec + hdr + xb * DOT_TILE + c0 * 4);             \
+        const vi lo = v & low, hi = (v >> 4) & low;                                       \
+        _Pragma("GCC unroll 4")                                                           \
+        for (int i = 0; i < R; i++) {                                                     \
+            const int8_t *xq = qx->q + (g + i) * K + b * bk + xb * XB;                    \
+            if (bits == 4)                                                                \
+                isum[i][j] = NIBBLES(isum[i][j], lo, vi_splat4(xq), hi, vi_splat4(xq + 4), \
+                                     BY, 1);                                              \
+            else                                                                          \
+                isum[i][j] = dot_s8s8(isum[i][j], v, vi_splat4(xq), BY);                  \
         }                                                                                 \
     }
 
@@ -304,8 +302,8 @@ static inline __attribute__((always_inline)) void pair_rows_dots(
     const QRows *qx, int64_t g, int64_t K, const QPanels *w, const uint8_t *pair,
     vf acc[DOT_ROWS][PAIR_VECS], const int bits, const int offsets, const int sb, const int R) {
     const int64_t bk = w->bk, nb = K / bk, hdr = q_header_bytes(offsets, sb);
-    const int64_t rec = hdr + bk * PANEL * bits / 8, per_tile = bits == 4 ? 8 : 4;
-    const int64_t XB = x_block(bits), xn = K / XB, un = qrows_units(K);
+    const int64_t rec = hdr + bk * PANEL * bits / 8, XB = tile_k(bits);
+    const int64_t xn = K / XB, un = qrows_units(K);
     const vi low = (vi)SPLAT(0x0f0f0f0f);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *r = pair + b * 2 * rec;
@@ -321,7 +319,7 @@ static inline __attribute__((always_inline)) void pair_rows_dots(
             const int64_t at = (b * bk) / XB + xb;
             vi by[DOT_ROWS];
             for (int i = 0; i < R; i++) by[i] = (vi){0} + qx->s[(g + i) * xn + at];
-            TILES_TIMES(by[i], dot2_u8s8)
+            TILE_TIMES(by[i], dot2_u8s8)
 #pragma GCC unroll 4
             for (int i = 0; i < R; i++) {
                 sum[i] += qx->sum[(g + i) * xn + at];
@@ -347,8 +345,7 @@ static inline __attribute__((always_inline)) void pair_rows_dots_vnni(
     const QRows *qx, int64_t g, int64_t K, const QPanels *w, const uint8_t *pair,
     vf acc[DOT_ROWS][PAIR_VECS], const int bits, const int offsets, const int sb, const int R) {
     const int64_t bk = w->bk, nb = K / bk, hdr = q_header_bytes(offsets, sb);
-    const int64_t rec = hdr + bk * PANEL * bits / 8, per_tile = bits == 4 ? 8 : 4;
-    const int64_t XB = x_block(bits), xn = K / XB;
+    const int64_t rec = hdr + bk * PANEL * bits / 8, XB = tile_k(bits), xn = K / XB;
     const vi low = (vi)SPLAT(0x0f0f0f0f);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *r = pair + b * 2 * rec;
@@ -365,7 +362,7 @@ static inline __attribute__((always_inline)) void pair_rows_dots_vnni(
             vi isum[DOT_ROWS][PAIR_VECS];
             for (int i = 0; i < R; i++)
                 for (int j = 0; j < PAIR_VECS; j++) isum[i][j] = (vi){0};
-            TILES_TIMES(low, dot2_u8s8_vnni)  /* no multiplier: d scales the sums */
+            TILE_TIMES(low, dot2_u8s8_vnni)  /* no multiplier: d scales the sums */
 #pragma GCC unroll 4
             for (int i = 0; i < R; i++) {
                 const vf d = vset1(qx->d[(g + i) * xn + at]);
@@ -389,7 +386,7 @@ static inline __attribute__((always_inline)) void pair_rows_dots_vnni(
 #else
 #define PAIR_ROWS_NIBBLES pair_rows_dots
 #endif
-#undef TILES_TIMES
+#undef TILE_TIMES
 
 /* pair_rows_dots for this weight's format (each a loop of its own). */
 static inline __attribute__((always_inline)) void pair_rows_dots_any(
@@ -450,9 +447,8 @@ static inline void matmul_pairs_dots(const QRows *qx, int64_t M, int64_t K, cons
 static inline int64_t q_value_at(int64_t k, int64_t col, int64_t bits, int64_t dots, int *shift) {
     *shift = 0;
     if (dots) {
-        const int64_t per_tile = bits == 4 ? 8 : 4;
         if (bits == 4) *shift = k % 8 >= 4 ? 4 : 0;
-        return k / per_tile * DOT_TILE + col * 4 + k % 4;
+        return k / tile_k(bits) * DOT_TILE + col * 4 + k % 4;
     }
     if (bits == 4) {
         *shift = k % 2 ? 4 : 0;

@@ -205,7 +205,7 @@ class QuantPanels:
 
 def dots_fit(rows: QuantRows) -> bool:
     """Can ``rows`` be packed for int8 activations: integer values (not bf16), blocks
-    of 16 or 32 (x's steps and units, dot_block.h's x_block and X_UNIT, meet a block
+    of 16 or 32 (x's steps and units, dot_block.h's tile_k and X_UNIT, meet a block
     whole, and its 32-bit sums stay in range)."""
     return rows.values.dtype == torch.int8 and rows.block_k in (16, 32)
 

@@ -48,7 +48,7 @@ int skinny_gemm_dots(const float *x, int64_t M, int64_t K, const uint8_t *record
     const QPanels w = {records, bk, bits, offsets, scale_bytes};
     void *mem = calloc((size_t)qrows_bytes(rows, K), 1);
     if (!mem) return -1;
-    const QRows qx = qrows_at(mem, rows, K, x_block(bits));  /* the padding rows stay zero */
+    const QRows qx = qrows_at(mem, rows, K, tile_k(bits));  /* the padding rows stay zero */
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < M; r++) quantize_rows(x, r, r + 1, K, &qx);
 #pragma omp parallel for schedule(static)

@@ -22,7 +22,7 @@ X_UNIT, SUBSCALE_MAX = 32, 4095  # dot_block.h's units and sub-scales
 
 
 def _x_block(bits: int) -> int:
-    """dot_block.h's x_block: x's values per step, one tile of the weights (a tile of
+    """x's values per step: one tile of the weights, dot_block.h's tile_k (a tile of
     nibbles holds 8 k, one of int8 values 4)."""
     return 8 if bits == 4 else 4
 
