@@ -7,7 +7,9 @@ CPU has VNNI's integer dot product), ``avx2`` (-mavx2 -mfma) or ``generic`` (the
 compiler's baseline: SSE2 on x86-64, NEON on aarch64). ``load(name)`` builds for the
 best ISA the CPU reports (``host_isa``); ``load(name, isa)`` for another one it can run
 (``runnable_isas``: an AVX-512 CPU runs all three, so tests and benchmarks cover every
-build on one machine).
+build on one machine). Tests also check the avx512 source's paths a CPU cannot run or
+does not take (AVX-512 itself, VNNI's dot or vpmaddubsw's) in ``EMULATED`` builds,
+compiled for AVX2 with ``avx512_emulated.h`` (``tested_isas``; never served).
 
 A kernel is compiled on first use with the system's C compiler (``cc``, or ``$CC``)
 into ``~/.cache/pdserve`` (or ``$XDG_CACHE_HOME/pdserve``), under a name that hashes
@@ -43,6 +45,15 @@ _ISA_COMPILER_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfm
 # Added where the CPU has them: int8 activations' dot products in one instruction
 # (dot_block.h) instead of a multiply-add pair and an add.
 _OPTIONAL_COMPILER_FLAGS = {"avx512": (("avx512_vnni", "-mavx512vnni"),)}
+# Builds for tests only (never in ISAS, so never served): the avx512 source compiled for
+# AVX2 with avx512_emulated.h, which writes its AVX-512 intrinsics in AVX2 with the
+# instructions' exact results, so a CPU without AVX-512, or without VNNI, still checks
+# those paths of the kernels against their references. Name -> extra flags.
+EMULATED = {"avx512-emulated": [], "avx512vnni-emulated": ["-DPDSERVE_EMULATE_VNNI"]}
+# -O1: GCC's -O3 takes 82 s on the emulated decode step (its RTL CSE over 512-bit
+# vectors split in two), -O1 9 s; -fexpensive-optimizations keeps the FMA contraction.
+_EMULATED_FLAGS = ["-O1", "-fexpensive-optimizations", "-Wno-psabi",
+                   "-include", str(HERE / "avx512_emulated.h")]
 
 
 @functools.cache
@@ -70,6 +81,19 @@ def _isas_for(flags: frozenset[str]) -> tuple[str, ...]:
     return tuple(isa for isa in ISAS if all(f in flags for f in _ISA_CPU_FLAGS[isa]))
 
 
+def tested_isas() -> tuple[str, ...]:
+    """What tests check on this CPU: the builds it runs, then each emulated AVX-512 one
+    whose path its own avx512 build does not take (where it runs avx2, which they are
+    compiled for): both without AVX-512, the other way of the integer dot with it."""
+    runs = runnable_isas()
+    if "avx2" not in runs:
+        return runs
+    vnni = "avx512_vnni" in _cpu_flags()
+    native = {"avx512vnni-emulated": "avx512" in runs and vnni,
+              "avx512-emulated": "avx512" in runs and not vnni}
+    return runs + tuple(isa for isa in EMULATED if not native[isa])
+
+
 def host_isa() -> str:
     """The build ``load`` picks by default: the widest vectors the CPU reports."""
     return runnable_isas()[0]
@@ -84,6 +108,8 @@ def resolve_isa(isa: str | None) -> str:
     run when it is not one of them."""
     if isa in (None, "auto"):
         return host_isa()
+    if isa in EMULATED and "avx2" in runnable_isas():
+        return isa
     if isa not in ISAS:
         raise ValueError(f"kernel_isa must be one of auto, {', '.join(ISAS)}; got {isa!r}")
     if isa not in runnable_isas():
@@ -106,9 +132,7 @@ def load(name: str, isa: str | None = None) -> ctypes.CDLL | None:
         log.warning("%s off: no C compiler (cc, gcc or $CC) found", name)
         return None
     try:
-        flags = COMMON_FLAGS + _ISA_COMPILER_FLAGS[isa] + [
-            flag for cpu_flag, flag in _OPTIONAL_COMPILER_FLAGS.get(isa, ())
-            if cpu_flag in _cpu_flags()]
+        flags = _compiler_flags(isa)
         lib = ctypes.CDLL(str(build_shared(compiler, source, flags,
                                            headers=tuple(sorted(HERE.glob("*.h"))))))
     except (OSError, subprocess.SubprocessError) as exc:
@@ -118,7 +142,16 @@ def load(name: str, isa: str | None = None) -> ctypes.CDLL | None:
     if hasattr(lib, "simd_isa"):  # kernels written in simd.h say what they were built for
         lib.simd_isa.restype = ctypes.c_char_p
         built = lib.simd_isa().decode()
-        if built != isa:
+        if built != ("avx512" if isa in EMULATED else isa):
             log.warning("%s off: asked for %s, the compiler built %s", name, isa, built)
             return None
     return lib
+
+
+def _compiler_flags(isa: str) -> list[str]:
+    if isa in EMULATED:
+        common = [f for f in COMMON_FLAGS if f != "-O3"]
+        return common + _ISA_COMPILER_FLAGS["avx2"] + _EMULATED_FLAGS + EMULATED[isa]
+    return COMMON_FLAGS + _ISA_COMPILER_FLAGS[isa] + [
+        flag for cpu_flag, flag in _OPTIONAL_COMPILER_FLAGS.get(isa, ())
+        if cpu_flag in _cpu_flags()]

@@ -17,7 +17,7 @@ import torch
 from pdserve.kernels import cbuild, quant_panels, skinny_gemm
 from pdserve.kernels.quant_panels import QuantPanels, QuantRows
 
-ISAS = list(cbuild.runnable_isas())
+ISAS = list(cbuild.tested_isas())
 X_UNIT, SUBSCALE_MAX = 32, 4095  # dot_block.h's units and sub-scales
 
 
@@ -100,10 +100,45 @@ def test_int8_rows_times_each_block_format_are_the_quantized_products(isa, fmt):
 @pytest.mark.parametrize("isa", ISAS)
 def test_each_build_says_which_integer_dot_product_it_uses(isa):
     dot = skinny_gemm._library(isa).simd_dot().decode()
-    want = {"generic": "plain", "avx2": "maddubs"}.get(isa)
+    want = {"generic": "plain", "avx2": "maddubs", "avx512-emulated": "maddubs",
+            "avx512vnni-emulated": "vnni"}.get(isa)
     if isa == "avx512":
         want = "vnni" if "avx512_vnni" in cbuild._cpu_flags() else "maddubs"
     assert dot == want
+
+
+@pytest.mark.skipif("avx512" not in cbuild.runnable_isas(), reason="needs an AVX-512 CPU")
+def test_an_emulated_build_is_the_avx512_build_bit_for_bit():
+    """The emulated AVX-512 build this CPU's own avx512 build stands for (the same way of
+    the integer dot: VNNI's or vpmaddubsw's) gives its results bit for bit, int8 and fp32
+    rows, every block format and row group: avx512_emulated.h's intrinsics are the
+    instructions'."""
+    twin = "avx512vnni-emulated" if "avx512_vnni" in cbuild._cpu_flags() else "avx512-emulated"
+    assert skinny_gemm._library(twin).simd_dot() == skinny_gemm._library("avx512").simd_dot()
+    g = torch.Generator().manual_seed(2)
+    for fmt in FORMATS:
+        rows = _rows(fmt, 200, 256)
+        for dots in (True, False):
+            panels = QuantPanels.pack(rows, dots=dots)
+            for m in (1, 2, 3, 5, 33):
+                x = torch.randn(m, 256, generator=g)
+                assert torch.equal(quant_panels.matmul(x, panels, isa="avx512"),
+                                   quant_panels.matmul(x, panels, isa=twin)), (fmt, dots, m)
+
+
+def test_tests_emulate_the_avx512_paths_the_cpu_does_not_take(monkeypatch):
+    """AVX2 only: both emulated builds; AVX-512 with VNNI: the vpmaddubsw one; without
+    VNNI: the VNNI one; no AVX2 (what they are compiled for): none. Never served."""
+    from pdserve.engine.config import KERNEL_ISAS
+
+    avx2, avx512 = {"avx2", "fma", "f16c"}, {"avx512f", "avx512bw", "avx512vl"}
+    for flags, emulated in ((avx2, ("avx512-emulated", "avx512vnni-emulated")),
+                            (avx2 | avx512, ("avx512vnni-emulated",)),
+                            (avx2 | avx512 | {"avx512_vnni"}, ("avx512-emulated",)),
+                            ({"sse2"}, ())):
+        monkeypatch.setattr(cbuild, "_cpu_flags", lambda f=frozenset(flags): f)
+        assert cbuild.tested_isas() == cbuild.runnable_isas() + emulated
+    assert not set(cbuild.EMULATED) & set(KERNEL_ISAS)
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
