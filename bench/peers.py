@@ -127,11 +127,12 @@ def peer_env(env: dict) -> dict:
     return {k: v for k, v in env.items() if k != "OMP_WAIT_POLICY"}
 
 
-def llama_cpp_server(model: str, log_dir: Path, parallel: int, isa: str = "native") -> Server:
+def llama_cpp_server(model: str, log_dir: Path, parallel: int, isa: str = "native",
+                     extra: tuple[str, ...] = ()) -> Server:
     binary = ensure_built(isa=isa)["llama-server"]
     port = free_port()
     cmd = [str(binary), "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", "2",
-           "--parallel", str(parallel), "-c", str(1024 * parallel)]
+           "--parallel", str(parallel), "-c", str(1024 * parallel), *extra]
     return Server("llama.cpp", cmd, port, env=peer_env(os.environ), log_dir=log_dir)
 
 
@@ -246,6 +247,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="builds compared (default native: each at this CPU's widest; avx2: "
                    "pdserve's AVX2 kernels with torch held to AVX2, and llama.cpp built for "
                    "AVX2, as on a CPU without AVX-512)")
+    p.add_argument("--llama-cpp-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for llama-server, repeatable (e.g. "
+                   "--llama-cpp-arg=--no-repack: its native build's AMX weights crashed on "
+                   "prompts on a Xeon with AMX, docs/benchmarks.md)")
     p.add_argument("--out", default="results/bench_peers.json")
 
 
@@ -261,8 +266,8 @@ def run(args: argparse.Namespace) -> int:
                                                             out_dir, args.isa)))
     parallel = max(args.concurrency)
     if args.llama_cpp:
-        starts.append(("llama.cpp", lambda: llama_cpp_server(model, out_dir, parallel,
-                                                             args.isa)))
+        starts.append(("llama.cpp", lambda: llama_cpp_server(
+            model, out_dir, parallel, args.isa, tuple(args.llama_cpp_arg))))
     if args.vllm_python:
         folder = hf_folder(model, model_cache_dir() / (Path(model).stem + "-hf"))
         starts.append(("vLLM-CPU", lambda: vllm_server(args.vllm_python, folder, out_dir,
@@ -279,7 +284,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {name} FAILED: {exc}", flush=True)
     table = format_table(rows, args.concurrency)
     print(table)
-    Path(args.out).write_text(json.dumps({"model": model, "isa": args.isa, "rows": rows,
+    Path(args.out).write_text(json.dumps({"model": model, "isa": args.isa,
+                                          "llama_cpp_args": args.llama_cpp_arg, "rows": rows,
                                           "failed": failed,
                                           "table": table}, indent=2) + "\n")
     print(f"wrote {args.out}")
