@@ -85,3 +85,26 @@ def test_peers_run_without_pdserves_openmp_tuning(monkeypatch, tmp_path):
         assert "OMP_WAIT_POLICY" not in started[peer], peer
         assert started[peer]["PDSERVE_PEERS_PROBE"] == "kept"
     assert started["pdserve 1P+1D"]["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+def test_llama_cpp_args_reach_llama_servers_command_line(monkeypatch, tmp_path):
+    """`--llama-cpp-arg=--no-repack` (repeatable; with `=`, since the value starts with a
+    dash) ends llama-server's command line."""
+    import argparse
+
+    commands = {}
+
+    class Recorder:
+        def __init__(self, name, cmd, port, env=None, health="/health", log_dir=None):
+            commands[name] = cmd
+
+    monkeypatch.setattr(peers, "Server", Recorder)
+    monkeypatch.setattr(peers, "ensure_built", lambda isa: {"llama-server": tmp_path / "x"})
+    p = argparse.ArgumentParser()
+    peers.add_args(p)
+    args = p.parse_args(["--llama-cpp", "--llama-cpp-arg=--no-repack",
+                         "--llama-cpp-arg=-fa"])
+    assert args.llama_cpp_arg == ["--no-repack", "-fa"]
+    peers.llama_cpp_server("m.gguf", tmp_path, 4, "native", tuple(args.llama_cpp_arg))
+    assert commands["llama.cpp"][-2:] == ["--no-repack", "-fa"]
+    assert p.parse_args([]).llama_cpp_arg == []
