@@ -49,7 +49,7 @@ _OPTIONAL_COMPILER_FLAGS = {"avx512": (("avx512_vnni", "-mavx512vnni"),)}
 # AVX2 with avx512_emulated.h, which writes its AVX-512 intrinsics in AVX2 with the
 # instructions' exact results, so a CPU without AVX-512, or without VNNI, still checks
 # those paths of the kernels against their references. Name -> extra flags.
-EMULATED = {"avx512-emulated": [], "avx512vnni-emulated": ["-DPDSERVE_EMULATE_VNNI"]}
+EMULATED = {"avx512-emulated": (), "avx512vnni-emulated": ("-DPDSERVE_EMULATE_VNNI",)}
 # -O1: GCC's -O3 takes 82 s on the emulated decode step (its RTL CSE over 512-bit
 # vectors split in two), -O1 9 s; -fexpensive-optimizations keeps the FMA contraction.
 _EMULATED_FLAGS = ["-O1", "-fexpensive-optimizations", "-Wno-psabi",
@@ -151,7 +151,7 @@ def load(name: str, isa: str | None = None) -> ctypes.CDLL | None:
 def _compiler_flags(isa: str) -> list[str]:
     if isa in EMULATED:
         common = [f for f in COMMON_FLAGS if f != "-O3"]
-        return common + _ISA_COMPILER_FLAGS["avx2"] + _EMULATED_FLAGS + EMULATED[isa]
+        return common + _ISA_COMPILER_FLAGS["avx2"] + _EMULATED_FLAGS + list(EMULATED[isa])
     return COMMON_FLAGS + _ISA_COMPILER_FLAGS[isa] + [
         flag for cpu_flag, flag in _OPTIONAL_COMPILER_FLAGS.get(isa, ())
         if cpu_flag in _cpu_flags()]
