@@ -2,7 +2,7 @@
  * emulated builds compile a kernel for AVX2 with this header included first. It claims
  * AVX-512 (F, BW, VL; VNNI where asked by PDSERVE_EMULATE_VNNI), so simd.h picks 16-lane
  * vectors, which GCC lowers to pairs of AVX2 registers, and writes the AVX-512
- * intrinsics the kernels call in AVX2 halves or lane loops, with the instructions'
+ * intrinsics the kernels call in AVX2 halves, with the instructions'
  * exact results (wrapping and saturating where they do, the same conversions and
  * rounding). The loops, lane orders and tile layouts of the AVX-512 and VNNI paths
  * then run, bit for bit, where only AVX2 exists: slowly, so never for serving.

@@ -50,8 +50,9 @@ _OPTIONAL_COMPILER_FLAGS = {"avx512": (("avx512_vnni", "-mavx512vnni"),)}
 # instructions' exact results, so a CPU without AVX-512, or without VNNI, still checks
 # those paths of the kernels against their references. Name -> extra flags.
 EMULATED = {"avx512-emulated": (), "avx512vnni-emulated": ("-DPDSERVE_EMULATE_VNNI",)}
-# -O1: GCC's -O3 takes 82 s on the emulated decode step (its RTL CSE over 512-bit
-# vectors split in two), -O1 9 s; -fexpensive-optimizations keeps the FMA contraction.
+# -O1 (the last -O given wins): GCC's -O3 takes 82 s on the emulated decode step (its
+# RTL CSE over 512-bit vectors split in two), -O1 9 s; -fexpensive-optimizations keeps
+# the FMA contraction.
 _EMULATED_FLAGS = ["-O1", "-fexpensive-optimizations", "-Wno-psabi",
                    "-include", str(HERE / "avx512_emulated.h")]
 
@@ -88,10 +89,10 @@ def tested_isas() -> tuple[str, ...]:
     runs = runnable_isas()
     if "avx2" not in runs:
         return runs
-    vnni = "avx512_vnni" in _cpu_flags()
-    native = {"avx512vnni-emulated": "avx512" in runs and vnni,
-              "avx512-emulated": "avx512" in runs and not vnni}
-    return runs + tuple(isa for isa in EMULATED if not native[isa])
+    if "avx512" not in runs:
+        return runs + tuple(EMULATED)
+    taken = "avx512vnni-emulated" if "avx512_vnni" in _cpu_flags() else "avx512-emulated"
+    return runs + tuple(isa for isa in EMULATED if isa != taken)
 
 
 def host_isa() -> str:
@@ -150,8 +151,7 @@ def load(name: str, isa: str | None = None) -> ctypes.CDLL | None:
 
 def _compiler_flags(isa: str) -> list[str]:
     if isa in EMULATED:
-        common = [f for f in COMMON_FLAGS if f != "-O3"]
-        return common + _ISA_COMPILER_FLAGS["avx2"] + _EMULATED_FLAGS + list(EMULATED[isa])
+        return COMMON_FLAGS + _ISA_COMPILER_FLAGS["avx2"] + _EMULATED_FLAGS + list(EMULATED[isa])
     return COMMON_FLAGS + _ISA_COMPILER_FLAGS[isa] + [
         flag for cpu_flag, flag in _OPTIONAL_COMPILER_FLAGS.get(isa, ())
         if cpu_flag in _cpu_flags()]

@@ -89,8 +89,8 @@ def test_matmul_decode_layouts_by_rule_all_equal_linear(features, monkeypatch):
 
 @pytest.mark.parametrize("isa", cbuild.tested_isas())
 def test_skinny_gemm_kernel_matches_linear_at_ragged_shapes(isa):
-    """Every build this CPU runs (an AVX-512 one runs all three): ragged row, column and
-    K counts around each ISA's register block equal F.linear."""
+    """Every build this CPU runs (an AVX-512 one runs all three) and the emulated ones:
+    ragged row, column and K counts around each ISA's register block equal F.linear."""
     from pdserve.kernels import skinny_gemm
 
     if not skinny_gemm.available(isa):

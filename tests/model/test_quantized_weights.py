@@ -13,7 +13,7 @@ import torch
 from pdserve.kernels import cbuild, quant_panels, skinny_gemm
 from pdserve.kernels.quant_panels import QuantPanels, QuantRows
 
-ISAS = list(cbuild.tested_isas())  # every build this CPU can run
+ISAS = list(cbuild.tested_isas())  # every build this CPU runs, and the emulated ones
 
 
 def _rows(n: int, k: int, offsets: bool, seed: int = 0) -> QuantRows:
